@@ -1,0 +1,33 @@
+"""hybridembed: embedding tables too large, too many or too dynamic for ``nn.Embedding``.
+
+>>> import hybridembed as he
+"""
+
+from . import _env, init, optim
+from .config import TableConfig
+from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError
+from .input import Jagged
+from .modules import EmbeddingCollection
+from .optim import clip_grad_norm_, wrap_optimizer
+from .utils import get_logger, tune_cpu_allocator
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "EmbeddingCollection",
+    "HybridEmbedError",
+    "InvalidInputError",
+    "Jagged",
+    "TableConfig",
+    "clip_grad_norm_",
+    "get_logger",
+    "init",
+    "optim",
+    "tune_cpu_allocator",
+    "wrap_optimizer",
+]
+
+if _env.flag("TUNE_ALLOCATOR"):
+    tune_cpu_allocator()

@@ -1,0 +1,24 @@
+"""Every environment variable hybridembed reads, in one place.
+
+``HYBRIDEMBED_TUNE_ALLOCATOR=1``
+    call :func:`hybridembed.tune_cpu_allocator` when hybridembed is imported.
+``HYBRIDEMBED_LOG_LEVEL``
+    level of the ``hybridembed`` logger (``INFO`` by default, e.g. ``DEBUG``, ``WARNING``).
+"""
+
+from __future__ import annotations
+
+import os
+
+PREFIX = "HYBRIDEMBED_"
+
+
+def flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(PREFIX + name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def text(name: str, default: str = "") -> str:
+    return os.environ.get(PREFIX + name, default)

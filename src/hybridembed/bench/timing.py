@@ -1,0 +1,59 @@
+"""Workload generation and interleaved timing shared by ``benchmarks/`` and ``hybridembed bench``."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["powerlaw_ids", "Timing", "time_interleaved"]
+
+
+def powerlaw_ids(n: int, rows: int, alpha: float = 1.05, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(n,) int64 ids in [0, rows) from the power law of NVIDIA's synthetic models.
+
+    ``y = (r * (kmax^g - kmin^g) + kmin^g)^(1/g) - 1`` with ``g = 1 - alpha``, ``kmin = 1``,
+    ``kmax = rows + 1`` and ``r`` uniform in [0, 1): id 0 is the most frequent.
+    """
+    g = 1.0 - alpha
+    r = torch.rand(n, dtype=torch.float64, generator=generator)
+    y = (r * ((rows + 1) ** g - 1.0) + 1.0) ** (1.0 / g) - 1.0
+    return y.long().clamp_(0, rows - 1)
+
+
+@dataclass
+class Timing:
+    name: str
+    times_ms: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def spread(self) -> float:
+        """Half the interquartile range, in ms."""
+        if len(self.times_ms) < 4:
+            return (max(self.times_ms) - min(self.times_ms)) / 2
+        q = statistics.quantiles(self.times_ms, n=4)
+        return (q[2] - q[0]) / 2
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], object]], steps: int = 10, warmup: int = 2) -> dict[str, Timing]:
+    """Times each callable ``steps`` times, round-robin so machine noise hits all alike.
+
+    Warm-up calls are excluded; report medians.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(steps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {k: Timing(k, v) for k, v in times.items()}

@@ -1,0 +1,284 @@
+"""``Jagged``: the one canonical form of sparse input.
+
+Shape legend: ``B`` batch (bags), ``N`` ids in the batch, ``H`` padded hotness.
+
+A batch of ``B`` bags is ``values`` (N,) int64 ids, ``offsets`` (B+1,) int64 with
+``offsets[0] == 0``, ``offsets[-1] == N`` and bag ``b`` holding
+``values[offsets[b]:offsets[b+1]]``, and optional float ``weights`` (N,) per id.
+Every other form enters through a ``Jagged.from_*`` constructor.
+
+    >>> import torch, hybridembed as he
+    >>> j = he.Jagged.from_lists([[3, 1], [], [7]])
+    >>> j.values.tolist(), j.offsets.tolist()
+    ([3, 1, 7], [0, 2, 2, 3])
+    >>> he.Jagged.from_dense(torch.tensor([[4, -1], [5, 6]])).offsets.tolist()
+    [0, 1, 3]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import InvalidInputError
+
+__all__ = ["Jagged", "as_jagged"]
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _where(feature: str | None) -> str:
+    return f"feature {feature!r}: " if feature is not None else ""
+
+
+def _first_true(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+class Jagged:
+    """A batch of variable-length bags of ids (see the module docstring).
+
+    The constructor only stores; nothing is checked until :meth:`validate` (which
+    :class:`~hybridembed.EmbeddingCollection` calls, naming the feature) so that building
+    a ``Jagged`` on the hot path costs nothing.
+    """
+
+    __slots__ = ("values", "offsets", "weights")
+
+    def __init__(self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None):
+        for name, t in (("values", values), ("offsets", offsets), ("weights", weights)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise InvalidInputError(f"Jagged {name} must be a torch.Tensor, got {type(t).__name__}")
+        self.values = values
+        self.offsets = offsets
+        self.weights = weights
+
+    # --- constructors ------------------------------------------------------------------
+    @classmethod
+    def from_lengths(cls, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> Jagged:
+        """Ids (N,) and bag lengths (B,) summing to N."""
+        lengths = torch.as_tensor(lengths)
+        if lengths.dim() != 1 or lengths.dtype not in _INT_DTYPES:
+            raise InvalidInputError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
+        if lengths.numel() and int(lengths.min()) < 0:
+            raise InvalidInputError(f"lengths must be >= 0; lengths[{_first_true(lengths < 0)}] is negative")
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return cls(torch.as_tensor(values), offsets, weights)
+
+    @classmethod
+    def from_dense(cls, ids: torch.Tensor, pad: int = -1, weights: torch.Tensor | None = None) -> Jagged:
+        """Padded ids (B, H): every entry equal to ``pad`` is dropped. Weights, if any, are (B, H)."""
+        ids = torch.as_tensor(ids)
+        if ids.dim() != 2:
+            raise InvalidInputError(f"from_dense expects ids of shape (B, H), got {tuple(ids.shape)}")
+        if ids.dtype not in _INT_DTYPES:
+            raise InvalidInputError(f"ids must be integers, got dtype {ids.dtype}; convert with .long()")
+        if weights is not None and not isinstance(weights, torch.Tensor):
+            raise InvalidInputError(
+                f"weights must be a tensor of shape {tuple(ids.shape)}, got {type(weights).__name__}"
+            )
+        if weights is not None and tuple(weights.shape) != tuple(ids.shape):
+            raise InvalidInputError(f"weights shape {tuple(weights.shape)} differs from ids shape {tuple(ids.shape)}")
+        keep = ids != pad  # (B, H)
+        offsets = torch.zeros(ids.shape[0] + 1, dtype=torch.int64, device=ids.device)
+        torch.cumsum(keep.sum(1), 0, out=offsets[1:])
+        values = ids[keep].to(torch.int64)
+        return cls(values, offsets, None if weights is None else weights[keep])
+
+    @classmethod
+    def from_tensor(cls, ids: torch.Tensor, pad: int = -1, weights: torch.Tensor | None = None) -> Jagged:
+        """(B,) one id per sample, or (B, H) padded ids; ``pad`` entries are dropped."""
+        ids = torch.as_tensor(ids)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(1)
+            weights = None if weights is None else weights.unsqueeze(1)
+        return cls.from_dense(ids, pad=pad, weights=weights)
+
+    @classmethod
+    def from_lists(cls, ids: Sequence[Sequence[int]], weights: Sequence[Sequence[float]] | None = None) -> Jagged:
+        """Python lists of lists: ``[[3, 1], [], [7]]``."""
+        try:
+            lengths = [len(bag) for bag in ids]
+            flat = [i for bag in ids for i in bag]
+            values = torch.tensor(flat) if flat else torch.zeros(0, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise InvalidInputError(f"from_lists expects a list of lists of ints: {e}") from None
+        if values.dtype not in _INT_DTYPES or values.dim() != 1:
+            raise InvalidInputError(f"from_lists expects a list of lists of ints, got {values.dtype} values")
+        values = values.to(torch.int64)
+        w = None
+        if weights is not None:
+            if [len(bag) for bag in weights] != lengths:
+                raise InvalidInputError("weights must have the same bag lengths as ids")
+            w = torch.tensor([x for bag in weights for x in bag], dtype=torch.float32)
+        return cls.from_lengths(values, torch.tensor(lengths, dtype=torch.int64), w)
+
+    @classmethod
+    def from_sparse(cls, ids: torch.Tensor, weights: torch.Tensor | None = None) -> Jagged:
+        """A 2-D ``torch.sparse_coo_tensor`` of shape (B, H) whose values are ids (the
+        ``tf.SparseTensor`` layout); ``weights`` an optional one with the same indices."""
+        if not isinstance(ids, torch.Tensor) or ids.layout != torch.sparse_coo or ids.sparse_dim() != 2:
+            raise InvalidInputError("from_sparse expects a 2-D torch.sparse_coo_tensor of ids")
+        nnz = ids._nnz()
+        ids = ids.coalesce()  # sorted by (row, column)
+        if ids._nnz() != nnz:
+            raise InvalidInputError(
+                "sparse ids have duplicate (row, column) coordinates; coalescing would add ids together"
+            )
+        rows = ids.indices()[0]
+        lengths = torch.bincount(rows, minlength=ids.shape[0])
+        w = None
+        if weights is not None:
+            if not isinstance(weights, torch.Tensor) or weights.layout != torch.sparse_coo:
+                raise InvalidInputError("sparse weights must be a sparse COO tensor with the same indices as the ids")
+            weights = weights.coalesce()
+            if not torch.equal(weights.indices(), ids.indices()):
+                raise InvalidInputError("sparse weights must have the same indices as the sparse ids")
+            w = weights.values()
+        return cls.from_lengths(ids.values(), lengths, w)
+
+    # --- properties ----------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    def lengths(self) -> torch.Tensor:
+        """(B,) number of ids in each bag."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Jagged:
+        w = None if self.weights is None else self.weights.to(device, non_blocking=non_blocking)
+        return Jagged(
+            self.values.to(device, non_blocking=non_blocking), self.offsets.to(device, non_blocking=non_blocking), w
+        )
+
+    def pin_memory(self) -> Jagged:
+        w = None if self.weights is None else self.weights.pin_memory()
+        return Jagged(self.values.pin_memory(), self.offsets.pin_memory(), w)
+
+    def to_lists(self) -> list[list[int]]:
+        v, o = self.values.tolist(), self.offsets.tolist()
+        return [v[o[b] : o[b + 1]] for b in range(len(o) - 1)]
+
+    def __repr__(self) -> str:
+        w = "" if self.weights is None else ", weighted"
+        n = self.values.shape[0] if self.values.dim() else 0
+        return f"Jagged(B={self.batch_size}, N={n}{w}, device={self.values.device})"
+
+    # --- validation ----------------------------------------------------------------------
+    def check_structure(self, feature: str | None = None) -> None:
+        """Checks dtypes and shapes (no pass over the data)."""
+        v, o, w = self.values, self.offsets, self.weights
+        if v.dtype not in _INT_DTYPES:
+            raise InvalidInputError(f"{_where(feature)}ids must be integers, got dtype {v.dtype}", feature)
+        if o.dtype not in _INT_DTYPES:
+            raise InvalidInputError(f"{_where(feature)}offsets must be integers, got dtype {o.dtype}", feature)
+        if v.dim() != 1:
+            raise InvalidInputError(f"{_where(feature)}ids must be 1-D, got shape {tuple(v.shape)}", feature)
+        if o.dim() != 1 or o.numel() < 1:
+            raise InvalidInputError(
+                f"{_where(feature)}offsets must be 1-D of length B+1 >= 1, got shape {tuple(o.shape)}", feature
+            )
+        if w is not None:
+            if not w.is_floating_point():
+                raise InvalidInputError(f"{_where(feature)}weights must be floating point, got {w.dtype}", feature)
+            if w.shape != v.shape:
+                raise InvalidInputError(
+                    f"{_where(feature)}weights have shape {tuple(w.shape)} but ids have {tuple(v.shape)}; "
+                    "give one weight per id",
+                    feature,
+                    min(w.numel(), v.numel()),
+                )
+
+    def ok(self, num_embeddings: int | None = None) -> torch.Tensor:
+        """0-d bool tensor: offsets well-formed and ids in ``[0, num_embeddings)``.
+
+        No host sync: a caller checking many features reduces these and syncs once.
+        """
+        o, v = self.offsets, self.values
+        good = (o[0] == 0) & (o[-1] == v.numel())
+        if o.numel() > 1:
+            good = good & (o[1:] >= o[:-1]).all()
+        if v.numel():
+            lo, hi = torch.aminmax(v)
+            good = good & (lo >= 0)
+            if num_embeddings is not None:
+                good = good & (hi < num_embeddings)
+        return good
+
+    def raise_first_error(self, feature: str | None = None, num_embeddings: int | None = None) -> None:
+        """Raises :class:`InvalidInputError` for the first problem :meth:`ok` found."""
+        o, v = self.offsets, self.values
+        where = _where(feature)
+        if int(o[0]) != 0:
+            raise InvalidInputError(f"{where}offsets[0] must be 0, got {int(o[0])}", feature, 0)
+        if o.numel() > 1:
+            dec = o[1:] < o[:-1]
+            if bool(dec.any()):
+                i = _first_true(dec) + 1
+                raise InvalidInputError(
+                    f"{where}offsets must be non-decreasing; offsets[{i}]={int(o[i])} < offsets[{i - 1}]={int(o[i - 1])}",
+                    feature,
+                    i,
+                )
+        if int(o[-1]) != v.numel():
+            raise InvalidInputError(
+                f"{where}offsets[-1]={int(o[-1])} must equal the number of ids ({v.numel()})", feature, o.numel() - 1
+            )
+        if v.numel():
+            bad = v < 0
+            if num_embeddings is not None:
+                bad |= v >= num_embeddings
+            if bool(bad.any()):
+                i = _first_true(bad)
+                if int(v[i]) < 0:
+                    raise InvalidInputError(
+                        f"{where}ids must be >= 0 (padding is dropped before lookup); ids[{i}]={int(v[i])}", feature, i
+                    )
+                raise InvalidInputError(
+                    f"{where}id out of range: ids[{i}]={int(v[i])}, the table has {num_embeddings} rows "
+                    f"(allowed [0, {num_embeddings}))",
+                    feature,
+                    i,
+                )
+
+    def validate(self, feature: str | None = None, num_embeddings: int | None = None) -> Jagged:
+        """Raises :class:`InvalidInputError` naming ``feature`` and the first bad position."""
+        self.check_structure(feature)
+        if not bool(self.ok(num_embeddings)):
+            self.raise_first_error(feature, num_embeddings)
+        return self
+
+
+def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
+    """Any accepted input form -> ``Jagged`` (no range checks; see :meth:`Jagged.validate`).
+
+    Accepts ``Jagged``, a (B,) or (B, H) integer tensor (``pad`` entries dropped), a 2-D
+    sparse COO tensor, a list of lists, or a ``(values, offsets)`` / ``(values, offsets,
+    weights)`` tuple.
+    """
+    try:
+        if isinstance(x, Jagged):
+            return x
+        if isinstance(x, torch.Tensor):
+            if x.layout == torch.sparse_coo:
+                return Jagged.from_sparse(x)
+            if x.dim() not in (1, 2):
+                raise InvalidInputError(f"a dense id tensor must be (B,) or (B, H), got shape {tuple(x.shape)}")
+            return Jagged.from_tensor(x, pad=pad)
+        if isinstance(x, tuple) and len(x) in (2, 3) and all(isinstance(t, torch.Tensor) for t in x[:2]):
+            return Jagged(*x)
+        if isinstance(x, (list, tuple)):
+            return Jagged.from_lists(x)
+    except InvalidInputError as e:
+        if feature is None or e.feature is not None:
+            raise
+        raise InvalidInputError(f"{_where(feature)}{e}", feature, e.position) from None
+    raise InvalidInputError(
+        f"{_where(feature)}unsupported input type {type(x).__name__}; give a Jagged, a tensor of ids, "
+        "a sparse COO tensor or a list of lists",
+        feature,
+    )

@@ -1,0 +1,5 @@
+"""Modules: the user-facing embedding layers."""
+
+from .collection import EmbeddingCollection
+
+__all__ = ["EmbeddingCollection"]

@@ -1,0 +1,263 @@
+"""``EmbeddingCollection``: many features, many tables, one fused lookup per group.
+
+Shape legend: ``F`` features, ``B`` batch, ``D`` dim, ``N`` ids of a feature,
+``T`` longest sequence.
+
+    >>> import torch, hybridembed as he
+    >>> ec = he.EmbeddingCollection(
+    ...     [he.TableConfig("video", 100, 8), he.TableConfig("user", 50, 8, combiner="mean")],
+    ...     features={"watched": "video", "browsed": "video", "user": "user"},
+    ... )
+    >>> out = ec({"watched": he.Jagged.from_lists([[1, 2], []]),
+    ...           "browsed": torch.tensor([[3, -1], [4, 5]]),
+    ...           "user": torch.tensor([7, 9])})
+    >>> {k: tuple(v.shape) for k, v in out.items()}
+    {'watched': (2, 8), 'browsed': (2, 8), 'user': (2, 8)}
+    >>> len(ec.groups)  # both tables have dim 8 and float32: one storage, one kernel call
+    1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import TableConfig
+from ..errors import ConfigError, InvalidInputError
+from ..input import Jagged, as_jagged
+from ..kernels import bag_scale, pooled_lookup
+from ..storage import DenseStorage
+
+__all__ = ["EmbeddingCollection"]
+
+_SEQUENCE_OUTPUTS = ("jagged", "padded")
+
+
+@dataclass(frozen=True)
+class _Feature:
+    name: str
+    table: TableConfig
+    group: int
+    row_offset: int  # where the table's rows start in its group's storage
+
+
+def _group_key(t: TableConfig) -> tuple:
+    return (t.embedding_dim, t.dtype, "dense", t.optimizer)
+
+
+class EmbeddingCollection(nn.Module):
+    """Embedding tables looked up by named features, grouped into fused storages.
+
+    Args:
+        tables: the tables (:class:`TableConfig`), names unique.
+        features: ``{feature name: table name}``; several features may share a table.
+            Default: one feature per table, named like it.
+        seed: the seed of every table's row-keyed initializer.
+        device: where the rows live.
+        sequence_output: for ``combiner="none"`` tables, ``"jagged"`` (a :class:`Jagged`
+            whose values are rows (N, D)) or ``"padded"`` (a zero-padded ``(B, T, D)`` tensor).
+        pad: the id that marks padding in 2-D id tensors; dropped before lookup.
+
+    ``forward(inputs)`` takes ``{feature: Jagged | (B,) or (B, H) ids | sparse COO | lists}``
+    and returns ``{feature: (B, D) tensor}`` for pooled features. Tables with the same dim,
+    dtype, storage kind and optimizer form a group: one storage, one kernel call per step.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        features: Mapping[str, str] | None = None,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        sequence_output: str = "jagged",
+        pad: int = -1,
+    ):
+        super().__init__()
+        tables = list(tables)
+        if not tables or not all(isinstance(t, TableConfig) for t in tables):
+            raise ConfigError("tables must be a non-empty sequence of hybridembed.TableConfig")
+        names = [t.name for t in tables]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"table names must be unique; repeated: {', '.join(dup)}")
+        if "storages" in names:
+            raise ConfigError("'storages' is reserved; rename that table")
+        if sequence_output not in _SEQUENCE_OUTPUTS:
+            raise ConfigError(f"sequence_output must be one of {_SEQUENCE_OUTPUTS}, got {sequence_output!r}")
+        if features is None:
+            features = {n: n for n in names}
+        if not isinstance(features, Mapping) or not features:
+            raise ConfigError("features must be a non-empty mapping {feature name: table name}")
+        by_name = {t.name: t for t in tables}
+        for f, t in features.items():
+            if not isinstance(f, str) or t not in by_name:
+                raise ConfigError(
+                    f"feature {f!r} reads table {t!r}, which is not among the tables ({', '.join(names)})"
+                )
+        self.tables: dict[str, TableConfig] = by_name
+        self.features: dict[str, str] = dict(features)
+        self.seed = int(seed)
+        self.sequence_output = sequence_output
+        self.pad = int(pad)
+
+        keys: dict[tuple, list[TableConfig]] = {}
+        for t in tables:
+            keys.setdefault(_group_key(t), []).append(t)
+        self.storages = nn.ModuleList(DenseStorage(ts, seed=self.seed, device=device) for ts in keys.values())
+        self._table_group = {t.name: g for g, ts in enumerate(keys.values()) for t in ts}
+        self._features = {
+            f: _Feature(f, by_name[t], self._table_group[t], self.storages[self._table_group[t]].row_offset[t])
+            for f, t in self.features.items()
+        }
+        # per group: pooled features, then sequence features, in declaration order
+        self._group_features: list[tuple[list[_Feature], list[_Feature]]] = [([], []) for _ in self.storages]
+        for feat in self._features.values():
+            pooled, seq = self._group_features[feat.group]
+            (seq if feat.table.combiner == "none" else pooled).append(feat)
+
+    # --- inspection ----------------------------------------------------------------------
+    @property
+    def groups(self) -> list[list[str]]:
+        """Table names per group (one storage and one kernel call each)."""
+        return [[t.name for t in s.tables] for s in self.storages]
+
+    def weight(self, table: str) -> torch.Tensor:
+        """(num_embeddings, D) rows of a table; a view sharing memory with the storage."""
+        if table not in self.tables:
+            raise ConfigError(f"unknown table {table!r}; tables: {', '.join(self.tables)}")
+        return self.storages[self._table_group[table]].table_rows(table)
+
+    def storage_of(self, table: str) -> DenseStorage:
+        return self.storages[self._table_group[table]]
+
+    # --- forward -------------------------------------------------------------------------
+    def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Jagged]:
+        if not isinstance(inputs, Mapping):
+            raise InvalidInputError(f"inputs must be a mapping {{feature name: ids}}, got {type(inputs).__name__}")
+        unknown = [k for k in inputs if k not in self._features]
+        if unknown:
+            raise InvalidInputError(
+                f"unknown feature {unknown[0]!r}; this collection has: {', '.join(self._features)}", unknown[0]
+            )
+        missing = [f for f in self._features if f not in inputs]
+        if missing:
+            raise InvalidInputError(f"missing feature {missing[0]!r}: every feature needs an input", missing[0])
+        jagged: dict[str, Jagged] = {}
+        oks = []
+        for f, feat in self._features.items():
+            j = as_jagged(inputs[f], f, self.pad)
+            j.check_structure(f)
+            device = self.storages[feat.group].weight.device
+            if j.values.device != device or j.offsets.device != device:
+                raise InvalidInputError(
+                    f"feature {f!r}: input is on {j.values.device} but its table is on {device}; "
+                    f"move it with .to({str(device)!r})",
+                    f,
+                )
+            jagged[f] = j
+            oks.append(j.ok(feat.table.num_embeddings))
+        if not bool(torch.stack(oks).all()):  # one host sync for all features
+            for (f, feat), ok in zip(self._features.items(), oks):
+                if not bool(ok):
+                    jagged[f].raise_first_error(f, feat.table.num_embeddings)
+        return jagged
+
+    def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
+        jagged = self._prepare(inputs)
+        out: dict[str, torch.Tensor | Jagged] = {}
+        for storage, (pooled_feats, seq_feats) in zip(self.storages, self._group_features):
+            out.update(self._lookup_group(storage, pooled_feats, seq_feats, jagged))
+        return {f: out[f] for f in self._features}
+
+    def _lookup_group(
+        self, storage: DenseStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict[str, Jagged]
+    ) -> dict[str, torch.Tensor | Jagged]:
+        """One kernel call for the whole group: pooled features are bags, and each id of
+        a sequence feature is a bag of one."""
+        cdt = storage.tables[0].compute_dtype
+        device = storage.weight.device
+        feats = pooled + seq
+        ids, offsets, scales, sizes, base = [], [], [], [], 0
+        for feat in feats:
+            j = jagged[feat.name]
+            n = j.values.numel()
+            v = j.values.to(torch.int64)
+            ids.append(v + feat.row_offset if feat.row_offset else v)
+            if feat.table.combiner == "none":
+                offsets.append(torch.arange(base, base + n, dtype=torch.int64, device=device))
+                sizes.append(n)
+            else:
+                offsets.append(j.offsets[:-1].to(torch.int64) + base)
+                sizes.append(j.batch_size)
+            scales.append(bag_scale(feat.table.combiner, j.offsets, j.weights, n, cdt))
+            base += n
+        offsets.append(torch.tensor([base], dtype=torch.int64, device=device))
+        psw = None
+        if any(s is not None for s in scales):
+            psw = torch.cat(
+                [
+                    s if s is not None else torch.ones(jagged[f.name].values.numel(), dtype=cdt, device=device)
+                    for s, f in zip(scales, feats)
+                ]
+            )
+        ids_cat = torch.cat(ids) if len(ids) > 1 else ids[0]  # (N,)
+        rows = pooled_lookup(storage.weight, ids_cat, torch.cat(offsets), psw, cdt)  # (S, D)
+        result: dict[str, torch.Tensor | Jagged] = dict(zip((f.name for f in feats), torch.split(rows, sizes)))
+        for f in seq:
+            result[f.name] = self._sequence(result[f.name], jagged[f.name].offsets.to(torch.int64))
+        return result
+
+    def _sequence(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | Jagged:
+        """(N, D) rows of one sequence feature -> Jagged of rows, or padded (B, T, D)."""
+        if self.sequence_output == "jagged":
+            return Jagged(rows, offsets)
+        lengths = offsets[1:] - offsets[:-1]  # (B,)
+        b, n = lengths.numel(), rows.shape[0]
+        t = int(lengths.max()) if b else 0
+        bag = torch.repeat_interleave(torch.arange(b, device=rows.device), lengths, output_size=n)  # (N,)
+        pos = torch.arange(n, device=rows.device) - offsets[:-1].index_select(0, bag)  # (N,)
+        padded = rows.new_zeros(b, t, rows.shape[1])  # (B, T, D)
+        return padded.index_put((bag, pos), rows)
+
+    # --- state_dict: one entry per table, whatever the grouping --------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in self.tables:
+            storage = self.storages[self._table_group[name]]
+            w = storage.weight if keep_vars else storage.weight.detach()
+            start = storage.row_offset[name]
+            destination[prefix + name + ".weight"] = w[start : start + self.tables[name].num_embeddings]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        ours = {prefix + name + ".weight": name for name in self.tables}
+        copies, bad = [], False
+        for key, name in ours.items():
+            if key not in state_dict:
+                missing.append(key)
+                continue
+            src, dst = state_dict[key], self.weight(name)
+            if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
+                shape = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+                errors.append(
+                    f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
+                    f"the shape in current model is {tuple(dst.shape)}."
+                )
+                bad = True
+                continue
+            copies.append((dst, src))
+        if not bad:  # all or nothing: no table is touched when any entry is wrong
+            with torch.no_grad():
+                for dst, src in copies:
+                    dst.copy_(src)
+        if strict:
+            for key in state_dict:
+                if key.startswith(prefix) and key not in ours:
+                    head = key[len(prefix) :].split(".", 1)[0]
+                    if head not in self._modules:
+                        unexpected.append(key)
+
+    def extra_repr(self) -> str:
+        return f"features={len(self._features)}, tables={len(self.tables)}, groups={self.groups}"

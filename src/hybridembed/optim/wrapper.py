@@ -1,0 +1,254 @@
+"""``wrap_optimizer``: one optimizer object for dense parameters and sparse embedding rows.
+
+>>> import torch, hybridembed as he
+>>> ec = he.EmbeddingCollection([he.TableConfig("item", 100, 8)])
+>>> mlp = torch.nn.Linear(8, 1)
+>>> model = torch.nn.ModuleDict({"ec": ec, "mlp": mlp})
+>>> opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.05), model)
+>>> opt.sparse_optimizers()
+{'item': Adagrad(lr=0.05, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10, maximize=False)}
+>>> loss = mlp(ec({"item": torch.tensor([1, 2, 2])})["item"]).sum()
+>>> loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, HybridEmbedError
+from ..kernels import reduce_rows
+from ..storage import DenseStorage
+from . import sparse as so
+
+__all__ = ["HybridOptimizer", "wrap_optimizer", "clip_grad_norm_", "sparse_equivalent"]
+
+# torch.optim class -> (sparse class, hyper-parameters carried over)
+_TORCH_TO_SPARSE: dict[type, tuple[type[so.SparseOptimizer], tuple[str, ...]]] = {
+    torch.optim.SGD: (so.SGD, ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")),
+    torch.optim.Adagrad: (
+        so.Adagrad,
+        ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"),
+    ),
+    torch.optim.Adam: (so.Adam, ("lr", "betas", "eps", "weight_decay", "maximize")),
+    torch.optim.SparseAdam: (so.Adam, ("lr", "betas", "eps", "maximize")),
+    torch.optim.AdamW: (so.AdamW, ("lr", "betas", "eps", "weight_decay", "maximize")),
+    torch.optim.Adamax: (so.Adamax, ("lr", "betas", "eps", "weight_decay", "maximize")),
+    torch.optim.Adadelta: (so.Adadelta, ("lr", "rho", "eps", "weight_decay", "maximize")),
+    torch.optim.RMSprop: (so.RMSprop, ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize")),
+}
+_UNSUPPORTED_FLAGS = {"amsgrad": "amsgrad", "differentiable": "differentiable", "capturable": "capturable"}
+
+
+def _as_float(v: Any) -> Any:
+    return float(v) if isinstance(v, torch.Tensor) else v
+
+
+def sparse_equivalent(torch_optimizer: torch.optim.Optimizer, group: dict | None = None) -> so.SparseOptimizer:
+    """The sparse optimizer with the same formula and hyper-parameters as ``torch_optimizer``."""
+    cls = type(torch_optimizer)
+    entry = next((v for k, v in _TORCH_TO_SPARSE.items() if cls is k), None)
+    if entry is None:
+        supported = ", ".join(sorted(k.__name__ for k in _TORCH_TO_SPARSE))
+        raise ConfigError(
+            f"{cls.__name__} has no sparse equivalent; supported: {supported}. "
+            "Or pass sparse=he.optim.RowWiseAdagrad(...) (or any he.optim optimizer) to wrap_optimizer."
+        )
+    group = group if group is not None else torch_optimizer.param_groups[0]
+    for flag in _UNSUPPORTED_FLAGS:
+        if group.get(flag):
+            raise ConfigError(
+                f"{cls.__name__}({flag}=True) has no sparse equivalent; set {flag}=False or pass sparse=..."
+            )
+    sparse_cls, keys = entry
+    return sparse_cls(**{k: _as_float(group[k]) for k in keys if k in group})
+
+
+def _storages(model: nn.Module) -> list[tuple[str, DenseStorage]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, DenseStorage)]
+
+
+class HybridOptimizer(torch.optim.Optimizer):
+    """A torch optimizer over dense parameters plus sparse row-wise updates of embedding rows.
+
+    ``param_groups`` lists the dense optimizer's groups (the same dict objects) followed by
+    one group per embedding storage with its hyper-parameters, so an LR scheduler attached
+    to this object changes both. Build it with :func:`wrap_optimizer`.
+    """
+
+    def __init__(self, dense: torch.optim.Optimizer, storages: list[tuple[str, DenseStorage, so.SparseOptimizer]]):
+        if not storages:
+            raise ConfigError("the model holds no hybridembed tables; use the torch optimizer directly")
+        sparse_groups = []
+        for name, storage, opt in storages:
+            group = {"params": [storage.weight], **copy.deepcopy(opt.hparams)}
+            group["sparse_optimizer"] = opt.name
+            group["storage"] = name
+            storage.attach_optimizer(opt, group)
+            sparse_groups.append(group)
+        super().__init__(sparse_groups, defaults={})
+        self.dense = dense
+        self._storages = [s for _, s, _ in storages]
+        self._sparse_groups = list(self.param_groups)
+        self.param_groups = list(dense.param_groups) + self._sparse_groups
+        self.state = dense.state  # dense per-parameter state; sparse state lives in the storages
+
+    # --- torch.optim.Optimizer interface -----------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none=set_to_none)
+        for s in self._storages:
+            s.weight.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if any(p.grad is not None for g in self.dense.param_groups for p in g["params"]):
+            self.dense.step()
+        for storage, group in zip(self._storages, self._sparse_groups):
+            grad = storage.weight.grad
+            if grad is None:
+                continue
+            if not grad.is_sparse:
+                raise HybridEmbedError(
+                    f"{group['storage']}: expected a sparse gradient on the embedding rows, got a dense one"
+                )
+            ids, rows = reduce_rows(grad)
+            storage.apply(ids, rows, group)
+        return loss
+
+    def sparse_optimizers(self) -> dict[str, so.SparseOptimizer]:
+        """``{table name: its sparse optimizer}``."""
+        return {t.name: s.optimizer for s in self._storages for t in s.tables}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Dense optimizer state + per-table sparse state, keyed by table name and row id."""
+        tables = {}
+        for storage, group in zip(self._storages, self._sparse_groups):
+            hp = {k: v for k, v in group.items() if k != "params"}
+            for t in storage.tables:
+                tables[t.name] = {
+                    "optimizer": storage.optimizer.name,
+                    "hparams": copy.deepcopy(hp),
+                    "step": storage.step,
+                    "state": {k: v.clone() for k, v in storage.table_state(t.name).items()},
+                }
+        return {"dense": self.dense.state_dict(), "sparse": tables, "format": 1}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores both parts; checks everything before changing anything."""
+        if not isinstance(state_dict, dict) or "sparse" not in state_dict or "dense" not in state_dict:
+            raise HybridEmbedError("not a hybridembed optimizer state_dict (needs 'dense' and 'sparse' entries)")
+        sparse = state_dict["sparse"]
+        mine = {t.name: (s, g) for s, g in zip(self._storages, self._sparse_groups) for t in s.tables}
+        missing, extra = sorted(set(mine) - set(sparse)), sorted(set(sparse) - set(mine))
+        if missing or extra:
+            raise HybridEmbedError(f"optimizer state tables differ: missing {missing}, unexpected {extra}")
+        for name, (storage, _) in mine.items():
+            entry, have = sparse[name], storage.table_state(name)
+            if entry["optimizer"] != storage.optimizer.name:
+                raise HybridEmbedError(
+                    f"table {name!r}: saved with {entry['optimizer']}, this optimizer uses {storage.optimizer.name}"
+                )
+            if set(entry["state"]) != set(have):
+                raise HybridEmbedError(f"table {name!r}: state {sorted(entry['state'])} != {sorted(have)}")
+            for k, v in entry["state"].items():
+                if tuple(v.shape) != tuple(have[k].shape):
+                    raise HybridEmbedError(
+                        f"table {name!r}: state {k!r} has shape {tuple(v.shape)}, expected {tuple(have[k].shape)}"
+                    )
+        self.dense.load_state_dict(state_dict["dense"])
+        with torch.no_grad():
+            for name, (storage, group) in mine.items():
+                entry = sparse[name]
+                for k, v in storage.table_state(name).items():
+                    v.copy_(entry["state"][k])
+                storage.step = int(entry["step"])
+                group.update({k: v for k, v in entry["hparams"].items() if k not in ("params", "storage")})
+
+    def __repr__(self) -> str:
+        sparse = ", ".join(f"{g['storage']}: {g['sparse_optimizer']}(lr={g['lr']})" for g in self._sparse_groups)
+        return f"HybridOptimizer(dense={type(self.dense).__name__}, sparse=[{sparse}])"
+
+
+def wrap_optimizer(
+    torch_optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    sparse: so.SparseOptimizer | None = None,
+) -> HybridOptimizer:
+    """Route ``model``'s embedding rows to sparse row-wise updates; leave the rest to ``torch_optimizer``.
+
+    Each table gets, in order of precedence: its ``TableConfig(optimizer=...)``, then
+    ``sparse``, then the sparse equivalent of ``torch_optimizer`` with the hyper-parameters
+    of the param group holding that table (or of the first group). The embedding rows are
+    removed from ``torch_optimizer``'s groups. Unsupported optimizers are refused with the
+    list of supported ones.
+    """
+    if not isinstance(torch_optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"wrap_optimizer needs a torch.optim.Optimizer, got {type(torch_optimizer).__name__}")
+    if isinstance(torch_optimizer, HybridOptimizer):
+        raise ConfigError("this optimizer is already wrapped")
+    if sparse is not None and not isinstance(sparse, so.SparseOptimizer):
+        raise ConfigError(f"sparse must be a he.optim optimizer (e.g. he.optim.RowWiseAdagrad()), got {sparse!r}")
+    storages = _storages(model)
+    weights = {id(s.weight) for _, s in storages}
+    home: dict[int, dict] = {}
+    for group in torch_optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in weights:
+                home[id(p)] = group
+    chosen = []
+    for name, storage in storages:
+        override = storage.tables[0].optimizer
+        if override is not None:
+            opt = override
+        elif sparse is not None:
+            opt = sparse
+        else:
+            opt = sparse_equivalent(torch_optimizer, home.get(id(storage.weight)))
+        chosen.append((name, storage, opt))
+    for group in torch_optimizer.param_groups:  # the torch optimizer keeps the dense part only
+        group["params"] = [p for p in group["params"] if id(p) not in weights]
+    for _, s in storages:
+        torch_optimizer.state.pop(s.weight, None)
+    return HybridOptimizer(torch_optimizer, chosen)
+
+
+def clip_grad_norm_(
+    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over dense and sparse gradients together.
+
+    Sparse gradients are reduced first (an uncoalesced one would count a duplicated row's
+    parts separately), then every gradient is scaled by ``max_norm / (total + 1e-6)`` when
+    the total norm exceeds ``max_norm``. Returns the total norm.
+    """
+    if isinstance(parameters, nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    norms = []
+    for p in params:
+        g = p.grad
+        if g.is_sparse:
+            if not g.is_coalesced():
+                ids, rows = reduce_rows(g)
+                g = torch.sparse_coo_tensor(ids.unsqueeze(0), rows, g.shape, is_coalesced=True, check_invariants=False)
+                p.grad = g
+            norms.append(torch.linalg.vector_norm(g._values(), norm_type))
+        else:
+            norms.append(torch.linalg.vector_norm(g, norm_type))
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        (p.grad._values() if p.grad.is_sparse else p.grad).mul_(coef.to(p.grad.dtype))
+    return total

@@ -1,0 +1,326 @@
+"""Bad input through ``EmbeddingCollection.forward`` and bad configurations (DESIGN.md, invariant 3).
+
+Run: /work/venv/bin/python -m pytest -q tests/modules/test_validation.py
+
+Every bad input must raise ``hybridembed.InvalidInputError`` (a ``ValueError``) naming the
+feature and, where there is one, the first bad position, before any row is touched.
+"""
+
+import pytest
+import torch
+
+import hybridembed as he
+
+T = torch.tensor
+
+
+def make_collection():
+    return he.EmbeddingCollection(
+        [
+            he.TableConfig("items", 10, 4, init=he.init.normal()),
+            he.TableConfig("users", 7, 3, combiner="mean", init=he.init.normal()),
+            he.TableConfig("history", 10, 4, combiner="none", init=he.init.normal()),
+        ],
+        features={"clicked_items": "items", "viewed_items": "items", "user_id": "users", "watch_history": "history"},
+    )
+
+
+def good_inputs():
+    return {
+        "clicked_items": he.Jagged(T([1, 2, 9]), T([0, 2, 3])),
+        "viewed_items": T([[3, -1], [4, 5]]),
+        "user_id": T([6, 0]),
+        "watch_history": [[1, 2, 3], [9]],
+    }
+
+
+def snapshot(ec):
+    return {k: v.detach().clone() for k, v in ec.state_dict().items()}
+
+
+_INT_OF = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+
+def bits(t):
+    """The raw bits of a float tensor, so that even a NaN written into a row is caught."""
+    return t.view(_INT_OF[t.dtype])
+
+
+def assert_unchanged(ec, snap):
+    now = ec.state_dict()
+    assert sorted(now) == sorted(snap)
+    for k, v in snap.items():
+        assert now[k].dtype == v.dtype and torch.equal(bits(now[k]), bits(v)), k
+    for storage in ec.storages:
+        assert storage.weight.grad is None
+
+
+# (feature, bad input, first bad position or None where no position applies)
+BAD_INPUTS = {
+    # ids out of range
+    "too-large-jagged": ("clicked_items", he.Jagged(T([1, 2, 10]), T([0, 2, 3])), 2),
+    "too-large-first": ("clicked_items", he.Jagged(T([10, 2, 3]), T([0, 2, 3])), 0),
+    "too-large-huge": ("clicked_items", he.Jagged(T([1, 2**40]), T([0, 1, 2])), 1),
+    "too-large-1d": ("user_id", T([6, 7]), 1),
+    "too-large-lists": ("watch_history", [[1, 2], [10, 3]], 2),
+    "too-large-padded": ("viewed_items", T([[3, -1], [4, 10]]), None),
+    "too-large-sparse": (
+        "viewed_items",
+        torch.sparse_coo_tensor(T([[0, 1], [0, 0]]), T([3, 11]), (2, 2), check_invariants=True),
+        1,
+    ),
+    "too-large-int32": (
+        "clicked_items",
+        he.Jagged(T([1, 12, 3], dtype=torch.int32), T([0, 2, 3], dtype=torch.int32)),
+        1,
+    ),
+    "too-large-uint8": ("clicked_items", he.Jagged(T([1, 255, 3], dtype=torch.uint8), T([0, 2, 3])), 1),
+    # negative ids (the pad value is only dropped from dense 2-D / 1-D tensors)
+    "negative-jagged": ("clicked_items", he.Jagged(T([1, -1, 3]), T([0, 2, 3])), 1),
+    "negative-lists": ("watch_history", [[1, 2], [3, -1]], 3),
+    "negative-padded-not-pad": ("viewed_items", T([[3, -2], [4, 5]]), None),
+    "negative-1d-not-pad": ("user_id", T([-5, 0]), 0),
+    "negative-sequence-jagged": ("watch_history", he.Jagged(T([1, -1]), T([0, 1, 2])), 1),
+    # offsets
+    "offsets-decrease": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 1, 3])), 2),
+    "offsets-first-nonzero": ("clicked_items", he.Jagged(T([1, 2, 3]), T([1, 2, 3])), 0),
+    "offsets-last-short": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 1, 2])), 2),
+    "offsets-last-long": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 1, 4])), 2),
+    "offsets-decrease-sequence": ("watch_history", he.Jagged(T([1, 2, 3]), T([0, 3, 2, 3])), 2),
+    "offsets-empty": ("clicked_items", he.Jagged(T([1, 2, 3]), T([], dtype=torch.int64)), None),
+    "offsets-2d": ("clicked_items", he.Jagged(T([1, 2, 3]), T([[0, 3]])), None),
+    "offsets-float": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0.0, 2.0, 3.0])), None),
+    # weights
+    "weights-short": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([1.0, 2.0])), 2),
+    "weights-long": ("user_id", he.Jagged(T([1, 2]), T([0, 1, 2]), T([1.0, 2.0, 3.0])), 2),
+    "weights-int": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([1, 2, 3])), None),
+    "weights-2d": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([[1.0, 2.0, 3.0]])), None),
+    "weights-tuple-short": ("user_id", (T([1, 2]), T([0, 1, 2]), T([1.0])), 1),
+    # ids of the wrong dtype or shape
+    "float-ids-jagged": ("clicked_items", he.Jagged(T([1.0, 2.0, 3.0]), T([0, 2, 3])), None),
+    "float-ids-1d": ("user_id", T([1.0, 2.0]), None),
+    "float-ids-padded": ("viewed_items", T([[3.0, -1.0], [4.0, 5.0]]), None),
+    "float-ids-lists": ("watch_history", [[1.5, 2], [3]], None),
+    "float-ids-sparse": (
+        "viewed_items",
+        torch.sparse_coo_tensor(T([[0, 1], [0, 0]]), T([3.0, 4.0]), (2, 2), check_invariants=True),
+        None,
+    ),
+    "bool-ids": ("user_id", T([True, False]), None),
+    "ids-2d-in-jagged": ("clicked_items", he.Jagged(T([[1, 2, 3]]), T([0, 3])), None),
+    "ids-3d": ("viewed_items", torch.zeros(2, 2, 2, dtype=torch.int64), None),
+    "ids-0d": ("user_id", T(3), None),
+    # not ids at all
+    "string": ("user_id", "6,0", None),
+    "int": ("user_id", 6, None),
+    "none": ("user_id", None, None),
+    "dict": ("user_id", {"ids": [6, 0]}, None),
+    "list-of-ints": ("watch_history", [1, 2, 3], None),
+    "list-with-str": ("watch_history", [[1, "2"], [3]], None),
+    "numpy-like-object": ("user_id", object(), None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_raises_before_touching_a_row(case):
+    feature, bad, position = BAD_INPUTS[case]
+    ec = make_collection()
+    snap = snapshot(ec)
+    inputs = good_inputs()
+    inputs[feature] = bad
+    with pytest.raises(he.InvalidInputError) as info:
+        ec(inputs)
+    e = info.value
+    assert isinstance(e, ValueError) and isinstance(e, he.HybridEmbedError)
+    assert feature in str(e), str(e)
+    assert e.feature == feature, str(e)
+    if position is not None:
+        assert e.position == position, str(e)
+    assert_unchanged(ec, snap)
+    # the collection still works afterwards
+    out = ec(good_inputs())
+    assert out["clicked_items"].shape == (2, 4)
+
+
+def test_first_bad_position_is_the_first_whatever_the_problem():
+    # an id out of range at position 1 comes before a negative id at position 3
+    ec = make_collection()
+    inputs = good_inputs()
+    inputs["clicked_items"] = he.Jagged(T([1, 10, 2, -4]), T([0, 2, 4]))
+    with pytest.raises(he.InvalidInputError) as info:
+        ec(inputs)
+    assert info.value.feature == "clicked_items"
+    assert info.value.position == 1, str(info.value)
+
+
+def test_every_bad_feature_is_caught_whatever_its_place():
+    # the last feature of the last group bad, the first fine: still nothing changes
+    for feature in ("clicked_items", "viewed_items", "user_id", "watch_history"):
+        ec = make_collection()
+        snap = snapshot(ec)
+        inputs = good_inputs()
+        inputs[feature] = he.Jagged(T([100]), T([0, 1, 1]))
+        with pytest.raises(he.InvalidInputError) as info:
+            ec(inputs)
+        assert info.value.feature == feature and info.value.position == 0
+        assert feature in str(info.value)
+        assert_unchanged(ec, snap)
+
+
+def test_bad_input_after_training_steps_leaves_rows_and_grads_unchanged():
+    ec = make_collection()
+    out = ec(good_inputs())
+    sum(o.values.sum() if isinstance(o, he.Jagged) else o.sum() for o in out.values()).backward()
+    grads = [s.weight.grad.coalesce().to_dense().clone() for s in ec.storages]
+    snap = snapshot(ec)
+    inputs = good_inputs()
+    inputs["user_id"] = T([0, 7])
+    with pytest.raises(he.InvalidInputError):
+        ec(inputs)
+    for k, v in snap.items():
+        assert torch.equal(ec.state_dict()[k], v)
+    for s, g in zip(ec.storages, grads, strict=True):
+        assert torch.equal(s.weight.grad.coalesce().to_dense(), g)
+
+
+def test_unknown_feature():
+    ec = make_collection()
+    snap = snapshot(ec)
+    inputs = good_inputs()
+    inputs["clicked_itemz"] = T([1, 2])
+    with pytest.raises(he.InvalidInputError) as info:
+        ec(inputs)
+    assert isinstance(info.value, ValueError)
+    assert info.value.feature == "clicked_itemz"
+    assert "clicked_itemz" in str(info.value)
+    assert "clicked_items" in str(info.value)  # says what is allowed
+    assert_unchanged(ec, snap)
+
+
+def test_table_name_is_not_a_feature_name():
+    ec = make_collection()
+    inputs = good_inputs()
+    inputs["items"] = inputs.pop("clicked_items")
+    with pytest.raises(he.InvalidInputError) as info:
+        ec(inputs)
+    assert info.value.feature == "items" and "items" in str(info.value)
+
+
+def test_missing_feature():
+    ec = make_collection()
+    snap = snapshot(ec)
+    inputs = good_inputs()
+    del inputs["user_id"]
+    with pytest.raises(he.InvalidInputError) as info:
+        ec(inputs)
+    assert isinstance(info.value, ValueError)
+    assert info.value.feature == "user_id"
+    assert "user_id" in str(info.value)
+    assert_unchanged(ec, snap)
+
+
+@pytest.mark.parametrize("inputs", ["clicked_items", [T([1])], T([1, 2]), None, 3])
+def test_inputs_not_a_mapping(inputs):
+    ec = make_collection()
+    snap = snapshot(ec)
+    with pytest.raises(he.InvalidInputError) as info:
+        ec(inputs)
+    assert isinstance(info.value, ValueError)
+    assert_unchanged(ec, snap)
+
+
+def test_input_on_another_device():
+    ec = make_collection()
+    snap = snapshot(ec)
+    inputs = good_inputs()
+    inputs["clicked_items"] = inputs["clicked_items"].to("meta")
+    with pytest.raises(he.InvalidInputError) as info:
+        ec(inputs)
+    assert info.value.feature == "clicked_items" and "clicked_items" in str(info.value)
+    assert "meta" in str(info.value)
+    assert_unchanged(ec, snap)
+
+
+def test_good_edge_inputs_pass():
+    ec = make_collection()
+    inputs = good_inputs()
+    inputs["clicked_items"] = he.Jagged(T([0, 9]), T([0, 0, 2]))  # boundary ids, an empty bag
+    inputs["user_id"] = T([-1, 6])  # pad in a 1-D tensor is an empty bag
+    inputs["watch_history"] = [[], []]
+    out = ec(inputs)
+    assert torch.equal(out["user_id"][0], torch.zeros(3))
+
+
+# --- bad configuration ---------------------------------------------------------------------
+
+
+def TC(*args, **kw):
+    return he.TableConfig(*args, **kw)
+
+
+BAD_CONFIGS = {
+    "duplicate-table-names": lambda: he.EmbeddingCollection([TC("a", 5, 4), TC("a", 6, 4)]),
+    "duplicate-names-other-dims": lambda: he.EmbeddingCollection([TC("a", 5, 4), TC("b", 5, 2), TC("a", 6, 8)]),
+    "feature-to-unknown-table": lambda: he.EmbeddingCollection([TC("a", 5, 4)], features={"f": "b"}),
+    "one-feature-to-unknown-table": lambda: he.EmbeddingCollection(
+        [TC("a", 5, 4), TC("b", 5, 4)], features={"f": "a", "g": "c"}
+    ),
+    "feature-name-not-str": lambda: he.EmbeddingCollection([TC("a", 5, 4)], features={1: "a"}),
+    "no-features": lambda: he.EmbeddingCollection([TC("a", 5, 4)], features={}),
+    "features-not-mapping": lambda: he.EmbeddingCollection([TC("a", 5, 4)], features=[("f", "a")]),
+    "no-tables": lambda: he.EmbeddingCollection([]),
+    "table-not-config": lambda: he.EmbeddingCollection([{"name": "a", "num_embeddings": 5, "embedding_dim": 4}]),
+    "bad-sequence-output": lambda: he.EmbeddingCollection([TC("a", 5, 4)], sequence_output="list"),
+    "reserved-name": lambda: he.EmbeddingCollection([TC("storages", 5, 4)]),
+    "bad-combiner": lambda: TC("a", 5, 4, combiner="max"),
+    "combiner-case": lambda: TC("a", 5, 4, combiner="SUM"),
+    "combiner-none-object": lambda: TC("a", 5, 4, combiner=None),
+    "dim-zero": lambda: TC("a", 5, 0),
+    "dim-negative": lambda: TC("a", 5, -4),
+    "dim-float": lambda: TC("a", 5, 4.0),
+    "dim-bool": lambda: TC("a", 5, True),
+    "rows-zero": lambda: TC("a", 0, 4),
+    "rows-negative": lambda: TC("a", -1, 4),
+    "rows-str": lambda: TC("a", "5", 4),
+    "dtype-int": lambda: TC("a", 5, 4, dtype=torch.int64),
+    "dtype-complex": lambda: TC("a", 5, 4, dtype=torch.complex64),
+    "name-empty": lambda: TC("", 5, 4),
+    "name-dot": lambda: TC("a.b", 5, 4),
+    "name-not-str": lambda: TC(3, 5, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_config_raises_config_error(case):
+    with pytest.raises(he.ConfigError) as info:
+        BAD_CONFIGS[case]()
+    assert isinstance(info.value, ValueError) and isinstance(info.value, he.HybridEmbedError)
+    assert str(info.value)
+
+
+def test_config_errors_name_the_bad_value():
+    with pytest.raises(he.ConfigError, match=r"unique.*\ba\b"):
+        he.EmbeddingCollection([TC("a", 5, 4), TC("a", 6, 4)])
+    with pytest.raises(he.ConfigError, match="nope"):
+        he.EmbeddingCollection([TC("a", 5, 4)], features={"f": "nope"})
+    with pytest.raises(he.ConfigError, match="max"):
+        TC("a", 5, 4, combiner="max")
+    with pytest.raises(he.ConfigError, match="-4"):
+        TC("a", 5, -4)
+
+
+def test_unknown_table_lookup():
+    ec = make_collection()
+    with pytest.raises(he.ConfigError, match="nope"):
+        ec.weight("nope")
+
+
+def test_config_is_frozen():
+    t = TC("a", 5, 4)
+    with pytest.raises(AttributeError):
+        t.num_embeddings = 0  # type: ignore[misc]
