@@ -2,6 +2,9 @@
 
 ``HYBRIDEMBED_TUNE_ALLOCATOR=1``
     call :func:`hybridembed.tune_cpu_allocator` when hybridembed is imported.
+``HYBRIDEMBED_HUGE_PAGES=0``
+    do not ask for 2 MiB pages for embedding rows and optimizer state (on by default where
+    the kernel allows it; see :func:`hybridembed.utils.advise_huge_pages`).
 ``HYBRIDEMBED_LOG_LEVEL``
     level of the ``hybridembed`` logger (``INFO`` by default, e.g. ``DEBUG``, ``WARNING``).
 """

@@ -62,9 +62,12 @@ def sparse_equivalent(torch_optimizer: torch.optim.Optimizer, group: dict | None
     for flag in _UNSUPPORTED_FLAGS:
         if group.get(flag):
             raise ConfigError(
-                f"{cls.__name__}({flag}=True) has no sparse equivalent; set {flag}=False or pass sparse=..."
+                f"{cls.__name__}({flag}=True) has no sparse equivalent; set {flag}=False, or pass "
+                f"sparse=he.optim.X(...) with X one of: {', '.join(so.OPTIMIZERS)}"
             )
     sparse_cls, keys = entry
+    if cls is torch.optim.Adam and group.get("decoupled_weight_decay"):  # torch's AdamW spelling
+        sparse_cls, keys = _TORCH_TO_SPARSE[torch.optim.AdamW]
     return sparse_cls(**{k: _as_float(group[k]) for k in keys if k in group})
 
 
@@ -134,6 +137,7 @@ class HybridOptimizer(torch.optim.Optimizer):
             hp = {k: v for k, v in group.items() if k != "params"}
             for t in storage.tables:
                 tables[t.name] = {
+                    "shape": [t.num_embeddings, t.embedding_dim],
                     "optimizer": storage.optimizer.name,
                     "hparams": copy.deepcopy(hp),
                     "step": storage.step,
@@ -152,6 +156,12 @@ class HybridOptimizer(torch.optim.Optimizer):
             raise HybridEmbedError(f"optimizer state tables differ: missing {missing}, unexpected {extra}")
         for name, (storage, _) in mine.items():
             entry, have = sparse[name], storage.table_state(name)
+            table = next(t for t in storage.tables if t.name == name)
+            if list(entry.get("shape", [])) != [table.num_embeddings, table.embedding_dim]:
+                raise HybridEmbedError(
+                    f"table {name!r}: optimizer state saved for shape {entry.get('shape')}, "
+                    f"the table is [{table.num_embeddings}, {table.embedding_dim}]"
+                )
             if entry["optimizer"] != storage.optimizer.name:
                 raise HybridEmbedError(
                     f"table {name!r}: saved with {entry['optimizer']}, this optimizer uses {storage.optimizer.name}"
@@ -163,7 +173,9 @@ class HybridOptimizer(torch.optim.Optimizer):
                     raise HybridEmbedError(
                         f"table {name!r}: state {k!r} has shape {tuple(v.shape)}, expected {tuple(have[k].shape)}"
                     )
-        self.dense.load_state_dict(state_dict["dense"])
+        self.dense.load_state_dict(state_dict["dense"])  # replaces its group dicts and state:
+        self.param_groups = list(self.dense.param_groups) + self._sparse_groups  # re-link them
+        self.state = self.dense.state
         with torch.no_grad():
             for name, (storage, group) in mine.items():
                 entry = sparse[name]
@@ -247,7 +259,9 @@ def clip_grad_norm_(
             norms.append(torch.linalg.vector_norm(g._values(), norm_type))
         else:
             norms.append(torch.linalg.vector_norm(g, norm_type))
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    dtype = max((n.dtype for n in norms), key=lambda d: torch.finfo(d).bits)
+    dtype = torch.promote_types(torch.float32, dtype)  # float32 at least, float64 if any grad is
+    total = torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]), norm_type)
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
         (p.grad._values() if p.grad.is_sparse else p.grad).mul_(coef.to(p.grad.dtype))

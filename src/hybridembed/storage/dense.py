@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import init as _init
 from ..config import TableConfig
+from ..utils import advise_huge_pages
 
 __all__ = ["DenseStorage"]
 
@@ -28,6 +29,7 @@ class DenseStorage(nn.Module):
         self.tables = list(tables)
         self.dim = self.tables[0].embedding_dim
         self.dtype = self.tables[0].dtype
+        self.compute_dtype = self.tables[0].compute_dtype  # of updates and optimizer state
         offsets, total = {}, 0
         for t in self.tables:
             offsets[t.name] = total
@@ -35,6 +37,7 @@ class DenseStorage(nn.Module):
         self.row_offset: dict[str, int] = offsets
         self.num_rows = total
         weight = torch.empty(total, self.dim, dtype=self.dtype, device=device)
+        advise_huge_pages(weight)  # before the first write, so the pages fault in huge
         with torch.no_grad():
             for t in self.tables:
                 rows = torch.arange(t.num_embeddings, device=weight.device)
@@ -53,13 +56,17 @@ class DenseStorage(nn.Module):
 
     # --- optimizer state beside the rows ------------------------------------------------
     def attach_optimizer(self, optimizer, hparams: dict) -> None:
-        """Allocate ``optimizer``'s per-row state (float32) beside the rows; resets the step."""
+        """Allocate ``optimizer``'s per-row state beside the rows; resets the step.
+
+        State is float32 (float64 for float64 tables), whatever the storage dtype."""
         self.optimizer = optimizer
         self.step = 0
         self.state = {}
         for name, (per_element, fill) in optimizer.state_spec(hparams).items():
             shape = (self.num_rows, self.dim) if per_element else (self.num_rows,)
-            self.state[name] = torch.full(shape, fill, dtype=torch.float32, device=self.weight.device)
+            t = torch.empty(shape, dtype=self.compute_dtype, device=self.weight.device)
+            advise_huge_pages(t)
+            self.state[name] = t.fill_(fill)
 
     @torch.no_grad()
     def apply(self, ids: torch.Tensor, grad: torch.Tensor, hparams: dict) -> None:
@@ -68,13 +75,13 @@ class DenseStorage(nn.Module):
         w = self.weight
         if ids.numel() == 0:
             return
-        opt, g = self.optimizer, grad.to(torch.float32)
+        opt, g = self.optimizer, grad.to(self.compute_dtype)
         state = {k: v.index_select(0, ids) for k, v in self.state.items()}  # gathered copies
         if opt.additive(hparams):  # row += delta: one scatter-add, the rows are never gathered
             t, scale = opt.delta(g, state, self.step, hparams)
             w.index_add_(0, ids, t.to(w.dtype), alpha=scale)
         else:
-            rows = w.index_select(0, ids).to(torch.float32)  # (U, D)
+            rows = w.index_select(0, ids).to(self.compute_dtype)  # (U, D)
             w.index_copy_(0, ids, opt.update(rows, g, state, self.step, hparams).to(w.dtype))
         for k, v in state.items():
             self.state[k].index_copy_(0, ids, v)
