@@ -4,7 +4,7 @@
 """
 
 from . import _env, init, optim
-from .config import TableConfig
+from .config import Dynamic, TableConfig
 from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError
 from .input import Jagged
 from .modules import EmbeddingCollection
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "Dynamic",
     "EmbeddingCollection",
     "HybridEmbedError",
     "InvalidInputError",

@@ -10,10 +10,71 @@ import torch
 from . import init as _init
 from .errors import ConfigError
 
-__all__ = ["TableConfig", "COMBINERS", "STORAGE_DTYPES"]
+__all__ = ["TableConfig", "Dynamic", "COMBINERS", "STORAGE_DTYPES", "EVICTION_POLICIES"]
 
 COMBINERS = ("sum", "mean", "sqrtn", "none")
 STORAGE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+EVICTION_POLICIES = ("lru", "lfu", "ttl")
+
+
+@dataclass(frozen=True)
+class Dynamic:
+    """A dynamic table: any int64 id (negative too) or hashed string, rows made on first sight.
+
+    Args:
+        capacity: most rows kept (None: grow without bound). When a batch needs more, rows
+            are evicted in one batch, ``evict_fraction`` of the capacity at a time.
+        eviction: ``lru`` (least recently seen), ``lfu`` (least often seen, then least
+            recently) or ``ttl`` (every row unseen for ``ttl_steps`` training steps goes,
+            full or not; LRU when still full).
+        min_count: an id gets a row at its ``min_count``-th sighting (counted in a bounded
+            count-min sketch of ``sketch_depth`` x ``sketch_width`` int32 counters per
+            table); until then it reads the default vector and gets no update.
+        admit_probability: a new id past ``min_count`` is admitted with this probability.
+        default_value: every element of the default vector (read by ids without a row).
+        initial_rows: rows allocated up front when ``capacity`` is None (doubles as needed).
+
+    Rows are only made while the module is in training mode; in eval mode unknown ids read
+    the default vector.
+
+    >>> import hybridembed as he
+    >>> he.TableConfig("user", None, 16, dynamic=he.Dynamic(capacity=1_000_000, min_count=2))
+    TableConfig(name='user', num_embeddings=None, embedding_dim=16, combiner='sum', dtype=torch.float32, ...)
+    """
+
+    capacity: int | None = None
+    eviction: str = "lru"
+    ttl_steps: int | None = None
+    min_count: int = 1
+    admit_probability: float = 1.0
+    default_value: float = 0.0
+    evict_fraction: float = 0.1
+    sketch_depth: int = 4
+    sketch_width: int = 1 << 16
+    initial_rows: int = 1024
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, v, allow_none: bool = False) -> None:
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"Dynamic: {name} must be a positive int, got {v!r}")
+
+        positive_int("capacity", self.capacity, allow_none=True)
+        positive_int("min_count", self.min_count)
+        positive_int("sketch_depth", self.sketch_depth)
+        positive_int("sketch_width", self.sketch_width)
+        positive_int("initial_rows", self.initial_rows)
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"Dynamic: eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
+        if self.eviction == "ttl":
+            positive_int("ttl_steps", self.ttl_steps)
+        elif self.ttl_steps is not None:
+            raise ConfigError("Dynamic: ttl_steps is only used with eviction='ttl'")
+        if not 0.0 < self.admit_probability <= 1.0:
+            raise ConfigError(f"Dynamic: admit_probability must be in (0, 1], got {self.admit_probability}")
+        if not 0.0 < self.evict_fraction <= 1.0:
+            raise ConfigError(f"Dynamic: evict_fraction must be in (0, 1], got {self.evict_fraction}")
 
 
 @dataclass(frozen=True)
@@ -22,13 +83,14 @@ class TableConfig:
 
     Args:
         name: unique name; the table's rows are ``<name>.weight`` in ``state_dict()``.
-        num_embeddings: rows (ids ``0 .. num_embeddings-1``).
+        num_embeddings: rows (ids ``0 .. num_embeddings-1``); None for a dynamic table.
         embedding_dim: ``D``, the width of a row.
         combiner: ``sum``, ``mean``, ``sqrtn`` (pooled, output ``(B, D)``) or ``none``
             (sequence: one row per id, output a ``Jagged`` of rows or padded ``(B, T, D)``).
         dtype: storage dtype: float32, float64, or float16/bfloat16 (pooled in float32).
         init: a row-keyed initializer from :mod:`hybridembed.init`; default ``uniform(-0.05, 0.05)``.
         optimizer: a per-table sparse optimizer overriding the one ``wrap_optimizer`` picks.
+        dynamic: a :class:`Dynamic` makes the table keyed by any int64 id (``num_embeddings=None``).
 
     >>> import hybridembed as he
     >>> he.TableConfig("user", num_embeddings=1000, embedding_dim=16, combiner="mean")
@@ -36,18 +98,29 @@ class TableConfig:
     """
 
     name: str
-    num_embeddings: int
+    num_embeddings: int | None
     embedding_dim: int
     combiner: str = "sum"
     dtype: torch.dtype = torch.float32
     init: _init.Init = field(default_factory=_init.uniform)
     optimizer: Any = None
+    dynamic: Dynamic | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
             raise ConfigError(f"table name must be a non-empty string without '.', got {self.name!r}")
+        if self.dynamic is not None:
+            if not isinstance(self.dynamic, Dynamic):
+                raise ConfigError(f"table {self.name!r}: dynamic must be a he.Dynamic(...), got {self.dynamic!r}")
+            if self.num_embeddings is not None:
+                raise ConfigError(
+                    f"table {self.name!r}: a dynamic table has no fixed size; pass num_embeddings=None "
+                    "(bound its rows with Dynamic(capacity=...))"
+                )
         for attr in ("num_embeddings", "embedding_dim"):
             v = getattr(self, attr)
+            if attr == "num_embeddings" and self.dynamic is not None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"table {self.name!r}: {attr} must be a positive int, got {v!r}")
         if self.combiner not in COMBINERS:

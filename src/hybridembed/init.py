@@ -176,3 +176,9 @@ def generate(
             v.clamp_(spec.low, spec.high)
         out[start : start + step] = v
     return out
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser of an int64 tensor (a new tensor): a bijective 64-bit hash."""
+    x = x.to(torch.int64).clone()
+    return _mix64_(x, torch.empty_like(x))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidInputError
+from ..init import stable_hash64
 
 __all__ = ["Jagged", "as_jagged"]
 
@@ -98,11 +99,15 @@ class Jagged:
         return cls.from_dense(ids, pad=pad, weights=weights)
 
     @classmethod
-    def from_lists(cls, ids: Sequence[Sequence[int]], weights: Sequence[Sequence[float]] | None = None) -> Jagged:
-        """Python lists of lists: ``[[3, 1], [], [7]]``."""
+    def from_lists(cls, ids: Sequence[Sequence[int | str]], weights: Sequence[Sequence[float]] | None = None) -> Jagged:
+        """Python lists of lists: ``[[3, 1], [], [7]]``, or of strings ``[["fr", "de"], []]``,
+        hashed with :func:`hybridembed.init.stable_hash64` (blake2b, the same in every process)
+        for dynamic tables."""
         try:
             lengths = [len(bag) for bag in ids]
             flat = [i for bag in ids for i in bag]
+            if flat and all(isinstance(i, str) for i in flat):  # raw string ids: stable 64-bit hash
+                flat = [stable_hash64(i) for i in flat]
             values = torch.tensor(flat) if flat else torch.zeros(0, dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise InvalidInputError(f"from_lists expects a list of lists of ints: {e}") from None
@@ -193,8 +198,9 @@ class Jagged:
                     min(w.numel(), v.numel()),
                 )
 
-    def ok(self, num_embeddings: int | None = None) -> torch.Tensor:
-        """0-d bool tensor: offsets well-formed and ids in ``[0, num_embeddings)``.
+    def ok(self, num_embeddings: int | None = None, allow_negative: bool = False) -> torch.Tensor:
+        """0-d bool tensor: offsets well-formed and ids in ``[0, num_embeddings)`` (any int64
+        with ``allow_negative`` and no ``num_embeddings``, as dynamic tables take).
 
         No host sync: a caller checking many features reduces these and syncs once.
         """
@@ -202,14 +208,17 @@ class Jagged:
         good = (o[0] == 0) & (o[-1] == v.numel())
         if o.numel() > 1:
             good = good & (o[1:] >= o[:-1]).all()
-        if v.numel():
+        if v.numel() and (num_embeddings is not None or not allow_negative):
             lo, hi = torch.aminmax(v)
-            good = good & (lo >= 0)
+            if not allow_negative:
+                good = good & (lo >= 0)
             if num_embeddings is not None:
                 good = good & (hi < num_embeddings)
         return good
 
-    def raise_first_error(self, feature: str | None = None, num_embeddings: int | None = None) -> None:
+    def raise_first_error(
+        self, feature: str | None = None, num_embeddings: int | None = None, allow_negative: bool = False
+    ) -> None:
         """Raises :class:`InvalidInputError` for the first problem :meth:`ok` found."""
         o, v = self.offsets, self.values
         where = _where(feature)
@@ -228,8 +237,8 @@ class Jagged:
             raise InvalidInputError(
                 f"{where}offsets[-1]={int(o[-1])} must equal the number of ids ({v.numel()})", feature, o.numel() - 1
             )
-        if v.numel():
-            bad = v < 0
+        if v.numel() and (num_embeddings is not None or not allow_negative):
+            bad = v < 0 if not allow_negative else torch.zeros_like(v, dtype=torch.bool)
             if num_embeddings is not None:
                 bad |= v >= num_embeddings
             if bool(bad.any()):

@@ -30,7 +30,7 @@ from ..config import TableConfig
 from ..errors import ConfigError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..kernels import bag_scale, pooled_lookup
-from ..storage import DenseStorage
+from ..storage import DenseStorage, HashStorage, RowStorage
 
 __all__ = ["EmbeddingCollection"]
 
@@ -42,11 +42,16 @@ class _Feature:
     name: str
     table: TableConfig
     group: int
-    row_offset: int  # where the table's rows start in its group's storage
+    row_offset: int  # dense: where the table's rows start in its group's storage
+    table_index: int  # dynamic: the table's key in its group's hash index
+
+    @property
+    def dynamic(self) -> bool:
+        return self.table.dynamic is not None
 
 
 def _group_key(t: TableConfig) -> tuple:
-    return (t.embedding_dim, t.dtype, "dense", t.optimizer)
+    return (t.embedding_dim, t.dtype, "dynamic" if t.dynamic else "dense", t.optimizer, t.dynamic)
 
 
 class EmbeddingCollection(nn.Module):
@@ -107,12 +112,16 @@ class EmbeddingCollection(nn.Module):
         keys: dict[tuple, list[TableConfig]] = {}
         for t in tables:
             keys.setdefault(_group_key(t), []).append(t)
-        self.storages = nn.ModuleList(DenseStorage(ts, seed=self.seed, device=device) for ts in keys.values())
+        self.storages = nn.ModuleList(
+            (HashStorage if ts[0].dynamic else DenseStorage)(ts, seed=self.seed, device=device) for ts in keys.values()
+        )
         self._table_group = {t.name: g for g, ts in enumerate(keys.values()) for t in ts}
-        self._features = {
-            f: _Feature(f, by_name[t], self._table_group[t], self.storages[self._table_group[t]].row_offset[t])
-            for f, t in self.features.items()
-        }
+        self._features = {}
+        for f, t in self.features.items():
+            st = self.storages[self._table_group[t]]
+            offset = st.row_offset[t] if st.kind == "dense" else 0
+            index = st.table_index[t] if st.kind == "dynamic" else 0
+            self._features[f] = _Feature(f, by_name[t], self._table_group[t], offset, index)
         # per group: pooled features, then sequence features, in declaration order
         self._group_features: list[tuple[list[_Feature], list[_Feature]]] = [([], []) for _ in self.storages]
         for feat in self._features.values():
@@ -126,12 +135,27 @@ class EmbeddingCollection(nn.Module):
         return [[t.name for t in s.tables] for s in self.storages]
 
     def weight(self, table: str) -> torch.Tensor:
-        """(num_embeddings, D) rows of a table; a view sharing memory with the storage."""
+        """(num_embeddings, D) rows of a dense table; a view sharing memory with the storage."""
+        st = self.storage_of(table)
+        if st.kind == "dynamic":
+            raise ConfigError(f"table {table!r} is dynamic; read its rows with ec.dynamic_rows({table!r})")
+        return st.table_rows(table)
+
+    def dynamic_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids ascending (K,), rows (K, D)) of a dynamic table."""
+        st = self.storage_of(table)
+        if st.kind != "dynamic":
+            raise ConfigError(f"table {table!r} is dense; read its rows with ec.weight({table!r})")
+        ids, slots = st.table_slots(table)
+        return ids, st.weight.detach().index_select(0, slots)
+
+    def dynamic_stats(self) -> dict[str, dict[str, float]]:
+        """Per dynamic table: size, capacity, inserted, evicted, rejected, hits, lookups, hit_rate."""
+        return {n: self.storage_of(n).table_stats(n) for n, t in self.tables.items() if t.dynamic is not None}
+
+    def storage_of(self, table: str) -> RowStorage:
         if table not in self.tables:
             raise ConfigError(f"unknown table {table!r}; tables: {', '.join(self.tables)}")
-        return self.storages[self._table_group[table]].table_rows(table)
-
-    def storage_of(self, table: str) -> DenseStorage:
         return self.storages[self._table_group[table]]
 
     # --- forward -------------------------------------------------------------------------
@@ -159,11 +183,11 @@ class EmbeddingCollection(nn.Module):
                     f,
                 )
             jagged[f] = j
-            oks.append(j.ok(feat.table.num_embeddings))
+            oks.append(j.ok(feat.table.num_embeddings, allow_negative=feat.dynamic))
         if not bool(torch.stack(oks).all()):  # one host sync for all features
             for (f, feat), ok in zip(self._features.items(), oks):
                 if not bool(ok):
-                    jagged[f].raise_first_error(f, feat.table.num_embeddings)
+                    jagged[f].raise_first_error(f, feat.table.num_embeddings, allow_negative=feat.dynamic)
         return jagged
 
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
@@ -205,6 +229,14 @@ class EmbeddingCollection(nn.Module):
                 ]
             )
         ids_cat = torch.cat(ids) if len(ids) > 1 else ids[0]  # (N,)
+        if storage.kind == "dynamic":  # ids -> row slots; new ids get rows while training
+            tabs = torch.cat(
+                [
+                    torch.full((jagged[f.name].values.numel(),), f.table_index, dtype=torch.int32, device=device)
+                    for f in feats
+                ]
+            )
+            ids_cat = storage.slots(ids_cat, tabs, train=self.training)
         rows = pooled_lookup(storage.weight, ids_cat, torch.cat(offsets), psw, cdt)  # (S, D)
         result: dict[str, torch.Tensor | Jagged] = dict(zip((f.name for f in feats), torch.split(rows, sizes)))
         for f in seq:
@@ -227,14 +259,39 @@ class EmbeddingCollection(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for name in self.tables:
             storage = self.storages[self._table_group[name]]
+            if storage.kind == "dynamic":  # ids, rows and counters, by id
+                for k, v in storage.save_table(name).items():
+                    destination[prefix + name + "." + k] = v
+                continue
             w = storage.weight if keep_vars else storage.weight.detach()
             start = storage.row_offset[name]
             destination[prefix + name + ".weight"] = w[start : start + self.tables[name].num_embeddings]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        ours = {prefix + name + ".weight": name for name in self.tables}
+        dense = [n for n in self.tables if self.tables[n].dynamic is None]
+        ours = {prefix + name + ".weight": name for name in dense}
+        dynamic_entries: dict[str, dict] = {}
         copies, bad = [], False
+        for name, t in self.tables.items():
+            if t.dynamic is None:
+                continue
+            entry = {k[len(prefix + name) + 1 :]: v for k, v in state_dict.items() if k.startswith(prefix + name + ".")}
+            ours.update({prefix + name + "." + k: name for k in entry})
+            needed = ("ids", "weight", "last_seen", "freq", "stats", "clock")
+            lacking = [prefix + name + "." + k for k in needed if k not in entry]
+            if lacking:
+                missing.extend(lacking)
+            elif entry["weight"].shape != (entry["ids"].numel(), t.embedding_dim):
+                errors.append(
+                    f"size mismatch for {prefix + name}.weight: {tuple(entry['weight'].shape)} for "
+                    f"{entry['ids'].numel()} ids of dim {t.embedding_dim}"
+                )
+                bad = True
+            else:
+                dynamic_entries[name] = entry
         for key, name in ours.items():
+            if name not in dense:
+                continue
             if key not in state_dict:
                 missing.append(key)
                 continue
@@ -252,6 +309,8 @@ class EmbeddingCollection(nn.Module):
             with torch.no_grad():
                 for dst, src in copies:
                     dst.copy_(src)
+            for name, entry in dynamic_entries.items():
+                self.storage_of(name).load_table(name, entry)
         if strict:
             for key in state_dict:
                 if key.startswith(prefix) and key not in ours:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import ConfigError, HybridEmbedError
 from ..kernels import reduce_rows
-from ..storage import DenseStorage
+from ..storage import RowStorage
 from . import sparse as so
 
 __all__ = ["HybridOptimizer", "wrap_optimizer", "clip_grad_norm_", "sparse_equivalent"]
@@ -71,8 +71,8 @@ def sparse_equivalent(torch_optimizer: torch.optim.Optimizer, group: dict | None
     return sparse_cls(**{k: _as_float(group[k]) for k in keys if k in group})
 
 
-def _storages(model: nn.Module) -> list[tuple[str, DenseStorage]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, DenseStorage)]
+def _storages(model: nn.Module) -> list[tuple[str, RowStorage]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, RowStorage)]
 
 
 class HybridOptimizer(torch.optim.Optimizer):
@@ -83,7 +83,7 @@ class HybridOptimizer(torch.optim.Optimizer):
     to this object changes both. Build it with :func:`wrap_optimizer`.
     """
 
-    def __init__(self, dense: torch.optim.Optimizer, storages: list[tuple[str, DenseStorage, so.SparseOptimizer]]):
+    def __init__(self, dense: torch.optim.Optimizer, storages: list[tuple[str, RowStorage, so.SparseOptimizer]]):
         if not storages:
             raise ConfigError("the model holds no hybridembed tables; use the torch optimizer directly")
         sparse_groups = []
@@ -115,6 +115,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         if any(p.grad is not None for g in self.dense.param_groups for p in g["params"]):
             self.dense.step()
         for storage, group in zip(self._storages, self._sparse_groups):
+            group["params"] = [storage.weight]  # a growing dynamic table replaces its matrix
             grad = storage.weight.grad
             if grad is None:
                 continue
@@ -138,6 +139,7 @@ class HybridOptimizer(torch.optim.Optimizer):
             for t in storage.tables:
                 tables[t.name] = {
                     "shape": [t.num_embeddings, t.embedding_dim],
+                    "ids": storage.table_slots(t.name)[0] if storage.kind == "dynamic" else None,
                     "optimizer": storage.optimizer.name,
                     "hparams": copy.deepcopy(hp),
                     "step": storage.step,
@@ -169,6 +171,11 @@ class HybridOptimizer(torch.optim.Optimizer):
             if set(entry["state"]) != set(have):
                 raise HybridEmbedError(f"table {name!r}: state {sorted(entry['state'])} != {sorted(have)}")
             for k, v in entry["state"].items():
+                if storage.kind == "dynamic":
+                    ids = entry.get("ids")
+                    if ids is None or tuple(v.shape) != (ids.numel(), *have[k].shape[1:]):
+                        raise HybridEmbedError(f"table {name!r}: state {k!r} does not match its ids")
+                    continue
                 if tuple(v.shape) != tuple(have[k].shape):
                     raise HybridEmbedError(
                         f"table {name!r}: state {k!r} has shape {tuple(v.shape)}, expected {tuple(have[k].shape)}"
@@ -179,8 +186,11 @@ class HybridOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for name, (storage, group) in mine.items():
                 entry = sparse[name]
-                for k, v in storage.table_state(name).items():
-                    v.copy_(entry["state"][k])
+                if storage.kind == "dynamic":
+                    storage.load_table_state(name, entry["ids"], entry["state"])
+                else:
+                    for k, v in storage.table_state(name).items():
+                        v.copy_(entry["state"][k])
                 storage.step = int(entry["step"])
                 group.update({k: v for k, v in entry["hparams"].items() if k not in ("params", "storage")})
 

@@ -1,0 +1,91 @@
+"""What every storage shares: rows in one matrix, optimizer state beside them, the update.
+
+A storage holds ``weight`` (R, D), one ``nn.Parameter`` for a group of tables, and
+``state``: the optimizer's per-row tensors, (R,) or (R, D), float32 (float64 for float64
+tables). The collection writes the per-table ``state_dict`` entries; the storage itself
+writes none.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..utils import advise_huge_pages
+
+__all__ = ["RowStorage"]
+
+
+class RowStorage(nn.Module):
+    kind = "abstract"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: dict[str, torch.Tensor] = {}
+        self.optimizer = None
+        self.step = 0
+
+    def _new_state(self, rows: int, per_element: bool, fill: float) -> torch.Tensor:
+        shape = (rows, self.dim) if per_element else (rows,)
+        t = torch.empty(shape, dtype=self.compute_dtype, device=self.weight.device)
+        advise_huge_pages(t)
+        return t.fill_(fill)
+
+    def attach_optimizer(self, optimizer, hparams: dict) -> None:
+        """Allocate ``optimizer``'s per-row state beside the rows; resets the step."""
+        self.optimizer = optimizer
+        self.hparams = hparams
+        self.step = 0
+        self.state = {
+            name: self._new_state(self.weight.shape[0], per_element, fill)
+            for name, (per_element, fill) in optimizer.state_spec(hparams).items()
+        }
+
+    def reset_state_rows(self, slots: torch.Tensor) -> None:
+        """Optimizer state of ``slots`` back to its initial value (rows given to new ids)."""
+        if self.optimizer is None or slots.numel() == 0:
+            return
+        for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
+            self.state[name].index_fill_(0, slots, fill)
+
+    def updatable(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Bool mask of the rows of ``ids`` an optimizer may update; None for all (dense)."""
+        return None
+
+    @torch.no_grad()
+    def apply(self, ids: torch.Tensor, grad: torch.Tensor, hparams: dict) -> None:
+        """One optimizer step on rows ``ids`` (U,) distinct, with summed gradient ``grad`` (U, D)."""
+        self.step += 1
+        mask = self.updatable(ids)
+        if mask is not None:
+            ids, grad = ids[mask], grad[mask]
+        if ids.numel() == 0:
+            return
+        w, opt, g = self.weight, self.optimizer, grad.to(self.compute_dtype)
+        state = {k: v.index_select(0, ids) for k, v in self.state.items()}  # gathered copies
+        if opt.additive(hparams):  # row += scale * t: one scatter-add, the rows are never gathered
+            t, scale = opt.delta(g, state, self.step, hparams)
+            w.index_add_(0, ids, t.to(w.dtype), alpha=scale)
+        else:
+            rows = w.index_select(0, ids).to(self.compute_dtype)  # (U, D)
+            w.index_copy_(0, ids, opt.update(rows, g, state, self.step, hparams).to(w.dtype))
+        for k, v in state.items():
+            self.state[k].index_copy_(0, ids, v)
+
+    def _apply(self, fn, recurse=True):  # .to(device) moves the optimizer state with the rows
+        out = super()._apply(fn, recurse)
+        self.state = {k: v.to(self.weight.device) for k, v in self.state.items()}
+        return out
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of rows and optimizer state."""
+        return sum(t.numel() * t.element_size() for t in [self.weight, *self.state.values()])
+
+    # The collection writes one state_dict entry per table; the group matrix has none.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        return
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        if strict:
+            unexpected.extend(k for k in state_dict if k.startswith(prefix))

@@ -1,0 +1,349 @@
+"""``HashStorage``: dynamic tables keyed by any int64 id, rows made on first sight.
+
+Shape legend: ``N`` ids in a batch, ``U`` distinct (table, id) pairs, ``C`` row slots,
+``H`` hash-index positions (a power of two >= 2C), ``D`` dim.
+
+Slot 0 of ``weight`` (C+1, D) is the default vector, read by ids without a row and never
+updated. The index is collisionless open addressing over (table, id) pairs, in torch ops
+only (so it runs unchanged on CUDA tensors): each probing round is a few vectorised ops
+over the ids still unresolved, and concurrent inserts into one empty position are settled
+by ``scatter_reduce(amax)``, so the outcome does not depend on thread timing. Eviction
+frees many rows at once and rebuilds the index from the live rows. Memory beyond the rows
+and optimizer state: about 68 bytes per row slot (index at load <= 0.5: 2 x 20 bytes; key,
+table, recency, frequency: 28 bytes) plus the admission sketch when ``min_count > 1``. A new row's initial
+value is the table's row-keyed initializer at (seed, table, id), so a dynamic table fed
+ids from ``[0, n)`` starts (and trains) exactly like a dense table of ``n`` rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .. import init as _init
+from ..config import TableConfig
+from ..errors import HybridEmbedError
+from ..utils import advise_huge_pages
+from .base import RowStorage
+
+__all__ = ["HashStorage", "unique_pairs"]
+
+_EMPTY = -1
+_STATS = ("inserted", "evicted", "rejected", "hits", "lookups")
+
+
+def unique_pairs(ids: torch.Tensor, tabs: torch.Tensor, single_table: bool):
+    """Distinct (table, id) pairs: (ids (U,), tabs (U,), inverse (N,), counts (U,))."""
+    if single_table:
+        u, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        return u, torch.zeros_like(u, dtype=torch.int32), inverse, counts
+    o1 = torch.argsort(ids, stable=True)
+    order = o1[torch.argsort(tabs[o1], stable=True)]  # lexicographic by (table, id)
+    sid, stab = ids[order], tabs[order]
+    first = torch.ones_like(sid, dtype=torch.bool)
+    first[1:] = (sid[1:] != sid[:-1]) | (stab[1:] != stab[:-1])
+    group = torch.cumsum(first, 0) - 1  # (N,) sorted position -> pair index
+    inverse = torch.empty_like(group)
+    inverse[order] = group
+    counts = torch.bincount(group, minlength=int(first.sum()))
+    return sid[first], stab[first], inverse, counts
+
+
+class HashStorage(RowStorage):
+    """Rows of a group of dynamic tables (same dim, dtype, optimizer and :class:`Dynamic`)."""
+
+    kind = "dynamic"
+
+    def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
+        super().__init__()
+        self.tables = list(tables)
+        self.config = self.tables[0].dynamic
+        self.dim = self.tables[0].embedding_dim
+        self.dtype = self.tables[0].dtype
+        self.compute_dtype = self.tables[0].compute_dtype
+        self.seed = int(seed)
+        self.table_index = {t.name: i for i, t in enumerate(self.tables)}
+        cap = self.config.capacity
+        self.capacity = None if cap is None else cap * len(self.tables)  # rows for the whole group
+        slots = self.capacity if self.capacity is not None else self.config.initial_rows
+        weight = torch.empty(slots + 1, self.dim, dtype=self.dtype, device=device)
+        advise_huge_pages(weight)
+        weight[0] = self.config.default_value
+        self.weight = nn.Parameter(weight)
+        dev = weight.device
+        self.register_buffer("slot_key", torch.zeros(slots + 1, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer(
+            "slot_table", torch.full((slots + 1,), _EMPTY, dtype=torch.int32, device=dev), persistent=False
+        )
+        self.register_buffer("last_seen", torch.zeros(slots + 1, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("freq", torch.zeros(slots + 1, dtype=torch.int64, device=dev), persistent=False)
+        self.slot_table[0] = -2  # the default row is never free, never evicted
+        self.register_buffer("free", torch.arange(slots, 0, -1, device=dev), persistent=False)  # a stack
+        shape = (len(self.tables), self.config.sketch_depth, self.config.sketch_width)
+        sketch = (
+            torch.zeros(shape, dtype=torch.int32, device=dev)
+            if self.config.min_count > 1
+            else torch.zeros(0, device=dev)
+        )
+        self.register_buffer("sketch", sketch, persistent=False)
+        self.register_buffer(
+            "stats", torch.zeros(len(self.tables), len(_STATS), dtype=torch.int64, device=dev), persistent=False
+        )
+        self.clock = 0  # training lookups so far: the time of LRU and TTL
+        self._gen = torch.Generator(device=dev).manual_seed(self.seed)  # admission draws
+        self._build_index(slots)
+
+    # --- the hash index ------------------------------------------------------------------
+    def _hash(self, keys: torch.Tensor, tabs: torch.Tensor, salt: int = 0) -> torch.Tensor:
+        h = _init.mix64(keys ^ (tabs.to(torch.int64) * _init._GOLDEN + salt))
+        return h & ((1 << 62) - 1)  # non-negative
+
+    def _build_index(self, slots: int) -> None:
+        h = 1 << max(4, math.ceil(math.log2(2 * (slots + 1))))
+        dev = self.weight.device
+        self._mask = h - 1
+        self._hkey = torch.zeros(h, dtype=torch.int64, device=dev)
+        self._htab = torch.full((h,), _EMPTY, dtype=torch.int32, device=dev)
+        self._hslot = torch.zeros(h, dtype=torch.int32, device=dev)  # slots < 2**31
+        self._claim = torch.full((h,), -1, dtype=torch.int32, device=dev)
+        live = (self.slot_table >= 0).nonzero().squeeze(1)
+        if live.numel():
+            self._insert(self.slot_key[live], self.slot_table[live], live)
+
+    def _find(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
+        """(U,) slots of (table, id) pairs; -1 where absent."""
+        out = torch.full_like(keys, -1)
+        active = torch.arange(keys.numel(), device=keys.device)
+        pos = self._hash(keys, tabs) & self._mask
+        while active.numel():
+            k, t = keys[active], tabs[active]
+            hit = (self._htab[pos] == t) & (self._hkey[pos] == k)
+            out[active[hit]] = self._hslot[pos[hit]].to(torch.int64)
+            go_on = ~hit & (self._htab[pos] != _EMPTY)
+            active, pos = active[go_on], (pos[go_on] + 1) & self._mask
+        return out
+
+    def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
+        """Add absent, distinct (table, id) pairs pointing at ``slots``."""
+        pending = torch.arange(keys.numel(), device=keys.device, dtype=torch.int32)
+        pos = self._hash(keys, tabs) & self._mask
+        while pending.numel():
+            empty = self._htab[pos] == _EMPTY
+            cand, cpos = pending[empty], pos[empty]
+            self._claim.scatter_reduce_(0, cpos, cand, "amax")  # one winner per empty position
+            won = self._claim[cpos] == cand
+            self._claim[cpos] = -1
+            wpos, widx = cpos[won], cand[won]
+            self._hkey[wpos], self._htab[wpos] = keys[widx], tabs[widx]
+            self._hslot[wpos] = slots[widx].to(torch.int32)
+            placed = torch.zeros_like(empty)
+            placed[empty] = won
+            pending, pos = pending[~placed], (pos[~placed] + 1) & self._mask
+
+    # --- rows: make, evict, grow ---------------------------------------------------------
+    def _init_rows(self, slots: torch.Tensor, keys: torch.Tensor, tabs: torch.Tensor) -> None:
+        with torch.no_grad():
+            for i, t in enumerate(self.tables):
+                m = tabs == i
+                if bool(m.any()):
+                    rows = _init.generate(t.init, self.seed, t.name, keys[m], self.dim, dtype=self.dtype)
+                    self.weight.index_copy_(0, slots[m], rows)
+        self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
+        self.last_seen[slots], self.freq[slots] = self.clock, 0
+        self.reset_state_rows(slots)
+
+    def _evict(self, victims: torch.Tensor) -> None:
+        if victims.numel() == 0:
+            return
+        self.stats[:, 1] += torch.bincount(self.slot_table[victims].long(), minlength=len(self.tables))
+        self.slot_table[victims] = _EMPTY
+        self.free = torch.cat([self.free, victims.flip(0)])
+        self._build_index(self.weight.shape[0] - 1)
+
+    def _evict_for(self, needed: int) -> None:
+        """Free at least ``needed`` rows (one batch of ``evict_fraction`` of the capacity)."""
+        live = (self.slot_table >= 0) & (self.last_seen < self.clock)  # never rows of this batch
+        cand = live.nonzero().squeeze(1)
+        k = min(max(needed, math.ceil(self.config.evict_fraction * self.capacity)), cand.numel())
+        if k < needed:
+            raise HybridEmbedError(
+                f"dynamic tables {[t.name for t in self.tables]}: a batch needs {needed} new rows but only "
+                f"{cand.numel() + self.free.numel()} can be freed (capacity {self.capacity}); raise Dynamic(capacity=...)"
+            )
+        if self.config.eviction == "lfu":
+            score = self.freq[cand] * (self.clock + 1) + self.last_seen[cand]  # least often, then least recently
+        else:
+            score = self.last_seen[cand]
+        self._evict(cand[torch.topk(score, k, largest=False).indices])
+
+    def _grow(self, needed: int) -> None:
+        old = self.weight.shape[0] - 1
+        new = old
+        while new - old + self.free.numel() < needed:
+            new *= 2
+        dev, extra = self.weight.device, new - old
+        weight = torch.empty(new + 1, self.dim, dtype=self.dtype, device=dev)
+        advise_huge_pages(weight)
+        weight[: old + 1] = self.weight.detach()
+        grad = self.weight.grad
+        self.weight = nn.Parameter(weight)
+        if grad is not None:  # gradient accumulated before the growth carries over
+            self.weight.grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), weight.shape)
+        for name in ("slot_key", "last_seen", "freq"):
+            setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.int64, device=dev)]))
+        self.slot_table = torch.cat([self.slot_table, torch.full((extra,), _EMPTY, dtype=torch.int32, device=dev)])
+        if self.optimizer is not None:
+            for name, (per_element, fill) in self.optimizer.state_spec(self.hparams).items():
+                self.state[name] = torch.cat([self.state[name], self._new_state(extra, per_element, fill)])
+        self.free = torch.cat([torch.arange(new, old, -1, device=dev), self.free])
+        self._build_index(new)
+
+    def _allocate(self, n: int) -> torch.Tensor:
+        if self.free.numel() < n:
+            if self.capacity is None:
+                self._grow(n)
+            else:
+                self._evict_for(n - self.free.numel())
+        slots = self.free[-n:].flip(0)
+        self.free = self.free[:-n]
+        return slots
+
+    def _admit(self, keys: torch.Tensor, tabs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        cfg, n = self.config, keys.numel()
+        admitted = torch.ones(n, dtype=torch.bool, device=keys.device)
+        if cfg.min_count > 1:  # count-min sketch: add this batch's sightings, read the estimate
+            est = torch.full((n,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=keys.device)
+            t = tabs.long()
+            for d in range(cfg.sketch_depth):
+                col = self._hash(keys, tabs, salt=d + 1) % cfg.sketch_width
+                row = self.sketch[:, d]  # (T, W)
+                row.index_put_((t, col), counts.to(torch.int32), accumulate=True)
+                est = torch.minimum(est, row[t, col])
+            admitted &= est >= cfg.min_count
+        if cfg.admit_probability < 1.0:
+            draw = torch.rand(n, generator=self._gen, device=keys.device)
+            admitted &= draw < cfg.admit_probability
+        return admitted
+
+    # --- the lookup ------------------------------------------------------------------------
+    def slots(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> torch.Tensor:
+        """(N,) ids of tables ``tabs`` (N,) -> (N,) row slots; 0 (the default row) for ids without one.
+
+        In training, unknown ids are admitted (rows made, evicting if full) and recency and
+        frequency are recorded; in eval nothing changes."""
+        keys, ktabs, inverse, counts = unique_pairs(ids, tabs, len(self.tables) == 1)
+        found = self._find(keys, ktabs)
+        if train:
+            with torch.no_grad():
+                self.clock += 1
+                nt = len(self.tables)
+                self.stats[:, 4] += torch.bincount(ktabs.long(), weights=counts, minlength=nt).long()
+                hit = found >= 0
+                self.stats[:, 3] += torch.bincount(ktabs[hit].long(), weights=counts[hit], minlength=nt).long()
+                miss = (~hit).nonzero().squeeze(1)
+                if miss.numel():
+                    ok = self._admit(keys[miss], ktabs[miss], counts[miss])
+                    rej = miss[~ok]
+                    self.stats[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
+                    new = miss[ok]
+                    if new.numel():
+                        self.last_seen[found[hit]] = self.clock  # protect this batch's rows from eviction
+                        slots = self._allocate(new.numel())
+                        self._insert(keys[new], ktabs[new], slots)
+                        self._init_rows(slots, keys[new], ktabs[new])
+                        found[new] = slots
+                        self.stats[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
+                seen = found >= 0
+                s = found[seen]
+                self.last_seen[s] = self.clock
+                self.freq.index_add_(0, s, counts[seen])
+                if self.config.eviction == "ttl":
+                    expired = (self.slot_table >= 0) & (self.clock - self.last_seen > self.config.ttl_steps)
+                    if bool(expired.any()):
+                        self._evict(expired.nonzero().squeeze(1))
+        return found.clamp_min(0)[inverse]
+
+    def updatable(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids != 0  # the default row gets no update
+
+    # --- per-table views -------------------------------------------------------------------
+    def table_slots(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids ascending (K,), their slots (K,)) of table ``name``'s rows."""
+        slots = (self.slot_table == self.table_index[name]).nonzero().squeeze(1)
+        keys = self.slot_key[slots]
+        order = torch.argsort(keys)
+        return keys[order], slots[order]
+
+    def table_state(self, name: str) -> dict[str, torch.Tensor]:
+        _, slots = self.table_slots(name)
+        return {k: v.index_select(0, slots) for k, v in self.state.items()}
+
+    def load_table_state(self, name: str, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        slots = self._find(ids.to(self.weight.device), torch.full_like(ids, self.table_index[name], dtype=torch.int32))
+        if bool((slots < 0).any()):
+            raise HybridEmbedError(
+                f"table {name!r}: optimizer state for ids the table does not hold; load the model first"
+            )
+        for k, v in state.items():
+            self.state[k].index_copy_(0, slots, v.to(self.state[k]))
+
+    def table_stats(self, name: str) -> dict[str, float]:
+        i = self.table_index[name]
+        s = dict(zip(_STATS, self.stats[i].tolist()))
+        s["size"] = int((self.slot_table == i).sum())
+        s["capacity"] = self.config.capacity
+        s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
+        return s
+
+    def save_table(self, name: str) -> dict[str, torch.Tensor]:
+        i = self.table_index[name]
+        ids, slots = self.table_slots(name)
+        out = {
+            "ids": ids,
+            "weight": self.weight.detach().index_select(0, slots),
+            "last_seen": self.last_seen[slots],
+            "freq": self.freq[slots],
+            "stats": self.stats[i].clone(),
+            "clock": torch.tensor(self.clock),
+        }
+        if self.sketch.numel():
+            out["sketch"] = self.sketch[i].clone()
+        return out
+
+    def load_table(self, name: str, entry: dict[str, torch.Tensor]) -> None:
+        """Replace table ``name``'s rows with ``entry`` (as from :meth:`save_table`)."""
+        i, ids = self.table_index[name], entry["ids"].to(self.weight.device, torch.int64)
+        old = (self.slot_table == i).nonzero().squeeze(1)
+        if old.numel():
+            self.stats[i, 1] -= old.numel()  # a reload is not an eviction
+            self._evict(old)
+        if self.capacity is not None and ids.numel() > self.free.numel():
+            raise HybridEmbedError(f"table {name!r}: {ids.numel()} rows do not fit the capacity {self.capacity}")
+        tabs = torch.full_like(ids, i, dtype=torch.int32)
+        slots = self._allocate(ids.numel())
+        self._insert(ids, tabs, slots)
+        self._init_rows(slots, ids, tabs)
+        with torch.no_grad():
+            self.weight.index_copy_(0, slots, entry["weight"].to(self.weight))
+        self.last_seen[slots], self.freq[slots] = entry["last_seen"].to(self.last_seen), entry["freq"].to(self.freq)
+        self.stats[i] = entry["stats"].to(self.stats)
+        self.clock = max(self.clock, int(entry["clock"]))
+        if "sketch" in entry and self.sketch.numel():
+            self.sketch[i] = entry["sketch"].to(self.sketch)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        dev = self.weight.device
+        for name in ("_hkey", "_htab", "_hslot", "_claim"):
+            setattr(self, name, getattr(self, name).to(dev))
+        if self._gen.device != dev:
+            self._gen = torch.Generator(device=dev).manual_seed(self.seed)
+        return out
+
+    def extra_repr(self) -> str:
+        names = ", ".join(t.name for t in self.tables)
+        live = int((self.slot_table >= 0).sum())
+        return f"rows={live}/{self.capacity or 'unbounded'}, dim={self.dim}, dtype={self.dtype}, tables=[{names}]"
