@@ -43,20 +43,26 @@ def sorted_segments(ids: torch.Tensor, num_rows: int | None = None) -> tuple[tor
 
 class _PooledLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, ids, offsets, psw, compute_dtype):  # (R, D), (N,), (S+1,), (N,)|None
+    def forward(ctx, weight, ids, offsets, psw, compute_dtype, grad_sink):  # (R, D), (N,), (S+1,), (N,)|None
         if weight.dtype == compute_dtype:
             pooled = F.embedding_bag(ids, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
         else:  # half-precision storage: accumulate in compute_dtype
             rows = weight.index_select(0, ids).to(compute_dtype)  # (N, D)
             pos = torch.arange(ids.numel(), device=ids.device)
             pooled = F.embedding_bag(pos, rows, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
-        ctx.save_for_backward(weight, ids, offsets, psw)
+        # the weight by reference, not saved: a dynamic table inserts rows (in place, into
+        # other slots) between this forward and its backward; only its shape and, for the
+        # per-id-weight gradient, these ids' rows are read back
+        ctx.weight = weight
+        ctx.save_for_backward(ids, offsets, psw)
         ctx.compute_dtype = compute_dtype
+        ctx.grad_sink = grad_sink
         return pooled  # (S, D)
 
     @staticmethod
     def backward(ctx, grad):  # (S, D)
-        weight, ids, offsets, psw = ctx.saved_tensors
+        ids, offsets, psw = ctx.saved_tensors
+        weight = ctx.weight
         n, s = ids.numel(), offsets.numel() - 1
         grad = grad.contiguous()
         grad_weight = grad_psw = None
@@ -73,7 +79,7 @@ class _PooledLookup(torch.autograd.Function):
                 rows = grad if psw is None else grad * psw.unsqueeze(1)  # (N, D)
                 grad_weight = torch.sparse_coo_tensor(
                     ids.unsqueeze(0), rows.to(weight.dtype), weight.shape, check_invariants=False
-                )
+                )  # weight.shape is the current one: a grown dynamic matrix keeps its rows
             else:  # pooled bags: reduce per distinct row with the transposed bag
                 uniq, perm, seg = sorted_segments(ids, weight.shape[0])
                 w = None if psw is None else psw.index_select(0, perm)
@@ -91,7 +97,10 @@ class _PooledLookup(torch.autograd.Function):
         if psw is not None and ctx.needs_input_grad[3]:
             rows = weight.index_select(0, ids).to(ctx.compute_dtype)  # (N, D)
             grad_psw = (rows * (grad if one_per_bag else grad.index_select(0, bag_of_id))).sum(1)  # (N,)
-        return grad_weight, None, None, grad_psw, None
+        if grad_weight is not None and ctx.grad_sink is not None:
+            ctx.grad_sink(grad_weight)  # the storage accumulates it (its matrix may have grown)
+            grad_weight = None
+        return grad_weight, None, None, grad_psw, None, None
 
 
 def pooled_lookup(
@@ -100,10 +109,14 @@ def pooled_lookup(
     offsets: torch.Tensor,
     per_id_weights: torch.Tensor | None,
     compute_dtype: torch.dtype,
+    grad_sink=None,
 ) -> torch.Tensor:
     """Pool rows ``ids`` (N,) of ``weight`` (R, D) into bags ``offsets`` (S+1,) -> (S, D).
 
-    The gradient reaching ``weight`` is sparse and coalesced. One kernel call each way.
+    The gradient reaching ``weight`` is sparse (coalesced unless every bag holds one id).
+    One kernel call each way. With ``grad_sink``, the gradient is passed to it instead of
+    autograd's accumulation: a storage whose matrix grows between forward and backward
+    (dynamic tables) sizes it to the current matrix.
     """
     needs_grad = torch.is_grad_enabled() and (
         weight.requires_grad or (per_id_weights is not None and per_id_weights.requires_grad)
@@ -112,7 +125,7 @@ def pooled_lookup(
         return F.embedding_bag(
             ids, weight, offsets, mode="sum", per_sample_weights=per_id_weights, include_last_offset=True
         )
-    return _PooledLookup.apply(weight, ids, offsets, per_id_weights, compute_dtype)
+    return _PooledLookup.apply(weight, ids, offsets, per_id_weights, compute_dtype, grad_sink)
 
 
 def bag_scale(

@@ -197,6 +197,36 @@ class EmbeddingCollection(nn.Module):
             out.update(self._lookup_group(storage, pooled_feats, seq_feats, jagged))
         return {f: out[f] for f in self._features}
 
+    def lookup(self, feature: str, ids: Any) -> torch.Tensor | Jagged:
+        """One feature alone: the same result as ``self({...})[feature]`` without the others.
+
+        ``ids`` takes any input form ``forward`` does. Validated the same way, before any
+        row is read. Several single-feature lookups of one group in a step each add their
+        part to the group's sparse gradient; the optimizer still updates the group once.
+
+        >>> import torch, hybridembed as he
+        >>> ec = he.EmbeddingCollection([he.TableConfig("a", 10, 4), he.TableConfig("b", 10, 4)])
+        >>> tuple(ec.lookup("a", torch.tensor([[1, 2], [3, -1]])).shape)
+        (2, 4)
+        """
+        feat = self._features.get(feature) if isinstance(feature, str) else None
+        if feat is None:
+            raise InvalidInputError(f"unknown feature {feature!r}; this collection has: {', '.join(self._features)}")
+        j = as_jagged(ids, feature, self.pad)
+        j.check_structure(feature)
+        storage = self.storages[feat.group]
+        device = storage.weight.device
+        if j.values.device != device or j.offsets.device != device:
+            raise InvalidInputError(
+                f"feature {feature!r}: input is on {j.values.device} but its table is on {device}; "
+                f"move it with .to({str(device)!r})",
+                feature,
+            )
+        if not bool(j.ok(feat.table.num_embeddings, allow_negative=feat.dynamic)):
+            j.raise_first_error(feature, feat.table.num_embeddings, allow_negative=feat.dynamic)
+        pooled, seq = ([], [feat]) if feat.table.combiner == "none" else ([feat], [])
+        return self._lookup_group(storage, pooled, seq, {feature: j})[feature]
+
     def _lookup_group(
         self, storage: DenseStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict[str, Jagged]
     ) -> dict[str, torch.Tensor | Jagged]:
@@ -237,7 +267,8 @@ class EmbeddingCollection(nn.Module):
                 ]
             )
             ids_cat = storage.slots(ids_cat, tabs, train=self.training)
-        rows = pooled_lookup(storage.weight, ids_cat, torch.cat(offsets), psw, cdt)  # (S, D)
+        sink = storage.accumulate_grad if storage.kind == "dynamic" else None
+        rows = pooled_lookup(storage.weight, ids_cat, torch.cat(offsets), psw, cdt, sink)  # (S, D)
         result: dict[str, torch.Tensor | Jagged] = dict(zip((f.name for f in feats), torch.split(rows, sizes)))
         for f in seq:
             result[f.name] = self._sequence(result[f.name], jagged[f.name].offsets.to(torch.int64))

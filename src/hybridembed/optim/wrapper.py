@@ -115,9 +115,9 @@ class HybridOptimizer(torch.optim.Optimizer):
         if any(p.grad is not None for g in self.dense.param_groups for p in g["params"]):
             self.dense.step()
         for storage, group in zip(self._storages, self._sparse_groups):
-            group["params"] = [storage.weight]  # a growing dynamic table replaces its matrix
             grad = storage.weight.grad
             if grad is None:
+                storage.after_step()
                 continue
             if not grad.is_sparse:
                 raise HybridEmbedError(
@@ -125,6 +125,7 @@ class HybridOptimizer(torch.optim.Optimizer):
                 )
             ids, rows = reduce_rows(grad)
             storage.apply(ids, rows, group)
+            storage.after_step()
         return loss
 
     def sparse_optimizers(self) -> dict[str, so.SparseOptimizer]:

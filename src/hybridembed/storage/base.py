@@ -77,6 +77,9 @@ class RowStorage(nn.Module):
         for k, v in state.items():
             self.state[k].index_copy_(0, ids, v)
 
+    def after_step(self) -> None:
+        """Called by the optimizer after every step, whether or not this storage had a gradient."""
+
     def _apply(self, fn, recurse=True):  # .to(device) moves the optimizer state with the rows
         out = super()._apply(fn, recurse)
         self.state = {k: v.to(self.weight.device) for k, v in self.state.items()}

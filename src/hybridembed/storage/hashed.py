@@ -72,9 +72,8 @@ class HashStorage(RowStorage):
         self.compute_dtype = self.tables[0].compute_dtype
         self.seed = int(seed)
         self.table_index = {t.name: i for i, t in enumerate(self.tables)}
-        cap = self.config.capacity
-        self.capacity = None if cap is None else cap * len(self.tables)  # rows for the whole group
-        slots = self.capacity if self.capacity is not None else self.config.initial_rows
+        self.capacity = self.config.capacity  # per table; the group holds capacity x tables slots
+        slots = self.capacity * len(self.tables) if self.capacity is not None else self.config.initial_rows
         weight = torch.empty(slots + 1, self.dim, dtype=self.dtype, device=device)
         advise_huge_pages(weight)
         weight[0] = self.config.default_value
@@ -98,7 +97,9 @@ class HashStorage(RowStorage):
         self.register_buffer(
             "stats", torch.zeros(len(self.tables), len(_STATS), dtype=torch.int64, device=dev), persistent=False
         )
+        self.register_buffer("size", torch.zeros(len(self.tables), dtype=torch.int64, device=dev), persistent=False)
         self.clock = 0  # training lookups so far: the time of LRU and TTL
+        self._applied_clock = 0  # the clock at the last optimizer step
         self._gen = torch.Generator(device=dev).manual_seed(self.seed)  # admission draws
         self._build_index(slots)
 
@@ -159,33 +160,71 @@ class HashStorage(RowStorage):
                     self.weight.index_copy_(0, slots[m], rows)
         self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
         self.last_seen[slots], self.freq[slots] = self.clock, 0
+        self.size += torch.bincount(tabs.long(), minlength=len(self.tables))
         self.reset_state_rows(slots)
 
-    def _evict(self, victims: torch.Tensor) -> None:
+    def _evict(self, victims: torch.Tensor, count: bool = True) -> None:
+        """Free ``victims`` (slots) in one batch, then rebuild the index from the live rows."""
         if victims.numel() == 0:
             return
-        self.stats[:, 1] += torch.bincount(self.slot_table[victims].long(), minlength=len(self.tables))
+        per_table = torch.bincount(self.slot_table[victims].long(), minlength=len(self.tables))
+        if count:
+            self.stats[:, 1] += per_table
+        self.size -= per_table
         self.slot_table[victims] = _EMPTY
         self.free = torch.cat([self.free, victims.flip(0)])
+        g = self.weight.grad
+        if g is not None:  # a pending gradient must not land on the id that reuses the slot
+            keep = ~torch.isin(g._indices()[0], victims)
+            self.weight.grad = torch.sparse_coo_tensor(
+                g._indices()[:, keep], g._values()[keep], g.shape, check_invariants=False
+            )
         self._build_index(self.weight.shape[0] - 1)
 
-    def _evict_for(self, needed: int) -> None:
-        """Free at least ``needed`` rows (one batch of ``evict_fraction`` of the capacity)."""
-        live = (self.slot_table >= 0) & (self.last_seen < self.clock)  # never rows of this batch
-        cand = live.nonzero().squeeze(1)
-        k = min(max(needed, math.ceil(self.config.evict_fraction * self.capacity)), cand.numel())
-        if k < needed:
-            raise HybridEmbedError(
-                f"dynamic tables {[t.name for t in self.tables]}: a batch needs {needed} new rows but only "
-                f"{cand.numel() + self.free.numel()} can be freed (capacity {self.capacity}); raise Dynamic(capacity=...)"
-            )
-        if self.config.eviction == "lfu":
-            score = self.freq[cand] * (self.clock + 1) + self.last_seen[cand]  # least often, then least recently
-        else:
-            score = self.last_seen[cand]
-        self._evict(cand[torch.topk(score, k, largest=False).indices])
+    def _protected(self, batch_slots: torch.Tensor) -> torch.Tensor:
+        """(C+1,) bool: rows that may not be evicted now — this batch's, and every row touched
+        since the last optimizer step (their gradients may still be pending)."""
+        since = self._applied_clock if self.optimizer is not None else self.clock
+        protect = self.last_seen > since
+        protect[batch_slots] = True
+        return protect
+
+    def _plan_evictions(self, new_tabs: torch.Tensor, batch_slots: torch.Tensor) -> torch.Tensor:
+        """Slots to free so every table stays within its capacity; raises before any change."""
+        if self.capacity is None or new_tabs.numel() == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.weight.device)
+        cap = self.capacity
+        needed = torch.bincount(new_tabs.long(), minlength=len(self.tables))
+        over = (self.size + needed - cap).tolist()
+        victims = []
+        protect = None
+        for i, excess in enumerate(over):
+            if excess <= 0:
+                continue
+            if protect is None:
+                protect = self._protected(batch_slots)
+            cand = ((self.slot_table == i) & ~protect).nonzero().squeeze(1)
+            if cand.numel() < excess:
+                raise HybridEmbedError(
+                    f"dynamic table {self.tables[i].name!r}: this batch needs {int(needed[i])} new rows; "
+                    f"{int(self.size[i])} of its {cap} rows are in use and only {cand.numel()} can be evicted "
+                    "(rows touched since the last optimizer step stay). Raise Dynamic(capacity=...) or step "
+                    "the optimizer more often."
+                )
+            k = min(max(excess, math.ceil(self.config.evict_fraction * cap)), cand.numel())
+            if self.config.eviction == "lfu":  # least often, then least recently
+                score = self.freq[cand] * (self.clock + 2) + self.last_seen[cand]
+            else:
+                score = self.last_seen[cand]
+            # ties broken by id, so the victims do not depend on where rows happen to sit
+            order = torch.argsort(self.slot_key[cand], stable=True)
+            order = order[torch.argsort(score[order], stable=True)]
+            victims.append(cand[order[:k]])
+        return torch.cat(victims) if victims else torch.zeros(0, dtype=torch.int64, device=self.weight.device)
 
     def _grow(self, needed: int) -> None:
+        """Double the row slots (unbounded tables). The Parameter object stays the same, so
+        graphs and optimizers that hold it keep working; pending gradients are resized."""
         old = self.weight.shape[0] - 1
         new = old
         while new - old + self.free.numel() < needed:
@@ -195,9 +234,12 @@ class HashStorage(RowStorage):
         advise_huge_pages(weight)
         weight[: old + 1] = self.weight.detach()
         grad = self.weight.grad
-        self.weight = nn.Parameter(weight)
-        if grad is not None:  # gradient accumulated before the growth carries over
-            self.weight.grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), weight.shape)
+        self.weight.grad = None
+        self.weight.data = weight
+        if grad is not None:
+            self.weight.grad = torch.sparse_coo_tensor(
+                grad._indices(), grad._values(), weight.shape, check_invariants=False
+            )
         for name in ("slot_key", "last_seen", "freq"):
             setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.int64, device=dev)]))
         self.slot_table = torch.cat([self.slot_table, torch.full((extra,), _EMPTY, dtype=torch.int32, device=dev)])
@@ -209,68 +251,100 @@ class HashStorage(RowStorage):
 
     def _allocate(self, n: int) -> torch.Tensor:
         if self.free.numel() < n:
-            if self.capacity is None:
-                self._grow(n)
-            else:
-                self._evict_for(n - self.free.numel())
+            self._grow(n)  # capped tables have freed room in _plan_evictions
         slots = self.free[-n:].flip(0)
         self.free = self.free[:-n]
         return slots
 
-    def _admit(self, keys: torch.Tensor, tabs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _admit(self, keys: torch.Tensor, tabs: torch.Tensor, counts: torch.Tensor):
+        """-> (admitted (M,) bool, commit): the sketch is only updated by ``commit()``."""
         cfg, n = self.config, keys.numel()
         admitted = torch.ones(n, dtype=torch.bool, device=keys.device)
-        if cfg.min_count > 1:  # count-min sketch: add this batch's sightings, read the estimate
+        cells = []
+        if cfg.min_count > 1:  # count-min sketch: this batch's sightings added to the estimate
             est = torch.full((n,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=keys.device)
             t = tabs.long()
             for d in range(cfg.sketch_depth):
                 col = self._hash(keys, tabs, salt=d + 1) % cfg.sketch_width
-                row = self.sketch[:, d]  # (T, W)
-                row.index_put_((t, col), counts.to(torch.int32), accumulate=True)
-                est = torch.minimum(est, row[t, col])
+                cells.append((d, col))
+                est = torch.minimum(est, self.sketch[t, d, col] + counts.to(torch.int32))
             admitted &= est >= cfg.min_count
+        gen_state = self._gen.get_state()
         if cfg.admit_probability < 1.0:
             draw = torch.rand(n, generator=self._gen, device=keys.device)
             admitted &= draw < cfg.admit_probability
-        return admitted
+
+        def commit() -> None:
+            t = tabs.long()
+            for d, col in cells:
+                self.sketch[:, d].index_put_((t, col), counts.to(torch.int32), accumulate=True)
+
+        def rollback() -> None:
+            self._gen.set_state(gen_state)
+
+        return admitted, commit, rollback
 
     # --- the lookup ------------------------------------------------------------------------
     def slots(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> torch.Tensor:
         """(N,) ids of tables ``tabs`` (N,) -> (N,) row slots; 0 (the default row) for ids without one.
 
         In training, unknown ids are admitted (rows made, evicting if full) and recency and
-        frequency are recorded; in eval nothing changes."""
+        frequency are recorded; in eval nothing changes. A batch that cannot fit raises
+        :class:`HybridEmbedError` before anything changes."""
         keys, ktabs, inverse, counts = unique_pairs(ids, tabs, len(self.tables) == 1)
         found = self._find(keys, ktabs)
-        if train:
-            with torch.no_grad():
-                self.clock += 1
-                nt = len(self.tables)
-                self.stats[:, 4] += torch.bincount(ktabs.long(), weights=counts, minlength=nt).long()
-                hit = found >= 0
-                self.stats[:, 3] += torch.bincount(ktabs[hit].long(), weights=counts[hit], minlength=nt).long()
-                miss = (~hit).nonzero().squeeze(1)
-                if miss.numel():
-                    ok = self._admit(keys[miss], ktabs[miss], counts[miss])
-                    rej = miss[~ok]
-                    self.stats[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
-                    new = miss[ok]
-                    if new.numel():
-                        self.last_seen[found[hit]] = self.clock  # protect this batch's rows from eviction
-                        slots = self._allocate(new.numel())
-                        self._insert(keys[new], ktabs[new], slots)
-                        self._init_rows(slots, keys[new], ktabs[new])
-                        found[new] = slots
-                        self.stats[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
-                seen = found >= 0
-                s = found[seen]
-                self.last_seen[s] = self.clock
-                self.freq.index_add_(0, s, counts[seen])
-                if self.config.eviction == "ttl":
-                    expired = (self.slot_table >= 0) & (self.clock - self.last_seen > self.config.ttl_steps)
-                    if bool(expired.any()):
-                        self._evict(expired.nonzero().squeeze(1))
+        if not train:
+            return found.clamp_min(0)[inverse]
+        with torch.no_grad():
+            nt = len(self.tables)
+            hit = found >= 0
+            miss = (~hit).nonzero().squeeze(1)
+            new = miss[:0]
+            commit = None
+            if miss.numel():
+                ok, commit, rollback = self._admit(keys[miss], ktabs[miss], counts[miss])
+                new, rej = miss[ok], miss[~ok]
+            try:
+                victims = self._plan_evictions(ktabs[new], found[hit])
+            except HybridEmbedError:
+                if commit is not None:
+                    rollback()
+                raise
+            # from here on the batch is accepted: commit
+            self.clock += 1
+            self.stats[:, 4] += torch.bincount(ktabs.long(), weights=counts, minlength=nt).long()
+            self.stats[:, 3] += torch.bincount(ktabs[hit].long(), weights=counts[hit], minlength=nt).long()
+            if commit is not None:
+                commit()
+                self.stats[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
+            self.last_seen[found[hit]] = self.clock
+            self._evict(victims)
+            if new.numel():
+                slots = self._allocate(new.numel())
+                self._insert(keys[new], ktabs[new], slots)
+                self._init_rows(slots, keys[new], ktabs[new])
+                found[new] = slots
+                self.stats[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
+            seen = found >= 0
+            s = found[seen]
+            self.last_seen[s] = self.clock
+            self.freq.index_add_(0, s, counts[seen])
+            if self.config.eviction == "ttl":  # unseen for ttl_steps lookups, and no pending gradient
+                expired = (self.slot_table >= 0) & (self.clock - self.last_seen >= self.config.ttl_steps)
+                expired &= ~self._protected(s)
+                if bool(expired.any()):
+                    self._evict(expired.nonzero().squeeze(1))
         return found.clamp_min(0)[inverse]
+
+    def accumulate_grad(self, grad: torch.Tensor) -> None:
+        """Receives the lookup's sparse gradient (sized to the current, possibly grown, matrix)."""
+        w = self.weight
+        if grad.shape != w.shape:
+            grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), w.shape, check_invariants=False)
+        w.grad = grad if w.grad is None else w.grad + grad
+
+    def after_step(self) -> None:
+        self._applied_clock = self.clock  # rows touched before now have no pending gradient
 
     def updatable(self, ids: torch.Tensor) -> torch.Tensor:
         return ids != 0  # the default row gets no update
@@ -299,7 +373,7 @@ class HashStorage(RowStorage):
     def table_stats(self, name: str) -> dict[str, float]:
         i = self.table_index[name]
         s = dict(zip(_STATS, self.stats[i].tolist()))
-        s["size"] = int((self.slot_table == i).sum())
+        s["size"] = int(self.size[i])
         s["capacity"] = self.config.capacity
         s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
         return s
@@ -314,6 +388,7 @@ class HashStorage(RowStorage):
             "freq": self.freq[slots],
             "stats": self.stats[i].clone(),
             "clock": torch.tensor(self.clock),
+            "generator": self._gen.get_state(),
         }
         if self.sketch.numel():
             out["sketch"] = self.sketch[i].clone()
@@ -322,12 +397,10 @@ class HashStorage(RowStorage):
     def load_table(self, name: str, entry: dict[str, torch.Tensor]) -> None:
         """Replace table ``name``'s rows with ``entry`` (as from :meth:`save_table`)."""
         i, ids = self.table_index[name], entry["ids"].to(self.weight.device, torch.int64)
-        old = (self.slot_table == i).nonzero().squeeze(1)
-        if old.numel():
-            self.stats[i, 1] -= old.numel()  # a reload is not an eviction
-            self._evict(old)
-        if self.capacity is not None and ids.numel() > self.free.numel():
+        if self.capacity is not None and ids.numel() > self.capacity:  # checked before any change
             raise HybridEmbedError(f"table {name!r}: {ids.numel()} rows do not fit the capacity {self.capacity}")
+        old = (self.slot_table == i).nonzero().squeeze(1)
+        self._evict(old, count=False)  # a reload is not an eviction
         tabs = torch.full_like(ids, i, dtype=torch.int32)
         slots = self._allocate(ids.numel())
         self._insert(ids, tabs, slots)
@@ -337,6 +410,9 @@ class HashStorage(RowStorage):
         self.last_seen[slots], self.freq[slots] = entry["last_seen"].to(self.last_seen), entry["freq"].to(self.freq)
         self.stats[i] = entry["stats"].to(self.stats)
         self.clock = max(self.clock, int(entry["clock"]))
+        self._applied_clock = self.clock
+        if "generator" in entry:
+            self._gen.set_state(entry["generator"].cpu() if self._gen.device.type == "cpu" else entry["generator"])
         if "sketch" in entry and self.sketch.numel():
             self.sketch[i] = entry["sketch"].to(self.sketch)
 
@@ -351,5 +427,5 @@ class HashStorage(RowStorage):
 
     def extra_repr(self) -> str:
         names = ", ".join(t.name for t in self.tables)
-        live = int((self.slot_table >= 0).sum())
-        return f"rows={live}/{self.capacity or 'unbounded'}, dim={self.dim}, dtype={self.dtype}, tables=[{names}]"
+        live = int(self.size.sum())
+        return f"rows={live}/{self.capacity * len(self.tables) if self.capacity else 'unbounded'}, dim={self.dim}, dtype={self.dtype}, tables=[{names}]"
