@@ -4,6 +4,7 @@
 """
 
 from . import _env, init, optim
+from .api import convert, export, load, save
 from .config import Dynamic, TableConfig
 from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError
 from .input import Jagged
@@ -23,9 +24,13 @@ __all__ = [
     "Jagged",
     "TableConfig",
     "clip_grad_norm_",
+    "convert",
+    "export",
     "get_logger",
     "init",
+    "load",
     "optim",
+    "save",
     "tune_cpu_allocator",
     "wrap_optimizer",
 ]

@@ -250,6 +250,8 @@ class HashStorage(RowStorage):
         self._build_index(new)
 
     def _allocate(self, n: int) -> torch.Tensor:
+        if n == 0:  # (free[-0:] would be the whole stack)
+            return self.free[:0]
         if self.free.numel() < n:
             self._grow(n)  # capped tables have freed room in _plan_evictions
         slots = self.free[-n:].flip(0)

@@ -1,0 +1,795 @@
+"""``he.save`` / ``he.load``: atomic, checked checkpoints of models with hybridembed tables.
+
+A checkpoint is a directory; each save writes a complete new version beside the old one
+and then flips a one-line pointer file::
+
+    path/
+      LATEST                        the current version's name; replaced atomically (the commit)
+      v-000007/
+        manifest.json               format version, hybridembed/torch versions, tables (kind,
+                                    shape, dtype, rows, shards), optimizer names and
+                                    hyper-parameters, every file with its size and sha256
+        dense.pt                    every parameter and buffer outside the tables
+        tables/<table>.00000.pt     one shard of one table: its rows BY ROW ID (dense: rows
+                                    row_start..row_end-1; dynamic: ids and rows) and the
+                                    optimizer state of those rows
+        optimizer.pt                the dense optimizer's state_dict; per-table optimizer,
+                                    hyper-parameters and step
+
+Rows are stored by table and row id, never by rank or by group: a table's ``shards`` list
+in the manifest (``[{file, row_start, row_end}]`` dense, ``[{file, rows}]`` dynamic) may
+hold any number of pieces, and :func:`load` puts them together, so a checkpoint written
+by N processes loads at any other world size. One process writes one shard per table.
+Tables are named ``<collection path>.<table>`` (``hybridembed.user`` for a converted
+model, ``ec.video`` for an ``EmbeddingCollection`` at ``model.ec``).
+
+Atomicity (:func:`save`): the new version is written under ``path/.tmp-v-000008-<pid>``,
+every file and directory fsynced, renamed to ``path/v-000008``, then ``LATEST`` is
+replaced with ``os.replace`` (written to ``LATEST.tmp-<pid>`` and fsynced first) and the
+directory fsynced. A crash before that replace leaves ``LATEST`` naming the previous,
+untouched version; after it, the new one. Older versions are deleted only after the
+commit (``keep`` of them stay). Leftovers of a crashed save are removed by the next
+save. One writer per path at a time.
+
+Not saved: torch's global RNG state (dropout) and the data position; put what a resume
+needs into ``save(..., extra={...})`` (stored in the manifest, committed atomically with
+the rows) and read it back from ``load(...)["extra"]``.
+
+Loading (:func:`load`) checks, before changing any parameter, buffer, row or optimizer
+state: the manifest (readable JSON, known format version), the model against it (tables
+missing or unexpected, kind, dim, dtype, row count, dense parameters and buffers), every
+file (present, size, sha256), and the optimizer. Every difference found is listed in one
+:class:`~hybridembed.CheckpointError`.
+
+    >>> import tempfile, torch, hybridembed as he
+    >>> ec = he.EmbeddingCollection([he.TableConfig("item", 100, 8)])
+    >>> model = torch.nn.ModuleDict({"ec": ec, "mlp": torch.nn.Linear(8, 1)})
+    >>> opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.05), model)
+    >>> path = tempfile.mkdtemp() + "/ckpt"
+    >>> _ = he.save(path, model, opt, extra={"step": 10})
+    >>> he.load(path, model, opt)["extra"]
+    {'step': 10}
+    >>> from hybridembed.api.checkpoint import checkpoint_tables
+    >>> checkpoint_tables(path)
+    {'ec.item': {'kind': 'dense', 'shape': [100, 8], 'dtype': 'float32', 'rows': 100}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..modules import EmbeddingCollection
+from ..optim.wrapper import HybridOptimizer
+from ..storage import RowStorage
+from ..utils import get_logger
+from .convert import _TableLayer, load_dynamic_table
+
+__all__ = ["save", "load", "read_manifest", "checkpoint_tables", "FORMAT_VERSION"]
+
+log = get_logger(__name__)
+
+FORMAT = "hybridembed-checkpoint"
+FORMAT_VERSION = 1
+POINTER = "LATEST"
+MANIFEST = "manifest.json"
+_VERSION_RE = re.compile(r"^v-(\d{6,})$")
+_TMP_RE = re.compile(r"^\.tmp-v-\d+-(\d+)$")
+_DYNAMIC_ENTRY = ("ids", "weight", "last_seen", "freq", "stats", "clock")
+_PER_ROW = ("ids", "weight", "last_seen", "freq")
+_CHUNK = 1 << 22
+
+
+# --- what a model holds ----------------------------------------------------------------------------
+class _Table:
+    """One table of the model: where it lives and what it is."""
+
+    def __init__(self, qualified: str, collection: EmbeddingCollection, name: str):
+        self.qualified = qualified
+        self.collection = collection
+        self.name = name
+        self.config = collection.tables[name]
+        self.storage = collection.storage_of(name)
+        self.kind = "dynamic" if self.config.dynamic is not None else "dense"
+
+    @property
+    def shape(self) -> list[int | None]:
+        return [self.config.num_embeddings, self.config.embedding_dim]
+
+    @property
+    def dtype(self) -> str:
+        return _dtype_name(self.config.dtype)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _model_tables(model: nn.Module) -> dict[str, _Table]:
+    tables: dict[str, _Table] = {}
+    for path, m in model.named_modules():
+        if isinstance(m, EmbeddingCollection):
+            for name in m.tables:
+                q = f"{path}.{name}" if path else name
+                tables[q] = _Table(q, m, name)
+    return tables
+
+
+def _dense_state(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` without the tables' entries (collections and converted layers)."""
+    prefixes = [
+        f"{path}." if path else ""
+        for path, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, (EmbeddingCollection, _TableLayer, RowStorage))
+    ]
+    if "" in prefixes:
+        return {}
+    return {k: v for k, v in model.state_dict().items() if not any(k.startswith(p) for p in prefixes)}
+
+
+def _table_of_storage(tables: Mapping[str, _Table]) -> dict[str, str]:
+    """Bare table name (as the optimizer keys them) -> qualified name."""
+    out: dict[str, str] = {}
+    for q, t in tables.items():
+        if t.name in out:
+            raise CheckpointError(
+                f"tables {out[t.name]!r} and {q!r} share the name {t.name!r}, and the optimizer keys its state by "
+                "table name; give them different names"
+            )
+        out[t.name] = q
+    return out
+
+
+# --- small file helpers ----------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, obj: Any) -> None:
+    """One file of a checkpoint: ``torch.save`` (or raw bytes), flushed and fsynced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        if isinstance(obj, bytes):
+            f.write(obj)
+        else:
+            torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit(root: Path, version: str) -> None:
+    """Point ``root/LATEST`` at ``version``: the one atomic step that makes a save visible."""
+    tmp = root / f"{POINTER}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(version + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / POINTER)
+    _fsync_dir(root)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, torch.dtype):
+        return _dtype_name(v)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return repr(v)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but not ours, or no kill() here
+        return True
+    return True
+
+
+def _versions(root: Path) -> list[str]:
+    names = [p.name for p in root.iterdir() if p.is_dir() and _VERSION_RE.match(p.name)]
+    return sorted(names, key=lambda n: int(n[2:]))
+
+
+def _current(root: Path) -> str | None:
+    try:
+        name = (root / POINTER).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return name if _VERSION_RE.match(name) else None
+
+
+def _clean(root: Path, keep: int) -> None:
+    """Remove leftovers of dead saves, versions never committed, and versions beyond ``keep``."""
+    for p in root.iterdir():
+        m = _TMP_RE.match(p.name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(f"{POINTER}.tmp-"):
+            pid = p.name.rsplit("-", 1)[1]
+            if not pid.isdigit() or not _pid_alive(int(pid)):
+                p.unlink(missing_ok=True)
+    current = _current(root)
+    if current is None:
+        return
+    n = int(current[2:])
+    versions = _versions(root)
+    older = [v for v in versions if int(v[2:]) < n]
+    drop = [v for v in versions if int(v[2:]) > n] + older[: max(0, len(older) - (keep - 1))]
+    for v in drop:
+        shutil.rmtree(root / v, ignore_errors=True)
+
+
+# --- save ---------------------------------------------------------------------------------------------
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    keep: int = 1,
+) -> str:
+    """Write a checkpoint of ``model`` (and ``optimizer``) to the directory ``path``, atomically.
+
+    Args:
+        path: the checkpoint directory (made if absent); see the module docstring for its layout.
+        model: any module; its hybridembed tables (dense and dynamic) are stored by row id,
+            everything else of its ``state_dict`` in ``dense.pt``.
+        optimizer: a :class:`~hybridembed.optim.HybridOptimizer` (dense state, per-table
+            row state by id, hyper-parameters, steps) or a plain torch optimizer.
+        extra: JSON-serialisable metadata stored in the manifest (e.g. the epoch); returned
+            by :func:`load` under ``"extra"``.
+        keep: how many committed versions to keep (>= 1); older ones are deleted after the commit.
+
+    Returns the directory of the version written.
+    """
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"save needs an nn.Module, got {type(model).__name__}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise CheckpointError(f"keep must be an int >= 1, got {keep!r}")
+    try:
+        extra_json = json.loads(json.dumps(dict(extra or {})))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    _clean(root, keep)
+    existing = _versions(root)
+    version = f"v-{(int(existing[-1][2:]) + 1 if existing else 1):06d}"
+    tmp = root / f".tmp-{version}-{os.getpid()}"
+    final = root / version
+    try:
+        tmp.mkdir()
+        manifest = _write_version(tmp, model, optimizer, extra_json)
+        _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode())
+        for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
+            _fsync_dir(d)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _commit(root, version)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _current(root) != version:
+            shutil.rmtree(final, ignore_errors=True)
+        raise
+    _clean(root, keep)
+    log.info("saved checkpoint %s (%d tables)", final, len(manifest["tables"]))
+    return str(final)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
+    tables = _model_tables(model)
+    files: dict[str, Path] = {}
+
+    def write(rel: str, obj: Any) -> str:
+        _write_file(tmp / rel, obj)
+        files[rel] = tmp / rel
+        return rel
+
+    opt_state = None
+    if isinstance(optimizer, HybridOptimizer):
+        opt_state = optimizer.state_dict()
+        by_name = _table_of_storage(tables)
+        unknown = sorted(set(opt_state["sparse"]) - set(by_name))
+        if unknown:
+            raise CheckpointError(f"the optimizer updates tables {unknown} that this model does not hold")
+        sparse = {by_name[n]: e for n, e in opt_state["sparse"].items()}
+    elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+    table_entries: dict[str, Any] = {}
+    used: set[str] = set()
+    for q, t in tables.items():
+        stem = _safe(q)
+        while stem in used:
+            stem += "_"
+        used.add(stem)
+        rel = f"tables/{stem}.00000.pt"
+        state = sparse[q]["state"] if opt_state is not None and q in sparse else {}
+        if t.kind == "dense":
+            rows = t.collection.weight(t.name).clone()  # its own storage: a view would save the whole group
+            n = rows.shape[0]
+            write(rel, {"weight": rows, "state": state})  # state: already copies (optimizer.state_dict())
+            shards = [{"file": rel, "row_start": 0, "row_end": n}]
+        else:
+            entry = t.storage.save_table(t.name)
+            n = entry["ids"].numel()
+            if state and not torch.equal(sparse[q]["ids"].to(entry["ids"].device), entry["ids"]):
+                raise CheckpointError(
+                    f"table {q!r}: optimizer state ids differ from the table's ids"
+                )  # pragma: no cover
+            write(rel, {**entry, "state": state})
+            shards = [{"file": rel, "rows": n}]
+        table_entries[q] = {
+            "kind": t.kind,
+            "collection": q[: -len(t.name) - 1] if q != t.name else "",
+            "table": t.name,
+            "shape": t.shape,
+            "dtype": t.dtype,
+            "rows": n,
+            "optimizer_state": sorted(state),
+            "shards": shards,
+        }
+        if t.kind == "dynamic":
+            table_entries[q]["dynamic"] = _jsonable(vars(t.config.dynamic))
+
+    dense = _dense_state(model)
+    write("dense.pt", dense)
+    dense_entry = {
+        "file": "dense.pt",
+        "tensors": {
+            k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in dense.items() if torch.is_tensor(v)
+        },
+        "other": sorted(k for k, v in dense.items() if not torch.is_tensor(v)),
+    }
+
+    opt_entry = None
+    if opt_state is not None:
+        meta = {
+            q: {k: e[k] for k in ("optimizer", "hparams", "step", "shape")} for q, e in sparse.items()
+        }  # exact python types here; a JSON copy in the manifest
+        write("optimizer.pt", {"kind": "hybrid", "dense": opt_state["dense"], "sparse": meta})
+        opt_entry = {
+            "file": "optimizer.pt",
+            "kind": "hybrid",
+            "dense": type(optimizer.dense).__name__,
+            "dense_param_groups": _param_groups_json(opt_state["dense"]),
+            "sparse": {
+                q: {"optimizer": e["optimizer"], "hparams": _jsonable(e["hparams"]), "step": e["step"]}
+                for q, e in meta.items()
+            },
+        }
+    elif optimizer is not None:
+        sd = optimizer.state_dict()
+        write("optimizer.pt", {"kind": "torch", "state_dict": sd})
+        opt_entry = {
+            "file": "optimizer.pt",
+            "kind": "torch",
+            "dense": type(optimizer).__name__,
+            "dense_param_groups": _param_groups_json(sd),
+            "sparse": {},
+        }
+
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "hybridembed_version": _version(),
+        "torch_version": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": 1,
+        "tables": table_entries,
+        "dense": dense_entry,
+        "optimizer": opt_entry,
+        "extra": extra,
+        "files": {rel: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for rel, p in sorted(files.items())},
+    }
+
+
+def _param_groups_json(sd: Mapping[str, Any]) -> list[dict]:
+    out = []
+    for g in sd.get("param_groups", []):
+        g = {k: v for k, v in g.items() if k != "params"}
+        out.append({**_jsonable(g), "num_params": len(sd["param_groups"][len(out)]["params"])})
+    return out
+
+
+# --- load ---------------------------------------------------------------------------------------------
+def _version_dir(path: str | os.PathLike) -> Path:
+    root = Path(path)
+    if (root / MANIFEST).is_file():  # a version directory itself
+        return root
+    if not root.is_dir():
+        raise CheckpointError(f"no checkpoint at {root}: not a directory")
+    pointer = root / POINTER
+    if not pointer.is_file():
+        raise CheckpointError(f"no checkpoint at {root}: {POINTER} is missing (no save ever completed there)")
+    name = pointer.read_text().strip()
+    if not _VERSION_RE.match(name):
+        raise CheckpointError(f"{pointer} holds {name!r}, not a version name like 'v-000001'")
+    if not (root / name).is_dir():
+        raise CheckpointError(f"{pointer} names {name!r}, which is missing from {root}")
+    return root / name
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path`` (its directory, or a version directory in it), checked
+    for format and version; ``["path"]`` is the version directory it was read from."""
+    vdir = _version_dir(path)
+    mpath = vdir / MANIFEST
+    try:
+        manifest = json.loads(mpath.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{mpath} is missing") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mpath} is not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath} is not a hybridembed checkpoint manifest (format != {FORMAT!r})")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{mpath}: checkpoint format version {version!r} is unknown; this hybridembed "
+            f"({_version()}) reads version {FORMAT_VERSION}"
+            + ("; upgrade hybridembed" if isinstance(version, int) and version > FORMAT_VERSION else "")
+        )
+    for key in ("tables", "dense", "files"):
+        if not isinstance(manifest.get(key), dict):
+            raise CheckpointError(f"{mpath}: the manifest has no valid {key!r} section")
+    manifest["path"] = str(vdir)  # where it was read from (not stored in the file)
+    return manifest
+
+
+def checkpoint_tables(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """``{table: {kind, shape, dtype, rows}}`` of the checkpoint at ``path``, read from its manifest."""
+    m = read_manifest(path)
+    return {q: {k: t[k] for k in ("kind", "shape", "dtype", "rows")} for q, t in m["tables"].items()}
+
+
+def _version() -> str:
+    import hybridembed
+
+    return hybridembed.__version__
+
+
+def _check_model(manifest: dict, model: nn.Module, optimizer, tables: dict[str, _Table]) -> list[str]:
+    """Every difference between the checkpoint and the model / optimizer (empty: they match)."""
+    problems: list[str] = []
+    saved = manifest["tables"]
+    for q in tables:
+        if q not in saved:
+            problems.append(f"table {q!r} is in the model but missing from the checkpoint")
+    for q in saved:
+        if q not in tables:
+            problems.append(f"unexpected table {q!r} in the checkpoint: the model has no such table")
+    for q, t in tables.items():
+        s = saved.get(q)
+        if s is None:
+            continue
+        if s.get("kind") != t.kind:
+            problems.append(f"table {q!r} is {s.get('kind')} in the checkpoint but {t.kind} in the model")
+            continue
+        shape = s.get("shape") or [None, None]
+        if shape[1] != t.config.embedding_dim:
+            problems.append(
+                f"table {q!r}: dim changed: {shape[1]} in the checkpoint, {t.config.embedding_dim} in the model"
+            )
+        if t.kind == "dense" and shape[0] != t.config.num_embeddings:
+            problems.append(
+                f"table {q!r}: rows changed: {shape[0]} in the checkpoint, {t.config.num_embeddings} in the model"
+            )
+        if s.get("dtype") != t.dtype:
+            problems.append(f"table {q!r}: dtype changed: {s.get('dtype')} in the checkpoint, {t.dtype} in the model")
+        problems.extend(_check_shards(q, s))
+    problems.extend(_check_capacity(saved, tables))
+
+    have = _dense_state(model)
+    want = manifest["dense"].get("tensors", {})
+    other = set(manifest["dense"].get("other", []))
+    for k in have:
+        if k not in want and k not in other:
+            problems.append(f"parameter/buffer {k!r} is in the model but missing from the checkpoint")
+    for k in list(want) + sorted(other):
+        if k not in have:
+            problems.append(f"unexpected parameter/buffer {k!r} in the checkpoint")
+    for k, spec in want.items():
+        v = have.get(k)
+        if torch.is_tensor(v):
+            if list(v.shape) != spec.get("shape"):
+                problems.append(f"{k!r}: shape {spec.get('shape')} in the checkpoint, {list(v.shape)} in the model")
+            elif _dtype_name(v.dtype) != spec.get("dtype"):
+                problems.append(
+                    f"{k!r}: dtype {spec.get('dtype')} in the checkpoint, {_dtype_name(v.dtype)} in the model"
+                )
+    if optimizer is not None:
+        problems.extend(_check_optimizer(manifest, optimizer, tables))
+    return problems
+
+
+def _check_shards(q: str, s: dict) -> list[str]:
+    shards = s.get("shards")
+    if not isinstance(shards, list) or not shards:
+        return [f"table {q!r}: the manifest lists no shards"]
+    if s["kind"] == "dynamic":
+        return [] if all(isinstance(x, dict) and "file" in x for x in shards) else [f"table {q!r}: malformed shards"]
+    try:
+        spans = sorted((int(x["row_start"]), int(x["row_end"])) for x in shards)
+    except (KeyError, TypeError, ValueError):
+        return [f"table {q!r}: malformed shards (each needs file, row_start, row_end)"]
+    pos = 0
+    for a, b in spans:
+        if a != pos or b < a:
+            return [f"table {q!r}: shards do not tile rows 0..{s['shape'][0]} (gap or overlap at row {pos})"]
+        pos = b
+    if pos != s["shape"][0]:
+        return [f"table {q!r}: shards cover rows 0..{pos}, the table has {s['shape'][0]}"]
+    return []
+
+
+def _check_capacity(saved: dict, tables: dict[str, _Table]) -> list[str]:
+    by_storage: dict[int, list[_Table]] = {}
+    for q, t in tables.items():
+        if t.kind == "dynamic" and q in saved and saved[q].get("kind") == "dynamic":
+            by_storage.setdefault(id(t.storage), []).append(t)
+    problems = []
+    for ts in by_storage.values():
+        cap = ts[0].storage.capacity
+        rows = sum(int(saved[t.qualified].get("rows", 0)) for t in ts)
+        if cap is not None and rows > cap:
+            names = ", ".join(repr(t.qualified) for t in ts)
+            problems.append(
+                f"dynamic table(s) {names}: {rows} rows in the checkpoint do not fit the capacity {cap} "
+                "(Dynamic(capacity=...) per table times tables in the group); raise the capacity"
+            )
+    return problems
+
+
+def _check_optimizer(manifest: dict, optimizer, tables: dict[str, _Table]) -> list[str]:
+    entry = manifest.get("optimizer")
+    if not entry:
+        return ["the checkpoint holds no optimizer state (saved without optimizer=); load with optimizer=None"]
+    hybrid = isinstance(optimizer, HybridOptimizer)
+    if entry.get("kind") != ("hybrid" if hybrid else "torch"):
+        return [
+            f"optimizer kind changed: {entry.get('kind')} in the checkpoint, "
+            f"{'hybrid (he.wrap_optimizer)' if hybrid else 'plain torch'} here"
+        ]
+    problems = []
+    dense = optimizer.dense if hybrid else optimizer
+    if entry.get("dense") != type(dense).__name__:
+        problems.append(f"optimizer changed: {entry.get('dense')} in the checkpoint, {type(dense).__name__} here")
+    groups = entry.get("dense_param_groups", [])
+    sizes = [len(g["params"]) for g in dense.param_groups]
+    if [g.get("num_params") for g in groups] != sizes:
+        problems.append(
+            f"optimizer parameter groups differ: {[g.get('num_params') for g in groups]} parameters per group "
+            f"in the checkpoint, {sizes} here"
+        )
+    if not hybrid:
+        return problems
+    saved = entry.get("sparse", {})
+    by_name = _table_of_storage(tables)
+    mine = {by_name[n]: o for n, o in optimizer.sparse_optimizers().items() if n in by_name}
+    for q in sorted(set(mine) - set(saved)):
+        problems.append(f"table {q!r}: the checkpoint holds no optimizer state for it")
+    for q in sorted(set(saved) - set(mine)):
+        problems.append(f"unexpected optimizer state for table {q!r}")
+    for q, opt in mine.items():
+        if q not in saved:
+            continue
+        if saved[q].get("optimizer") != opt.name:
+            problems.append(f"table {q!r}: optimizer {saved[q].get('optimizer')} in the checkpoint, {opt.name} here")
+        names = sorted(tables[q].storage.state)
+        if q in manifest["tables"] and sorted(manifest["tables"][q].get("optimizer_state", [])) != names:
+            problems.append(
+                f"table {q!r}: optimizer state {sorted(manifest['tables'][q].get('optimizer_state', []))} in the "
+                f"checkpoint, {names} here"
+            )
+    return problems
+
+
+def _check_files(vdir: Path, manifest: dict, verify: bool) -> list[str]:
+    problems = []
+    listed = manifest["files"]
+    needed = {s["file"] for t in manifest["tables"].values() for s in t.get("shards", []) if isinstance(s, dict)}
+    needed.add(manifest["dense"].get("file", "dense.pt"))
+    if manifest.get("optimizer"):
+        needed.add(manifest["optimizer"].get("file", "optimizer.pt"))
+    for rel in sorted(needed - set(listed)):
+        problems.append(f"file {rel!r} is used but not listed (with size and checksum) in the manifest")
+    for rel, spec in sorted(listed.items()):
+        p = vdir / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            problems.append(f"file {rel!r}: not a path inside the checkpoint")
+            continue
+        if not p.is_file():
+            problems.append(f"file {rel!r} is missing")
+            continue
+        size = p.stat().st_size
+        if size != spec.get("bytes"):
+            what = "truncated" if size < spec.get("bytes", 0) else "larger than written"
+            problems.append(f"file {rel!r} is {what}: {size} bytes, the manifest says {spec.get('bytes')}")
+            continue
+        if verify and _sha256(p) != spec.get("sha256"):
+            problems.append(f"file {rel!r}: checksum mismatch (sha256 differs from the manifest): the file is corrupt")
+    return problems
+
+
+def _raise(vdir: Path, problems: list[str], what: str) -> None:
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise CheckpointError(f"checkpoint {vdir} {what}; nothing was loaded:\n{lines}")
+
+
+def _torch_load(vdir: Path, rel: str, mmap: bool = False) -> Any:
+    """``mmap`` for table shards only: their rows are copied into the tables, never kept (a
+    torch optimizer would keep its loaded state tensors, which must not map a checkpoint file)."""
+    try:
+        return torch.load(vdir / rel, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
+        raise CheckpointError(f"checkpoint {vdir}: file {rel!r} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], list[str]]:
+    """A table's shards, put together: (entry with rows and optimizer state, problems)."""
+    parts = [(s, _torch_load(vdir, s["file"], mmap=True)) for s in spec["shards"]]
+    d = t.config.embedding_dim
+    problems = []
+    if t.kind == "dense":
+        parts.sort(key=lambda x: int(x[0]["row_start"]))
+        for s, p in parts:
+            n = int(s["row_end"]) - int(s["row_start"])
+            w = p.get("weight") if isinstance(p, dict) else None
+            if not torch.is_tensor(w) or tuple(w.shape) != (n, d):
+                problems.append(f"table {q!r}: file {s['file']!r} does not hold ({n}, {d}) rows")
+        if problems:
+            return {}, problems
+        entry = {"weight": torch.cat([p["weight"] for _, p in parts]) if len(parts) > 1 else parts[0][1]["weight"]}
+    else:
+        for s, p in parts:
+            ok = isinstance(p, dict) and all(torch.is_tensor(p.get(k)) for k in _DYNAMIC_ENTRY)
+            if not ok or tuple(p["weight"].shape) != (p["ids"].numel(), d):
+                problems.append(f"table {q!r}: file {s['file']!r} does not hold ids and (K, {d}) rows")
+        if problems:
+            return {}, problems
+        ps = [{k: v for k, v in p.items() if k != "state"} for _, p in parts]
+        entry = dict(ps[0])  # what the storage saved (save_table), passed back as is
+        if len(ps) > 1:  # per-row entries concatenate; counters of disjoint shards add up; time is the latest
+            entry.update({k: torch.cat([p[k] for p in ps]) for k in _PER_ROW})
+            entry["stats"] = torch.stack([p["stats"] for p in ps]).sum(0)
+            entry["clock"] = torch.stack([p["clock"] for p in ps]).max()
+            if all("sketch" in p for p in ps):
+                entry["sketch"] = torch.stack([p["sketch"] for p in ps]).sum(0)
+            if entry["ids"].unique().numel() != entry["ids"].numel():
+                problems.append(f"table {q!r}: an id appears in more than one shard")
+            order = torch.argsort(entry["ids"])
+            entry.update({k: entry[k][order] for k in _PER_ROW})
+            entry["_order"] = order
+    names = sorted(spec.get("optimizer_state", []))
+    state = {}
+    for k in names:
+        pieces = [p.get("state", {}).get(k) for _, p in parts]
+        if not all(torch.is_tensor(x) for x in pieces):
+            problems.append(f"table {q!r}: optimizer state {k!r} is missing from a shard")
+            continue
+        v = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        state[k] = v[entry["_order"]] if "_order" in entry else v
+    entry.pop("_order", None)
+    entry["state"] = state
+    return entry, problems
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``): all or nothing.
+
+    Everything is checked first (see the module docstring); any difference raises one
+    :class:`~hybridembed.CheckpointError` listing them all, and nothing is changed. With
+    ``verify=False`` file sizes are still checked but not the sha256 checksums.
+    Returns the manifest (``manifest["extra"]`` holds what ``save(extra=...)`` stored).
+    Dynamic tables are replaced by the checkpoint's rows (their ``Dynamic`` settings
+    may differ, as long as the rows fit the capacity).
+    """
+    manifest = read_manifest(path)
+    vdir = Path(manifest["path"])
+    tables = _model_tables(model)
+    _raise(vdir, _check_model(manifest, model, optimizer, tables), "does not match the model")
+    _raise(vdir, _check_files(vdir, manifest, verify), "is damaged")
+
+    problems: list[str] = []
+    entries = {}
+    for q, t in tables.items():
+        entries[q], p = _gather(vdir, q, manifest["tables"][q], t)
+        problems.extend(p)
+    dense = _torch_load(vdir, manifest["dense"]["file"])
+    if not isinstance(dense, dict):
+        problems.append(f"file {manifest['dense']['file']!r} does not hold a state_dict")
+    opt_file = None
+    if optimizer is not None:
+        opt_file = _torch_load(vdir, manifest["optimizer"]["file"])
+        if not isinstance(opt_file, dict) or opt_file.get("kind") != manifest["optimizer"]["kind"]:
+            problems.append(f"file {manifest['optimizer']['file']!r} does not hold the optimizer state")
+    _raise(vdir, problems, "is damaged")
+
+    # --- nothing was changed so far; from here on, apply ---------------------------------------
+    if dense:
+        model.load_state_dict(dense, strict=False)
+    with torch.no_grad():
+        for q, t in tables.items():
+            if t.kind == "dense":
+                t.collection.weight(t.name).copy_(entries[q]["weight"])
+        dynamic = [q for q, t in tables.items() if t.kind == "dynamic"]
+        # tables that shrink first, so a group's rows never exceed its capacity on the way
+        dynamic.sort(key=lambda q: entries[q]["ids"].numel() - tables[q].storage.table_slots(tables[q].name)[0].numel())
+        clocks: dict[int, tuple[RowStorage, int]] = {}
+        for q in dynamic:
+            t = tables[q]
+            load_dynamic_table(t.storage, t.name, {k: v for k, v in entries[q].items() if k != "state"})
+            clock = max(int(entries[q]["clock"]), clocks.get(id(t.storage), (None, 0))[1])
+            clocks[id(t.storage)] = (t.storage, clock)
+        for storage, clock in clocks.values():  # the saved time, not max(saved, current): an exact restore
+            storage.clock = clock
+    if optimizer is not None:
+        if opt_file["kind"] == "torch":
+            optimizer.load_state_dict(opt_file["state_dict"])
+        else:
+            by_name = _table_of_storage(tables)
+            sparse = {}
+            for name, q in by_name.items():
+                meta = opt_file["sparse"].get(q)
+                if meta is None:
+                    continue
+                e = entries[q]
+                sparse[name] = {
+                    **meta,
+                    "ids": e["ids"] if tables[q].kind == "dynamic" else None,
+                    "state": e["state"],
+                }
+            optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
+    log.info("loaded checkpoint %s (%d tables)", vdir, len(tables))
+    return manifest

@@ -1,0 +1,405 @@
+"""``he.save`` / ``he.load``: bit-identical resume in a fresh process, atomicity under crashes,
+and a clear error (with nothing changed) for every kind of damage or mismatch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hybridembed as he
+from hybridembed.api import checkpoint as ckpt
+
+ROOT = Path(__file__).resolve().parents[2]
+D = 4
+B = 6
+K = 3  # steps before the checkpoint, and after it
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add contention on the shared 2-core machines."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class Net(nn.Module):
+    """Two layers converted by he.convert (one made dynamic), an EmbeddingCollection with a
+    dense and a dynamic table, and an MLP."""
+
+    def __init__(self, tag_dim=D, tag_dtype=torch.float32, extra_table=False, drop_query=False):
+        super().__init__()
+        self.user = nn.Embedding(50, D)
+        self.items = nn.EmbeddingBag(40, D, mode="mean")
+        tables = [he.TableConfig("tag", 10, tag_dim, dtype=tag_dtype)]
+        if not drop_query:
+            tables.append(he.TableConfig("query", None, D, combiner="mean", dynamic=he.Dynamic()))
+        if extra_table:
+            tables.append(he.TableConfig("more", 5, D))
+        self.ec = he.EmbeddingCollection(tables, seed=3)
+        self.mlp = nn.Sequential(nn.Linear(3 * D + tag_dim, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, b):
+        e = self.ec({"tag": b["tag"], "query": b["query"]})
+        x = torch.cat([self.user(b["user"]), self.items(b["items"]), e["tag"], e["query"]], 1)
+        return self.mlp(x).squeeze(1)
+
+
+def build(opt_name="adagrad", **kw):
+    torch.manual_seed(0)
+    model = he.convert(Net(**kw), tables={"user": {"dynamic": he.Dynamic()}}, seed=1)
+    if opt_name == "adagrad":
+        dense = torch.optim.Adagrad(model.parameters(), lr=0.1, lr_decay=0.01)
+    else:
+        dense = torch.optim.Adam(model.parameters(), lr=0.01)
+    return model, he.wrap_optimizer(dense, model)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(500 + step)
+    tag = torch.randint(0, 10, (B, 2), generator=g)
+    tag[0, 1] = -1  # padding
+    return {
+        "user": torch.randint(0, 20 + 10 * step, (B,), generator=g),  # new ids show up every step
+        "items": torch.randint(0, 40, (B, 3), generator=g),
+        "tag": tag,
+        "query": [torch.randint(-(10**12), 10**12, (int(n),), generator=g).tolist() for n in torch.arange(B) % 3],
+        "target": torch.randn(B, generator=g),
+    }
+
+
+def train(model, opt, steps):
+    for s in steps:
+        b = batch(s)
+        opt.zero_grad()
+        ((model(b) - b["target"]) ** 2).sum().backward()
+        opt.step()
+
+
+def snapshot(model, opt=None):
+    """Everything training depends on, cloned: model state (dynamic rows by id) and optimizer state."""
+
+    def clone(x):
+        if torch.is_tensor(x):
+            return x.detach().clone()
+        if isinstance(x, dict):
+            return {k: clone(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(clone(v) for v in x)
+        return x
+
+    return {"model": clone(model.state_dict()), "opt": clone(opt.state_dict()) if opt is not None else None}
+
+
+def assert_identical(a, b, where="root"):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert sorted(a, key=str) == sorted(b, key=str), where
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def trained(opt_name="adagrad", steps=K, **kw):
+    model, opt = build(opt_name, **kw)
+    train(model, opt, range(steps))
+    return model, opt
+
+
+# --- resume, bit for bit, in a fresh process ------------------------------------------------------------------
+def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
+    expected = {}
+    for name in ("adagrad", "adam"):
+        model, opt = trained(name)
+        he.save(tmp_path / name, model, opt, extra={"step": K})
+        train(model, opt, range(K, 2 * K))  # the uninterrupted run
+        expected[name] = snapshot(model, opt)
+    result = tmp_path / "resumed.pt"
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT)!r})
+import hybridembed as he
+from tests.api.test_checkpoint import build, train, snapshot, K
+torch.set_num_threads(1)
+out = {{}}
+for name in ("adagrad", "adam"):
+    model, opt = build(name)
+    manifest = he.load({str(tmp_path)!r} + "/" + name, model, opt)
+    assert manifest["extra"] == {{"step": K}}, manifest["extra"]
+    train(model, opt, range(K, 2 * K))
+    out[name] = snapshot(model, opt)
+torch.save(out, {str(result)!r})
+"""
+    env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
+    proc = subprocess.run(
+        ["/work/venv/bin/python", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(result, weights_only=True)
+    for name in ("adagrad", "adam"):
+        assert_identical(got[name], expected[name], name)
+    manifest = ckpt.read_manifest(tmp_path / "adam")
+    t = manifest["tables"]
+    assert sorted(t) == ["ec.query", "ec.tag", "hybridembed.items", "hybridembed.user"]
+    assert t["hybridembed.items"]["shards"] == [
+        {"file": "tables/hybridembed.items.00000.pt", "row_start": 0, "row_end": 40}
+    ]
+    assert t["hybridembed.user"]["kind"] == "dynamic" and t["hybridembed.user"]["shape"] == [None, D]
+    assert t["ec.query"]["optimizer_state"] == ["exp_avg", "exp_avg_sq"]
+    assert manifest["optimizer"]["sparse"]["ec.tag"]["optimizer"] == "Adam"
+    assert manifest["optimizer"]["dense"] == "Adam" and manifest["torch_version"] == torch.__version__
+    for rel, spec in manifest["files"].items():
+        assert (Path(manifest["path"]) / rel).stat().st_size == spec["bytes"] and len(spec["sha256"]) == 64
+
+
+def test_model_only_checkpoint_and_plain_torch_optimizer(tmp_path):
+    model, opt = trained("adagrad")
+    he.save(tmp_path / "m", model)  # no optimizer
+    fresh, fresh_opt = build("adagrad")
+    he.load(tmp_path / "m", fresh)
+    assert_identical(snapshot(fresh)["model"], snapshot(model)["model"])
+    with pytest.raises(he.CheckpointError, match="no optimizer state"):
+        he.load(tmp_path / "m", fresh, fresh_opt)
+    plain = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    plain(torch.randn(4, 3)).sum().backward()
+    sgd.step()
+    he.save(tmp_path / "p", plain, sgd)
+    other = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    other_sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    he.load(tmp_path / "p", other, other_sgd)
+    assert_identical(snapshot(other, other_sgd), snapshot(plain, sgd))
+
+
+def test_loading_into_a_trained_model_restores_exactly_even_empty_dynamic_tables(tmp_path):
+    model, opt = build("adam")  # untrained: its dynamic tables hold no rows yet
+    he.save(tmp_path / "c", model, opt)
+    expected = snapshot(model, opt)
+    other, other_opt = trained("adam", steps=2)
+    assert other.hybridembed.dynamic_rows("user")[0].numel() > 0
+    he.load(tmp_path / "c", other, other_opt)
+    assert other.hybridembed.dynamic_rows("user")[0].numel() == 0
+    assert_identical(snapshot(other, other_opt), expected)
+    train(other, other_opt, range(2))  # and it trains on
+    train(model, opt, range(2))
+    assert_identical(snapshot(other, other_opt), snapshot(model, opt))
+
+
+# --- atomicity ---------------------------------------------------------------------------------------------------
+def _versions(path):
+    return sorted(p.name for p in Path(path).iterdir() if p.name != "LATEST")
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 6, "commit"])
+def test_a_save_that_fails_midway_leaves_the_old_checkpoint(tmp_path, monkeypatch, fail_at):
+    model, opt = trained("adagrad", steps=1)
+    he.save(tmp_path / "c", model, opt)
+    before = snapshot(model, opt)
+    train(model, opt, range(1, 2))
+    calls = {"n": 0}
+    real_write, real_commit = ckpt._write_file, ckpt._commit
+
+    def write(path, obj):
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise OSError("disk full (injected)")
+        real_write(path, obj)
+
+    def commit(root, version):
+        raise OSError("crash before the pointer flip (injected)")
+
+    monkeypatch.setattr(ckpt, "_write_file", write)
+    if fail_at == "commit":
+        monkeypatch.setattr(ckpt, "_commit", commit)
+    with pytest.raises(OSError, match="injected"):
+        he.save(tmp_path / "c", model, opt)
+    assert _versions(tmp_path / "c") == ["v-000001"]  # the partial version is gone, the old one intact
+    monkeypatch.setattr(ckpt, "_write_file", real_write)
+    monkeypatch.setattr(ckpt, "_commit", real_commit)
+    fresh, fresh_opt = build("adagrad")
+    he.load(tmp_path / "c", fresh, fresh_opt)  # checksums verified
+    assert_identical(snapshot(fresh, fresh_opt), before)
+
+
+def test_a_process_killed_midway_leaves_the_old_checkpoint(tmp_path):
+    code = f"""
+import os, sys, torch
+sys.path.insert(0, {str(ROOT)!r})
+import hybridembed as he
+from hybridembed.api import checkpoint as ckpt
+from tests.api.test_checkpoint import trained, train, snapshot
+torch.set_num_threads(1)
+model, opt = trained("adam", steps=1)
+he.save({str(tmp_path / "c")!r}, model, opt)
+torch.save(snapshot(model, opt), {str(tmp_path / "v1.pt")!r})
+train(model, opt, range(1, 3))
+real, n = ckpt._write_file, [0]
+def dying(path, obj):
+    n[0] += 1
+    if n[0] == 4:
+        os._exit(17)  # no cleanup, no finally: as a kill -9 would
+    real(path, obj)
+ckpt._write_file = dying
+he.save({str(tmp_path / "c")!r}, model, opt)
+"""
+    env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
+    proc = subprocess.run(
+        ["/work/venv/bin/python", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 17, proc.stderr[-3000:]
+    leftovers = [n for n in _versions(tmp_path / "c") if n.startswith(".tmp-")]
+    assert len(leftovers) == 1 and "v-000002" in leftovers[0]  # the dead save's partial version
+    fresh, fresh_opt = build("adam")
+    he.load(tmp_path / "c", fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), torch.load(tmp_path / "v1.pt", weights_only=True))
+    train(fresh, fresh_opt, range(1, 2))
+    he.save(tmp_path / "c", fresh, fresh_opt)  # the next save clears the leftovers
+    assert _versions(tmp_path / "c") == ["v-000002"]
+
+
+def test_keep_and_loading_an_older_version_by_its_directory(tmp_path):
+    model, opt = trained("adagrad", steps=1)
+    snaps = []
+    for s in range(3):
+        snaps.append(snapshot(model, opt))
+        he.save(tmp_path / "c", model, opt, keep=2)
+        train(model, opt, range(s + 1, s + 2))
+    assert _versions(tmp_path / "c") == ["v-000002", "v-000003"]
+    assert (tmp_path / "c" / "LATEST").read_text().strip() == "v-000003"
+    fresh, fresh_opt = build("adagrad")
+    he.load(tmp_path / "c" / "v-000002", fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), snaps[1])
+    he.load(tmp_path / "c", fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), snaps[2])
+
+
+def test_shards_written_by_several_ranks_load_as_one_table(tmp_path):
+    """Split every table in two shards, as two ranks would write them: it loads the same."""
+    model, opt = trained("adam")
+    he.save(tmp_path / "c", model, opt)
+    vdir = Path(ckpt.read_manifest(tmp_path / "c")["path"])
+    manifest = json.loads((vdir / "manifest.json").read_text())
+    for spec in manifest["tables"].values():
+        (shard,) = spec["shards"]
+        data = torch.load(vdir / shard["file"], weights_only=True)
+        n = data["weight"].shape[0]
+        cut = n // 2
+        pieces = []
+        for r, (lo, hi) in enumerate([(cut, n), (0, cut)]):  # out of order on purpose
+            part = {k: v[lo:hi] if k in ("ids", "weight", "last_seen", "freq") else v for k, v in data.items()}
+            part["state"] = {k: v[lo:hi] for k, v in data["state"].items()}
+            if spec["kind"] == "dynamic" and r == 1:  # rank 1's counters: zero, they add up
+                part["stats"] = torch.zeros_like(data["stats"])
+            rel = shard["file"].replace(".00000.pt", f".rank{r}.pt")
+            torch.save(part, vdir / rel)
+            manifest["files"][rel] = {"bytes": (vdir / rel).stat().st_size, "sha256": ckpt._sha256(vdir / rel)}
+            pieces.append({"file": rel, "row_start": lo, "row_end": hi} if spec["kind"] == "dense" else {"file": rel})
+        os.remove(vdir / shard["file"])
+        del manifest["files"][shard["file"]]
+        spec["shards"] = pieces
+    (vdir / "manifest.json").write_text(json.dumps(manifest))
+    fresh, fresh_opt = build("adam")
+    he.load(tmp_path / "c", fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
+
+
+# --- damage and mismatch: a clear error, nothing changed -----------------------------------------------------
+@pytest.fixture
+def saved(tmp_path):
+    model, opt = trained("adagrad")
+    he.save(tmp_path / "c", model, opt)
+    return tmp_path / "c", Path(ckpt.read_manifest(tmp_path / "c")["path"])
+
+
+def _flip_byte(p: Path):
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated": (
+        lambda v: (v / "tables/ec.tag.00000.pt").write_bytes((v / "tables/ec.tag.00000.pt").read_bytes()[:100]),
+        r"'tables/ec.tag.00000.pt' is truncated",
+    ),
+    "checksum": (lambda v: _flip_byte(v / "dense.pt"), r"'dense.pt': checksum mismatch"),
+    "missing-file": (
+        lambda v: os.remove(v / "tables/hybridembed.user.00000.pt"),
+        r"'tables/hybridembed.user.00000.pt' is missing",
+    ),
+    "bad-json": (lambda v: (v / "manifest.json").write_text('{"format": "hybrid'), r"manifest.json is not valid JSON"),
+    "unknown-version": (
+        lambda v: (v / "manifest.json").write_text(
+            json.dumps({**json.loads((v / "manifest.json").read_text()), "format_version": 99})
+        ),
+        r"format version 99 is unknown.*upgrade hybridembed",
+    ),
+    "no-pointer": (lambda v: os.remove(v.parent / "LATEST"), r"LATEST is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_checkpoint_is_refused_and_the_model_is_unchanged(saved, case):
+    path, vdir = saved
+    damage, words = DAMAGE[case]
+    damage(vdir)
+    model, opt = trained("adagrad", steps=1)  # a different state than the checkpoint's
+    before = snapshot(model, opt)
+    with pytest.raises(he.CheckpointError, match=words):
+        he.load(path, model, opt)
+    assert_identical(snapshot(model, opt), before)
+
+
+MISMATCH = {
+    "dim-changed": ({"tag_dim": D + 2}, r"table 'ec.tag': dim changed: 4 in the checkpoint, 6 in the model"),
+    "dtype-changed": ({"tag_dtype": torch.float64}, r"table 'ec.tag': dtype changed: float32 .* float64"),
+    "table-missing": ({"extra_table": True}, r"table 'ec.more' is in the model but missing from the checkpoint"),
+    "unexpected-table": ({"drop_query": True}, r"unexpected table 'ec.query' in the checkpoint"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISMATCH))
+def test_model_that_does_not_match_is_refused_and_unchanged(saved, case):
+    path, _ = saved
+    kw, words = MISMATCH[case]
+    model, opt = build("adagrad", **kw)
+    before = snapshot(model, opt)
+    with pytest.raises(he.CheckpointError, match=words) as e:
+        he.load(path, model, opt)
+    assert "nothing was loaded" in str(e.value)
+    assert_identical(snapshot(model, opt), before)
+
+
+def test_optimizer_that_does_not_match_is_refused(saved):
+    path, _ = saved
+    model, opt = build("adam")
+    before = snapshot(model, opt)
+    with pytest.raises(he.CheckpointError, match=r"optimizer changed: Adagrad in the checkpoint, Adam here") as e:
+        he.load(path, model, opt)
+    assert "table 'ec.tag': optimizer Adagrad in the checkpoint, Adam here" in str(e.value)
+    assert_identical(snapshot(model, opt), before)
+
+
+def test_save_refuses_a_path_that_is_a_file_and_unserialisable_extra(tmp_path):
+    model, opt = build()
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(he.CheckpointError, match="not a directory"):
+        he.save(tmp_path / "f", model)
+    with pytest.raises(he.CheckpointError, match="JSON"):
+        he.save(tmp_path / "c", model, extra={"x": object()})
+    with pytest.raises(he.CheckpointError, match="no checkpoint"):
+        he.load(tmp_path / "nothing", model)
