@@ -1,0 +1,72 @@
+"""The ``hybridembed`` command: a small dispatcher to subcommands.
+
+    hybridembed bench --model tiny --quick     # see hybridembed bench --help
+    hybridembed train                          # see hybridembed train --help
+    hybridembed --version
+
+Each subcommand lives beside the code it drives and is imported only when called, so
+``hybridembed --help`` stays fast and needs neither TorchRec nor matplotlib.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main", "COMMANDS"]
+
+
+def _bench(argv: list[str]) -> int:
+    from .bench.cli import main
+
+    return main(argv, prog="hybridembed bench")
+
+
+def _train(argv: list[str]) -> int:
+    from .train.cli import main
+
+    return main(argv, prog="hybridembed train")
+
+
+# name -> (one-line description, entry point taking the remaining arguments, returning the exit code)
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "bench": ("time NVIDIA's synthetic models against PyTorch, TorchRec and a measured floor", _bench),
+    "train": ("train DLRM, Wide & Deep, DeepFM or DCNv2 on Criteo-format data or UCI Adult", _train),
+}
+PLANNED: tuple[str, ...] = ()  # named in the design, not built yet
+
+
+def _usage() -> str:
+    lines = ["usage: hybridembed <command> [flags]", "", "commands:"]
+    lines += [f"  {name:<8} {desc}" for name, (desc, _) in COMMANDS.items()]
+    lines += ["", "hybridembed <command> --help describes a command's flags."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hybridembed`` console script; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    if args[0] == "--version":
+        from . import __version__
+
+        print(f"hybridembed {__version__}")
+        return 0
+    name, rest = args[0], args[1:]
+    if name in COMMANDS:
+        return COMMANDS[name][1](rest)
+    available = ", ".join(COMMANDS)
+    if name in PLANNED:
+        print(f"hybridembed: error: '{name}' is not yet available; available commands: {available}", file=sys.stderr)
+    else:
+        print(
+            f"hybridembed: error: unknown command '{name}' (not yet available); available commands: {available}",
+            file=sys.stderr,
+        )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
