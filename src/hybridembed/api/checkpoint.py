@@ -567,19 +567,17 @@ def _check_shards(q: str, s: dict) -> list[str]:
 
 
 def _check_capacity(saved: dict, tables: dict[str, _Table]) -> list[str]:
-    by_storage: dict[int, list[_Table]] = {}
-    for q, t in tables.items():
-        if t.kind == "dynamic" and q in saved and saved[q].get("kind") == "dynamic":
-            by_storage.setdefault(id(t.storage), []).append(t)
+    """Every dynamic table's saved rows must fit its own capacity (``Dynamic.capacity`` is per table)."""
     problems = []
-    for ts in by_storage.values():
-        cap = ts[0].storage.capacity
-        rows = sum(int(saved[t.qualified].get("rows", 0)) for t in ts)
+    for q, t in tables.items():
+        if t.kind != "dynamic" or q not in saved or saved[q].get("kind") != "dynamic":
+            continue
+        cap = t.storage.capacity
+        rows = int(saved[q].get("rows", 0))
         if cap is not None and rows > cap:
-            names = ", ".join(repr(t.qualified) for t in ts)
             problems.append(
-                f"dynamic table(s) {names}: {rows} rows in the checkpoint do not fit the capacity {cap} "
-                "(Dynamic(capacity=...) per table times tables in the group); raise the capacity"
+                f"dynamic table {q!r}: {rows} rows in the checkpoint do not fit its capacity {cap}; "
+                "raise Dynamic(capacity=...)"
             )
     return problems
 

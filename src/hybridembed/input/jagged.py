@@ -84,7 +84,12 @@ class Jagged:
         if weights is not None and tuple(weights.shape) != tuple(ids.shape):
             raise InvalidInputError(f"weights shape {tuple(weights.shape)} differs from ids shape {tuple(ids.shape)}")
         keep = ids != pad  # (B, H)
-        offsets = torch.zeros(ids.shape[0] + 1, dtype=torch.int64, device=ids.device)
+        b, h = ids.shape
+        if h > 0 and bool(keep.all()):  # nothing padded (one-hot, fixed hotness): no copy, regular offsets
+            offsets = torch.arange(0, b * h + 1, h, dtype=torch.int64, device=ids.device)
+            w = None if weights is None else weights.reshape(-1)
+            return cls(ids.reshape(-1).to(torch.int64), offsets, w)
+        offsets = torch.zeros(b + 1, dtype=torch.int64, device=ids.device)
         torch.cumsum(keep.sum(1), 0, out=offsets[1:])
         values = ids[keep].to(torch.int64)
         return cls(values, offsets, None if weights is None else weights[keep])

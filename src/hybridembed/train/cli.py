@@ -1,0 +1,609 @@
+"""``hybridembed train``: train DLRM, Wide & Deep, DeepFM or DCNv2 on Criteo-format data or UCI Adult.
+
+    hybridembed train                                            # 500k generated Criteo-format rows, < 1 minute
+    hybridembed train --data day_0.gz --max-rows 10000000 --epochs 1 --checkpoint-every 1000
+    hybridembed train --resume runs/train/checkpoint --epochs 3
+    hybridembed train --dataset adult --data ../shared/data/adult.parquet --model wdl
+
+Every categorical feature gets its own dynamic table (``he.Dynamic(capacity=...)``): any id
+gets a row on first sight, so there is no vocabulary pass. Without ``--data`` a Criteo-format
+file with power-law ids is generated (once; reused while it exists). Each epoch prints the
+training loss, the held-out loss and AUC, and the throughput; a checkpoint is written with
+``he.save`` after every epoch (and every ``--checkpoint-every`` steps), ``--resume`` continues
+from one with ``he.load``, and the model is exported with ``he.export`` at the end.
+Bad flags, missing files and malformed rows end the run with one ``error:`` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import __version__, _env
+from ..errors import HybridEmbedError
+from ..utils import get_logger, tune_cpu_allocator
+from . import data as D
+from . import models as M
+from .loop import EpochStats, EvalStats, evaluate, train_epoch
+
+__all__ = ["main", "build_parser", "UsageError"]
+
+PROG = "hybridembed train"
+MODEL_DIR = "model"  # he.save's directory inside --checkpoint DIR
+STATE_KEY = "hybridembed_train"  # the run's state, in he.save's extra= (committed with the rows)
+STATE_FORMAT = 1
+
+# flags that define the model (and its optimizer state): taken from the checkpoint on --resume
+ARCH_DEFAULTS: dict[str, Any] = {
+    "dataset": "criteo",
+    "model": "dlrm",
+    "embedding_dim": 16,
+    "capacity": 100_000,
+    "min_count": 1,
+    "mlp": [128, 64],
+    "bottom_mlp": [64],
+    "cross_layers": 2,
+    "optimizer": "adagrad",
+}
+# per-dataset defaults of the training flags
+DATA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "criteo": {"batch_size": 2048, "epochs": 1, "holdout": 0.1},
+    "adult": {"batch_size": 256, "epochs": 5, "holdout": 0.2},
+}
+LR_DEFAULTS = {"adagrad": 0.02, "adam": 1e-3}
+ADULT_SPLIT_SEED = 0  # the Adult train/test split is fixed, whatever --seed says
+
+
+class UsageError(Exception):
+    """A problem with the command line or its files; printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not the usage block
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind: type, low: float, low_ok: bool, high: float | None = None) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        ok = (v >= low if low_ok else v > low) and (high is None or v < high) and math.isfinite(v)
+        if not ok:
+            rng = f"{'>=' if low_ok else '>'} {low}" + ("" if high is None else f" and < {high}")
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} {rng}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer widths like 128,64, got {text!r}") from None
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive layer widths like 128,64, got {text!r}")
+    return sizes
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=prog,
+        description=(
+            "Train a recommendation model (DLRM by default; Wide & Deep, DeepFM, DCNv2) with one dynamic "
+            "hybridembed table per categorical feature, on Criteo-format TSV files or UCI Adult. Without "
+            "--data, a Criteo-format file with power-law ids is generated. Prints loss, AUC and throughput "
+            "per epoch, checkpoints every epoch, exports the model at the end."
+        ),
+        epilog="Examples and measured results: docs/train.md.",
+    )
+    d = p.add_argument_group("data")
+    d.add_argument(
+        "--dataset",
+        choices=["criteo", "adult"],
+        default=None,
+        help="criteo: TSV with label, 13 integer and 26 hex categorical columns (the 1TB day files, Kaggle's "
+        "train.txt; .gz read as is); adult: UCI Adult parquet, label income '>50K' (default: criteo)",
+    )
+    d.add_argument(
+        "--data",
+        nargs="+",
+        metavar="FILE",
+        help="the training file(s); for criteo without --data, a file of --rows rows is generated in --workdir",
+    )
+    d.add_argument(
+        "--val-data",
+        nargs="+",
+        metavar="FILE",
+        help="criteo: evaluate on these files instead of the rows --holdout keeps out of --data",
+    )
+    d.add_argument(
+        "--holdout",
+        type=_number(float, 0.0, True, 1.0),
+        metavar="F",
+        help="fraction of the rows held out for evaluation, chosen by a fixed hash of the row's position "
+        "(criteo, default 0.1), or the test split by a fixed permutation (adult, default 0.2)",
+    )
+    d.add_argument(
+        "--max-rows",
+        type=_number(int, 0, False),
+        metavar="N",
+        help="criteo: read only the first N rows of --data (default: all)",
+    )
+    d.add_argument(
+        "--eval-rows",
+        type=_number(int, 0, False),
+        default=100_000,
+        metavar="N",
+        help="criteo: evaluate on the first N held-out (or --val-data) rows (default 100000)",
+    )
+    d.add_argument(
+        "--rows",
+        type=_number(int, 0, False),
+        default=500_000,
+        metavar="N",
+        help="rows to generate when --data is not given (default 500000)",
+    )
+    d.add_argument(
+        "--workdir",
+        default=os.path.join("runs", "train"),
+        metavar="DIR",
+        help="where generated data, the default checkpoint and the default export go (default runs/train)",
+    )
+    m = p.add_argument_group("model (taken from the checkpoint with --resume)")
+    m.add_argument("--model", choices=list(M.MODELS), help="dlrm, wdl (Wide & Deep), deepfm or dcnv2 (default dlrm)")
+    m.add_argument("--embedding-dim", type=_number(int, 0, False), metavar="D", help="embedding width (default 16)")
+    m.add_argument(
+        "--capacity",
+        type=_number(int, 0, True),
+        metavar="N",
+        help="most rows kept per table; least recently used rows are evicted past it (default 100000; "
+        "0: no limit, the table grows)",
+    )
+    m.add_argument(
+        "--min-count",
+        type=_number(int, 0, False),
+        metavar="N",
+        help="an id gets a row at its N-th sighting (counted in a bounded sketch); rarer ids read a zero "
+        "vector (default 1)",
+    )
+    m.add_argument(
+        "--mlp",
+        type=_sizes,
+        metavar="W,W",
+        help="DLRM's top MLP, the deep tower of the others (default 128,64; a last layer to one logit is added)",
+    )
+    m.add_argument(
+        "--bottom-mlp",
+        type=_sizes,
+        metavar="W,W",
+        help="DLRM's bottom MLP over the dense features (default 64; a last layer of width D is added)",
+    )
+    m.add_argument("--cross-layers", type=_number(int, 0, False), metavar="N", help="DCNv2's cross layers (default 2)")
+    m.add_argument(
+        "--optimizer",
+        choices=["adagrad", "adam"],
+        help="torch.optim.Adagrad or Adam, wrapped with he.wrap_optimizer: tables get the sparse (row-wise, lazy) "
+        "equivalent (default adagrad)",
+    )
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=_number(int, 0, False), metavar="N", help="epochs in all (criteo 1, adult 5)")
+    t.add_argument(
+        "--batch-size", type=_number(int, 0, False), metavar="B", help="samples per step (criteo 2048, adult 256)"
+    )
+    t.add_argument(
+        "--lr",
+        type=_number(float, 0.0, False),
+        help="learning rate (adagrad 0.02, adam 0.001; on --resume: the checkpoint's)",
+    )
+    t.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the initial weights, the generated data and the shuffling (default 0)",
+    )
+    t.add_argument(
+        "--threads",
+        type=_number(int, 0, False),
+        metavar="N",
+        help="torch threads (default: cores - 1, at least 1; the reader thread parses the next block meanwhile)",
+    )
+    t.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (none is shown when stderr is not a terminal)"
+    )
+    o = p.add_argument_group("checkpoint and export")
+    o.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="write a checkpoint here (he.save) after every epoch (default WORKDIR/checkpoint)",
+    )
+    o.add_argument("--no-checkpoint", action="store_true", help="write no checkpoint")
+    o.add_argument(
+        "--checkpoint-every",
+        type=_number(int, 0, True),
+        default=0,
+        metavar="STEPS",
+        help="also checkpoint every STEPS training steps, for long epochs (default 0: at epoch ends only)",
+    )
+    o.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from this checkpoint (he.load): its model flags, weights, optimizer state and position "
+        "(epoch and step); --epochs counts all epochs, done ones included",
+    )
+    o.add_argument("--export", metavar="PATH", help="export the trained model here (default WORKDIR/model.pt or .onnx)")
+    o.add_argument(
+        "--export-format",
+        choices=["torchscript", "onnx"],
+        default="torchscript",
+        help="format of the export, a model that serves without hybridembed (default torchscript)",
+    )
+    o.add_argument("--no-export", action="store_true", help="export nothing")
+    p.add_argument("--version", action="version", version=f"hybridembed {__version__}")
+    return p
+
+
+# --- resolving the flags ------------------------------------------------------------------------
+def _read_state(ckpt: str) -> dict[str, Any]:
+    """The run's state (model flags, position) stored in the checkpoint's manifest by :class:`Checkpointer`."""
+    from ..api.checkpoint import read_manifest
+
+    if not os.path.isdir(ckpt):
+        raise UsageError(f"--resume {ckpt}: no such checkpoint directory")
+    try:
+        manifest = read_manifest(os.path.join(ckpt, MODEL_DIR))
+    except HybridEmbedError as e:
+        raise UsageError(f"--resume {ckpt}: not a hybridembed train checkpoint ({_one_line(e)})") from None
+    state = (manifest.get("extra") or {}).get(STATE_KEY)
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or "arch" not in state:
+        raise UsageError(f"--resume {ckpt}: a hybridembed checkpoint, but not one written by hybridembed train")
+    return state
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Fills defaults in place (from the checkpoint with --resume); returns its state, if any."""
+    state = None
+    if args.resume:
+        state = _read_state(args.resume)
+        for k, saved in state["arch"].items():
+            given = getattr(args, k, None)
+            if given is not None and given != saved:
+                flag = "--" + k.replace("_", "-")
+                shown = ",".join(map(str, saved)) if isinstance(saved, list) else saved
+                raise UsageError(
+                    f"{flag} {given if not isinstance(given, list) else ','.join(map(str, given))} differs from the "
+                    f"checkpoint's {shown}; drop {flag} to resume"
+                )
+            setattr(args, k, saved)
+    for k, v in ARCH_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    for k, v in DATA_DEFAULTS[args.dataset].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.lr_given = args.lr is not None
+    if args.lr is None:
+        args.lr = LR_DEFAULTS[args.optimizer]
+    if args.threads is None:
+        args.threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1))
+    if args.dataset == "adult":
+        if not args.data:
+            raise UsageError("--dataset adult needs --data PATH (the UCI Adult parquet file)")
+        if len(args.data) != 1:
+            raise UsageError(f"--dataset adult reads one parquet file, got {len(args.data)}")
+        for flag in ("val_data", "max_rows"):
+            if getattr(args, flag):
+                raise UsageError(f"--{flag.replace('_', '-')} applies to --dataset criteo only")
+    if args.no_checkpoint:
+        args.checkpoint = None
+    elif args.checkpoint is None:
+        args.checkpoint = args.resume or os.path.join(args.workdir, "checkpoint")
+    if args.no_export:
+        args.export = None
+    elif args.export is None:
+        args.export = os.path.join(args.workdir, "model.onnx" if args.export_format == "onnx" else "model.pt")
+    return state
+
+
+def _arch(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ARCH_DEFAULTS}
+
+
+# --- data ---------------------------------------------------------------------------------------
+def _criteo_eval(paths: list[str], split: str, holdout: float, max_rows: int | None, limit: int) -> D.TensorSource:
+    """The first ``limit`` evaluation rows, read once and kept in memory."""
+    src = D.CriteoSource(paths, split=split, holdout=holdout, max_rows=max_rows)
+    dense, sparse, label, n = [], [], [], 0
+    for b in src.batches(min(limit, 65536)):
+        take = min(len(b), limit - n)
+        dense.append(b.dense[:take])
+        sparse.append(b.sparse[:take])
+        label.append(b.label[:take])
+        n += take
+        if n >= limit:
+            break
+    if not label:
+        return D.TensorSource(
+            torch.zeros(0, 13), torch.zeros(0, 26, dtype=torch.int64), torch.zeros(0), D.CRITEO_SPARSE, False
+        )
+    return D.TensorSource(torch.cat(dense), torch.cat(sparse), torch.cat(label), D.CRITEO_SPARSE, shuffle=False)
+
+
+def load_data(args: argparse.Namespace) -> tuple[Any, D.TensorSource, str]:
+    """(training source, evaluation source, a line describing both)."""
+    if args.dataset == "adult":
+        adult = D.load_adult(
+            args.data[0], ids="hash", test_fraction=args.holdout, seed=ADULT_SPLIT_SEED, shuffle_seed=args.seed
+        )
+        desc = (
+            f"UCI Adult {args.data[0]}: {adult.rows:,} rows ({adult.positives:,} with income >50K); "
+            f"train {len(adult.train):,}, test {len(adult.test):,} (fixed permutation, seed {ADULT_SPLIT_SEED}); "
+            f"{len(D.ADULT_CATEGORICAL)} categorical (string ids hashed), {len(D.ADULT_NUMERIC)} numeric (standardised)"
+        )
+        return adult.train, adult.test, desc
+    paths = list(args.data or [])
+    D.check_files(paths + list(args.val_data or []))
+    generated = not paths
+    if generated:
+        path = D.default_generated_path(args.workdir, args.rows, args.seed)
+        if not os.path.isfile(path):
+            t0 = time.perf_counter()
+            D.generate_criteo(path, args.rows, seed=args.seed)
+            print(f"generated {args.rows:,} Criteo-format rows in {time.perf_counter() - t0:.1f} s: {path}")
+        paths = [path]
+    if args.val_data:
+        train = D.CriteoSource(paths, split="all", max_rows=args.max_rows)
+        test = _criteo_eval(list(args.val_data), "all", 0.0, None, args.eval_rows)
+        where = f"the first {len(test):,} rows of {', '.join(args.val_data)}"
+    else:
+        train = D.CriteoSource(paths, split="train", holdout=args.holdout, max_rows=args.max_rows)
+        test = _criteo_eval(paths, "val", args.holdout, args.max_rows, args.eval_rows) if args.holdout > 0 else None
+        where = (
+            f"{len(test):,} held-out rows ({args.holdout:g} of the rows, by a hash of their position)"
+            if test is not None
+            else "nothing (--holdout 0)"
+        )
+    kind = "generated Criteo-format" if generated else "Criteo-format"
+    rows = f"{args.max_rows:,} rows of " if args.max_rows else ""
+    desc = f"{kind} data: {rows}{', '.join(paths)}; evaluating on {where}"
+    return train, test, desc
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+class Checkpointer:
+    """``he.save(DIR/model, model, optimizer, extra=...)``: the run's state (model flags, epoch,
+    steps done in it) is stored in the checkpoint's manifest, committed atomically with the rows."""
+
+    def __init__(self, directory: str | None, arch: dict[str, Any]):
+        self.dir, self.arch = directory, arch
+        self.unavailable: str | None = None
+        self.last: str | None = None
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, position: dict[str, Any]) -> bool:
+        if self.dir is None or self.unavailable:
+            return False
+        from ..api import save
+
+        state = {"format": STATE_FORMAT, "arch": self.arch, **position}
+        os.makedirs(self.dir, exist_ok=True)
+        try:
+            save(os.path.join(self.dir, MODEL_DIR), model, optimizer, extra={STATE_KEY: state})
+        except NotImplementedError as e:
+            self.unavailable = f"he.save is not available in this build ({e})"
+            return False
+        e = position["epoch"] + 1
+        self.last = (
+            f"{self.dir} (after epoch {e})"
+            if position["complete"]
+            else f"{self.dir} (epoch {e}, step {position['batches_done']})"
+        )
+        return True
+
+
+def _resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    from ..api import load
+
+    try:
+        load(os.path.join(args.resume, MODEL_DIR), model, optimizer)
+    except NotImplementedError as e:
+        raise UsageError(f"cannot resume from {args.resume}: he.load is not available in this build ({e})") from None
+    if args.lr_given:
+        for g in optimizer.param_groups:
+            g["lr"] = args.lr
+
+
+# --- output ---------------------------------------------------------------------------------------
+def _progress(total: int | None, initial: int, desc: str, disable: bool):
+    if disable:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(
+        total=total, initial=initial, desc=desc, unit=" rows", unit_scale=True, leave=False, dynamic_ncols=True,
+        disable=None, smoothing=0.1, mininterval=0.5,
+    )  # fmt: skip
+
+
+def _table_stats(model: nn.Module) -> tuple[int, int, int]:
+    """(rows held, rows evicted, tables) over every dynamic table of ``model``."""
+    rows = evicted = tables = 0
+    for m in model.modules():
+        if isinstance(m, M.HybridEmbeddings):
+            for s in m.collection.dynamic_stats().values():
+                rows += int(s["size"])
+                evicted += int(s["evicted"])
+                tables += 1
+    return rows, evicted, tables
+
+
+def _epoch_line(epoch: int, epochs: int, tr: EpochStats | None, ev: EvalStats | None, model: nn.Module) -> str:
+    parts = [f"epoch {epoch}/{epochs}"]
+    if tr is not None:
+        parts.append(f"train loss {tr.loss:.4f}")
+    if ev is not None and ev.rows:
+        parts.append(f"test loss {ev.loss:.4f}  AUC {ev.auc:.4f}")
+    if tr is not None:
+        parts.append(f"{tr.rows:,} samples in {tr.seconds:.1f} s = {tr.samples_per_s:,.0f} samples/s")
+    rows, evicted, _ = _table_stats(model)
+    parts.append(f"table rows {rows:,}" + (f" ({evicted:,} evicted)" if evicted else ""))
+    return "  ".join(parts)
+
+
+def _describe_model(args: argparse.Namespace, model: nn.Module, features: int) -> str:
+    dense = sum(p.numel() for n, p in model.named_parameters() if "storages" not in n)
+    cap = "unbounded" if not args.capacity else f"<= {args.capacity:,} rows each"
+    opt = {"adagrad": "Adagrad", "adam": "Adam"}[args.optimizer]
+    _, _, tables = _table_stats(model)
+    return (
+        f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}), "
+        f"{dense:,} dense parameters; {opt} lr {args.lr:g} via he.wrap_optimizer, batch {args.batch_size:,}, "
+        f"{args.threads} thread{'s' if args.threads > 1 else ''}"
+    )
+
+
+def _export(args: argparse.Namespace, model: nn.Module, example: D.Batch | None) -> str:
+    from ..api import export
+
+    if example is None:
+        return "export: skipped (no example batch)"
+    os.makedirs(os.path.dirname(os.path.abspath(args.export)), exist_ok=True)
+    model.eval()
+    try:
+        export(model, args.export, (example.dense[:8], example.sparse[:8]), format=args.export_format)
+    except NotImplementedError as e:
+        return f"export: skipped, he.export is not available in this build ({e})"
+    return f"export: {args.export} ({args.export_format}; inputs dense (B, {example.dense.shape[1]}) float32, sparse (B, {example.sparse.shape[1]}) int64 ids)"
+
+
+# --- the run --------------------------------------------------------------------------------------
+def run(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
+    """Trains, evaluates, checkpoints and exports as ``args`` say; prints the results."""
+    log = get_logger("hybridembed")
+    level = log.level
+    if not _env.text("LOG_LEVEL"):  # the command prints what happens; library INFO lines would repeat it
+        log.setLevel(logging.WARNING)
+    try:
+        return _run(args, state)
+    finally:
+        log.setLevel(level)
+
+
+def _run(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
+    import hybridembed as he
+
+    t_start = time.perf_counter()
+    tune_cpu_allocator()
+    torch.set_num_threads(args.threads)
+    train, test, desc = load_data(args)
+    features = train.features
+    model = M.build(
+        args.model,
+        train.num_dense,
+        features,
+        dim=args.embedding_dim,
+        capacity=args.capacity or None,
+        mlp=args.mlp,
+        bottom=args.bottom_mlp,
+        cross_layers=args.cross_layers,
+        seed=args.seed,
+        min_count=args.min_count,
+    )
+    cls = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[args.optimizer]
+    optimizer = he.wrap_optimizer(cls(model.parameters(), lr=args.lr), model)
+    epoch0, skip, step = 0, 0, 0
+    if state is not None:
+        _resume(args, model, optimizer)
+        epoch0, skip, step = int(state["epoch"]), int(state["batches_done"]), int(state["step"])
+        if state["complete"]:  # the saved epoch was finished: start the next one
+            epoch0, skip = epoch0 + 1, 0
+    print(f"hybridembed train: {desc}")
+    print(_describe_model(args, model, len(features)))
+    if state is not None:
+        where = f"epoch {epoch0 + 1}" + (f", step {skip} of it" if skip else "")
+        print(f"resumed from {args.resume}: continuing at {where} (step {step} overall)")
+    ckpt = Checkpointer(args.checkpoint, _arch(args))
+    example = next(iter(test.batches(8))) if test is not None and len(test) else None
+    estimate = train.estimate_rows()
+    for epoch in range(epoch0, args.epochs):
+        bar = _progress(estimate, skip * args.batch_size, f"epoch {epoch + 1}/{args.epochs}", args.no_progress)
+        done = [skip]
+
+        def on_step(rows: int, loss: float, epoch: int = epoch, bar=bar, done=done) -> None:
+            nonlocal step
+            step += 1
+            done[0] += 1
+            if bar is not None:
+                bar.update(rows)
+                if done[0] % 10 == 0:
+                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                ckpt.save(model, optimizer, {"epoch": epoch, "batches_done": done[0], "step": step, "complete": False})
+
+        batches = D.batches_with_skip(train, args.batch_size, epoch, skip)
+        try:
+            tr = train_epoch(model, optimizer, D.prefetch(batches), on_step)
+        finally:
+            if bar is not None:
+                bar.close()
+        if example is None:
+            example = next(iter(train.batches(8)), None)
+        skip = 0
+        ev = evaluate(model, test.batches(8192)) if test is not None else None
+        print(_epoch_line(epoch + 1, args.epochs, tr if tr.rows else None, ev, model), flush=True)
+        ckpt.save(model, optimizer, {"epoch": epoch, "batches_done": 0, "step": step, "complete": True,
+                                     "test_auc": None if ev is None else ev.auc})  # fmt: skip
+    if epoch0 >= args.epochs:
+        ev = evaluate(model, test.batches(8192)) if test is not None else None
+        print(f"nothing to train: the checkpoint has done {epoch0} of --epochs {args.epochs}")
+        print(_epoch_line(epoch0, args.epochs, None, ev, model))
+    if args.checkpoint:
+        print(
+            f"checkpoint: {ckpt.last}" if ckpt.last else f"checkpoint: skipped, {ckpt.unavailable or 'nothing trained'}"
+        )
+    if args.export:
+        print(_export(args, model, example))
+    print(f"done in {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """A (possibly multi-line, listed) message as one line: ``a:\n  - b\n  - c`` -> ``a: b; c``."""
+    lines = [ln.strip().removeprefix("- ") for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    head, rest = lines[0], lines[1:]
+    return head + (" " + "; ".join(rest) if rest else "")
+
+
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """``hybridembed train [flags]``; returns the exit code (2 for bad flags, files or rows)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(prog).parse_args(argv)
+    try:
+        state = resolve(args)
+        return run(args, state)
+    except (UsageError, D.DataError, HybridEmbedError) as e:
+        sys.stdout.flush()
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

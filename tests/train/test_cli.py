@@ -1,0 +1,107 @@
+"""``hybridembed train`` flags and errors: --help documents every flag; bad flags, missing files and
+malformed rows end with one ``error:`` line, exit code 2, and no traceback.
+
+    python -m pytest -q tests/train/test_cli.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hybridembed import cli as top
+from hybridembed.train import cli
+
+PROG = "hybridembed train"
+
+
+def _run(*argv: str, cwd=None) -> subprocess.CompletedProcess:
+    """The command as a user runs it: a fresh process (the installed script when present)."""
+    script = shutil.which("hybridembed", path=os.path.dirname(sys.executable))
+    cmd = [script, "train"] if script else [sys.executable, "-m", "hybridembed.cli", "train"]
+    return subprocess.run([*cmd, *argv], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def _one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"{PROG}: error: ") and "Traceback" not in err
+    return lines[0]
+
+
+def test_help_documents_every_flag(capsys):
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as e:
+        top.main(["train", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    flags = [s for a in parser._actions for s in a.option_strings]
+    assert len(flags) >= 30
+    for a in parser._actions:
+        assert a.help, f"{a.option_strings} has no help"
+        for s in a.option_strings:
+            assert s in text, f"{s} missing from --help"
+    for word in ("dlrm", "wdl", "deepfm", "dcnv2", "torchscript", "onnx", "adult", "criteo"):
+        assert word in text
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--model", "xgboost"], "invalid choice: 'xgboost'"),
+        (["--holdout", "1.5"], "--holdout"),
+        (["--mlp", "64,0"], "positive layer widths"),
+        (["--epochs", "0"], "--epochs"),
+        (["--data"], "expected at least one argument"),
+    ],
+)
+def test_bad_flags(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert needle in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--dataset", "adult"], "--dataset adult needs --data PATH"),
+        (["--data", "/nonexistent/day_0.tsv"], "/nonexistent/day_0.tsv: no such file"),
+        (["--val-data", "/nonexistent/day_23.tsv"], "/nonexistent/day_23.tsv: no such file"),
+        (["--resume", "/nonexistent/ckpt"], "no such checkpoint directory"),
+    ],
+)
+def test_usage_errors_in_process(argv, needle, tmp_path, capsys):
+    assert cli.main([*argv, "--workdir", str(tmp_path), "--no-progress"]) == 2
+    assert needle in _one_error_line(capsys.readouterr().err)
+    assert not any(tmp_path.iterdir())  # refused before generating or writing anything
+
+
+def test_console_errors_have_no_traceback(criteo_sample, tmp_path):
+    r = _run("--model", "nope")
+    assert r.returncode == 2 and "invalid choice" in _one_error_line(r.stderr)
+    r = _run("--data", str(tmp_path / "missing.tsv"))
+    assert r.returncode == 2 and "missing.tsv: no such file" in _one_error_line(r.stderr)
+    lines = criteo_sample.read_text().splitlines()[:40]
+    lines[30] += "\textra"  # 41 columns
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("\n".join(lines) + "\n")
+    r = _run("--data", str(bad), "--workdir", str(tmp_path / "w"), "--no-progress")
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 2 and "bad.tsv" in line and "line 31" in line and "got 41" in line
+
+
+def test_resume_from_a_directory_that_is_no_checkpoint(tmp_path, capsys):
+    (tmp_path / "ckpt").mkdir()
+    assert cli.main(["--resume", str(tmp_path / "ckpt"), "--workdir", str(tmp_path)]) == 2
+    assert "not a hybridembed train checkpoint" in _one_error_line(capsys.readouterr().err)
+
+
+def test_dispatcher_lists_train(capsys):
+    assert top.main([]) == 2
+    assert "train" in capsys.readouterr().out
