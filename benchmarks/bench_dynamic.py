@@ -73,7 +73,9 @@ def step(args) -> list[dict]:
         for hot in args.hotness:
             batch = {}
             for n in names:
-                lens = torch.ones(args.batch, dtype=torch.int64) if hot == "one" else torch.randint(0, 21, (args.batch,))
+                lens = (
+                    torch.ones(args.batch, dtype=torch.int64) if hot == "one" else torch.randint(0, 21, (args.batch,))
+                )
                 batch[n] = he.Jagged.from_lengths(powerlaw_ids(int(lens.sum()), args.rows), lens)
             grads = [torch.randn(args.batch, args.dim) for _ in names]
 

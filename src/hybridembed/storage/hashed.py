@@ -123,15 +123,24 @@ class HashStorage(RowStorage):
     def _find(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """(U,) slots of (table, id) pairs; -1 where absent."""
         out = torch.full_like(keys, -1)
-        active = torch.arange(keys.numel(), device=keys.device)
         pos = self._hash(keys, tabs) & self._mask
-        while active.numel():
-            k, t = keys[active], tabs[active]
-            hit = (self._htab[pos] == t) & (self._hkey[pos] == k)
-            out[active[hit]] = self._hslot[pos[hit]].to(torch.int64)
-            go_on = ~hit & (self._htab[pos] != _EMPTY)
-            active, pos = active[go_on], (pos[go_on] + 1) & self._mask
-        return out
+        active = None  # all of them, in the first round
+        k, t = keys, tabs
+        while True:
+            htab = self._htab.index_select(0, pos)  # each probe position read once
+            hit = (htab == t) & (self._hkey.index_select(0, pos) == k)
+            go_on = ~hit & (htab != _EMPTY)
+            found = self._hslot.index_select(0, pos).to(torch.int64)
+            if active is None:
+                out = torch.where(hit, found, out)
+            else:
+                out.index_put_((active[hit],), found[hit])
+            idx = go_on.nonzero().squeeze(1)
+            if idx.numel() == 0:
+                return out
+            active = idx if active is None else active.index_select(0, idx)
+            pos = (pos.index_select(0, idx) + 1) & self._mask
+            k, t = keys.index_select(0, active), tabs.index_select(0, active)
 
     def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
         """Add absent, distinct (table, id) pairs pointing at ``slots``."""
@@ -296,7 +305,7 @@ class HashStorage(RowStorage):
         keys, ktabs, inverse, counts = unique_pairs(ids, tabs, len(self.tables) == 1)
         found = self._find(keys, ktabs)
         if not train:
-            return found.clamp_min(0)[inverse]
+            return found.clamp_min(0).index_select(0, inverse)
         with torch.no_grad():
             nt = len(self.tables)
             hit = found >= 0
@@ -315,11 +324,12 @@ class HashStorage(RowStorage):
             # from here on the batch is accepted: commit
             self.clock += 1
             self.stats[:, 4] += torch.bincount(ktabs.long(), weights=counts, minlength=nt).long()
-            self.stats[:, 3] += torch.bincount(ktabs[hit].long(), weights=counts[hit], minlength=nt).long()
+            self.stats[:, 3] += torch.bincount(ktabs.long(), weights=counts * hit, minlength=nt).long()
             if commit is not None:
                 commit()
                 self.stats[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
-            self.last_seen[found[hit]] = self.clock
+            if victims.numel():
+                self.last_seen[found[hit]] = self.clock  # (this batch's rows, for the index rebuild)
             self._evict(victims)
             if new.numel():
                 slots = self._allocate(new.numel())
@@ -327,16 +337,19 @@ class HashStorage(RowStorage):
                 self._init_rows(slots, keys[new], ktabs[new])
                 found[new] = slots
                 self.stats[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
-            seen = found >= 0
-            s = found[seen]
-            self.last_seen[s] = self.clock
-            self.freq.index_add_(0, s, counts[seen])
+            if new.numel() == miss.numel():  # every id has a row now
+                s, c = found, counts
+            else:
+                seen = (found >= 0).nonzero().squeeze(1)
+                s, c = found.index_select(0, seen), counts.index_select(0, seen)
+            self.last_seen.index_fill_(0, s, self.clock)
+            self.freq.index_add_(0, s, c)
             if self.config.eviction == "ttl":  # unseen for ttl_steps lookups, and no pending gradient
                 expired = (self.slot_table >= 0) & (self.clock - self.last_seen >= self.config.ttl_steps)
                 expired &= ~self._protected(s)
                 if bool(expired.any()):
                     self._evict(expired.nonzero().squeeze(1))
-        return found.clamp_min(0)[inverse]
+        return found.clamp_min(0).index_select(0, inverse)
 
     def accumulate_grad(self, grad: torch.Tensor) -> None:
         """Receives the lookup's sparse gradient (sized to the current, possibly grown, matrix)."""
