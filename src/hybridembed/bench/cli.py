@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from .. import __version__
 from ..utils import get_logger, tune_cpu_allocator
 from . import models as M
+from .e2e import E2E_MODEL
 from .timing import Timing, time_interleaved
 
 __all__ = ["main", "run", "build_parser"]
@@ -105,10 +106,17 @@ def build_parser(prog: str = "hybridembed bench") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        choices=list(M.WORKLOADS),
+        choices=[*M.WORKLOADS, E2E_MODEL],
         help="workload: a synthetic model (tables, widths, hotness and sharing of config_v3.py), "
         "criteo-dlrm-like, or embedding-step (26 x 200k x 64, batch 8192, one-hot then multi-hot mean 10, "
-        "embedding-only). Default tiny; with --memory-only, every model",
+        "embedding-only), or train-e2e (hybridembed train's DLRM vs the same DLRM in plain PyTorch, end to "
+        "end on a generated Criteo-format file). Default tiny; with --memory-only, every model",
+    )
+    p.add_argument(
+        "--rows",
+        type=_positive(int),
+        metavar="N",
+        help="train-e2e only: rows of the generated Criteo-format file (default 100,000; --quick 20,000)",
     )
     p.add_argument(
         "--quick",
@@ -635,6 +643,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        if args.model == E2E_MODEL:
+            from .e2e import run_e2e
+
+            return run_e2e(args)
         return _run(args)
     finally:
         torch.set_num_threads(before)
@@ -711,6 +723,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "hybridembed bench") -> 
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.memory_only and args.model == E2E_MODEL:
+        parser.error(f"--memory-only does not apply to --model {E2E_MODEL}")
     if args.memory_only:
         specs = [s for n in ([args.model] if args.model else M.WORKLOADS) for s in M.workloads(n)]
         reports = [M.memory(s, args.optimizer) for s in specs]
@@ -726,7 +740,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hybridembed bench") -> 
         return 2
     _write_json(results, args.json)
     print(f"results: {args.json}")
-    if write_chart(results, args.png):
+    if args.model != E2E_MODEL and write_chart(results, args.png):
         print(f"chart: {args.png}")
     return 0
 
