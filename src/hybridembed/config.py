@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,12 @@ class Dynamic:
             positive_int("ttl_steps", self.ttl_steps)
         elif self.ttl_steps is not None:
             raise ConfigError("Dynamic: ttl_steps is only used with eviction='ttl'")
+        if (
+            isinstance(self.default_value, bool)
+            or not isinstance(self.default_value, (int, float))
+            or not math.isfinite(self.default_value)
+        ):
+            raise ConfigError(f"Dynamic: default_value must be a finite number, got {self.default_value!r}")
         if not 0.0 < self.admit_probability <= 1.0:
             raise ConfigError(f"Dynamic: admit_probability must be in (0, 1], got {self.admit_probability}")
         if not 0.0 < self.evict_fraction <= 1.0:

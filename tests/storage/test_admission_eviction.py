@@ -351,3 +351,22 @@ def test_evict_fraction_rounding_matches_ceil():
         lookup(ec, [i])
     assert ec.dynamic_stats()["a"]["evicted"] == math.ceil(cap * frac)
     assert ids_of(ec) == list(range(2, cap + 1))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"default_value": float("nan")},
+        {"default_value": float("inf")},
+        {"default_value": "0"},
+        {"capacity": 0},
+        {"eviction": "fifo"},
+        {"eviction": "ttl"},
+        {"ttl_steps": 3},
+        {"admit_probability": 0.0},
+        {"min_count": 0},
+    ],
+)
+def test_bad_dynamic_settings_are_refused(kwargs):
+    with pytest.raises(he.ConfigError):
+        he.Dynamic(**kwargs)
