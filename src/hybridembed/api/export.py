@@ -258,20 +258,14 @@ class ServedEmbeddingCollection(nn.Module):
 def _padded(j: Jagged, pad: int, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A Jagged -> (ids (B, H) padded with ``pad``, weights (B, H) | None), H = longest bag (>= 1)."""
     j.check_structure(where)
-    lengths = j.lengths()  # (B,)
-    b, n = lengths.numel(), j.values.numel()
-    if n and bool((j.values == pad).any()):
+    if j.values.numel() and bool((j.values == pad).any()):
         raise InvalidInputError(
             f"{where}: the Jagged holds the id {pad}, which the served model's padded input reads as padding"
         )
-    h = max(1, int(lengths.max())) if b else 1
-    bag = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths, output_size=n)  # (N,)
-    pos = torch.arange(n, device=lengths.device) - j.offsets[:-1].to(torch.int64)[bag]  # (N,)
-    ids = torch.full((b, h), pad, dtype=torch.int64, device=j.values.device).index_put((bag, pos), j.values.long())
+    ids = Jagged(j.values.long(), j.offsets).to_padded(pad, min_length=1)  # (B, H)
     if j.weights is None:
         return ids, None
-    weights = j.weights.new_zeros(b, h).index_put((bag, pos), j.weights)
-    return ids, weights
+    return ids, Jagged(j.weights, j.offsets).to_padded(0, min_length=1)
 
 
 def _served_inputs(x: Any, path: str, pad: int) -> Any:
@@ -346,16 +340,6 @@ def _run_eval(model: nn.Module, args: tuple) -> Any:
 
 
 # --- comparing outputs -----------------------------------------------------------------------------
-def _padded_rows(j: Jagged) -> torch.Tensor:
-    """A Jagged of rows (values (N, D)) -> (B, T, D) zero-padded."""
-    lengths = j.lengths()
-    b, n = lengths.numel(), j.values.shape[0]
-    t = int(lengths.max()) if b else 0
-    bag = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths, output_size=n)
-    pos = torch.arange(n, device=lengths.device) - j.offsets[:-1][bag]
-    return j.values.new_zeros(b, t, j.values.shape[1]).index_put((bag, pos), j.values)
-
-
 def _flat(tree: Any) -> list[tuple[str, Any]]:
     leaves, _ = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, Jagged))
     return [(pytree.keystr(p), v) for p, v in leaves]
@@ -368,7 +352,7 @@ def _compare(expected: Any, got: Any, what: str, tol: float = 1e-5) -> None:
         raise HybridEmbedError(f"export check: {what} has outputs {[p for p, _ in g]}, expected {[p for p, _ in e]}")
     for (p, ev), (_, gv) in zip(e, g):
         if isinstance(ev, Jagged):
-            ev = _padded_rows(ev)
+            ev = ev.to_padded(0)
         if not isinstance(ev, torch.Tensor) or not isinstance(gv, torch.Tensor):
             if ev != gv:
                 raise HybridEmbedError(f"export check: {what} output{p} is {gv!r}, expected {ev!r}")

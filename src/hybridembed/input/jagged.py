@@ -169,6 +169,23 @@ class Jagged:
         w = None if self.weights is None else self.weights.pin_memory()
         return Jagged(self.values.pin_memory(), self.offsets.pin_memory(), w)
 
+    def to_padded(self, pad: float = 0, min_length: int = 0) -> torch.Tensor:
+        """Values (N, *) -> (B, T, *) with bag b's values first in row b and ``pad`` after.
+
+        ``T`` is the longest bag (at least ``min_length``). Works for ids (N,) and rows (N, D).
+
+        >>> import hybridembed as he
+        >>> he.Jagged.from_lists([[3, 1], [], [7]]).to_padded(-1).tolist()
+        [[3, 1], [-1, -1], [7, -1]]
+        """
+        lengths = self.lengths()  # (B,)
+        b, n, dev = lengths.numel(), self.values.shape[0], self.values.device
+        t = max(min_length, int(lengths.max()) if b else 0)
+        bag = torch.repeat_interleave(torch.arange(b, device=dev), lengths, output_size=n)  # (N,)
+        pos = torch.arange(n, device=dev) - self.offsets[:-1].to(torch.int64).index_select(0, bag)  # (N,)
+        out = self.values.new_full((b, t, *self.values.shape[1:]), pad)
+        return out.index_put((bag, pos), self.values)
+
     def to_lists(self) -> list[list[int]]:
         v, o = self.values.tolist(), self.offsets.tolist()
         return [v[o[b] : o[b + 1]] for b in range(len(o) - 1)]

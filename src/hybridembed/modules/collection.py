@@ -275,16 +275,9 @@ class EmbeddingCollection(nn.Module):
         return result
 
     def _sequence(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | Jagged:
-        """(N, D) rows of one sequence feature -> Jagged of rows, or padded (B, T, D)."""
-        if self.sequence_output == "jagged":
-            return Jagged(rows, offsets)
-        lengths = offsets[1:] - offsets[:-1]  # (B,)
-        b, n = lengths.numel(), rows.shape[0]
-        t = int(lengths.max()) if b else 0
-        bag = torch.repeat_interleave(torch.arange(b, device=rows.device), lengths, output_size=n)  # (N,)
-        pos = torch.arange(n, device=rows.device) - offsets[:-1].index_select(0, bag)  # (N,)
-        padded = rows.new_zeros(b, t, rows.shape[1])  # (B, T, D)
-        return padded.index_put((bag, pos), rows)
+        """(N, D) rows of one sequence feature -> Jagged of rows, or zero-padded (B, T, D)."""
+        j = Jagged(rows, offsets)
+        return j if self.sequence_output == "jagged" else j.to_padded(0)
 
     # --- state_dict: one entry per table, whatever the grouping --------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
