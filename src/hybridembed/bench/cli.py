@@ -430,11 +430,7 @@ def _record(
         t = timing[n]
         state = M.state_bytes(m, o)
         contenders[n] = {
-            "median_ms": t.median,
-            "spread_ms": t.spread,
-            "min_ms": min(t.times_ms),
-            "times_ms": t.times_ms,
-            "samples_per_s": b / (t.median / 1e3),
+            **t.record(b),
             "state_bytes": state,
             "step_peak_bytes": peaks[n],
             "peak_bytes": state + (peaks[n] or 0),

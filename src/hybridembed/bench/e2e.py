@@ -148,11 +148,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     contenders = {}
     for n, t in timing.items():
         contenders[n] = {
-            "median_ms": t.median,
-            "spread_ms": t.spread,
-            "min_ms": min(t.times_ms),
-            "times_ms": t.times_ms,
-            "samples_per_s": batch / (t.median / 1e3),
+            **t.record(batch),
             "final_loss": losses[n][-1],
             "mean_loss": float(np.mean(losses[n])),
             "one_time_s": one_time[n],

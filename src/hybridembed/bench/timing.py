@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +41,16 @@ class Timing:
             return (max(self.times_ms) - min(self.times_ms)) / 2
         q = statistics.quantiles(self.times_ms, n=4)
         return (q[2] - q[0]) / 2
+
+    def record(self, batch: int) -> dict[str, Any]:
+        """The JSON fields every benchmark reports for one contender."""
+        return {
+            "median_ms": self.median,
+            "spread_ms": self.spread,
+            "min_ms": min(self.times_ms),
+            "times_ms": self.times_ms,
+            "samples_per_s": batch / (self.median / 1e3),
+        }
 
 
 def time_interleaved(fns: Mapping[str, Callable[[], object]], steps: int = 10, warmup: int = 2) -> dict[str, Timing]:
