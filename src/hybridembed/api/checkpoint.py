@@ -74,7 +74,7 @@ from ..modules import EmbeddingCollection
 from ..optim.wrapper import HybridOptimizer
 from ..storage import RowStorage
 from ..utils import get_logger
-from .convert import _TableLayer, load_dynamic_table
+from .convert import _TableLayer
 
 __all__ = ["save", "load", "read_manifest", "checkpoint_tables", "FORMAT_VERSION"]
 
@@ -767,7 +767,7 @@ def load(
         clocks: dict[int, tuple[RowStorage, int]] = {}
         for q in dynamic:
             t = tables[q]
-            load_dynamic_table(t.storage, t.name, {k: v for k, v in entries[q].items() if k != "state"})
+            t.storage.load_table(t.name, {k: v for k, v in entries[q].items() if k != "state"})
             clock = max(int(entries[q]["clock"]), clocks.get(id(t.storage), (None, 0))[1])
             clocks[id(t.storage)] = (t.storage, clock)
         for storage, clock in clocks.values():  # the saved time, not max(saved, current): an exact restore

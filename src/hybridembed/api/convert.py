@@ -105,7 +105,6 @@ log = get_logger(__name__)
 
 COLLECTION_ATTR = "hybridembed"  # where convert registers the collection on the model
 _OVERRIDABLE = ("name", "dtype", "init", "optimizer", "dynamic")
-_DYNAMIC_KEYS = ("ids", "weight", "last_seen", "freq", "stats", "clock")
 
 
 class ConvertedCollection(EmbeddingCollection):
@@ -123,11 +122,6 @@ class ConvertedCollection(EmbeddingCollection):
             for key in state_dict:
                 if key.startswith(prefix) and key[len(prefix) :].split(".", 1)[0] not in self._modules:
                     unexpected.append(key)
-
-
-def load_dynamic_table(storage, name: str, entry: Mapping[str, torch.Tensor]) -> None:
-    """Replace dynamic table ``name``'s rows in ``storage`` with ``entry`` (ids, rows, counters)."""
-    storage.load_table(name, dict(entry))
 
 
 def _plain_dynamic_entry(storage, weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -230,18 +224,13 @@ class _TableLayer(nn.Module):
                 errors.append(f"size mismatch for {prefix}weight: expected (N, {dim}) rows")
                 return
             mine = _plain_dynamic_entry(storage, w)
-        lacking = [prefix + k for k in _DYNAMIC_KEYS if k not in mine]
-        if lacking:
+        lacking, error = storage.entry_problems(mine, prefix)
+        if lacking or error:
             missing.extend(lacking)
-            return
-        if mine["weight"].shape != (mine["ids"].numel(), dim):
-            errors.append(
-                f"size mismatch for {prefix}weight: {tuple(mine['weight'].shape)} for "
-                f"{mine['ids'].numel()} ids of dim {dim}"
-            )
+            errors.extend([error] if error else [])
             return
         try:
-            load_dynamic_table(storage, self.table, mine)
+            storage.load_table(self.table, dict(mine))
         except HybridEmbedError as e:
             errors.append(f"{prefix}: {e}")
 
@@ -577,7 +566,7 @@ def convert(
                         f"layer {paths[0]!r}: copy_dynamic_rows needs {weight.shape[0]} rows but "
                         f"Dynamic(capacity={cap}); raise the capacity or pass copy_dynamic_rows=False"
                     )
-                load_dynamic_table(storage, cfg.name, _plain_dynamic_entry(storage, weight))
+                storage.load_table(cfg.name, _plain_dynamic_entry(storage, weight))
             else:
                 log.warning(
                     "layer %r is now the dynamic table %r: its %d current rows are not carried over (new ids get "

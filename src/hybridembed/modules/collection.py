@@ -301,17 +301,12 @@ class EmbeddingCollection(nn.Module):
                 continue
             entry = {k[len(prefix + name) + 1 :]: v for k, v in state_dict.items() if k.startswith(prefix + name + ".")}
             ours.update({prefix + name + "." + k: name for k in entry})
-            needed = ("ids", "weight", "last_seen", "freq", "stats", "clock")
-            lacking = [prefix + name + "." + k for k in needed if k not in entry]
-            if lacking:
-                missing.extend(lacking)
-            elif entry["weight"].shape != (entry["ids"].numel(), t.embedding_dim):
-                errors.append(
-                    f"size mismatch for {prefix + name}.weight: {tuple(entry['weight'].shape)} for "
-                    f"{entry['ids'].numel()} ids of dim {t.embedding_dim}"
-                )
+            lacking, error = self.storage_of(name).entry_problems(entry, prefix + name + ".")
+            missing.extend(lacking)
+            if error:
+                errors.append(error)
                 bad = True
-            else:
+            elif not lacking:
                 dynamic_entries[name] = entry
         for key, name in ours.items():
             if name not in dense:
