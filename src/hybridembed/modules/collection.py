@@ -170,25 +170,28 @@ class EmbeddingCollection(nn.Module):
         missing = [f for f in self._features if f not in inputs]
         if missing:
             raise InvalidInputError(f"missing feature {missing[0]!r}: every feature needs an input", missing[0])
-        jagged: dict[str, Jagged] = {}
-        oks = []
-        for f, feat in self._features.items():
-            j = as_jagged(inputs[f], f, self.pad)
-            j.check_structure(f)
-            device = self.storages[feat.group].weight.device
-            if j.values.device != device or j.offsets.device != device:
-                raise InvalidInputError(
-                    f"feature {f!r}: input is on {j.values.device} but its table is on {device}; "
-                    f"move it with .to({str(device)!r})",
-                    f,
-                )
-            jagged[f] = j
-            oks.append(j.ok(feat.table.num_embeddings, allow_negative=feat.dynamic))
+        jagged = {f: self._as_input(feat, inputs[f]) for f, feat in self._features.items()}
+        oks = [
+            jagged[f].ok(feat.table.num_embeddings, allow_negative=feat.dynamic) for f, feat in self._features.items()
+        ]
         if not bool(torch.stack(oks).all()):  # one host sync for all features
             for (f, feat), ok in zip(self._features.items(), oks):
                 if not bool(ok):
                     jagged[f].raise_first_error(f, feat.table.num_embeddings, allow_negative=feat.dynamic)
         return jagged
+
+    def _as_input(self, feat: _Feature, x: Any) -> Jagged:
+        """One feature's input -> Jagged, with dtypes, shapes and device checked (no pass over data)."""
+        j = as_jagged(x, feat.name, self.pad)
+        j.check_structure(feat.name)
+        device = self.storages[feat.group].weight.device
+        if j.values.device != device or j.offsets.device != device:
+            raise InvalidInputError(
+                f"feature {feat.name!r}: input is on {j.values.device} but its table is on {device}; "
+                f"move it with .to({str(device)!r})",
+                feat.name,
+            )
+        return j
 
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
         jagged = self._prepare(inputs)
@@ -212,16 +215,8 @@ class EmbeddingCollection(nn.Module):
         feat = self._features.get(feature) if isinstance(feature, str) else None
         if feat is None:
             raise InvalidInputError(f"unknown feature {feature!r}; this collection has: {', '.join(self._features)}")
-        j = as_jagged(ids, feature, self.pad)
-        j.check_structure(feature)
+        j = self._as_input(feat, ids)
         storage = self.storages[feat.group]
-        device = storage.weight.device
-        if j.values.device != device or j.offsets.device != device:
-            raise InvalidInputError(
-                f"feature {feature!r}: input is on {j.values.device} but its table is on {device}; "
-                f"move it with .to({str(device)!r})",
-                feature,
-            )
         if not bool(j.ok(feat.table.num_embeddings, allow_negative=feat.dynamic)):
             j.raise_first_error(feature, feat.table.num_embeddings, allow_negative=feat.dynamic)
         pooled, seq = ([], [feat]) if feat.table.combiner == "none" else ([feat], [])
