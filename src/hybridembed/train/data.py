@@ -258,13 +258,18 @@ def count_rows(paths: Sequence[str]) -> int:
     return sum(b.label.shape[0] for b in read_criteo(paths))
 
 
-def _holdout(rows: np.ndarray, fraction: float) -> np.ndarray:
-    """(R,) bool: rows (by global index) held out for evaluation; a fixed hash, streamable."""
-    x = rows.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 (wrapping), the numpy twin of :func:`hybridembed.init.mix64`."""
     with np.errstate(over="ignore"):
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x ^= x >> np.uint64(31)
+        return x ^ (x >> np.uint64(31))
+
+
+def _holdout(rows: np.ndarray, fraction: float) -> np.ndarray:
+    """(R,) bool: rows (by global index) held out for evaluation; a fixed hash, streamable."""
+    with np.errstate(over="ignore"):
+        x = _splitmix(rows.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15))
     return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
 
 
@@ -434,11 +439,7 @@ _GEN_CTR = 0.25
 
 def _mix(x: np.ndarray, salt: int) -> np.ndarray:
     """splitmix64 finaliser of uint64 ``x ^ salt``: a bijection, so distinct ids stay distinct."""
-    with np.errstate(over="ignore"):
-        x = x.astype(np.uint64) ^ np.uint64(salt * 0x9E3779B97F4A7C15 % (1 << 64))
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+    return _splitmix(x.astype(np.uint64) ^ np.uint64(salt * 0x9E3779B97F4A7C15 % (1 << 64)))
 
 
 def _effect(ids: np.ndarray, salt: int) -> np.ndarray:
