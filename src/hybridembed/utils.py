@@ -10,6 +10,7 @@ import sys
 import torch
 
 from . import _env
+from .errors import ConfigError
 
 __all__ = ["tune_cpu_allocator", "advise_huge_pages", "get_logger"]
 
@@ -28,6 +29,9 @@ def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 <<
     Process-wide and opt-in: call it once at start-up, or set
     ``HYBRIDEMBED_TUNE_ALLOCATOR=1``. Returns False where glibc is not the allocator.
     """
+    for arg, v in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2**31:
+            raise ConfigError(f"tune_cpu_allocator: {arg} must be an int in (0, 2**31), got {v!r}")
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -358,3 +358,8 @@ def test_bad_ids_raise_before_any_row_changes():
         conv.user(torch.tensor([[1, 25]]))
     with pytest.raises(he.InvalidInputError, match="towers__0__bag"):
         conv.towers[0].bag(torch.tensor([[1, -2]]))
+
+
+def test_convert_refuses_tables_that_are_not_a_mapping():
+    with pytest.raises(he.ConfigError, match="mapping"):
+        he.convert(nn.Sequential(nn.Embedding(3, 2)), tables=[("0", None)])

@@ -324,3 +324,9 @@ def test_config_is_frozen():
     t = TC("a", 5, 4)
     with pytest.raises(AttributeError):
         t.num_embeddings = 0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs", [{"seed": "x"}, {"seed": 1.5}, {"pad": 1.5}, {"pad": True}])
+def test_collection_refuses_non_int_seed_and_pad(kwargs):
+    with pytest.raises(he.ConfigError):
+        he.EmbeddingCollection([he.TableConfig("a", 3, 2)], **kwargs)

@@ -128,3 +128,9 @@ def test_step_after_clipping_equals_torch(make):
         opt.step()
         ref_opt.step()
     assert_same_weights(net, ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [-1.0, float("inf"), float("nan"), "1"])
+def test_clip_grad_norm_refuses_a_bad_max_norm(max_norm):
+    with pytest.raises(he.ConfigError):
+        he.clip_grad_norm_(torch.nn.Linear(2, 2), max_norm)

@@ -329,3 +329,9 @@ def test_load_state_dict_of_a_mismatched_model_raises_and_changes_nothing(case):
     with pytest.raises(he.HybridEmbedError):
         target_opt.load_state_dict(sd)
     _assert_equal_nested(_snapshot(target, target_opt), before)
+
+
+def test_wrap_optimizer_refuses_a_model_that_is_not_a_module():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(he.ConfigError, match="nn.Module"):
+        he.wrap_optimizer(opt, "model")

@@ -492,6 +492,10 @@ def convert(
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"convert needs an nn.Module, got {type(model).__name__}")
+    if tables is not None and not isinstance(tables, Mapping):
+        raise ConfigError(
+            f"tables must be a mapping {{layer path: TableConfig | dict of fields | None}}, got {type(tables).__name__}"
+        )
     overrides = dict(tables or {})
     if isinstance(model, tuple(_LAYERS)):  # the model is one layer: convert it inside a holder
         holder = nn.Module()

@@ -91,6 +91,9 @@ class EmbeddingCollection(nn.Module):
             raise ConfigError(f"table names must be unique; repeated: {', '.join(dup)}")
         if "storages" in names:
             raise ConfigError("'storages' is reserved; rename that table")
+        for arg, v in (("seed", seed), ("pad", pad)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{arg} must be an int, got {v!r}")
         if sequence_output not in _SEQUENCE_OUTPUTS:
             raise ConfigError(f"sequence_output must be one of {_SEQUENCE_OUTPUTS}, got {sequence_output!r}")
         if features is None:

@@ -215,6 +215,10 @@ def wrap_optimizer(
     """
     if not isinstance(torch_optimizer, torch.optim.Optimizer):
         raise ConfigError(f"wrap_optimizer needs a torch.optim.Optimizer, got {type(torch_optimizer).__name__}")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"wrap_optimizer needs the model (an nn.Module) holding the tables, got {type(model).__name__}"
+        )
     if isinstance(torch_optimizer, HybridOptimizer):
         raise ConfigError("this optimizer is already wrapped")
     if sparse is not None and not isinstance(sparse, so.SparseOptimizer):
@@ -252,6 +256,8 @@ def clip_grad_norm_(
     parts separately), then every gradient is scaled by ``max_norm / (total + 1e-6)`` when
     the total norm exceeds ``max_norm``. Returns the total norm.
     """
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not 0 <= max_norm < float("inf"):
+        raise ConfigError(f"clip_grad_norm_: max_norm must be a finite number >= 0, got {max_norm!r}")
     if isinstance(parameters, nn.Module):
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
