@@ -41,7 +41,8 @@ def unique_pairs(ids: torch.Tensor, tabs: torch.Tensor, single_table: bool):
         u, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         return u, torch.zeros_like(u, dtype=torch.int32), inverse, counts
     bits = max(1, int(tabs.max()).bit_length()) if tabs.numel() else 1
-    if ids.numel() and bool((ids >= 0).all()) and int(ids.max()) < (1 << (63 - bits)):
+    lo, hi = torch.aminmax(ids) if ids.numel() else (None, None)
+    if lo is not None and int(lo) >= 0 and int(hi) < (1 << (63 - bits)):
         # the pair packs losslessly into one int64: one sort instead of two
         packed = (ids << bits) | tabs.to(torch.int64)
         u, inverse, counts = torch.unique(packed, return_inverse=True, return_counts=True)
