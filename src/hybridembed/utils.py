@@ -18,7 +18,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
-def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 31) -> bool:
+def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 << 31) - 1) -> bool:
     """Make glibc's malloc keep and reuse large blocks instead of mapping fresh pages per step.
 
     Grouped lookups make a few large tensors per step (26 features x 8,192 x 64 floats is
@@ -36,6 +36,7 @@ def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 <<
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]  # (a C int: 2**31 would wrap negative)
         ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)) == 1 and ok
     except (OSError, AttributeError):
