@@ -72,7 +72,7 @@ def _stream(out_path: str) -> None:
     ec = he.EmbeddingCollection([he.TableConfig("s", None, DIM, dynamic=cfg)], seed=1)
     opt = he.wrap_optimizer(torch.optim.Adagrad(ec.parameters(), lr=LR), ec)
     storage = ec.storage_of("s")
-    for name in ("weight", "slot_key", "slot_table", "last_seen", "freq", "free", "_hkey", "_htab", "_hslot"):
+    for name in ("weight", "slot_key", "slot_table", "last_seen", "freq", "free", "_hrow", "_claim"):
         assert isinstance(getattr(storage, name), torch.Tensor), name  # what storage_bytes must see
     offsets = torch.arange(BATCH + 1, dtype=torch.int64)
     rec = {"peak_storage_bytes": 0, "sizes": [], "ok_counts": [], "step_s": [], "phase_s": {}}

@@ -43,7 +43,7 @@ def sorted_segments(ids: torch.Tensor, num_rows: int | None = None) -> tuple[tor
 
 class _PooledLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, ids, offsets, psw, compute_dtype, grad_sink):  # (R, D), (N,), (S+1,), (N,)|None
+    def forward(ctx, weight, ids, offsets, psw, compute_dtype, grad_sink, segments):  # (R, D), (N,), (S+1,), (N,)|None
         if weight.dtype == compute_dtype:
             pooled = F.embedding_bag(ids, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
         else:  # half-precision storage: accumulate in compute_dtype
@@ -57,6 +57,7 @@ class _PooledLookup(torch.autograd.Function):
         ctx.save_for_backward(ids, offsets, psw)
         ctx.compute_dtype = compute_dtype
         ctx.grad_sink = grad_sink
+        ctx.segments = segments
         return pooled  # (S, D)
 
     @staticmethod
@@ -75,7 +76,9 @@ class _PooledLookup(torch.autograd.Function):
                 torch.arange(s, device=ids.device), offsets[1:] - offsets[:-1], output_size=n
             )  # (N,)
         if ctx.needs_input_grad[0]:
-            if not reduce_here:
+            if ctx.segments is not None:  # the storage grouped the ids already: no sort
+                grad_weight = _reduce_segments(grad, None if one_per_bag else bag_of_id, psw, ctx.segments, weight)
+            elif not reduce_here:
                 rows = grad if psw is None else grad * psw.unsqueeze(1)  # (N, D)
                 grad_weight = torch.sparse_coo_tensor(
                     ids.unsqueeze(0), rows.to(weight.dtype), weight.shape, check_invariants=False
@@ -98,9 +101,24 @@ class _PooledLookup(torch.autograd.Function):
             rows = weight.index_select(0, ids).to(ctx.compute_dtype)  # (N, D)
             grad_psw = (rows * (grad if one_per_bag else grad.index_select(0, bag_of_id))).sum(1)  # (N,)
         if grad_weight is not None and ctx.grad_sink is not None:
-            ctx.grad_sink(grad_weight)  # the storage accumulates it (its matrix may have grown)
+            # the storage accumulates it (its matrix may have grown)
+            ctx.grad_sink(grad_weight, distinct=ctx.segments is not None)
             grad_weight = None
-        return grad_weight, None, None, grad_psw, None, None
+        return grad_weight, None, None, grad_psw, None, None, None
+
+
+def _reduce_segments(grad, bag_of_id, psw, segments, weight) -> torch.Tensor:
+    """The rows' gradient from ids grouped by the storage: ``segments`` = (perm (N,) putting
+    equal rows side by side, segment offsets (K+1,), row of each segment (K,), kept segments
+    (M,) or None). One transposed ``embedding_bag``; the result's row ids are distinct but
+    not sorted, so the sparse tensor is left uncoalesced (its consumer is told they are distinct)."""
+    perm, seg, seg_rows, kept = segments
+    bags = perm if bag_of_id is None else bag_of_id.index_select(0, perm)  # one id per bag: bag == position
+    w = None if psw is None else psw.index_select(0, perm)
+    rows = F.embedding_bag(bags, grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True)  # (K, D)
+    if kept is not None:
+        rows, seg_rows = rows.index_select(0, kept), seg_rows.index_select(0, kept)
+    return torch.sparse_coo_tensor(seg_rows.unsqueeze(0), rows.to(weight.dtype), weight.shape, check_invariants=False)
 
 
 def pooled_lookup(
@@ -110,13 +128,16 @@ def pooled_lookup(
     per_id_weights: torch.Tensor | None,
     compute_dtype: torch.dtype,
     grad_sink=None,
+    segments: tuple | None = None,
 ) -> torch.Tensor:
     """Pool rows ``ids`` (N,) of ``weight`` (R, D) into bags ``offsets`` (S+1,) -> (S, D).
 
     The gradient reaching ``weight`` is sparse (coalesced unless every bag holds one id).
     One kernel call each way. With ``grad_sink``, the gradient is passed to it instead of
     autograd's accumulation: a storage whose matrix grows between forward and backward
-    (dynamic tables) sizes it to the current matrix.
+    (dynamic tables) sizes it to the current matrix, and is told whether its row ids are
+    distinct. ``segments`` (from a storage that grouped the ids, see
+    :meth:`HashStorage.lookup`) replaces the backward's sort.
     """
     needs_grad = torch.is_grad_enabled() and (
         weight.requires_grad or (per_id_weights is not None and per_id_weights.requires_grad)
@@ -125,7 +146,7 @@ def pooled_lookup(
         return F.embedding_bag(
             ids, weight, offsets, mode="sum", per_sample_weights=per_id_weights, include_last_offset=True
         )
-    return _PooledLookup.apply(weight, ids, offsets, per_id_weights, compute_dtype, grad_sink)
+    return _PooledLookup.apply(weight, ids, offsets, per_id_weights, compute_dtype, grad_sink, segments)
 
 
 def bag_scale(

@@ -264,9 +264,11 @@ class EmbeddingCollection(nn.Module):
                     for f in feats
                 ]
             )
-            ids_cat = storage.slots(ids_cat, tabs, train=self.training)
+            ids_cat, segments = storage.lookup(ids_cat, tabs, train=self.training)
+        else:
+            segments = None
         sink = storage.accumulate_grad if storage.kind == "dynamic" else None
-        rows = pooled_lookup(storage.weight, ids_cat, torch.cat(offsets), psw, cdt, sink)  # (S, D)
+        rows = pooled_lookup(storage.weight, ids_cat, torch.cat(offsets), psw, cdt, sink, segments)  # (S, D)
         result: dict[str, torch.Tensor | Jagged] = dict(zip((f.name for f in feats), torch.split(rows, sizes)))
         for f in seq:
             result[f.name] = self._sequence(result[f.name], jagged[f.name].offsets.to(torch.int64))

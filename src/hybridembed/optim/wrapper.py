@@ -116,15 +116,12 @@ class HybridOptimizer(torch.optim.Optimizer):
             self.dense.step()
         for storage, group in zip(self._storages, self._sparse_groups):
             grad = storage.weight.grad
-            if grad is None:
-                storage.after_step()
-                continue
-            if not grad.is_sparse:
+            if grad is not None and not grad.is_sparse:
                 raise HybridEmbedError(
                     f"{group['storage']}: expected a sparse gradient on the embedding rows, got a dense one"
                 )
-            ids, rows = reduce_rows(grad)
-            storage.apply(ids, rows, group)
+            if grad is not None:
+                storage.apply(*storage.grad_rows(), group)
             storage.after_step()
         return loss
 

@@ -18,6 +18,7 @@ ids from ``[0, n)`` starts (and trains) exactly like a dense table of ``n`` rows
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -29,34 +30,50 @@ from ..errors import HybridEmbedError
 from ..utils import advise_huge_pages
 from .base import RowStorage
 
-__all__ = ["HashStorage", "unique_pairs"]
+__all__ = ["HashStorage", "sort_pairs"]
 
 _EMPTY = -1
+_HIGH, _LOW = -(1 << 32), (1 << 32) - 1  # the table and slot words of an index row
 _STATS = ("inserted", "evicted", "rejected", "hits", "lookups")
 
 
-def unique_pairs(ids: torch.Tensor, tabs: torch.Tensor, single_table: bool):
-    """Distinct (table, id) pairs: (ids (U,), tabs (U,), inverse (N,), counts (U,))."""
-    if single_table:
-        u, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        return u, torch.zeros_like(u, dtype=torch.int32), inverse, counts
-    bits = max(1, int(tabs.max()).bit_length()) if tabs.numel() else 1
-    lo, hi = torch.aminmax(ids) if ids.numel() else (None, None)
-    if lo is not None and int(lo) >= 0 and int(hi) < (1 << (63 - bits)):
-        # the pair packs losslessly into one int64: one sort instead of two
-        packed = (ids << bits) | tabs.to(torch.int64)
-        u, inverse, counts = torch.unique(packed, return_inverse=True, return_counts=True)
-        return u >> bits, (u & ((1 << bits) - 1)).to(torch.int32), inverse, counts
+def sort_pairs(ids: torch.Tensor, tabs: torch.Tensor, num_tables: int):
+    """Groups equal (table, id) pairs: (ids (U,), tabs (U,), perm (N,), counts (U,)).
+
+    ``tabs`` are in ``[0, num_tables)``. ``perm`` orders the N pairs ascending by (table, id),
+    so equal ones are adjacent, in ``counts`` runs, one per distinct pair, and each table's
+    runs form one range. ``perm`` is kept for the backward: the lookup's gradient is reduced
+    over these runs without sorting again (table-major, so consecutive runs read the output
+    gradient of one feature: 6x faster there than id-major order, measured). The pair is
+    packed into one key, the id relative to the smallest; a key range below 2**31 is sorted
+    as int32 (PyTorch's radix sort, 2x faster than int64 here), a wider one as int64, and
+    only ids spanning more than 2**(63 - table bits) take two stable sorts.
+    """
+    n, dev = ids.numel(), ids.device
+    if n == 0:
+        e = ids[:0]
+        return e, tabs[:0], e, e
+    top = num_tables - 1
+    lo, hi = (int(v) for v in torch.aminmax(ids))
+    bits = (hi - lo).bit_length()  # of the relative id
+    if (top << bits) | ((1 << bits) - 1) < (1 << 63):
+        key = ids - lo  # in [0, hi - lo]: no overflow
+        if top:
+            key.add_(tabs, alpha=1 << bits)
+        s, perm = torch.sort(key.to(torch.int32) if top.bit_length() + bits <= 31 else key, stable=True)
+        u, counts = torch.unique_consecutive(s, return_counts=True)
+        u = u.to(torch.int64)
+        keys = (u & ((1 << bits) - 1)) + lo
+        ktabs = (u >> bits).to(torch.int32)
+        return keys, ktabs, perm, counts
     o1 = torch.argsort(ids, stable=True)
-    order = o1[torch.argsort(tabs[o1], stable=True)]  # lexicographic by (table, id)
-    sid, stab = ids[order], tabs[order]
-    first = torch.ones_like(sid, dtype=torch.bool)
+    perm = o1.index_select(0, torch.argsort(tabs.index_select(0, o1), stable=True))  # by (table, id)
+    sid, stab = ids.index_select(0, perm), tabs.index_select(0, perm)
+    first = torch.ones(n, dtype=torch.bool, device=dev)
     first[1:] = (sid[1:] != sid[:-1]) | (stab[1:] != stab[:-1])
-    group = torch.cumsum(first, 0) - 1  # (N,) sorted position -> pair index
-    inverse = torch.empty_like(group)
-    inverse[order] = group
-    counts = torch.bincount(group, minlength=int(first.sum()))
-    return sid[first], stab[first], inverse, counts
+    starts = first.nonzero().squeeze(1)
+    counts = torch.diff(starts, append=torch.tensor([n], device=dev))
+    return sid.index_select(0, starts), stab.index_select(0, starts), perm, counts
 
 
 class HashStorage(RowStorage):
@@ -99,6 +116,7 @@ class HashStorage(RowStorage):
             "stats", torch.zeros(len(self.tables), len(_STATS), dtype=torch.int64, device=dev), persistent=False
         )
         self.register_buffer("size", torch.zeros(len(self.tables), dtype=torch.int64, device=dev), persistent=False)
+        self._distinct_grad = None  # weakref to the pending gradient when its row ids are distinct
         self.clock = 0  # training lookups so far: the time of LRU and TTL
         self._applied_clock = 0  # the clock at the last optimizer step
         self._gen = torch.Generator(device=dev).manual_seed(self.seed)  # admission draws
@@ -113,9 +131,9 @@ class HashStorage(RowStorage):
         h = 1 << max(4, math.ceil(math.log2(2 * (slots + 1))))
         dev = self.weight.device
         self._mask = h - 1
-        self._hkey = torch.zeros(h, dtype=torch.int64, device=dev)
-        self._htab = torch.full((h,), _EMPTY, dtype=torch.int32, device=dev)
-        self._hslot = torch.zeros(h, dtype=torch.int32, device=dev)  # slots < 2**31
+        # one (key, table << 32 | slot) row per position: a probe reads one 16-byte row, not
+        # three arrays (measured 1.5x faster on 560k keys); an empty position holds -1
+        self._hrow = torch.full((h, 2), _EMPTY, dtype=torch.int64, device=dev)
         self._claim = torch.full((h,), -1, dtype=torch.int32, device=dev)
         live = (self.slot_table >= 0).nonzero().squeeze(1)
         if live.numel():
@@ -123,17 +141,18 @@ class HashStorage(RowStorage):
 
     def _find(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """(U,) slots of (table, id) pairs; -1 where absent."""
-        out = torch.full_like(keys, -1)
+        tw = tabs.to(torch.int64) << 32  # the table as stored in a row's second word
         pos = self._hash(keys, tabs) & self._mask
         active = None  # all of them, in the first round
-        k, t = keys, tabs
+        k, t = keys, tw
         while True:
-            htab = self._htab.index_select(0, pos)  # each probe position read once
-            hit = (htab == t) & (self._hkey.index_select(0, pos) == k)
-            go_on = ~hit & (htab != _EMPTY)
-            found = self._hslot.index_select(0, pos).to(torch.int64)
+            row = self._hrow.index_select(0, pos)  # each probe position read once
+            word = row[:, 1]
+            hit = (row[:, 0] == k) & ((word & _HIGH) == t)
+            go_on = ~hit & (word >= 0)  # occupied by another pair: probe the next position
+            found = word & _LOW
             if active is None:
-                out = torch.where(hit, found, out)
+                out = torch.where(hit, found, -1)
             else:
                 out.index_put_((active[hit],), found[hit])
             idx = go_on.nonzero().squeeze(1)
@@ -141,21 +160,21 @@ class HashStorage(RowStorage):
                 return out
             active = idx if active is None else active.index_select(0, idx)
             pos = (pos.index_select(0, idx) + 1) & self._mask
-            k, t = keys.index_select(0, active), tabs.index_select(0, active)
+            k, t = keys.index_select(0, active), tw.index_select(0, active)
 
     def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
         """Add absent, distinct (table, id) pairs pointing at ``slots``."""
         pending = torch.arange(keys.numel(), device=keys.device, dtype=torch.int32)
         pos = self._hash(keys, tabs) & self._mask
+        word = (tabs.to(torch.int64) << 32) | slots.to(torch.int64)
         while pending.numel():
-            empty = self._htab[pos] == _EMPTY
+            empty = self._hrow[pos, 1] < 0
             cand, cpos = pending[empty], pos[empty]
             self._claim.scatter_reduce_(0, cpos, cand, "amax")  # one winner per empty position
             won = self._claim[cpos] == cand
             self._claim[cpos] = -1
             wpos, widx = cpos[won], cand[won]
-            self._hkey[wpos], self._htab[wpos] = keys[widx], tabs[widx]
-            self._hslot[wpos] = slots[widx].to(torch.int32)
+            self._hrow[wpos] = torch.stack([keys[widx], word[widx]], 1)
             placed = torch.zeros_like(empty)
             placed[empty] = won
             pending, pos = pending[~placed], (pos[~placed] + 1) & self._mask
@@ -186,8 +205,8 @@ class HashStorage(RowStorage):
         g = self.weight.grad
         if g is not None:  # a pending gradient must not land on the id that reuses the slot
             keep = ~torch.isin(g._indices()[0], victims)
-            self.weight.grad = torch.sparse_coo_tensor(
-                g._indices()[:, keep], g._values()[keep], g.shape, check_invariants=False
+            self._replace_grad(
+                g, torch.sparse_coo_tensor(g._indices()[:, keep], g._values()[keep], g.shape, check_invariants=False)
             )
         self._build_index(self.weight.shape[0] - 1)
 
@@ -247,8 +266,8 @@ class HashStorage(RowStorage):
         self.weight.grad = None
         self.weight.data = weight
         if grad is not None:
-            self.weight.grad = torch.sparse_coo_tensor(
-                grad._indices(), grad._values(), weight.shape, check_invariants=False
+            self._replace_grad(
+                grad, torch.sparse_coo_tensor(grad._indices(), grad._values(), weight.shape, check_invariants=False)
             )
         for name in ("slot_key", "last_seen", "freq"):
             setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.int64, device=dev)]))
@@ -303,10 +322,21 @@ class HashStorage(RowStorage):
         In training, unknown ids are admitted (rows made, evicting if full) and recency and
         frequency are recorded; in eval nothing changes. A batch that cannot fit raises
         :class:`HybridEmbedError` before anything changes."""
-        keys, ktabs, inverse, counts = unique_pairs(ids, tabs, len(self.tables) == 1)
+        return self.lookup(ids, tabs, train)[0]
+
+    def lookup(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> tuple[torch.Tensor, tuple | None]:
+        """:meth:`slots`, and the batch's grouping for the gradient (None in eval):
+        ``(perm (N,), segment offsets (K+1,), slot per segment (K,), kept segments or None)``.
+
+        Each segment is one distinct (table, id) pair, so the slots of the kept segments are
+        distinct: the lookup's backward sums each row's gradient over its segment instead of
+        sorting the N slots again. Pairs without a row (not admitted) are dropped there."""
+        keys, ktabs, perm, counts = sort_pairs(ids, tabs, len(self.tables))
         found = self._find(keys, ktabs)
         if not train:
-            return found.clamp_min(0).index_select(0, inverse)
+            return self._per_id(found.clamp_min(0), perm, counts), None
+        seg = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=ids.device)
+        torch.cumsum(counts, 0, out=seg[1:])
         with torch.no_grad():
             nt = len(self.tables)
             hit = found >= 0
@@ -324,8 +354,11 @@ class HashStorage(RowStorage):
                 raise
             # from here on the batch is accepted: commit
             self.clock += 1
-            self.stats[:, 4] += torch.bincount(ktabs.long(), weights=counts, minlength=nt).long()
-            self.stats[:, 3] += torch.bincount(ktabs.long(), weights=counts * hit, minlength=nt).long()
+            # ids per table: the pairs are sorted by table, so each table's runs are one range
+            bounds = torch.searchsorted(ktabs, torch.arange(nt + 1, dtype=ktabs.dtype, device=ktabs.device))
+            looked = seg.index_select(0, bounds[1:]) - seg.index_select(0, bounds[:-1])
+            self.stats[:, 4] += looked
+            self.stats[:, 3] += looked - torch.bincount(ktabs[miss].long(), weights=counts[miss], minlength=nt).long()
             if commit is not None:
                 commit()
                 self.stats[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
@@ -350,14 +383,40 @@ class HashStorage(RowStorage):
                 expired &= ~self._protected(s)
                 if bool(expired.any()):
                     self._evict(expired.nonzero().squeeze(1))
-        return found.clamp_min(0).index_select(0, inverse)
+        slot = found.clamp_min(0)  # (U,)
+        kept = None if new.numel() == miss.numel() else (slot > 0).nonzero().squeeze(1)
+        return self._per_id(slot, perm, counts), (perm, seg, slot, kept)
 
-    def accumulate_grad(self, grad: torch.Tensor) -> None:
-        """Receives the lookup's sparse gradient (sized to the current, possibly grown, matrix)."""
+    @staticmethod
+    def _per_id(slot: torch.Tensor, perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Slot per distinct pair (U,) -> slot per id (N,) in the input's order."""
+        out = torch.empty_like(perm)
+        out[perm] = slot.repeat_interleave(counts, output_size=perm.numel())
+        return out
+
+    def accumulate_grad(self, grad: torch.Tensor, distinct: bool = False) -> None:
+        """Receives the lookup's sparse gradient (sized to the current, possibly grown, matrix);
+        ``distinct``: its row ids are distinct (summed per row already), though not sorted."""
         w = self.weight
         if grad.shape != w.shape:
             grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), w.shape, check_invariants=False)
-        w.grad = grad if w.grad is None else w.grad + grad
+        if w.grad is not None:
+            grad, distinct = w.grad + grad, False
+        w.grad = grad
+        self._distinct_grad = weakref.ref(grad) if distinct else None
+
+    def _replace_grad(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The pending gradient ``old`` becomes ``new`` (filtered or resized), keeping its
+        distinct-rows mark."""
+        distinct = self._distinct_grad is not None and old is self._distinct_grad()
+        self.weight.grad = new
+        self._distinct_grad = weakref.ref(new) if distinct else None
+
+    def grad_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        g = self.weight.grad
+        if g is not None and self._distinct_grad is not None and g is self._distinct_grad():
+            return g._indices()[0], g._values()
+        return super().grad_rows()
 
     def after_step(self) -> None:
         self._applied_clock = self.clock  # rows touched before now have no pending gradient
@@ -448,7 +507,7 @@ class HashStorage(RowStorage):
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         dev = self.weight.device
-        for name in ("_hkey", "_htab", "_hslot", "_claim"):
+        for name in ("_hrow", "_claim"):
             setattr(self, name, getattr(self, name).to(dev))
         if self._gen.device != dev:
             self._gen = torch.Generator(device=dev).manual_seed(self.seed)
