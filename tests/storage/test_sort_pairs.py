@@ -1,0 +1,82 @@
+"""``sort_pairs`` (the dynamic lookup's one sort) and the distinct-rows gradient it enables.
+
+Every key-width path is compared with a plain-Python reference: an int32 key (small id
+range), an int64 key (wide range), and the two-sort fallback (ids spanning more than the
+packed key holds, negatives included).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridembed as he
+from hybridembed.storage.hashed import sort_pairs
+
+CASES = {
+    "int32 key": (0, 1000, 3),
+    "int64 key": (-(2**40), 2**40, 5),
+    "two sorts": (-(2**63), 2**63 - 1, 4),
+    "one table, full range": (-(2**63), 2**63 - 1, 1),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sort_pairs_groups_equal_pairs_ascending_by_table_then_id(case):
+    lo, hi, num_tables = CASES[case]
+    gen = torch.Generator().manual_seed(7)
+    pool = torch.cat([torch.randint(lo, hi, (40,), generator=gen), torch.tensor([lo, hi - 1, 0])])
+    ids = pool[torch.randint(0, pool.numel(), (300,), generator=gen)]  # many repeats
+    tabs = torch.randint(0, num_tables, (300,), generator=gen, dtype=torch.int32)
+    keys, ktabs, perm, counts = sort_pairs(ids, tabs, num_tables)
+
+    pairs = list(zip(tabs.tolist(), ids.tolist()))
+    expected = sorted(set(pairs))
+    assert list(zip(ktabs.tolist(), keys.tolist())) == expected
+    assert counts.tolist() == [pairs.count(p) for p in expected]
+    assert sorted(perm.tolist()) == list(range(300))  # a permutation
+    start = 0
+    for (t, i), c in zip(expected, counts.tolist()):
+        run = perm[start : start + c].tolist()
+        assert all(pairs[j] == (t, i) for j in run)
+        assert run == sorted(run)  # stable: positions ascending inside a run
+        start += c
+
+
+def test_sort_pairs_of_nothing():
+    keys, ktabs, perm, counts = sort_pairs(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), 3)
+    assert keys.numel() == ktabs.numel() == perm.numel() == counts.numel() == 0
+
+
+@pytest.mark.parametrize("opt", [he.optim.SGD(lr=0.1), he.optim.Adagrad(lr=0.1)], ids=["additive", "gathered"])
+def test_apply_takes_distinct_rows_in_any_order(opt):
+    """The dynamic backward hands over distinct but unsorted rows; the update must not care."""
+    ec_sorted, ec_shuffled = (he.EmbeddingCollection([he.TableConfig("t", 50, 4)]) for _ in range(2))
+    for ec in (ec_sorted, ec_shuffled):
+        he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec, sparse=opt)
+    ids = torch.tensor([3, 7, 8, 20, 41, 49])
+    grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    order = torch.tensor([4, 0, 5, 2, 1, 3])
+    st_a, st_b = ec_sorted.storages[0], ec_shuffled.storages[0]
+    st_a.apply(ids, grad, st_a.hparams)
+    st_b.apply(ids[order], grad[order], st_b.hparams)
+    torch.testing.assert_close(ec_sorted.weight("t"), ec_shuffled.weight("t"), rtol=0, atol=0)
+    for k in st_a.state:
+        torch.testing.assert_close(st_a.state[k], st_b.state[k], rtol=0, atol=0)
+
+
+def test_dynamic_gradient_rows_are_distinct_and_skip_ids_without_a_row():
+    """min_count=2: an id seen once reads the default row and gets no gradient row; the others'
+    gradient is the sum over every bag that read them."""
+    ec = he.EmbeddingCollection([he.TableConfig("t", None, 3, dynamic=he.Dynamic(min_count=2))])
+    ids = he.Jagged.from_lists([[5, 9], [5], [9, 9, 11], [5]])  # 5 three times, 9 three times, 11 once
+    out = ec({"t": ids})["t"]
+    up = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    (out * up).sum().backward()
+    st = ec.storages[0]
+    rows, grad = st.grad_rows()
+    assert rows.unique().numel() == rows.numel() and bool((rows > 0).all())
+    got = {int(st.slot_key[r]): g for r, g in zip(rows, grad)}
+    assert sorted(got) == [5, 9]
+    torch.testing.assert_close(got[5], up[0] + up[1] + up[3])
+    torch.testing.assert_close(got[9], up[0] + 2 * up[2])
