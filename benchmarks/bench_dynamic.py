@@ -1,6 +1,7 @@
 """Dynamic tables: lookup-and-insert throughput, and the training step against dense tables.
 
     python benchmarks/bench_dynamic.py --tune-allocator          # full size (several minutes)
+    python benchmarks/bench_dynamic.py --tune-allocator --skip throughput --hashed-ids
     python benchmarks/bench_dynamic.py --prefill 100000 --batch-ids 20000 --tables 3 --rows 2000 --batch 128 --steps 2
 
 1. Throughput: a dynamic table is filled with --prefill (10,000,000) distinct ids, then
@@ -9,6 +10,8 @@
 2. Step: the optimizer benchmark's workload (26 tables x 200,000 rows x dim 64, batch 8192,
    one-hot and multi-hot) with dynamic tables in place of dense ones, interleaved with the
    dense version in the same run: forward, backward, optimizer step. Target: dynamic <= 1.25x.
+   With --hashed-ids the dynamic tables get each id through splitmix64 (spread over all of
+   int64, as hashed strings are), which takes the int64 sort instead of the int32 one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 import hybridembed as he
 from hybridembed.bench import powerlaw_ids, time_interleaved
+from hybridembed.init import mix64
 
 
 def throughput(args) -> dict:
@@ -71,17 +75,21 @@ def step(args) -> list[dict]:
             ec = he.EmbeddingCollection([he.TableConfig(n, rows, args.dim, dynamic=dyn) for n in names])
             models[kind] = (ec, he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.01), ec, sparse=sparse))
         for hot in args.hotness:
-            batch = {}
+            batch, wide = {}, {}
             for n in names:
                 lens = (
                     torch.ones(args.batch, dtype=torch.int64) if hot == "one" else torch.randint(0, 21, (args.batch,))
                 )
                 batch[n] = he.Jagged.from_lengths(powerlaw_ids(int(lens.sum()), args.rows), lens)
+                # --hashed-ids: the same ids spread over all of int64, as hashed string ids are
+                wide[n] = he.Jagged(mix64(batch[n].values), batch[n].offsets)
             grads = [torch.randn(args.batch, args.dim) for _ in names]
 
-            def make(ec, opt, batch=batch, grads=grads):
-                def fn():
-                    out = ec(batch)
+            def make(ec, opt, grads=grads, plain=batch, wide=wide):
+                batch_of = wide if args.hashed_ids and ec.storages[0].kind == "dynamic" else plain
+
+                def fn(inputs=batch_of):
+                    out = ec(inputs)
                     torch.autograd.backward([out[n] for n in names], grads)
                     opt.step()
                     opt.zero_grad()
@@ -92,12 +100,13 @@ def step(args) -> list[dict]:
             run = {
                 "optimizer": optname,
                 "hotness": hot,
+                "hashed_ids": args.hashed_ids,
                 "dense_ms": t["dense"].median,
                 "dynamic_ms": t["dynamic"].median,
                 "dynamic_over_dense": t["dynamic"].median / t["dense"].median,
             }
             print(
-                f"step {optname:16s} {hot}-hot: dense {run['dense_ms']:7.1f} ms | dynamic {run['dynamic_ms']:7.1f} ms "
+                f"step {optname:16s} {hot}-hot{' (hashed ids)' if args.hashed_ids else ''}: dense {run['dense_ms']:7.1f} ms | dynamic {run['dynamic_ms']:7.1f} ms "
                 f"| dynamic/dense {run['dynamic_over_dense']:.2f}x",
                 flush=True,
             )
@@ -116,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--optimizers", nargs="+", default=["sgd", "rowwise_adagrad"])
     p.add_argument("--hotness", nargs="+", default=["one", "multi"], choices=["one", "multi"])
     p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--hashed-ids", action="store_true", help="step: dynamic tables get the ids through a 64-bit hash")
     p.add_argument("--skip", nargs="*", default=[], choices=["throughput", "step"])
     p.add_argument("--tune-allocator", action="store_true")
     p.add_argument("--json")

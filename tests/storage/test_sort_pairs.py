@@ -1,8 +1,7 @@
 """``sort_pairs`` (the dynamic lookup's one sort) and the distinct-rows gradient it enables.
 
-Every key-width path is compared with a plain-Python reference: an int32 key (small id
-range), an int64 key (wide range), and the two-sort fallback (ids spanning more than the
-packed key holds, negatives included).
+Both key paths are checked against plain Python: the exact key (ids spanning fewer values
+than the key's bits) and the hashed key (any int64), including ids built to share a hash.
 """
 
 from __future__ import annotations
@@ -11,36 +10,68 @@ import pytest
 import torch
 
 import hybridembed as he
-from hybridembed.storage.hashed import sort_pairs
+from hybridembed.storage.hashed import _MUL, sort_pairs
 
-CASES = {
-    "int32 key": (0, 1000, 3),
-    "int64 key": (-(2**40), 2**40, 5),
-    "two sorts": (-(2**63), 2**63 - 1, 4),
-    "one table, full range": (-(2**63), 2**63 - 1, 1),
+CASES = {  # lo, hi, tables: the exact key (ids span < the key's bits) or the hashed one
+    "exact key": (0, 1000, 3),
+    "exact key, negative ids": (-500, 500, 1),
+    "hashed key": (-(2**40), 2**40, 5),
+    "hashed key, full range": (-(2**63), 2**63 - 1, 4),
 }
 
 
+def _colliding_ids(count: int, bits: int) -> list[int]:
+    """Distinct int64 ids whose multiplicative hash (the key's id part) is the same."""
+    mod = 1 << 64
+    inv = pow(_MUL % mod, -1, mod)
+    ids = []
+    for r in range(count):
+        x = (12345 << (64 - bits)) | (r * 7919 + 1)  # same top ``bits``, different low bits
+        v = (x * inv) % mod
+        ids.append(v - mod if v >= 1 << 63 else v)
+    return ids
+
+
+def check_grouping(ids, tabs, num_tables, exact):
+    keys, ktabs, perm, counts = sort_pairs(ids, tabs, num_tables)
+    pairs = list(zip(tabs.tolist(), ids.tolist()))
+    got = list(zip(ktabs.tolist(), keys.tolist()))
+    assert sorted(got) == sorted(set(pairs))  # each distinct pair once
+    assert ktabs.tolist() == sorted(ktabs.tolist())  # table-major
+    if exact:
+        assert got == sorted(got)  # ascending ids inside a table
+    assert counts.tolist() == [pairs.count(p) for p in got]
+    assert sorted(perm.tolist()) == list(range(len(pairs)))  # a permutation
+    start = 0
+    for p, c in zip(got, counts.tolist()):
+        run = perm[start : start + c].tolist()
+        assert all(pairs[j] == p for j in run)
+        assert run == sorted(run)  # stable: positions ascending inside a run
+        start += c
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_sort_pairs_groups_equal_pairs_ascending_by_table_then_id(case):
+def test_sort_pairs_groups_equal_pairs_table_by_table(case):
     lo, hi, num_tables = CASES[case]
     gen = torch.Generator().manual_seed(7)
     pool = torch.cat([torch.randint(lo, hi, (40,), generator=gen), torch.tensor([lo, hi - 1, 0])])
     ids = pool[torch.randint(0, pool.numel(), (300,), generator=gen)]  # many repeats
     tabs = torch.randint(0, num_tables, (300,), generator=gen, dtype=torch.int32)
-    keys, ktabs, perm, counts = sort_pairs(ids, tabs, num_tables)
+    check_grouping(ids, tabs, num_tables, exact=case.startswith("exact"))
 
-    pairs = list(zip(tabs.tolist(), ids.tolist()))
-    expected = sorted(set(pairs))
-    assert list(zip(ktabs.tolist(), keys.tolist())) == expected
-    assert counts.tolist() == [pairs.count(p) for p in expected]
-    assert sorted(perm.tolist()) == list(range(300))  # a permutation
-    start = 0
-    for (t, i), c in zip(expected, counts.tolist()):
-        run = perm[start : start + c].tolist()
-        assert all(pairs[j] == (t, i) for j in run)
-        assert run == sorted(run)  # stable: positions ascending inside a run
-        start += c
+
+def test_sort_pairs_separates_ids_that_share_a_hash():
+    """Different ids with one hashed key land in one run of the sort and must be split."""
+    num_tables = 2
+    bits = 31 - (num_tables - 1).bit_length()
+    same = _colliding_ids(4, bits)
+    ids = torch.tensor(same * 3 + [2**62, -(2**62), same[0]])[
+        torch.randperm(15, generator=torch.Generator().manual_seed(0))
+    ]
+    tabs = torch.tensor([0, 1, 0, 0, 1, 1, 0, 1, 0, 0, 1, 0, 1, 0, 0], dtype=torch.int32)
+    keys = ((ids * _MUL) >> (64 - bits)) & ((1 << bits) - 1)
+    assert keys[torch.isin(ids, torch.tensor(same))].unique().numel() == 1  # they do collide
+    check_grouping(ids, tabs, num_tables, exact=False)
 
 
 def test_sort_pairs_of_nothing():
