@@ -50,6 +50,21 @@ class _Feature:
         return self.table.dynamic is not None
 
 
+@dataclass
+class _GroupBatch:
+    """One group's inputs joined for its kernel call (see ``EmbeddingCollection._assemble``)."""
+
+    storage: RowStorage
+    feats: list[_Feature]  # pooled, then sequence
+    seq: list[_Feature]
+    ids: torch.Tensor  # (N,) int64: dense rows of the group's matrix, or raw ids of dynamic tables
+    offsets: torch.Tensor  # (S+1,) bags; a sequence feature's ids are bags of one
+    psw: torch.Tensor | None  # (N,) per-id multipliers (combiner and weights)
+    sizes: list[int]  # bags per feature
+    counts: list[int]  # ids per feature
+    ok: torch.Tensor  # 0-d bool: every check of these inputs passed (not yet synced)
+
+
 def _group_key(t: TableConfig) -> tuple:
     return (t.embedding_dim, t.dtype, "dynamic" if t.dynamic else "dense", t.optimizer, t.dynamic)
 
@@ -173,15 +188,7 @@ class EmbeddingCollection(nn.Module):
         missing = [f for f in self._features if f not in inputs]
         if missing:
             raise InvalidInputError(f"missing feature {missing[0]!r}: every feature needs an input", missing[0])
-        jagged = {f: self._as_input(feat, inputs[f]) for f, feat in self._features.items()}
-        oks = [
-            jagged[f].ok(feat.table.num_embeddings, allow_negative=feat.dynamic) for f, feat in self._features.items()
-        ]
-        if not bool(torch.stack(oks).all()):  # one host sync for all features
-            for (f, feat), ok in zip(self._features.items(), oks):
-                if not bool(ok):
-                    jagged[f].raise_first_error(f, feat.table.num_embeddings, allow_negative=feat.dynamic)
-        return jagged
+        return {f: self._as_input(feat, inputs[f]) for f, feat in self._features.items()}
 
     def _as_input(self, feat: _Feature, x: Any) -> Jagged:
         """One feature's input -> Jagged, with dtypes, shapes and device checked (no pass over data)."""
@@ -198,9 +205,15 @@ class EmbeddingCollection(nn.Module):
 
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
         jagged = self._prepare(inputs)
+        batches = [
+            self._assemble(storage, pooled, seq, jagged)
+            for storage, (pooled, seq) in zip(self.storages, self._group_features)
+            if pooled or seq
+        ]
+        self._validate(batches, jagged)
         out: dict[str, torch.Tensor | Jagged] = {}
-        for storage, (pooled_feats, seq_feats) in zip(self.storages, self._group_features):
-            out.update(self._lookup_group(storage, pooled_feats, seq_feats, jagged))
+        for batch in batches:
+            out.update(self._lookup_group(batch, jagged))
         return {f: out[f] for f in self._features}
 
     def lookup(self, feature: str, ids: Any) -> torch.Tensor | Jagged:
@@ -218,59 +231,91 @@ class EmbeddingCollection(nn.Module):
         feat = self._features.get(feature) if isinstance(feature, str) else None
         if feat is None:
             raise InvalidInputError(f"unknown feature {feature!r}; this collection has: {', '.join(self._features)}")
-        j = self._as_input(feat, ids)
-        storage = self.storages[feat.group]
-        if not bool(j.ok(feat.table.num_embeddings, allow_negative=feat.dynamic)):
-            j.raise_first_error(feature, feat.table.num_embeddings, allow_negative=feat.dynamic)
+        jagged = {feature: self._as_input(feat, ids)}
         pooled, seq = ([], [feat]) if feat.table.combiner == "none" else ([feat], [])
-        return self._lookup_group(storage, pooled, seq, {feature: j})[feature]
+        batch = self._assemble(self.storages[feat.group], pooled, seq, jagged)
+        self._validate([batch], jagged)
+        return self._lookup_group(batch, jagged)[feature]
 
-    def _lookup_group(
-        self, storage: DenseStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict[str, Jagged]
-    ) -> dict[str, torch.Tensor | Jagged]:
-        """One kernel call for the whole group: pooled features are bags, and each id of
-        a sequence feature is a bag of one."""
+    def _assemble(self, storage: RowStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict) -> _GroupBatch:
+        """A group's features as one batch for one kernel call: pooled features are bags, and
+        each id of a sequence feature is a bag of one. Reads no row; nothing is checked yet
+        beyond structure, but the checks :meth:`_validate` needs are queued (no host sync)."""
         cdt = storage.tables[0].compute_dtype
         device = storage.weight.device
         feats = pooled + seq
-        ids, offsets, scales, sizes, base = [], [], [], [], 0
-        for feat in feats:
-            j = jagged[feat.name]
-            n = j.values.numel()
-            v = j.values.to(torch.int64)
-            ids.append(v + feat.row_offset if feat.row_offset else v)
-            if feat.table.combiner == "none":
-                offsets.append(torch.arange(base, base + n, dtype=torch.int64, device=device))
-                sizes.append(n)
+        js = [jagged[f.name] for f in feats]
+        counts = [j.values.numel() for j in js]
+        sizes = [j.offsets.numel() - 1 for j in js[: len(pooled)]] + counts[len(pooled) :]  # bags per feature
+        n, s = sum(counts), sum(sizes)
+        ids = torch.empty(n, dtype=torch.int64, device=device)  # (N,) rows of the group's storage
+        offsets = torch.empty(s + 1, dtype=torch.int64, device=device)
+        scales, checks, lo_hi, bounds = [], [], [], []
+        base = bag = 0
+        for feat, j, c, b in zip(feats, js, counts, sizes):
+            v, o = j.values, j.offsets
+            if feat.row_offset:
+                torch.add(v, feat.row_offset, out=ids[base : base + c])
             else:
-                offsets.append(j.offsets[:-1].to(torch.int64) + base)
-                sizes.append(j.batch_size)
-            scales.append(bag_scale(feat.table.combiner, j.offsets, j.weights, n, cdt))
-            base += n
-        offsets.append(torch.tensor([base], dtype=torch.int64, device=device))
+                ids[base : base + c] = v
+            if feat.table.combiner == "none":
+                torch.arange(base, base + c, out=offsets[bag : bag + b])
+                if o.numel() > 1:  # (pooled features' offsets are checked together below)
+                    checks.append((o[1:] >= o[:-1]).all())
+            else:
+                torch.add(o[:-1], base, out=offsets[bag : bag + b])
+            scales.append(bag_scale(feat.table.combiner, o, j.weights, c, cdt))
+            if c and not feat.dynamic:  # dense: ids in [0, num_embeddings)
+                lo_hi.append(torch.aminmax(v))
+                bounds.append(feat.table.num_embeddings)
+            base += c
+            bag += b
+        offsets[s] = n
+        # offsets: each feature's first is 0 and last is its id count, and the joined offsets
+        # never decrease; together that is every feature's offsets being well formed
+        firsts = torch.cat([j.offsets[:1] for j in js])
+        lasts = torch.cat([j.offsets[-1:] for j in js])
+        checks.append((firsts == 0).all())
+        checks.append((lasts == torch.tensor(counts, device=device)).all())
+        if s:
+            checks.append((offsets[1:] >= offsets[:-1]).all())
+        if lo_hi:
+            los, his = torch.stack([m for m, _ in lo_hi]), torch.stack([m for _, m in lo_hi])
+            checks.append((los >= 0).all() & (his < torch.tensor(bounds, device=device)).all())
         psw = None
-        if any(s is not None for s in scales):
+        if any(sc is not None for sc in scales):
             psw = torch.cat(
-                [
-                    s if s is not None else torch.ones(jagged[f.name].values.numel(), dtype=cdt, device=device)
-                    for s, f in zip(scales, feats)
-                ]
+                [sc if sc is not None else torch.ones(c, dtype=cdt, device=device) for sc, c in zip(scales, counts)]
             )
-        ids_cat = torch.cat(ids) if len(ids) > 1 else ids[0]  # (N,)
+        return _GroupBatch(storage, feats, seq, ids, offsets, psw, sizes, counts, torch.stack(checks).all())
+
+    def _validate(self, batches: list[_GroupBatch], jagged: dict[str, Jagged]) -> None:
+        """One host sync for every group; on failure, the first bad feature's first bad
+        position is found and raised."""
+        if bool(torch.stack([b.ok for b in batches]).all()):
+            return
+        for f in (f for b in batches for f in b.feats):
+            j = jagged[f.name]
+            if not bool(j.ok(f.table.num_embeddings, allow_negative=f.dynamic)):
+                j.raise_first_error(f.name, f.table.num_embeddings, allow_negative=f.dynamic)
+        raise InvalidInputError("inputs failed validation")  # (unreachable: some feature is bad)
+
+    def _lookup_group(self, batch: _GroupBatch, jagged: dict[str, Jagged]) -> dict[str, torch.Tensor | Jagged]:
+        """The group's one kernel call, then the per-feature outputs (views of its result)."""
+        storage, feats, ids = batch.storage, batch.feats, batch.ids
+        segments = sink = None
         if storage.kind == "dynamic":  # ids -> row slots; new ids get rows while training
-            tabs = torch.cat(
-                [
-                    torch.full((jagged[f.name].values.numel(),), f.table_index, dtype=torch.int32, device=device)
-                    for f in feats
-                ]
+            tabs = torch.repeat_interleave(
+                torch.tensor([f.table_index for f in feats], dtype=torch.int32, device=ids.device),
+                torch.tensor(batch.counts, device=ids.device),
+                output_size=ids.numel(),
             )
-            ids_cat, segments = storage.lookup(ids_cat, tabs, train=self.training)
-        else:
-            segments = None
-        sink = storage.accumulate_grad if storage.kind == "dynamic" else None
-        rows = pooled_lookup(storage.weight, ids_cat, torch.cat(offsets), psw, cdt, sink, segments)  # (S, D)
-        result: dict[str, torch.Tensor | Jagged] = dict(zip((f.name for f in feats), torch.split(rows, sizes)))
-        for f in seq:
+            ids, segments = storage.lookup(ids, tabs, train=self.training)
+            sink = storage.accumulate_grad
+        cdt = storage.tables[0].compute_dtype
+        rows = pooled_lookup(storage.weight, ids, batch.offsets, batch.psw, cdt, sink, segments)  # (S, D)
+        result: dict[str, torch.Tensor | Jagged] = dict(zip((f.name for f in feats), torch.split(rows, batch.sizes)))
+        for f in batch.seq:
             result[f.name] = self._sequence(result[f.name], jagged[f.name].offsets.to(torch.int64))
         return result
 
