@@ -91,6 +91,10 @@ BAD_INPUTS = {
     "offsets-first-nonzero": ("clicked_items", he.Jagged(T([1, 2, 3]), T([1, 2, 3])), 0),
     "offsets-last-short": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 1, 2])), 2),
     "offsets-last-long": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 1, 4])), 2),
+    # inner offset beyond the id count while the last one is right: the joined offsets of
+    # a group must catch it for a feature followed by another one, and for a group's last
+    "offsets-inner-beyond-count-then-more": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 4, 3])), 2),
+    "offsets-inner-beyond-count-last": ("user_id", he.Jagged(T([1, 2]), T([0, 3, 2])), 2),
     "offsets-decrease-sequence": ("watch_history", he.Jagged(T([1, 2, 3]), T([0, 3, 2, 3])), 2),
     "offsets-empty": ("clicked_items", he.Jagged(T([1, 2, 3]), T([], dtype=torch.int64)), None),
     "offsets-2d": ("clicked_items", he.Jagged(T([1, 2, 3]), T([[0, 3]])), None),

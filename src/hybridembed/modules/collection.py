@@ -59,7 +59,6 @@ class _GroupBatch:
     seq: list[_Feature]
     ids: torch.Tensor  # (N,) int64: dense rows of the group's matrix, or raw ids of dynamic tables
     offsets: torch.Tensor  # (S+1,) bags; a sequence feature's ids are bags of one
-    psw: torch.Tensor | None  # (N,) per-id multipliers (combiner and weights)
     sizes: list[int]  # bags per feature
     counts: list[int]  # ids per feature
     ok: torch.Tensor  # 0-d bool: every check of these inputs passed (not yet synced)
@@ -241,7 +240,6 @@ class EmbeddingCollection(nn.Module):
         """A group's features as one batch for one kernel call: pooled features are bags, and
         each id of a sequence feature is a bag of one. Reads no row; nothing is checked yet
         beyond structure, but the checks :meth:`_validate` needs are queued (no host sync)."""
-        cdt = storage.tables[0].compute_dtype
         device = storage.weight.device
         feats = pooled + seq
         js = [jagged[f.name] for f in feats]
@@ -250,7 +248,7 @@ class EmbeddingCollection(nn.Module):
         n, s = sum(counts), sum(sizes)
         ids = torch.empty(n, dtype=torch.int64, device=device)  # (N,) rows of the group's storage
         offsets = torch.empty(s + 1, dtype=torch.int64, device=device)
-        scales, checks, lo_hi, bounds = [], [], [], []
+        checks, lo_hi, bounds = [], [], []
         base = bag = 0
         for feat, j, c, b in zip(feats, js, counts, sizes):
             v, o = j.values, j.offsets
@@ -264,7 +262,6 @@ class EmbeddingCollection(nn.Module):
                     checks.append((o[1:] >= o[:-1]).all())
             else:
                 torch.add(o[:-1], base, out=offsets[bag : bag + b])
-            scales.append(bag_scale(feat.table.combiner, o, j.weights, c, cdt))
             if c and not feat.dynamic:  # dense: ids in [0, num_embeddings)
                 lo_hi.append(torch.aminmax(v))
                 bounds.append(feat.table.num_embeddings)
@@ -282,12 +279,7 @@ class EmbeddingCollection(nn.Module):
         if lo_hi:
             los, his = torch.stack([m for m, _ in lo_hi]), torch.stack([m for _, m in lo_hi])
             checks.append((los >= 0).all() & (his < torch.tensor(bounds, device=device)).all())
-        psw = None
-        if any(sc is not None for sc in scales):
-            psw = torch.cat(
-                [sc if sc is not None else torch.ones(c, dtype=cdt, device=device) for sc, c in zip(scales, counts)]
-            )
-        return _GroupBatch(storage, feats, seq, ids, offsets, psw, sizes, counts, torch.stack(checks).all())
+        return _GroupBatch(storage, feats, seq, ids, offsets, sizes, counts, torch.stack(checks).all())
 
     def _validate(self, batches: list[_GroupBatch], jagged: dict[str, Jagged]) -> None:
         """One host sync for every group; on failure, the first bad feature's first bad
@@ -313,7 +305,19 @@ class EmbeddingCollection(nn.Module):
             ids, segments = storage.lookup(ids, tabs, train=self.training)
             sink = storage.accumulate_grad
         cdt = storage.tables[0].compute_dtype
-        rows = pooled_lookup(storage.weight, ids, batch.offsets, batch.psw, cdt, sink, segments)  # (S, D)
+        psw = None  # (N,) per-id multipliers: the combiners and the user's weights
+        scales = [
+            bag_scale(f.table.combiner, jagged[f.name].offsets, jagged[f.name].weights, c, cdt)
+            for f, c in zip(feats, batch.counts)
+        ]
+        if any(sc is not None for sc in scales):
+            psw = torch.cat(
+                [
+                    sc if sc is not None else torch.ones(c, dtype=cdt, device=ids.device)
+                    for sc, c in zip(scales, batch.counts)
+                ]
+            )
+        rows = pooled_lookup(storage.weight, ids, batch.offsets, psw, cdt, sink, segments)  # (S, D)
         result: dict[str, torch.Tensor | Jagged] = dict(zip((f.name for f in feats), torch.split(rows, batch.sizes)))
         for f in batch.seq:
             result[f.name] = self._sequence(result[f.name], jagged[f.name].offsets.to(torch.int64))
