@@ -67,18 +67,14 @@ class _PooledLookup(torch.autograd.Function):
         n, s = ids.numel(), offsets.numel() - 1
         grad = grad.contiguous()
         grad_weight = grad_psw = None
+        bags = _Bags(offsets, n)
         # one id per bag: the output gradient is the per-id gradient (kept uncoalesced, no copy)
         # unless the storage is half precision, where duplicates must be summed in float32
-        one_per_bag = n == s and (n == 0 or bool((offsets[1:] > offsets[:-1]).all()))
-        reduce_here = not one_per_bag or weight.dtype != ctx.compute_dtype
-        if reduce_here or (psw is not None and ctx.needs_input_grad[3]):
-            bag_of_id = torch.repeat_interleave(
-                torch.arange(s, device=ids.device), offsets[1:] - offsets[:-1], output_size=n
-            )  # (N,)
+        one_per_bag = bags.hotness == 1 or n == s == 0
         if ctx.needs_input_grad[0]:
             if ctx.segments is not None:  # the storage grouped the ids already: no sort
-                grad_weight = _reduce_segments(grad, None if one_per_bag else bag_of_id, psw, ctx.segments, weight)
-            elif not reduce_here:
+                grad_weight = _reduce_segments(grad, bags, psw, ctx.segments, weight)
+            elif one_per_bag and weight.dtype == ctx.compute_dtype:
                 rows = grad if psw is None else grad * psw.unsqueeze(1)  # (N, D)
                 grad_weight = torch.sparse_coo_tensor(
                     ids.unsqueeze(0), rows.to(weight.dtype), weight.shape, check_invariants=False
@@ -87,19 +83,14 @@ class _PooledLookup(torch.autograd.Function):
                 uniq, perm, seg = sorted_segments(ids, weight.shape[0])
                 w = None if psw is None else psw.index_select(0, perm)
                 rows = F.embedding_bag(
-                    bag_of_id.index_select(0, perm),
-                    grad,
-                    seg,
-                    mode="sum",
-                    per_sample_weights=w,
-                    include_last_offset=True,
+                    bags.of(perm), grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True
                 )  # (U, D): the summed gradient of each distinct row
                 grad_weight = torch.sparse_coo_tensor(
                     uniq.unsqueeze(0), rows.to(weight.dtype), weight.shape, is_coalesced=True, check_invariants=False
                 )
         if psw is not None and ctx.needs_input_grad[3]:
             rows = weight.index_select(0, ids).to(ctx.compute_dtype)  # (N, D)
-            grad_psw = (rows * (grad if one_per_bag else grad.index_select(0, bag_of_id))).sum(1)  # (N,)
+            grad_psw = (rows * (grad if one_per_bag else grad.index_select(0, bags.of()))).sum(1)  # (N,)
         if grad_weight is not None and ctx.grad_sink is not None:
             # the storage accumulates it (its matrix may have grown)
             ctx.grad_sink(grad_weight, distinct=ctx.segments is not None)
@@ -107,15 +98,43 @@ class _PooledLookup(torch.autograd.Function):
         return grad_weight, None, None, grad_psw, None, None, None
 
 
-def _reduce_segments(grad, bag_of_id, psw, segments, weight) -> torch.Tensor:
+class _Bags:
+    """Which bag each id is in, from the offsets (S+1,) of N ids; computed only when asked.
+
+    ``hotness`` is the common bag length when every bag has the same (fixed-hotness input,
+    one-hot included; one check over the offsets), else None; then the bag of the id at
+    position p is p // hotness, with no (N,) bag index built and gathered.
+    """
+
+    def __init__(self, offsets: torch.Tensor, n: int):
+        self.offsets, self.n = offsets, n
+        s = offsets.numel() - 1
+        h = n // s if s else 0
+        self.hotness = h if h and h * s == n and bool(((offsets[1:] - offsets[:-1]) == h).all()) else None
+        self._bag_of_id = None
+
+    def of(self, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Bag of the ids at ``positions`` (N,), or of every id in order."""
+        if self.hotness is not None:
+            if positions is None:
+                positions = torch.arange(self.n, device=self.offsets.device)
+            return positions if self.hotness == 1 else torch.div(positions, self.hotness, rounding_mode="floor")
+        if self._bag_of_id is None:
+            s = self.offsets.numel() - 1
+            self._bag_of_id = torch.repeat_interleave(
+                torch.arange(s, device=self.offsets.device), self.offsets[1:] - self.offsets[:-1], output_size=self.n
+            )  # (N,)
+        return self._bag_of_id if positions is None else self._bag_of_id.index_select(0, positions)
+
+
+def _reduce_segments(grad, bags: _Bags, psw, segments, weight) -> torch.Tensor:
     """The rows' gradient from ids grouped by the storage: ``segments`` = (perm (N,) putting
     equal rows side by side, segment offsets (K+1,), row of each segment (K,), kept segments
     (M,) or None). One transposed ``embedding_bag``; the result's row ids are distinct but
     not sorted, so the sparse tensor is left uncoalesced (its consumer is told they are distinct)."""
     perm, seg, seg_rows, kept = segments
-    bags = perm if bag_of_id is None else bag_of_id.index_select(0, perm)  # one id per bag: bag == position
     w = None if psw is None else psw.index_select(0, perm)
-    rows = F.embedding_bag(bags, grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True)  # (K, D)
+    rows = F.embedding_bag(bags.of(perm), grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True)
     if kept is not None:
         rows, seg_rows = rows.index_select(0, kept), seg_rows.index_select(0, kept)
     return torch.sparse_coo_tensor(seg_rows.unsqueeze(0), rows.to(weight.dtype), weight.shape, check_invariants=False)
