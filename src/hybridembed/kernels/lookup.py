@@ -77,7 +77,7 @@ class _PooledLookup(torch.autograd.Function):
             elif one_per_bag and weight.dtype == ctx.compute_dtype:
                 rows = grad if psw is None else grad * psw.unsqueeze(1)  # (N, D)
                 grad_weight = torch.sparse_coo_tensor(
-                    ids.unsqueeze(0), rows.to(weight.dtype), weight.shape, check_invariants=False
+                    ids.to(torch.int64).unsqueeze(0), rows.to(weight.dtype), weight.shape, check_invariants=False
                 )  # weight.shape is the current one: a grown dynamic matrix keeps its rows
             else:  # pooled bags: reduce per distinct row with the transposed bag
                 uniq, perm, seg = sorted_segments(ids, weight.shape[0])

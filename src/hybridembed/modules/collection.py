@@ -294,7 +294,7 @@ class EmbeddingCollection(nn.Module):
 
     def _lookup_group(self, batch: _GroupBatch, jagged: dict[str, Jagged]) -> dict[str, torch.Tensor | Jagged]:
         """The group's one kernel call, then the per-feature outputs (views of its result)."""
-        storage, feats, ids = batch.storage, batch.feats, batch.ids
+        storage, feats, ids, offsets = batch.storage, batch.feats, batch.ids, batch.offsets
         segments = sink = None
         if storage.kind == "dynamic":  # ids -> row slots; new ids get rows while training
             tabs = torch.repeat_interleave(
@@ -302,7 +302,8 @@ class EmbeddingCollection(nn.Module):
                 torch.tensor(batch.counts, device=ids.device),
                 output_size=ids.numel(),
             )
-            ids, segments = storage.lookup(ids, tabs, train=self.training)
+            ids, segments = storage.lookup(ids, tabs, train=self.training)  # int32 slots
+            offsets = offsets.to(torch.int32)  # (embedding_bag wants ids and offsets of one dtype)
             sink = storage.accumulate_grad
         cdt = storage.tables[0].compute_dtype
         psw = None  # (N,) per-id multipliers: the combiners and the user's weights
@@ -317,7 +318,7 @@ class EmbeddingCollection(nn.Module):
                     for sc, c in zip(scales, batch.counts)
                 ]
             )
-        rows = pooled_lookup(storage.weight, ids, batch.offsets, psw, cdt, sink, segments)  # (S, D)
+        rows = pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments)  # (S, D)
         result: dict[str, torch.Tensor | Jagged] = dict(zip((f.name for f in feats), torch.split(rows, batch.sizes)))
         for f in batch.seq:
             result[f.name] = self._sequence(result[f.name], jagged[f.name].offsets.to(torch.int64))

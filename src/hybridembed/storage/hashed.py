@@ -65,12 +65,14 @@ def sort_pairs(ids: torch.Tensor, tabs: torch.Tensor, num_tables: int):
     bits = 31 - top.bit_length()  # of the id's part of the key
     exact = hi - lo < (1 << bits)
     if exact:
-        part = ids - lo
+        if lo >= 0 and hi < (1 << bits):
+            lo = 0  # the ids fit the key as they are
+        part = (ids - lo if lo else ids).to(torch.int32, copy=True)
     else:
-        part = ((ids * _MUL) >> (64 - bits)) & ((1 << bits) - 1)  # multiply-shift hash
+        part = (((ids * _MUL) >> (64 - bits)) & ((1 << bits) - 1)).to(torch.int32)  # multiply-shift hash
     if top:
-        part.add_(tabs, alpha=1 << bits)
-    s, perm = torch.sort(part.to(torch.int32), stable=True)
+        part.add_(tabs, alpha=1 << bits)  # the key is below 2**31: no overflow
+    s, perm = torch.sort(part, stable=True)
     if exact:
         u, counts = torch.unique_consecutive(s, return_counts=True)
         u = u.to(torch.int64)
@@ -339,7 +341,7 @@ class HashStorage(RowStorage):
 
     # --- the lookup ------------------------------------------------------------------------
     def slots(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> torch.Tensor:
-        """(N,) ids of tables ``tabs`` (N,) -> (N,) row slots; 0 (the default row) for ids without one.
+        """(N,) ids of tables ``tabs`` (N,) -> (N,) int32 row slots; 0 (the default row) for ids without one.
 
         In training, unknown ids are admitted (rows made, evicting if full) and recency and
         frequency are recorded; in eval nothing changes. A batch that cannot fit raises
@@ -411,9 +413,10 @@ class HashStorage(RowStorage):
 
     @staticmethod
     def _per_id(slot: torch.Tensor, perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Slot per distinct pair (U,) -> slot per id (N,) in the input's order."""
-        per_run = slot.repeat_interleave(counts, output_size=perm.numel())
-        return torch.empty_like(perm).index_copy_(0, perm, per_run)  # (2x faster than out[perm] = ...)
+        """Slot per distinct pair (U,) -> int32 slot per id (N,) in the input's order (slots
+        are below 2**31; int32 halves this scatter, and embedding_bag takes int32 ids)."""
+        per_run = slot.to(torch.int32).repeat_interleave(counts, output_size=perm.numel())
+        return torch.empty_like(per_run).index_copy_(0, perm, per_run)  # (2x faster than out[perm] = ...)
 
     def accumulate_grad(self, grad: torch.Tensor, distinct: bool = False) -> None:
         """Receives the lookup's sparse gradient (sized to the current, possibly grown, matrix);
