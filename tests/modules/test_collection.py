@@ -799,3 +799,37 @@ def test_load_converts_dtype_and_state_dict_round_trips_through_torch_save(tmp_p
     for name, cfg in src.tables.items():
         assert dst.weight(name).dtype == cfg.dtype
         assert torch.equal(dst.weight(name), src.weight(name))
+
+
+@pytest.mark.parametrize(
+    "ids_dtype, off_dtype, top",
+    [(torch.uint8, torch.uint8, 250), (torch.int16, torch.int16, 30000), (torch.int32, torch.uint8, 30000)],
+)
+def test_small_integer_ids_and_offsets_give_the_int64_result(ids_dtype, off_dtype, top):
+    """uint8 / int16 ids and offsets are widened before a table's row offset or a feature's
+    id offset is added (adding in the input's dtype wrapped around: wrong rows, silently)."""
+    ec = he.EmbeddingCollection(
+        [he.TableConfig("a", 300, 4, init=he.init.normal()), he.TableConfig("b", 40000, 4, combiner="mean")]
+    )
+    a_ids, a_off = torch.arange(300) % 250, torch.tensor([0, 100, 300])  # "b"'s ids follow 300 of "a"
+    b_ids, b_off = torch.tensor([top, 7, 200]), torch.tensor([0, 1, 3])  # "b"'s rows start at 300
+    ref = ec({"a": he.Jagged(a_ids, a_off), "b": he.Jagged(b_ids, b_off)})
+    out = ec({"a": he.Jagged(a_ids.to(ids_dtype), a_off), "b": he.Jagged(b_ids.to(ids_dtype), b_off.to(off_dtype))})
+    for f in ("a", "b"):
+        torch.testing.assert_close(out[f], ref[f], rtol=0, atol=0)
+
+
+def test_lookup_backward_frees_its_grouping():
+    """The dynamic lookup's (N,) grouping lives on the autograd node until backward only."""
+    ec = he.EmbeddingCollection([he.TableConfig("t", None, 4, dynamic=he.Dynamic())])
+    out = ec({"t": he.Jagged.from_lists([[1, 2, 2], [3]])})["t"]
+    nodes, todo = [], [out.grad_fn]
+    while todo:
+        n = todo.pop()
+        if n is not None:
+            nodes.append(n)
+            todo.extend(f for f, _ in n.next_functions)
+    lookup = [n for n in nodes if type(n).__name__ == "_PooledLookupBackward"]
+    assert len(lookup) == 1 and lookup[0].segments is not None
+    out.sum().backward()
+    assert lookup[0].segments is None

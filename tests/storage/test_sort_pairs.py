@@ -111,3 +111,29 @@ def test_dynamic_gradient_rows_are_distinct_and_skip_ids_without_a_row():
     assert sorted(got) == [5, 9]
     torch.testing.assert_close(got[5], up[0] + up[1] + up[3])
     torch.testing.assert_close(got[9], up[0] + 2 * up[2])
+
+
+def test_a_reduced_gradient_reaches_the_optimizer_unsorted_and_the_module_still_pickles():
+    """Rows made for ids 9 then 5 sit in slots in that order; a batch [5, 9] reduces to rows in
+    id order, i.e. descending slots. The mark lets the step take them as they are (no sort),
+    and it does not stop the module from being saved whole."""
+    import io
+
+    ec = he.EmbeddingCollection([he.TableConfig("t", None, 3, dynamic=he.Dynamic())])
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    ec({"t": torch.tensor([9])})["t"].sum().backward()
+    opt.step()
+    opt.zero_grad()
+    ec({"t": torch.tensor([5])})["t"].sum().backward()
+    opt.step()
+    opt.zero_grad()
+    ec({"t": he.Jagged.from_lists([[5, 9], [9]])})["t"].sum().backward()
+    st = ec.storages[0]
+    rows, grad = st.grad_rows()
+    slot_of = {int(st.slot_key[s]): int(s) for s in rows}
+    assert slot_of[9] < slot_of[5] and rows.tolist() == [slot_of[5], slot_of[9]]  # unsorted, as reduced
+    torch.testing.assert_close(grad, torch.tensor([[1.0] * 3, [2.0] * 3]))
+    opt.step()
+    torch.save(ec, io.BytesIO())
+    st.weight.grad.mul_(1.0)  # (in place, same rows: still marked)
+    assert st.grad_rows()[0].tolist() == rows.tolist()

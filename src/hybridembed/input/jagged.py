@@ -231,7 +231,7 @@ class Jagged:
         if o.numel() > 1:
             good = good & (o[1:] >= o[:-1]).all()
         if v.numel() and (num_embeddings is not None or not allow_negative):
-            lo, hi = torch.aminmax(v)
+            lo, hi = (m.to(torch.int64) for m in torch.aminmax(v))  # (uint8 would wrap the bound)
             if not allow_negative:
                 good = good & (lo >= 0)
             if num_embeddings is not None:
@@ -260,6 +260,7 @@ class Jagged:
                 f"{where}offsets[-1]={int(o[-1])} must equal the number of ids ({v.numel()})", feature, o.numel() - 1
             )
         if v.numel() and (num_embeddings is not None or not allow_negative):
+            v = v.to(torch.int64)  # (a bound above 255 would wrap in uint8)
             bad = v < 0 if not allow_negative else torch.zeros_like(v, dtype=torch.bool)
             if num_embeddings is not None:
                 bad |= v >= num_embeddings

@@ -11,7 +11,11 @@ the gradient as a *coalesced* sparse tensor — each touched row once, duplicate
 (DESIGN.md, invariant 2) — with no zero-filled (R, D) or (U, D) buffer and no scatter.
 When every bag holds one id (one-hot or sequence features) the output gradient already
 is the per-id gradient and is handed on uncoalesced, as ``nn.EmbeddingBag(sparse=True)``
-does; the optimizer reduces it (same kernel) before the update.
+does; the optimizer reduces it (same kernel) before the update. A storage that has
+grouped the ids itself (dynamic tables: one sort per batch, in the lookup) passes that
+grouping in, and the backward reduces over it without sorting; the result has distinct
+but unsorted rows, so it is left uncoalesced and the storage is told it is reduced.
+With bags of one common length, an id's bag is its position // that length.
 PyTorch's own dense embedding_bag backward (zero fill, sort, scatter) measured ~3x
 slower on 26 tables x 8,192 ids (see docs/benchmarks.md).
 """
@@ -95,6 +99,7 @@ class _PooledLookup(torch.autograd.Function):
             # the storage accumulates it (its matrix may have grown)
             ctx.grad_sink(grad_weight, distinct=ctx.segments is not None)
             grad_weight = None
+        ctx.segments = None  # (N,) and (U,) tensors: not kept alive by outputs that outlive the step
         return grad_weight, None, None, grad_psw, None, None, None
 
 
@@ -151,7 +156,8 @@ def pooled_lookup(
 ) -> torch.Tensor:
     """Pool rows ``ids`` (N,) of ``weight`` (R, D) into bags ``offsets`` (S+1,) -> (S, D).
 
-    The gradient reaching ``weight`` is sparse (coalesced unless every bag holds one id).
+    The gradient reaching ``weight`` is sparse: coalesced, or uncoalesced when every bag
+    holds one id (one row per id) or when ``segments`` are given (one row per segment).
     One kernel call each way. With ``grad_sink``, the gradient is passed to it instead of
     autograd's accumulation: a storage whose matrix grows between forward and backward
     (dynamic tables) sizes it to the current matrix, and is told whether its row ids are
@@ -179,7 +185,7 @@ def bag_scale(
     """
     if combiner in ("sum", "none"):
         return None if weights is None else weights.to(dtype)
-    lengths = offsets[1:] - offsets[:-1]  # (B,)
+    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)  # (B,) (validated: never negative)
     if weights is None:
         per_bag = lengths.to(dtype)
     else:

@@ -252,19 +252,18 @@ class EmbeddingCollection(nn.Module):
         base = bag = 0
         for feat, j, c, b in zip(feats, js, counts, sizes):
             v, o = j.values, j.offsets
+            dst = ids[base : base + c].copy_(v)  # int64 first: small-integer ids must not wrap
             if feat.row_offset:
-                torch.add(v, feat.row_offset, out=ids[base : base + c])
-            else:
-                ids[base : base + c] = v
+                dst.add_(feat.row_offset)
             if feat.table.combiner == "none":
                 torch.arange(base, base + c, out=offsets[bag : bag + b])
                 if o.numel() > 1:  # (pooled features' offsets are checked together below)
                     checks.append((o[1:] >= o[:-1]).all())
             else:
-                torch.add(o[:-1], base, out=offsets[bag : bag + b])
+                offsets[bag : bag + b].copy_(o[:-1]).add_(base)
             if c and not feat.dynamic:  # dense: ids in [0, num_embeddings)
-                lo_hi.append(torch.aminmax(v))
-                bounds.append(feat.table.num_embeddings)
+                lo_hi.append(torch.aminmax(dst))  # (the int64 copy: then the bounds compare exactly)
+                bounds.append((feat.row_offset, feat.row_offset + feat.table.num_embeddings))
             base += c
             bag += b
         offsets[s] = n
@@ -278,7 +277,8 @@ class EmbeddingCollection(nn.Module):
             checks.append((offsets[1:] >= offsets[:-1]).all())
         if lo_hi:
             los, his = torch.stack([m for m, _ in lo_hi]), torch.stack([m for _, m in lo_hi])
-            checks.append((los >= 0).all() & (his < torch.tensor(bounds, device=device)).all())
+            lim = torch.tensor(bounds, dtype=torch.int64, device=device)  # (F, 2): each table's rows
+            checks.append((los >= lim[:, 0]).all() & (his < lim[:, 1]).all())
         return _GroupBatch(storage, feats, seq, ids, offsets, sizes, counts, torch.stack(checks).all())
 
     def _validate(self, batches: list[_GroupBatch], jagged: dict[str, Jagged]) -> None:
@@ -290,7 +290,7 @@ class EmbeddingCollection(nn.Module):
             j = jagged[f.name]
             if not bool(j.ok(f.table.num_embeddings, allow_negative=f.dynamic)):
                 j.raise_first_error(f.name, f.table.num_embeddings, allow_negative=f.dynamic)
-        raise InvalidInputError("inputs failed validation")  # (unreachable: some feature is bad)
+        raise InvalidInputError("inputs failed validation, but no single feature is at fault")  # (a bug if reached)
 
     def _lookup_group(self, batch: _GroupBatch, jagged: dict[str, Jagged]) -> dict[str, torch.Tensor | Jagged]:
         """The group's one kernel call, then the per-feature outputs (views of its result)."""

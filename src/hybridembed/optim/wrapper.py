@@ -115,13 +115,9 @@ class HybridOptimizer(torch.optim.Optimizer):
         if any(p.grad is not None for g in self.dense.param_groups for p in g["params"]):
             self.dense.step()
         for storage, group in zip(self._storages, self._sparse_groups):
-            grad = storage.weight.grad
-            if grad is not None and not grad.is_sparse:
-                raise HybridEmbedError(
-                    f"{group['storage']}: expected a sparse gradient on the embedding rows, got a dense one"
-                )
-            if grad is not None:
-                storage.apply(*storage.grad_rows(), group)
+            rows = storage.grad_rows()  # (raises on a dense gradient)
+            if rows is not None:
+                storage.apply(*rows, group)
             storage.after_step()
         return loss
 

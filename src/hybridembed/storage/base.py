@@ -60,9 +60,8 @@ class RowStorage(nn.Module):
         if g is None:
             return None
         if not g.is_sparse:
-            raise HybridEmbedError(
-                f"{type(self).__name__}: expected a sparse gradient on the embedding rows, got a dense one"
-            )
+            names = ", ".join(t.name for t in self.tables)
+            raise HybridEmbedError(f"tables {names}: expected a sparse gradient on the embedding rows, got a dense one")
         return reduce_rows(g)
 
     @torch.no_grad()

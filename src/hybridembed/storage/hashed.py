@@ -18,7 +18,6 @@ ids from ``[0, n)`` starts (and trains) exactly like a dense table of ``n`` rows
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -100,6 +99,21 @@ def sort_pairs(ids: torch.Tensor, tabs: torch.Tensor, num_tables: int):
     return sid.index_select(0, starts), (s.index_select(0, starts) >> bits).to(torch.int32), perm, counts
 
 
+_MARK = "_hybridembed_distinct_rows"  # on a sparse gradient whose row ids are distinct: its nnz
+
+
+def _marked(grad: torch.Tensor, distinct: bool) -> torch.Tensor:
+    """Marks ``grad`` as holding distinct rows (the optimizer then skips the reduction). The
+    mark is the row count at marking, so an in-place change that adds rows voids it."""
+    if distinct:
+        setattr(grad, _MARK, grad._nnz())
+    return grad
+
+
+def _is_marked(grad: torch.Tensor) -> bool:
+    return getattr(grad, _MARK, None) == grad._nnz()
+
+
 class HashStorage(RowStorage):
     """Rows of a group of dynamic tables (same dim, dtype, optimizer and :class:`Dynamic`)."""
 
@@ -140,7 +154,6 @@ class HashStorage(RowStorage):
             "stats", torch.zeros(len(self.tables), len(_STATS), dtype=torch.int64, device=dev), persistent=False
         )
         self.register_buffer("size", torch.zeros(len(self.tables), dtype=torch.int64, device=dev), persistent=False)
-        self._distinct_grad = None  # weakref to the pending gradient when its row ids are distinct
         self.clock = 0  # training lookups so far: the time of LRU and TTL
         self._applied_clock = 0  # the clock at the last optimizer step
         self._gen = torch.Generator(device=dev).manual_seed(self.seed)  # admission draws
@@ -426,19 +439,16 @@ class HashStorage(RowStorage):
             grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), w.shape, check_invariants=False)
         if w.grad is not None:
             grad, distinct = w.grad + grad, False
-        w.grad = grad
-        self._distinct_grad = weakref.ref(grad) if distinct else None
+        w.grad = _marked(grad, distinct)
 
     def _replace_grad(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """The pending gradient ``old`` becomes ``new`` (filtered or resized), keeping its
         distinct-rows mark."""
-        distinct = self._distinct_grad is not None and old is self._distinct_grad()
-        self.weight.grad = new
-        self._distinct_grad = weakref.ref(new) if distinct else None
+        self.weight.grad = _marked(new, _is_marked(old))
 
     def grad_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         g = self.weight.grad
-        if g is not None and self._distinct_grad is not None and g is self._distinct_grad():
+        if g is not None and _is_marked(g):
             return g._indices()[0], g._values()
         return super().grad_rows()
 
