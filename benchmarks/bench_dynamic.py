@@ -127,7 +127,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--hashed-ids", action="store_true", help="step: dynamic tables get the ids through a 64-bit hash")
     p.add_argument("--skip", nargs="*", default=[], choices=["throughput", "step"])
-    p.add_argument("--tune-allocator", action="store_true")
+    p.add_argument(
+        "--tune-allocator",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="he.tune_cpu_allocator() first, for every contender alike (default, as `hybridembed bench`); "
+        "--no-tune-allocator keeps glibc's defaults",
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.tune_allocator:

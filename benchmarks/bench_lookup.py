@@ -1,7 +1,7 @@
 """Grouped forward+backward against one nn.EmbeddingBag per table, in the same run.
 
-    python benchmarks/bench_lookup.py                       # 26 x 200k x 64, batch 8192
-    python benchmarks/bench_lookup.py --tune-allocator      # with he.tune_cpu_allocator()
+    python benchmarks/bench_lookup.py                       # 26 x 200k x 64, batch 8192, allocator tuned
+    python benchmarks/bench_lookup.py --no-tune-allocator   # glibc defaults
     python benchmarks/bench_lookup.py --tables 4 --rows 1000 --batch 256 --steps 3   # smoke
 
 Both sides get the same power-law ids (alpha 1.05) and the same initial weights, and
@@ -29,7 +29,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=8192)
     p.add_argument("--hotness", type=int, nargs="+", default=[1, 10], help="ids per bag (fixed)")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--tune-allocator", action="store_true")
+    p.add_argument(
+        "--tune-allocator",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="he.tune_cpu_allocator() first, for every contender alike (default, as `hybridembed bench`); "
+        "--no-tune-allocator keeps glibc's defaults",
+    )
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     if args.tune_allocator:

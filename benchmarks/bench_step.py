@@ -119,7 +119,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hotness", nargs="+", default=["one", "multi"], choices=["one", "multi"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--tune-allocator", action="store_true")
+    p.add_argument(
+        "--tune-allocator",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="he.tune_cpu_allocator() first, for every contender alike (default, as `hybridembed bench`); "
+        "--no-tune-allocator keeps glibc's defaults",
+    )
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     if args.tune_allocator:
