@@ -23,7 +23,7 @@ import time
 import torch
 
 import hybridembed as he
-from hybridembed.bench import powerlaw_ids, time_interleaved
+from hybridembed.bench import add_allocator_option, powerlaw_ids, time_interleaved
 from hybridembed.init import mix64
 
 
@@ -127,13 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--hashed-ids", action="store_true", help="step: dynamic tables get the ids through a 64-bit hash")
     p.add_argument("--skip", nargs="*", default=[], choices=["throughput", "step"])
-    p.add_argument(
-        "--tune-allocator",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="he.tune_cpu_allocator() first, for every contender alike (default, as `hybridembed bench`); "
-        "--no-tune-allocator keeps glibc's defaults",
-    )
+    add_allocator_option(p)
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.tune_allocator:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import hybridembed as he
-from hybridembed.bench import powerlaw_ids, time_interleaved
+from hybridembed.bench import add_allocator_option, powerlaw_ids, time_interleaved
 
 
 def fbgemm_module(tables: int, rows: int, dim: int, optimizer: str, lr: float, weights: list[torch.Tensor]):
@@ -119,13 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hotness", nargs="+", default=["one", "multi"], choices=["one", "multi"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument(
-        "--tune-allocator",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="he.tune_cpu_allocator() first, for every contender alike (default, as `hybridembed bench`); "
-        "--no-tune-allocator keeps glibc's defaults",
-    )
+    add_allocator_option(p)
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
     if args.tune_allocator:

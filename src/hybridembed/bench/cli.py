@@ -43,7 +43,7 @@ from .. import __version__
 from ..utils import get_logger, tune_cpu_allocator
 from . import models as M
 from .e2e import E2E_MODEL
-from .timing import Timing, time_interleaved
+from .timing import Timing, add_allocator_option, time_interleaved
 
 __all__ = ["main", "run", "build_parser"]
 
@@ -162,13 +162,7 @@ def build_parser(prog: str = "hybridembed bench") -> argparse.ArgumentParser:
         help=f"comma-separated anchors to run and compare with, from {','.join(ANCHORS)} (default all; "
         "torchrec is skipped with a note when it does not import)",
     )
-    p.add_argument(
-        "--tune-allocator",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="call hybridembed.tune_cpu_allocator() first, so glibc reuses large blocks (default on; "
-        "it affects every contender alike)",
-    )
+    add_allocator_option(p)
     p.add_argument(
         "--memory-only",
         action="store_true",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -10,7 +11,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["powerlaw_ids", "Timing", "time_interleaved"]
+__all__ = ["powerlaw_ids", "Timing", "time_interleaved", "add_allocator_option"]
+
+
+def add_allocator_option(parser: argparse.ArgumentParser) -> None:
+    """``--tune-allocator`` / ``--no-tune-allocator`` (default on), as every benchmark takes it."""
+    parser.add_argument(
+        "--tune-allocator",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="call hybridembed.tune_cpu_allocator() first, so glibc reuses large blocks (default on; "
+        "it affects every contender alike); --no-tune-allocator keeps glibc's defaults",
+    )
 
 
 def powerlaw_ids(n: int, rows: int, alpha: float = 1.05, generator: torch.Generator | None = None) -> torch.Tensor:
