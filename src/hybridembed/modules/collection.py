@@ -64,6 +64,15 @@ class _GroupBatch:
     ok: torch.Tensor  # 0-d bool: every check of these inputs passed (not yet synced)
 
 
+def _shifted(x: torch.Tensor, by: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (int64) = ``x + by``, in one op when ``x`` is int64; narrower integers are widened
+    first (added in their own dtype they would wrap)."""
+    if x.dtype == torch.int64:
+        return torch.add(x, by, out=out) if by else out.copy_(x)
+    out.copy_(x)
+    return out.add_(by) if by else out
+
+
 def _group_key(t: TableConfig) -> tuple:
     return (t.embedding_dim, t.dtype, "dynamic" if t.dynamic else "dense", t.optimizer, t.dynamic)
 
@@ -252,15 +261,13 @@ class EmbeddingCollection(nn.Module):
         base = bag = 0
         for feat, j, c, b in zip(feats, js, counts, sizes):
             v, o = j.values, j.offsets
-            dst = ids[base : base + c].copy_(v)  # int64 first: small-integer ids must not wrap
-            if feat.row_offset:
-                dst.add_(feat.row_offset)
+            dst = _shifted(v, feat.row_offset, ids[base : base + c])
             if feat.table.combiner == "none":
                 torch.arange(base, base + c, out=offsets[bag : bag + b])
                 if o.numel() > 1:  # (pooled features' offsets are checked together below)
                     checks.append((o[1:] >= o[:-1]).all())
             else:
-                offsets[bag : bag + b].copy_(o[:-1]).add_(base)
+                _shifted(o[:-1], base, offsets[bag : bag + b])
             if c and not feat.dynamic:  # dense: ids in [0, num_embeddings)
                 lo_hi.append(torch.aminmax(dst))  # (the int64 copy: then the bounds compare exactly)
                 bounds.append((feat.row_offset, feat.row_offset + feat.table.num_embeddings))
