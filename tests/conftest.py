@@ -16,6 +16,23 @@ def _seed():
     torch.manual_seed(0)
 
 
+# test folders of tiny tensors: there a second intra-op thread only adds contention on the
+# shared 2-core machines (tiny ops with a parallel region slowed down ~25x when a neighbour
+# held a core)
+_ONE_THREAD_DIRS = ("api", "storage", "train")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(request):
+    if request.path.parent.name not in _ONE_THREAD_DIRS:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def free_port() -> int:
     """A port the OS says is free now (multi-process tests never use a fixed port)."""
     with socket.socket() as s:

@@ -21,15 +21,6 @@ B = 6
 K = 3  # steps before the checkpoint, and after it
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on the shared 2-core machines."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class Net(nn.Module):
     """Two layers converted by he.convert (one made dynamic), an EmbeddingCollection with a
     dense and a dynamic table, and an MLP."""

@@ -23,15 +23,6 @@ B = 5
 STEPS = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on the shared 2-core machines."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 class Tower(nn.Module):
     def __init__(self, shared: nn.Embedding):
         super().__init__()

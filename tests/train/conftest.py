@@ -8,20 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 CRITEO_SAMPLE = DATA_DIR / "criteo_1tb_day0_head1000.tsv"
 ADULT = DATA_DIR / "adult.parquet"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: a second intra-op thread only adds contention on the shared 2-core machines."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
