@@ -95,7 +95,7 @@ from torch import nn
 from .. import init as _init
 from ..config import STORAGE_DTYPES, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
-from ..input import Jagged
+from ..input import Jagged, bag_index, offsets_from_lengths
 from ..modules import EmbeddingCollection
 from ..utils import get_logger
 
@@ -330,13 +330,8 @@ class HybridEmbeddingBag(_TableLayer):
         self._check(Jagged(ids, offsets, psw))
         keep = ids != self.padding_idx  # (N,)
         b = offsets.numel() - 1
-        bag = torch.repeat_interleave(
-            torch.arange(b, device=ids.device), offsets[1:] - offsets[:-1], output_size=ids.numel()
-        )  # (N,)
-        kept = torch.bincount(bag[keep], minlength=b)  # (B,)
-        new = torch.zeros(b + 1, dtype=torch.int64, device=ids.device)
-        torch.cumsum(kept, 0, out=new[1:])
-        return ids[keep], new, None if psw is None else psw[keep]
+        kept = torch.bincount(bag_index(offsets, ids.numel())[keep], minlength=b)  # (B,)
+        return ids[keep], offsets_from_lengths(kept), None if psw is None else psw[keep]
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"

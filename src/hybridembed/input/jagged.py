@@ -25,7 +25,7 @@ import torch
 from ..errors import InvalidInputError
 from ..init import stable_hash64
 
-__all__ = ["Jagged", "as_jagged"]
+__all__ = ["Jagged", "as_jagged", "bag_index", "offsets_from_lengths"]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -36,6 +36,19 @@ def _where(feature: str | None) -> str:
 
 def _first_true(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
+
+
+def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """Run lengths (B,) -> int64 offsets (B+1,) starting at 0."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+def bag_index(offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Well-formed offsets (B+1,) of ``n`` ids -> (N,) int64 bag of each id."""
+    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=n)
 
 
 class Jagged:
@@ -65,9 +78,7 @@ class Jagged:
             raise InvalidInputError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
         if lengths.numel() and int(lengths.min()) < 0:
             raise InvalidInputError(f"lengths must be >= 0; lengths[{_first_true(lengths < 0)}] is negative")
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        return cls(torch.as_tensor(values), offsets, weights)
+        return cls(torch.as_tensor(values), offsets_from_lengths(lengths), weights)
 
     @classmethod
     def from_dense(cls, ids: torch.Tensor, pad: int = -1, weights: torch.Tensor | None = None) -> Jagged:
@@ -89,10 +100,8 @@ class Jagged:
             offsets = torch.arange(0, b * h + 1, h, dtype=torch.int64, device=ids.device)
             w = None if weights is None else weights.reshape(-1)
             return cls(ids.reshape(-1).to(torch.int64), offsets, w)
-        offsets = torch.zeros(b + 1, dtype=torch.int64, device=ids.device)
-        torch.cumsum(keep.sum(1), 0, out=offsets[1:])
         values = ids[keep].to(torch.int64)
-        return cls(values, offsets, None if weights is None else weights[keep])
+        return cls(values, offsets_from_lengths(keep.sum(1)), None if weights is None else weights[keep])
 
     @classmethod
     def from_tensor(cls, ids: torch.Tensor, pad: int = -1, weights: torch.Tensor | None = None) -> Jagged:
@@ -181,7 +190,7 @@ class Jagged:
         lengths = self.lengths()  # (B,)
         b, n, dev = lengths.numel(), self.values.shape[0], self.values.device
         t = max(min_length, int(lengths.max()) if b else 0)
-        bag = torch.repeat_interleave(torch.arange(b, device=dev), lengths, output_size=n)  # (N,)
+        bag = bag_index(self.offsets, n)  # (N,)
         pos = torch.arange(n, device=dev) - self.offsets[:-1].to(torch.int64).index_select(0, bag)  # (N,)
         out = self.values.new_full((b, t, *self.values.shape[1:]), pad)
         return out.index_put((bag, pos), self.values)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..input import bag_index, offsets_from_lengths
+
 __all__ = ["pooled_lookup", "bag_scale", "sorted_segments", "reduce_rows"]
 
 
@@ -39,10 +41,7 @@ def sorted_segments(ids: torch.Tensor, num_rows: int | None = None) -> tuple[tor
     else:
         sorted_ids, perm = torch.sort(ids)
     uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    uniq = uniq.to(torch.int64)
-    seg = torch.zeros(uniq.numel() + 1, dtype=torch.int64, device=ids.device)
-    torch.cumsum(counts, 0, out=seg[1:])
-    return uniq, perm, seg
+    return uniq.to(torch.int64), perm, offsets_from_lengths(counts)
 
 
 class _PooledLookup(torch.autograd.Function):
@@ -125,10 +124,7 @@ class _Bags:
                 positions = torch.arange(self.n, device=self.offsets.device)
             return positions if self.hotness == 1 else torch.div(positions, self.hotness, rounding_mode="floor")
         if self._bag_of_id is None:
-            s = self.offsets.numel() - 1
-            self._bag_of_id = torch.repeat_interleave(
-                torch.arange(s, device=self.offsets.device), self.offsets[1:] - self.offsets[:-1], output_size=self.n
-            )  # (N,)
+            self._bag_of_id = bag_index(self.offsets, self.n)  # (N,)
         return self._bag_of_id if positions is None else self._bag_of_id.index_select(0, positions)
 
 
@@ -189,9 +185,7 @@ def bag_scale(
     if weights is None:
         per_bag = lengths.to(dtype)
     else:
-        bag_of_id = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=n
-        )
+        bag_of_id = bag_index(offsets, n)
         w = weights.to(dtype)
         per_bag = torch.zeros(lengths.numel(), dtype=dtype, device=offsets.device)
         per_bag = per_bag.index_add(0, bag_of_id, w if combiner == "mean" else w * w)

@@ -26,6 +26,7 @@ from torch import nn
 from .. import init as _init
 from ..config import TableConfig
 from ..errors import HybridEmbedError
+from ..input import offsets_from_lengths
 from ..utils import advise_huge_pages
 from .base import RowStorage
 
@@ -60,7 +61,7 @@ def sort_pairs(ids: torch.Tensor, tabs: torch.Tensor, num_tables: int):
         e = ids[:0]
         return e, tabs[:0], e, e
     top = num_tables - 1
-    lo, hi = (int(v) for v in torch.aminmax(ids))
+    lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # (one host sync)
     bits = 31 - top.bit_length()  # of the id's part of the key
     exact = hi - lo < (1 << bits)
     if exact:
@@ -372,8 +373,7 @@ class HashStorage(RowStorage):
         found = self._find(keys, ktabs)
         if not train:
             return self._per_id(found.clamp_min(0), perm, counts), None
-        seg = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=ids.device)
-        torch.cumsum(counts, 0, out=seg[1:])
+        seg = offsets_from_lengths(counts)  # (U+1,)
         with torch.no_grad():
             nt = len(self.tables)
             hit = found >= 0
