@@ -82,7 +82,8 @@ def step(args) -> list[dict]:
                 )
                 batch[n] = he.Jagged.from_lengths(powerlaw_ids(int(lens.sum()), args.rows), lens)
                 # --hashed-ids: the same ids spread over all of int64, as hashed string ids are
-                wide[n] = he.Jagged(mix64(batch[n].values), batch[n].offsets)
+                if args.hashed_ids:
+                    wide[n] = he.Jagged(mix64(batch[n].values), batch[n].offsets)
             grads = [torch.randn(args.batch, args.dim) for _ in names]
 
             def make(ec, opt, grads=grads, plain=batch, wide=wide):
