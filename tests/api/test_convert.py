@@ -161,7 +161,8 @@ def test_plain_checkpoint_loads_into_the_converted_model():
 # --- tables=: one layer made dynamic ------------------------------------------------------------
 def test_dynamic_override_trains_like_the_dense_original_from_the_same_initial_rows():
     model = Model()
-    conv = he.convert(copy.deepcopy(model), tables={"user": {"dynamic": he.Dynamic()}}, seed=7)
+    dyn = {"dynamic": he.Dynamic(), "init": he.init.normal()}
+    conv = he.convert(copy.deepcopy(model), tables={"user": dyn}, seed=7)
     assert conv.hybridembed.tables["user"].dynamic is not None
     assert len(conv.hybridembed.groups) == 2  # the dense tables, and the dynamic one
     # the fair reference: the dense original, its user rows replaced by the rows the dynamic
@@ -181,7 +182,7 @@ def test_dynamic_override_trains_like_the_dense_original_from_the_same_initial_r
     torch.testing.assert_close(rows, ref.user.weight.detach()[ids], rtol=1e-6, atol=1e-7)
     sd = conv.state_dict()
     assert {"user.ids", "user.weight", "user.last_seen", "user.freq"} <= set(sd)
-    again = he.convert(Model(), tables={"user": {"dynamic": he.Dynamic()}}, seed=7)
+    again = he.convert(Model(), tables={"user": dyn}, seed=7)
     again.load_state_dict(sd)
     torch.testing.assert_close(again(batch(5)), conv(batch(5)), rtol=0, atol=0)
 

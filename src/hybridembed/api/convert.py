@@ -86,20 +86,24 @@ sparse gradient and one optimizer update. The collection follows the model's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import fnmatch
+import gc
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import init as _init
-from ..config import STORAGE_DTYPES, TableConfig
+from ..config import STORAGE_DTYPES, Dynamic, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, bag_index, offsets_from_lengths
 from ..modules import EmbeddingCollection
+from ..modules.grouped import LookupQueue
 from ..utils import get_logger
 
-__all__ = ["convert", "ConvertedCollection", "HybridEmbedding", "HybridEmbeddingBag", "COLLECTION_ATTR"]
+__all__ = ["convert", "fitted_init", "ConvertedCollection", "HybridEmbedding", "HybridEmbeddingBag", "COLLECTION_ATTR"]
 
 log = get_logger(__name__)
 
@@ -114,6 +118,33 @@ class ConvertedCollection(EmbeddingCollection):
     (``<layer path>.weight``), so the collection itself writes none and duplicates nothing.
     """
 
+    lookup_queue: LookupQueue | None = None  # set by convert(grouped=True)
+    _warned_unconsumed = False
+
+    def lookup(self, feature: str, ids: Any) -> torch.Tensor | Jagged:
+        self._check_consumed()
+        return super().lookup(feature, ids)
+
+    def lookup_many(self, requests, train: bool | None = None) -> list[torch.Tensor | Jagged]:
+        self._check_consumed()
+        return super().lookup_many(requests, train)
+
+    def _check_consumed(self) -> None:
+        """Warns once when a table's gradient was left by the last step with no optimizer to take
+        it: the model was converted after its optimizer was built, and he.wrap_optimizer was not called."""
+        if self._warned_unconsumed or not self.training:
+            return
+        idle = [t.name for s in self.storages if s.optimizer is None and s.weight.grad is not None for t in s.tables]
+        if idle:
+            self._warned_unconsumed = True
+            shown = ", ".join(map(repr, idle[:3])) + (f" and {len(idle) - 3} more" if len(idle) > 3 else "")
+            log.warning(
+                "tables %s have gradients that no optimizer step consumed: they are not training. Give them "
+                "sparse updates with opt = he.wrap_optimizer(opt, model) after he.convert (a torch optimizer "
+                "built before convert holds the replaced weights)",
+                shown,
+            )
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         return
 
@@ -122,6 +153,24 @@ class ConvertedCollection(EmbeddingCollection):
             for key in state_dict:
                 if key.startswith(prefix) and key[len(prefix) :].split(".", 1)[0] not in self._modules:
                     unexpected.append(key)
+
+
+class _QueueHook:
+    """Forward pre-hook and hook of a converted model: its layers' lookups are deferred while its
+    forward runs; what is still queued runs when it returns."""
+
+    def __init__(self, path: str, begin: bool):
+        self.path = path  # the collection's module path (the hook survives deepcopy and pickling)
+        self.begin = begin
+
+    def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
+        queue = getattr(module.get_submodule(self.path), "lookup_queue", None)
+        if queue is None:
+            return
+        if self.begin:
+            queue.enter()
+        else:
+            queue.exit(ok=output is not None)  # (None: the forward raised)
 
 
 def _plain_dynamic_entry(storage, weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -168,12 +217,39 @@ class _TableLayer(nn.Module):
                     f"table {self.table!r} is dynamic and has no fixed weight matrix; read its rows with "
                     f"model.{COLLECTION_ATTR}.dynamic_rows({self.table!r})"
                 )
-            return self._collection.weight(self.table)
+            ec = self._collection
+            if not isinstance(ec, EmbeddingCollection):  # a served copy (export)
+                return ec.weight(self.table)
+            storage = ec.storage_of(self.table)
+            start = storage.row_offset[self.table]
+            # a view of the rows Parameter: a loss term over it (an L2 penalty) reaches the table as a
+            # dense gradient, which the optimizer refuses with the fix, instead of being dropped silently
+            return storage.weight[start : start + self.num_embeddings]
         return super().__getattr__(name)
 
-    def _lookup(self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        out = self._collection.lookup(self.table, Jagged(ids, offsets, weights))  # (B, D)
-        return out if out.dtype == self.output_dtype else out.to(self.output_dtype)
+    def _lookup(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        shape: tuple[int, ...],
+        post: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Rows of bags ``offsets`` (B+1,) of ``ids`` (N,) -> ``post((B, D) rows)`` of ``shape``.
+
+        Queued on the collection's :class:`~hybridembed.modules.grouped.LookupQueue` when the
+        model was converted with ``grouped=True`` (one kernel call per group at first use),
+        else looked up now."""
+        ec, dtype = self._collection, self.output_dtype
+
+        def finish(out: torch.Tensor) -> torch.Tensor:  # (B, D) -> the layer's output
+            out = out if out.dtype == dtype else out.to(dtype)
+            return out if post is None else post(out)
+
+        queue = getattr(ec, "lookup_queue", None)
+        if queue is not None and queue.active:
+            return queue.request(self.table, Jagged(ids, offsets, weights), shape, dtype, finish)
+        return finish(ec.lookup(self.table, Jagged(ids, offsets, weights)))
 
     def _check(self, j: Jagged) -> None:
         j.check_structure(self.table)
@@ -251,19 +327,22 @@ class HybridEmbedding(_TableLayer):
         shape = tuple(input.shape)
         ids = input.reshape(-1)  # (N,)
         n, dev = ids.numel(), ids.device
+        d = self.embedding_dim
+        out_shape = (*shape, d)
         keep = None if self.padding_idx is None else ids != self.padding_idx  # (N,)
-        if keep is None or bool(keep.all()):
-            rows = self._lookup(ids, torch.arange(n + 1, device=dev))  # (N, D): bags of one
-            return rows.reshape(*shape, self.embedding_dim)
+        if keep is None or bool(keep.all()):  # (N, D): bags of one
+            return self._lookup(ids, torch.arange(n + 1, device=dev), None, out_shape, lambda r: r.reshape(out_shape))
         self._check(Jagged(ids, torch.tensor([0, n], device=dev)))
         kept = ids[keep]  # (K,)
-        rows = self._lookup(kept, torch.arange(kept.numel() + 1, device=dev))  # (K, D)
-        if self.dynamic:
-            pad = rows.new_zeros(self.embedding_dim)
-        else:
-            pad = self._collection.weight(self.table)[self.padding_idx].to(rows.dtype)  # (D,), no gradient
-        out = pad.expand(n, self.embedding_dim).index_put((keep,), rows)  # (N, D)
-        return out.reshape(*shape, self.embedding_dim)
+
+        def fill(rows: torch.Tensor) -> torch.Tensor:  # (K, D) -> (*, D) with the padding row
+            if self.dynamic:
+                pad = rows.new_zeros(d)
+            else:
+                pad = self._collection.weight(self.table)[self.padding_idx].to(rows.dtype)  # (D,), no gradient
+            return pad.expand(n, d).index_put((keep,), rows).reshape(out_shape)  # (N, D)
+
+        return self._lookup(kept, torch.arange(kept.numel() + 1, device=dev), None, out_shape, fill)
 
 
 class HybridEmbeddingBag(_TableLayer):
@@ -319,11 +398,15 @@ class HybridEmbeddingBag(_TableLayer):
             )
         if self.padding_idx is not None and not bool((ids != self.padding_idx).all()):
             ids, offsets, psw = self._drop_padding(ids, offsets, psw)
-        pooled = self._lookup(ids, offsets, psw)  # (B, D), summed
-        if self.mode == "mean":  # sum, then divide, as torch: an empty bag stays 0
-            counts = (offsets[1:] - offsets[:-1]).clamp_min(1)  # (B,)
-            pooled = pooled / counts.unsqueeze(1).to(pooled.dtype)
-        return pooled
+        b = offsets.numel() - 1
+        if self.mode != "mean":
+            return self._lookup(ids, offsets, psw, (b, self.embedding_dim))  # (B, D), summed
+        counts = (offsets[1:] - offsets[:-1]).clamp_min(1).unsqueeze(1)  # (B, 1)
+
+        def mean(pooled: torch.Tensor) -> torch.Tensor:  # sum, then divide, as torch: an empty bag stays 0
+            return pooled / counts.to(pooled.dtype)
+
+        return self._lookup(ids, offsets, psw, (b, self.embedding_dim), mean)
 
     def _drop_padding(self, ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None):
         """Entries equal to padding_idx leave their bag: (N,), (B+1,), (N,) -> (K,), (B+1,), (K,)."""
@@ -420,8 +503,30 @@ def _table_name(path: str, taken: set[str]) -> str:
     return name
 
 
+def fitted_init(weight: torch.Tensor, sample: int = 1 << 20) -> _init.Init:
+    """The row-keyed initializer closest to how ``weight`` (N, D) was initialised: uniform on
+    its range when its values look uniform (excess kurtosis below -0.9; a uniform's is -1.2, a
+    normal's 0), else normal with its mean and std; constant when every value is equal. Reads
+    at most ``sample`` values (evenly spaced rows)."""
+    w = weight.detach().reshape(-1)
+    if w.numel() > sample:
+        w = w[:: -(-w.numel() // sample)]
+    w = w.to(torch.float64)
+    mean, std = float(w.mean()), float(w.std(unbiased=False)) if w.numel() > 1 else 0.0
+    if not std > 0 or not all(map(math.isfinite, (mean, std))):
+        return _init.constant(mean if math.isfinite(mean) else 0.0)
+    kurtosis = float((((w - mean) / std) ** 4).mean()) - 3.0
+    if kurtosis < -0.9:
+        return _init.uniform(float(w.min()), float(w.max()))
+    return _init.normal(mean, std)
+
+
 def _table_config(
-    path: str, weight: torch.Tensor, override: TableConfig | Mapping[str, Any] | None, taken: set[str]
+    path: str,
+    weight: torch.Tensor,
+    override: TableConfig | Mapping[str, Any] | None,
+    taken: set[str],
+    dynamic_default: Dynamic | None = None,
 ) -> TableConfig:
     n, d = weight.shape
     if isinstance(override, TableConfig):
@@ -443,9 +548,10 @@ def _table_config(
         raise ConfigError(
             f"tables[{path!r}]: cannot override {', '.join(bad)} (set by the layer); allowed: {', '.join(_OVERRIDABLE)}"
         )
-    dynamic = fields.get("dynamic")
-    # a dense table is filled from the layer, so its initializer is never used: zeros is the cheapest
-    default_init = _init.normal() if dynamic is not None else _init.zeros()
+    dynamic = fields.get("dynamic", dynamic_default)
+    # a dense table is filled from the layer, so its initializer is never used: zeros is the cheapest;
+    # a dynamic table's new rows follow the distribution of the layer's current weights
+    default_init = fitted_init(weight) if dynamic is not None else _init.zeros()
     return TableConfig(
         name=fields.get("name") or _table_name(path, taken),
         num_embeddings=None if dynamic is not None else n,
@@ -464,12 +570,69 @@ def _collection_attr(model: nn.Module) -> str:
     return name
 
 
+def _dynamic_for(paths: list[str], dynamic: bool | Dynamic | str | Sequence[str]) -> Dynamic | None:
+    """The ``Dynamic`` a layer at ``paths`` gets from ``convert(dynamic=...)``, or None."""
+    if dynamic is False:
+        return None
+    if dynamic is True:
+        return Dynamic()
+    if isinstance(dynamic, Dynamic):
+        return dynamic
+    patterns = [dynamic] if isinstance(dynamic, str) else list(dynamic)
+    return Dynamic() if any(fnmatch.fnmatchcase(p, pat) for p in paths for pat in patterns) else None
+
+
+def _check_dynamic_arg(dynamic: Any) -> None:
+    ok = isinstance(dynamic, (bool, Dynamic, str)) or (
+        isinstance(dynamic, Sequence) and all(isinstance(p, str) for p in dynamic)
+    )
+    if not ok:
+        raise ConfigError(
+            f"convert: dynamic must be True/False, a he.Dynamic(...) for every table, or layer path patterns "
+            f"(fnmatch, e.g. 'embedding_dict.*'), got {dynamic!r}"
+        )
+
+
+def _stale_references(model: nn.Module, replaced: dict[int, str]) -> list[str]:
+    """Where ``model``'s own attributes (lists, tuples, dicts of them) and live torch optimizers
+    still hold a replaced embedding weight: ``["model.reg_weights[0] ('emb')", ...]``."""
+    found: list[str] = []
+
+    def walk(x: Any, where: str, depth: int) -> None:
+        if isinstance(x, torch.Tensor):
+            if id(x) in replaced:
+                found.append(f"{where} (layer {replaced[id(x)]!r})")
+            return
+        if depth > 4 or isinstance(x, (nn.Module, str, bytes)):
+            return
+        if isinstance(x, Mapping):
+            for k, v in list(x.items())[:10_000]:
+                walk(v, f"{where}[{k!r}]", depth + 1)
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            for i, v in enumerate(list(x)[:10_000]):
+                walk(v, f"{where}[{i}]", depth + 1)
+
+    for path, m in model.named_modules():
+        for attr, v in vars(m).items():
+            if attr.startswith("_") or isinstance(v, nn.Module):
+                continue
+            walk(v, f"model.{path + '.' if path else ''}{attr}", 0)
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.optim.Optimizer):  # (type(): isinstance may run a proxy's __class__)
+            held = [replaced[id(p)] for g in obj.param_groups for p in g["params"] if id(p) in replaced]
+            if held:
+                found.append(f"a {type(obj).__name__} optimizer ({len(held)} replaced weight(s), e.g. {held[0]!r})")
+    return found
+
+
 def convert(
     model: nn.Module,
     tables: Mapping[str, TableConfig | Mapping[str, Any] | None] | None = None,
     *,
     seed: int = 0,
     copy_dynamic_rows: bool = False,
+    dynamic: bool | Dynamic | str | Sequence[str] = False,
+    grouped: bool = True,
 ) -> nn.Module:
     """Replace every ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` by a hybridembed layer.
 
@@ -480,6 +643,14 @@ def convert(
             a whole ``TableConfig``, or None to leave that layer unconverted.
         seed: seed of the row-keyed initializer of dynamic tables' new rows.
         copy_dynamic_rows: load a layer made dynamic with its current rows as ids ``0..N-1``.
+        dynamic: make layers dynamic tables without listing them in ``tables``: True (every
+            layer, ``Dynamic()``), a :class:`~hybridembed.Dynamic` (every layer, those settings)
+            or layer path patterns (``fnmatch``, e.g. ``"embedding_dict.*"``). A layer's own
+            ``tables`` entry wins. New rows follow the layer's current weights' distribution
+            (:func:`fitted_init`) unless an ``init`` is given.
+        grouped: defer each converted layer's lookup until an output of the forward is first
+            used, then run all of them in one kernel call per group of tables
+            (:mod:`hybridembed.modules.grouped`); False: one call per layer call.
 
     Returns the converted model (``model`` itself unless it is an embedding layer). The
     tables live in ``model.hybridembed`` (a :class:`ConvertedCollection`). Raises
@@ -492,6 +663,11 @@ def convert(
             f"tables must be a mapping {{layer path: TableConfig | dict of fields | None}}, got {type(tables).__name__}"
         )
     overrides = dict(tables or {})
+    _check_dynamic_arg(dynamic)
+    if not isinstance(grouped, bool):
+        raise ConfigError(f"convert: grouped must be True or False, got {grouped!r}")
+    if not isinstance(copy_dynamic_rows, bool):
+        raise ConfigError(f"convert: copy_dynamic_rows must be True or False, got {copy_dynamic_rows!r}")
     if isinstance(model, tuple(_LAYERS)):  # the model is one layer: convert it inside a holder
         holder = nn.Module()
         holder.add_module("layer", model)
@@ -500,6 +676,8 @@ def convert(
             {f"layer.{k}" if k else "layer": v for k, v in overrides.items()},
             seed=seed,
             copy_dynamic_rows=copy_dynamic_rows,
+            dynamic=dynamic if isinstance(dynamic, (bool, Dynamic)) else [f"layer.{p}" for p in dynamic],
+            grouped=False,  # a lone layer's output is used right away: nothing to group
         )
         layer = converted.layer
         if isinstance(layer, _TableLayer):
@@ -535,7 +713,7 @@ def convert(
         for f in layers:
             _check_layer(f.paths[0], f.module, other_params)
         weight = layers[0].module.weight
-        cfg = _table_config(paths[0], weight, values[0] if given else None, taken)
+        cfg = _table_config(paths[0], weight, values[0] if given else None, taken, _dynamic_for(paths, dynamic))
         if cfg.name in taken:
             raise ConfigError(f"tables=: table name {cfg.name!r} is used twice; give each table its own name")
         taken.add(cfg.name)
@@ -551,6 +729,9 @@ def convert(
             "move the model to one device first"
         )
     collection = ConvertedCollection([cfg for _, cfg in plans], seed=seed, device=devices.pop())
+    if grouped:
+        collection.lookup_queue = LookupQueue(collection)
+    emptied = []  # dynamic tables whose layer's rows are not carried over
     with torch.no_grad():
         for layers, cfg in plans:
             weight = layers[0].module.weight.detach()
@@ -567,13 +748,10 @@ def convert(
                     )
                 storage.load_table(cfg.name, _plain_dynamic_entry(storage, weight))
             else:
-                log.warning(
-                    "layer %r is now the dynamic table %r: its %d current rows are not carried over (new ids get "
-                    "rows from the table's initializer); pass copy_dynamic_rows=True to keep them",
-                    paths[0],
-                    cfg.name,
-                    weight.shape[0],
-                )
+                emptied.append(cfg.name)
+    replaced = {id(layers[0].module.weight): layers[0].paths[0] for layers, _ in plans}
+    for layers, _ in plans:  # wrap_optimizer drops these from a torch optimizer built before convert
+        layers[0].module.weight._hybridembed_replaced = True
     owner_path = ""
     if not isinstance(model, _CONTAINERS):
         attr = _collection_attr(model)
@@ -587,15 +765,39 @@ def convert(
                 new.add_module(attr, collection)
             for parent, name in f.parents:
                 setattr(parent, name, new)
+    if grouped:
+        model.register_forward_pre_hook(_QueueHook(owner_path + attr, begin=True))
+        model.register_forward_hook(_QueueHook(owner_path + attr, begin=False), always_call=True)
+    groups = collection.groups
+    shown = "; ".join(", ".join(g[:3]) + (f" +{len(g) - 3}" if len(g) > 3 else "") for g in groups[:4])
+    note = ""
+    if emptied:
+        note = (
+            f"; {len(emptied)} dynamic table(s) start empty, new rows drawn like the layer's weights "
+            "(copy_dynamic_rows=True keeps the rows)"
+        )
     log.info(
-        "converted %d embedding layer(s) into %d table(s) in %d group(s) at %s%s: %s",
+        "converted %d embedding layer(s) into %d table(s) in %d group(s) at %s%s (%s)%s%s",
         sum(len(layers) for layers, _ in plans),
         len(plans),
-        len(collection.groups),
+        len(groups),
         owner_path,
         attr,
-        collection.groups,
+        shown + ("; ..." if len(groups) > 4 else ""),
+        "; lookups grouped per forward" if grouped else "",
+        note,
     )
+    stale = _stale_references(model, replaced)
+    if stale:
+        more = f" and {len(stale) - 3} more" if len(stale) > 3 else ""
+        log.warning(
+            "convert: %s%s still hold the replaced nn.Embedding weights (kept in memory, no longer trained or "
+            "read by the model). Build optimizers after convert or pass them through he.wrap_optimizer(opt, model) "
+            "(which drops them); regularise tables with the optimizer's weight_decay (applied to the rows a step "
+            "touches) or on the looked-up rows, not on the old weights",
+            "; ".join(stale[:3]),
+            more,
+        )
     return model
 
 

@@ -20,7 +20,7 @@ Shape legend: ``F`` features, ``B`` batch, ``D`` dim, ``N`` ids of a feature,
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,11 @@ class _Feature:
     group: int
     row_offset: int  # dense: where the table's rows start in its group's storage
     table_index: int  # dynamic: the table's key in its group's hash index
+    key: str | None = None  # its input's key in a batch; the name unless one feature is looked up twice
+
+    @property
+    def jkey(self) -> str:
+        return self.key if self.key is not None else self.name
 
     @property
     def dynamic(self) -> bool:
@@ -245,13 +250,52 @@ class EmbeddingCollection(nn.Module):
         self._validate([batch], jagged)
         return self._lookup_group(batch, jagged)[feature]
 
+    def lookup_many(
+        self, requests: Sequence[tuple[str, Any]], train: bool | None = None
+    ) -> list[torch.Tensor | Jagged]:
+        """Several ``(feature, ids)`` lookups, a feature possibly repeated, in one kernel call per group.
+
+        The same results as ``[self.lookup(f, ids) for f, ids in requests]``, validated the
+        same way (every request before any row is read: one bad request changes nothing), but
+        each group's requests are joined into one batch: this is how the separate embedding
+        calls of a converted model's forward become one call per group. ``train`` overrides
+        ``self.training`` (whether dynamic tables make rows).
+
+        >>> import torch, hybridembed as he
+        >>> ec = he.EmbeddingCollection([he.TableConfig("a", 10, 4), he.TableConfig("b", 10, 4)])
+        >>> a1, b, a2 = ec.lookup_many([("a", torch.tensor([1, 2])), ("b", torch.tensor([3, 4])),
+        ...                             ("a", torch.tensor([[5, 6], [7, -1]]))])
+        >>> torch.equal(a2, ec.lookup("a", torch.tensor([[5, 6], [7, -1]])))
+        True
+        """
+        jagged: dict[str, Jagged] = {}
+        per_group: dict[int, tuple[list[_Feature], list[_Feature]]] = {}
+        for i, (feature, ids) in enumerate(requests):
+            base = self._features.get(feature) if isinstance(feature, str) else None
+            if base is None:
+                raise InvalidInputError(
+                    f"unknown feature {feature!r}; this collection has: {', '.join(self._features)}"
+                )
+            feat = replace(base, key=str(i))
+            jagged[feat.jkey] = self._as_input(base, ids)
+            pooled, seq = per_group.setdefault(feat.group, ([], []))
+            (seq if feat.table.combiner == "none" else pooled).append(feat)
+        if not requests:
+            return []
+        batches = [self._assemble(self.storages[g], *per_group[g], jagged) for g in sorted(per_group)]
+        self._validate(batches, jagged)
+        out: dict[str, torch.Tensor | Jagged] = {}
+        for batch in batches:
+            out.update(self._lookup_group(batch, jagged, train))
+        return [out[str(i)] for i in range(len(requests))]
+
     def _assemble(self, storage: RowStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict) -> _GroupBatch:
         """A group's features as one batch for one kernel call: pooled features are bags, and
         each id of a sequence feature is a bag of one. Reads no row; nothing is checked yet
         beyond structure, but the checks :meth:`_validate` needs are queued (no host sync)."""
         device = storage.weight.device
         feats = pooled + seq
-        js = [jagged[f.name] for f in feats]
+        js = [jagged[f.jkey] for f in feats]
         counts = [j.values.numel() for j in js]
         sizes = [j.offsets.numel() - 1 for j in js[: len(pooled)]] + counts[len(pooled) :]  # bags per feature
         n, s = sum(counts), sum(sizes)
@@ -294,13 +338,16 @@ class EmbeddingCollection(nn.Module):
         if bool(torch.stack([b.ok for b in batches]).all()):
             return
         for f in (f for b in batches for f in b.feats):
-            j = jagged[f.name]
+            j = jagged[f.jkey]
             if not bool(j.ok(f.table.num_embeddings, allow_negative=f.dynamic)):
                 j.raise_first_error(f.name, f.table.num_embeddings, allow_negative=f.dynamic)
         raise InvalidInputError("inputs failed validation, but no single feature is at fault")  # (a bug if reached)
 
-    def _lookup_group(self, batch: _GroupBatch, jagged: dict[str, Jagged]) -> dict[str, torch.Tensor | Jagged]:
-        """The group's one kernel call, then the per-feature outputs (views of its result)."""
+    def _lookup_group(
+        self, batch: _GroupBatch, jagged: dict[str, Jagged], train: bool | None = None
+    ) -> dict[str, torch.Tensor | Jagged]:
+        """The group's one kernel call, then the per-feature outputs (views of its result), by input key."""
+        train = self.training if train is None else train
         storage, feats, ids, offsets = batch.storage, batch.feats, batch.ids, batch.offsets
         segments = sink = None
         if storage.kind == "dynamic":  # ids -> row slots; new ids get rows while training
@@ -309,13 +356,13 @@ class EmbeddingCollection(nn.Module):
                 torch.tensor(batch.counts, device=ids.device),
                 output_size=ids.numel(),
             )
-            ids, segments = storage.lookup(ids, tabs, train=self.training)  # int32 slots
+            ids, segments = storage.lookup(ids, tabs, train=train)  # int32 slots
             offsets = offsets.to(torch.int32)  # (embedding_bag wants ids and offsets of one dtype)
             sink = storage.accumulate_grad
         cdt = storage.tables[0].compute_dtype
         psw = None  # (N,) per-id multipliers: the combiners and the user's weights
         scales = [
-            bag_scale(f.table.combiner, jagged[f.name].offsets, jagged[f.name].weights, c, cdt)
+            bag_scale(f.table.combiner, jagged[f.jkey].offsets, jagged[f.jkey].weights, c, cdt)
             for f, c in zip(feats, batch.counts)
         ]
         if any(sc is not None for sc in scales):
@@ -326,9 +373,9 @@ class EmbeddingCollection(nn.Module):
                 ]
             )
         rows = pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments)  # (S, D)
-        result: dict[str, torch.Tensor | Jagged] = dict(zip((f.name for f in feats), torch.split(rows, batch.sizes)))
+        result: dict[str, torch.Tensor | Jagged] = dict(zip((f.jkey for f in feats), torch.split(rows, batch.sizes)))
         for f in batch.seq:
-            result[f.name] = self._sequence(result[f.name], jagged[f.name].offsets.to(torch.int64))
+            result[f.jkey] = self._sequence(result[f.jkey], jagged[f.jkey].offsets.to(torch.int64))
         return result
 
     def _sequence(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | Jagged:

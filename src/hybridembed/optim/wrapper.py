@@ -112,12 +112,12 @@ class HybridOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        rows = [storage.grad_rows() for storage in self._storages]  # (raises on a dense gradient: before any update)
         if any(p.grad is not None for g in self.dense.param_groups for p in g["params"]):
             self.dense.step()
-        for storage, group in zip(self._storages, self._sparse_groups):
-            rows = storage.grad_rows()  # (raises on a dense gradient)
-            if rows is not None:
-                storage.apply(*rows, group)
+        for storage, group, r in zip(self._storages, self._sparse_groups, rows):
+            if r is not None:
+                storage.apply(*r, group)
             storage.after_step()
         return loss
 
@@ -233,10 +233,13 @@ def wrap_optimizer(
         else:
             opt = sparse_equivalent(torch_optimizer, home.get(id(storage.weight)))
         chosen.append((name, storage, opt))
-    for group in torch_optimizer.param_groups:  # the torch optimizer keeps the dense part only
-        group["params"] = [p for p in group["params"] if id(p) not in weights]
-    for _, s in storages:
-        torch_optimizer.state.pop(s.weight, None)
+    # the torch optimizer keeps the dense part only; it also lets go of the nn.Embedding weights
+    # he.convert replaced (an optimizer built before convert holds them)
+    for group in torch_optimizer.param_groups:
+        gone = [p for p in group["params"] if id(p) in weights or getattr(p, "_hybridembed_replaced", False)]
+        group["params"] = [p for p in group["params"] if id(p) not in {id(q) for q in gone}]
+        for p in gone:
+            torch_optimizer.state.pop(p, None)
     return HybridOptimizer(torch_optimizer, chosen)
 
 

@@ -61,7 +61,12 @@ class RowStorage(nn.Module):
             return None
         if not g.is_sparse:
             names = ", ".join(t.name for t in self.tables)
-            raise HybridEmbedError(f"tables {names}: expected a sparse gradient on the embedding rows, got a dense one")
+            raise HybridEmbedError(
+                f"tables {names}: a dense gradient reached the embedding rows (a loss term computed over the whole "
+                "table, e.g. an L2 penalty on its weight). hybridembed tables train row-sparse: regularise with the "
+                "optimizer's weight_decay (applied to the rows a step touches), or put the penalty on the looked-up "
+                "rows (the layer outputs) instead of the table"
+            )
         return reduce_rows(g)
 
     @torch.no_grad()

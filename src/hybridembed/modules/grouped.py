@@ -1,0 +1,229 @@
+"""Grouped lookups for models that call their embedding layers one by one.
+
+A plain model looks its features up layer by layer (DeepCTR: 52 calls per step). Each
+call of a converted layer is *deferred*: it is queued on its collection's
+:class:`LookupQueue` and returns a :class:`DeferredRows`, a tensor that knows its shape,
+dtype and device but holds no data yet. The first time any deferred output is used by a
+torch op (the ``torch.cat`` that joins a model's embeddings, an MLP layer, ``.sum()``),
+every lookup queued so far runs at once through
+:meth:`~hybridembed.EmbeddingCollection.lookup_many`: one kernel call per group of
+tables, one validation sync, one sparse gradient per group. The op then runs on the real
+rows; autograd sees ordinary tensors.
+
+Rules that keep this exact:
+
+- Results are those of the per-layer calls: the same rows, the same gradients; only the
+  number of kernel calls changes. Queries of metadata (``shape``, ``size()``, ``dim()``,
+  ``dtype``, ``device``) answer without running the lookups.
+- A queue holds lookups of one mode (grad enabled, inference mode, training): a call in
+  another mode runs the queue first. The model's forward ends with nothing queued
+  (:func:`hybridembed.convert` adds forward hooks: lookups are deferred only while the
+  converted model's forward runs, and what is left runs when it returns). A layer called
+  on its own, outside the model's forward, looks up at once.
+- Structure, dtype and device of the ids are checked when the layer is called; the range
+  of the ids when the queue runs (one sync for all of them), so an out-of-range id is
+  reported at the first use of any output of that forward, naming the table and position.
+  A queue that fails changes no table, and every one of its outputs re-raises the error.
+- Tracing and compiling (``torch.jit``, ``torch.fx``, ``torch.compile``) see per-layer
+  calls: nothing is deferred there. ``he.convert(model, grouped=False)`` turns it off.
+
+    >>> import torch, hybridembed as he
+    >>> ec = he.EmbeddingCollection([he.TableConfig("a", 10, 4), he.TableConfig("b", 10, 4)])
+    >>> queue = LookupQueue(ec)
+    >>> queue.enter()                     # (convert's hooks do this when the model's forward begins)
+    >>> x = queue.request("a", he.Jagged(torch.tensor([1, 2]), torch.tensor([0, 1, 2])), (2, 4))
+    >>> y = queue.request("b", he.Jagged(torch.tensor([3]), torch.tensor([0, 1])), (1, 4))
+    >>> x.shape, len(queue)               # metadata only: nothing has run yet
+    (torch.Size([2, 4]), 2)
+    >>> z = torch.cat([x, y])             # first use: both lookups run, one kernel call
+    >>> z.shape, len(queue), queue.flushes
+    (torch.Size([3, 4]), 0, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..input import Jagged
+from ..utils import get_logger
+
+__all__ = ["DeferredRows", "LookupQueue", "deferral_possible"]
+
+log = get_logger(__name__)
+
+# metadata a deferred output answers by itself, without running its lookup
+_METADATA = {
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.ndimension,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.shape.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.is_cuda.__get__,
+    torch.Tensor.layout.__get__,
+    torch.Tensor.is_sparse.__get__,
+}
+
+
+def deferral_possible() -> bool:
+    """False while tracing or compiling, where a deferred tensor would be baked into a graph."""
+    if torch.jit.is_scripting() or torch._C._get_tracing_state() is not None:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return not _fx_tracing()
+
+
+def _fx_tracing() -> bool:
+    from torch.fx import _symbolic_trace as fx
+
+    check = getattr(fx, "is_fx_symbolic_tracing", None) or getattr(fx, "is_fx_tracing", None)
+    return bool(check()) if check is not None else False
+
+
+def _real(x: Any) -> Any:
+    if isinstance(x, DeferredRows):
+        return x.materialize()
+    if type(x) in (list, tuple) and any(isinstance(v, DeferredRows) for v in x):
+        return type(x)(_real(v) for v in x)
+    if type(x) is dict and any(isinstance(v, DeferredRows) for v in x.values()):
+        return {k: _real(v) for k, v in x.items()}
+    return x
+
+
+class DeferredRows(torch.Tensor):
+    """The output of a queued lookup: shape, dtype and device now, data at first use."""
+
+    _queue: LookupQueue | None
+    _value: torch.Tensor | None
+    _error: BaseException | None
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, queue: LookupQueue):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        t._queue, t._value, t._error = queue, None, None
+        return t
+
+    def materialize(self) -> torch.Tensor:
+        """The real output (runs the queue if it has not run yet)."""
+        if self._value is None:
+            if self._error is None and self._queue is not None:
+                self._queue.flush()
+            if self._error is not None:
+                raise self._error
+            if self._value is None:  # pragma: no cover - a bug if reached
+                raise RuntimeError("a deferred embedding lookup was never run")
+        return self._value
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        args = tuple(_real(a) for a in args)
+        kwargs = {k: _real(v) for k, v in kwargs.items()} if kwargs else {}
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # pragma: no cover - guarded above
+        raise RuntimeError(
+            f"a deferred embedding output reached {func} without going through __torch_function__; "
+            "convert the model with he.convert(model, grouped=False) and report this"
+        )
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        if self._value is None:
+            return f"DeferredRows(shape={tuple(self.shape)}, dtype={self.dtype}, pending)"
+        return repr(self._value)
+
+    def __reduce_ex__(self, proto):
+        return self.materialize().__reduce_ex__(proto)
+
+
+class _Request:
+    __slots__ = ("feature", "ids", "post", "out")
+
+    def __init__(self, feature: str, ids: Jagged, post: Callable | None, out: DeferredRows):
+        self.feature, self.ids, self.post, self.out = feature, ids, post, out
+
+
+class LookupQueue:
+    """Lookups on one collection, requested one by one and run together (see the module docstring)."""
+
+    def __init__(self, collection) -> None:
+        self.collection = collection
+        self._pending: list[_Request] = []
+        self._mode: tuple[bool, bool, bool] | None = None
+        self.flushes = 0  # times the queue ran (one kernel call per group each time)
+        self.depth = 0  # forwards of the owning model under way: lookups are deferred only inside one
+
+    @property
+    def active(self) -> bool:
+        """Whether a lookup requested now is deferred: inside the model's forward, not tracing."""
+        return self.depth > 0 and deferral_possible()
+
+    def enter(self) -> None:
+        """The owning model's forward begins."""
+        self.depth += 1
+
+    def exit(self, ok: bool = True) -> None:
+        """The owning model's forward ends: what is still queued runs now (dropped if it raised)."""
+        self.depth = max(0, self.depth - 1)
+        if self.depth:
+            return
+        if ok:
+            self.flush()
+        else:
+            dropped, self._pending = self._pending, []
+            for r in dropped:
+                r.out._error, r.out._queue = RuntimeError("the forward that requested this lookup raised"), None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def request(
+        self,
+        feature: str,
+        ids: Jagged,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None = None,
+        post: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> DeferredRows:
+        """Queues the lookup of ``ids`` for ``feature``; its output, ``post(rows)`` when given,
+        will have ``shape`` and ``dtype`` (the table's compute dtype by default)."""
+        ec = self.collection
+        mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ec.training)
+        if self._pending and mode != self._mode:
+            self.flush()
+        ec._as_input(ec._features[feature], ids)  # structure, dtypes, device: now, no sync
+        self._mode = mode
+        if dtype is None:
+            dtype = ec.tables[ec.features[feature]].compute_dtype
+        device = ec.storages[ec._features[feature].group].weight.device
+        out = DeferredRows(shape, dtype, device, self)
+        self._pending.append(_Request(feature, ids, post, out))
+        return out
+
+    def flush(self) -> None:
+        """Runs every queued lookup: one kernel call per group."""
+        reqs, self._pending = self._pending, []
+        if not reqs:
+            return
+        grad, inference, train = self._mode
+        self.flushes += 1
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                rows = self.collection.lookup_many([(r.feature, r.ids) for r in reqs], train=train)
+                for r, x in zip(reqs, rows):
+                    r.out._value = x if r.post is None else r.post(x)
+                    r.out._queue = None
+        except BaseException as e:
+            for r in reqs:
+                r.out._error, r.out._queue = e, None
+            raise
