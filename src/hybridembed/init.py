@@ -127,8 +127,8 @@ def _mix64_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _uniform01(rows: torch.Tensor, key: int, dim: int) -> torch.Tensor:
-    """(N,) int64 row ids -> (N, dim) float64 uniforms in (0, 1), keyed by ``key``."""
+def _uniform01(rows: torch.Tensor, key: int | torch.Tensor, dim: int) -> torch.Tensor:
+    """(N,) int64 row ids -> (N, dim) float64 uniforms in (0, 1), keyed by ``key`` (one, or (N,) per row)."""
     h = rows.to(torch.int64).bitwise_xor(key)  # (N,)
     _mix64_(h, torch.empty_like(h))
     x = h[:, None] + torch.arange(dim, device=rows.device, dtype=torch.int64) * _GOLDEN  # (N, D)
@@ -155,18 +155,37 @@ def generate(
 
     The value of each element depends only on ``(seed, table, row, column)``.
     """
+    return generate_keyed(spec, table_key(seed, table), rows, dim, dtype, out)
+
+
+def table_key(seed: int, table: str) -> int:
+    """The 64-bit key of ``table``'s initial values under ``seed``."""
+    return stable_hash64(f"{int(seed)}\x00{table}")
+
+
+def generate_keyed(
+    spec: Init,
+    key: int | torch.Tensor,
+    rows: torch.Tensor,
+    dim: int,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`generate` with the table given by its :func:`table_key`: one int, or an (N,)
+    int64 tensor of keys per row, so rows of several tables with one ``spec`` are made in one
+    pass (bit-identical to one :func:`generate` per table)."""
     n = rows.numel()
     if out is None:
         out = torch.empty(n, dim, dtype=dtype, device=rows.device)
     if spec.kind == "constant":
         return out.fill_(spec.value)
-    key = stable_hash64(f"{int(seed)}\x00{table}")
     if spec.kind == "truncated_normal":
         lo = float(torch.special.ndtr(torch.tensor((spec.low - spec.mean) / spec.std, dtype=torch.float64)))
         hi = float(torch.special.ndtr(torch.tensor((spec.high - spec.mean) / spec.std, dtype=torch.float64)))
     step = max(1, _CHUNK_ELEMENTS // max(dim, 1))
     for start in range(0, n, step):
-        u = _uniform01(rows[start : start + step], key, dim)  # (n_chunk, D) in (0, 1)
+        k = key[start : start + step] if isinstance(key, torch.Tensor) else key
+        u = _uniform01(rows[start : start + step], k, dim)  # (n_chunk, D) in (0, 1)
         if spec.kind == "uniform":
             v = u.mul_(spec.high - spec.low).add_(spec.low)
         elif spec.kind == "normal":

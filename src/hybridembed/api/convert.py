@@ -125,9 +125,9 @@ class ConvertedCollection(EmbeddingCollection):
         self._check_consumed()
         return super().lookup(feature, ids)
 
-    def lookup_many(self, requests, train: bool | None = None) -> list[torch.Tensor | Jagged]:
+    def lookup_many(self, requests, train: bool | None = None, checked: bool = False) -> list[torch.Tensor | Jagged]:
         self._check_consumed()
-        return super().lookup_many(requests, train)
+        return super().lookup_many(requests, train, checked)
 
     def _check_consumed(self) -> None:
         """Warns once when a table's gradient was left by the last step with no optimizer to take
@@ -251,6 +251,14 @@ class _TableLayer(nn.Module):
             return queue.request(self.table, Jagged(ids, offsets, weights), shape, dtype, finish)
         return finish(ec.lookup(self.table, Jagged(ids, offsets, weights)))
 
+    def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
+        """Offsets (n+1,) of n bags of one id: ``arange(n + 1)``, kept for the next call of the same size
+        (read-only: offsets are never written)."""
+        cached = self.__dict__.get("_arange")
+        if cached is None or cached.numel() != n + 1 or cached.device != device:
+            cached = self.__dict__["_arange"] = torch.arange(n + 1, device=device)
+        return cached
+
     def _check(self, j: Jagged) -> None:
         j.check_structure(self.table)
         if not bool(j.ok(self.num_embeddings, allow_negative=self.dynamic)):
@@ -331,7 +339,7 @@ class HybridEmbedding(_TableLayer):
         out_shape = (*shape, d)
         keep = None if self.padding_idx is None else ids != self.padding_idx  # (N,)
         if keep is None or bool(keep.all()):  # (N, D): bags of one
-            return self._lookup(ids, torch.arange(n + 1, device=dev), None, out_shape, lambda r: r.reshape(out_shape))
+            return self._lookup(ids, self._one_per_bag(n, dev), None, out_shape, lambda r: r.reshape(out_shape))
         self._check(Jagged(ids, torch.tensor([0, n], device=dev)))
         kept = ids[keep]  # (K,)
 

@@ -78,6 +78,10 @@ def _shifted(x: torch.Tensor, by: int, out: torch.Tensor) -> torch.Tensor:
     return out.add_(by) if by else out
 
 
+# below this many ids per feature on average, a group is assembled with per-group ops (_assemble_small)
+_SMALL_PER_FEATURE = 2048
+
+
 def _group_key(t: TableConfig) -> tuple:
     return (t.embedding_dim, t.dtype, "dynamic" if t.dynamic else "dense", t.optimizer, t.dynamic)
 
@@ -251,7 +255,7 @@ class EmbeddingCollection(nn.Module):
         return self._lookup_group(batch, jagged)[feature]
 
     def lookup_many(
-        self, requests: Sequence[tuple[str, Any]], train: bool | None = None
+        self, requests: Sequence[tuple[str, Any]], train: bool | None = None, checked: bool = False
     ) -> list[torch.Tensor | Jagged]:
         """Several ``(feature, ids)`` lookups, a feature possibly repeated, in one kernel call per group.
 
@@ -259,7 +263,8 @@ class EmbeddingCollection(nn.Module):
         same way (every request before any row is read: one bad request changes nothing), but
         each group's requests are joined into one batch: this is how the separate embedding
         calls of a converted model's forward become one call per group. ``train`` overrides
-        ``self.training`` (whether dynamic tables make rows).
+        ``self.training`` (whether dynamic tables make rows); ``checked``: every ``ids`` is a
+        :class:`Jagged` that passed ``_as_input`` already (its structure, dtypes and device).
 
         >>> import torch, hybridembed as he
         >>> ec = he.EmbeddingCollection([he.TableConfig("a", 10, 4), he.TableConfig("b", 10, 4)])
@@ -277,7 +282,7 @@ class EmbeddingCollection(nn.Module):
                     f"unknown feature {feature!r}; this collection has: {', '.join(self._features)}"
                 )
             feat = replace(base, key=str(i))
-            jagged[feat.jkey] = self._as_input(base, ids)
+            jagged[feat.jkey] = ids if checked else self._as_input(base, ids)
             pooled, seq = per_group.setdefault(feat.group, ([], []))
             (seq if feat.table.combiner == "none" else pooled).append(feat)
         if not requests:
@@ -299,6 +304,8 @@ class EmbeddingCollection(nn.Module):
         counts = [j.values.numel() for j in js]
         sizes = [j.offsets.numel() - 1 for j in js[: len(pooled)]] + counts[len(pooled) :]  # bags per feature
         n, s = sum(counts), sum(sizes)
+        if not seq and n < _SMALL_PER_FEATURE * len(feats):
+            return self._assemble_small(storage, feats, js, counts, sizes)
         ids = torch.empty(n, dtype=torch.int64, device=device)  # (N,) rows of the group's storage
         offsets = torch.empty(s + 1, dtype=torch.int64, device=device)
         checks, lo_hi, bounds = [], [], []
@@ -331,6 +338,50 @@ class EmbeddingCollection(nn.Module):
             lim = torch.tensor(bounds, dtype=torch.int64, device=device)  # (F, 2): each table's rows
             checks.append((los >= lim[:, 0]).all() & (his < lim[:, 1]).all())
         return _GroupBatch(storage, feats, seq, ids, offsets, sizes, counts, torch.stack(checks).all())
+
+    def _assemble_small(
+        self, storage: RowStorage, feats: list[_Feature], js: list[Jagged], counts: list[int], sizes: list[int]
+    ) -> _GroupBatch:
+        """:meth:`_assemble` for pooled features of few ids each (small batches, many features):
+        a constant number of ops per group instead of a few per feature, at the price of two
+        more passes over the ids (which only pays while per-op overhead dominates)."""
+        device = storage.weight.device
+        n = sum(counts)
+        ids = torch.cat([j.values for j in js])  # (N,) (type promotion widens narrow ids to int64 or int32)
+        if ids.dtype != torch.int64:
+            ids = ids.to(torch.int64)
+        consts = self._group_consts(feats, device)  # (F,) row offsets, (F,) rows per table
+        cnt = torch.tensor(counts, device=device)
+        checks = []
+        if not feats[0].dynamic:  # dense: ids in [0, num_embeddings), then shifted to the group's rows
+            if n:
+                rows = consts[1].repeat_interleave(cnt, output_size=n)  # (N,)
+                checks.append(((ids >= 0) & (ids < rows)).all())
+            if consts[2]:  # some table starts past row 0
+                ids = ids + consts[0].repeat_interleave(cnt, output_size=n)
+        offsets = torch.cat([*(j.offsets[:-1] for j in js), torch.tensor([n], device=device)])  # (S+1,)
+        if offsets.dtype != torch.int64:
+            offsets = offsets.to(torch.int64)
+        if n:
+            offsets[:-1] += torch.cumsum(cnt, 0).sub_(cnt).repeat_interleave(torch.tensor(sizes, device=device))
+        # offsets well formed: each feature's first is 0 and last its id count, the joined ones never decrease
+        checks.append((torch.cat([j.offsets[:1] for j in js]) == 0).all())
+        checks.append((torch.cat([j.offsets[-1:] for j in js]) == cnt).all())
+        checks.append((offsets[1:] >= offsets[:-1]).all())
+        return _GroupBatch(storage, feats, [], ids, offsets, sizes, counts, torch.stack(checks).all())
+
+    def _group_consts(self, feats: list[_Feature], device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Per-feature (row offsets (F,), rows of its table (F,), any offset nonzero), cached by feature list."""
+        key = tuple(f.name for f in feats)
+        cache = self.__dict__.setdefault("_consts_cache", {})
+        hit = cache.get(key)
+        if hit is None or hit[0].device != device:
+            if len(cache) > 64:
+                cache.clear()
+            offs = [f.row_offset for f in feats]
+            rows = [f.table.num_embeddings or 0 for f in feats]
+            hit = cache[key] = (torch.tensor(offs, device=device), torch.tensor(rows, device=device), any(offs))
+        return hit
 
     def _validate(self, batches: list[_GroupBatch], jagged: dict[str, Jagged]) -> None:
         """One host sync for every group; on failure, the first bad feature's first bad

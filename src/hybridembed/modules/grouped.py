@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.fx import _symbolic_trace as _fx
 
 from ..input import Jagged
 from ..utils import get_logger
@@ -71,20 +72,14 @@ _METADATA = {
 }
 
 
+_fx_tracing = getattr(_fx, "is_fx_symbolic_tracing", None) or getattr(_fx, "is_fx_tracing", lambda: False)
+
+
 def deferral_possible() -> bool:
     """False while tracing or compiling, where a deferred tensor would be baked into a graph."""
-    if torch.jit.is_scripting() or torch._C._get_tracing_state() is not None:
-        return False
-    if torch.compiler.is_compiling():
+    if torch._C._get_tracing_state() is not None or torch.compiler.is_compiling():
         return False
     return not _fx_tracing()
-
-
-def _fx_tracing() -> bool:
-    from torch.fx import _symbolic_trace as fx
-
-    check = getattr(fx, "is_fx_symbolic_tracing", None) or getattr(fx, "is_fx_tracing", None)
-    return bool(check()) if check is not None else False
 
 
 def _real(x: Any) -> Any:
@@ -201,7 +196,7 @@ class LookupQueue:
         mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ec.training)
         if self._pending and mode != self._mode:
             self.flush()
-        ec._as_input(ec._features[feature], ids)  # structure, dtypes, device: now, no sync
+        ids = ec._as_input(ec._features[feature], ids)  # structure, dtypes, device: now, no sync
         self._mode = mode
         if dtype is None:
             dtype = ec.tables[ec.features[feature]].compute_dtype
@@ -219,7 +214,7 @@ class LookupQueue:
         self.flushes += 1
         try:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                rows = self.collection.lookup_many([(r.feature, r.ids) for r in reqs], train=train)
+                rows = self.collection.lookup_many([(r.feature, r.ids) for r in reqs], train=train, checked=True)
                 for r, x in zip(reqs, rows):
                     r.out._value = x if r.post is None else r.post(x)
                     r.out._queue = None
