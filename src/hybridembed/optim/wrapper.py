@@ -117,7 +117,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         for storage, group in zip(self._storages, self._sparse_groups):
             rows = storage.grad_rows()  # (raises on a dense gradient)
             if rows is not None:
-                storage.apply(*rows, group)
+                storage.apply_gradient(*rows, group)
             storage.after_step()
         return loss
 
