@@ -105,6 +105,22 @@ BAD_INPUTS = {
     "weights-int": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([1, 2, 3])), None),
     "weights-2d": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([[1.0, 2.0, 3.0]])), None),
     "weights-tuple-short": ("user_id", (T([1, 2]), T([0, 1, 2]), T([1.0])), 1),
+    "weights-on-another-device-sum": (
+        "clicked_items",
+        he.Jagged(T([1, 2, 3]), T([0, 2, 3]), torch.ones(3, device="meta")),
+        None,
+    ),
+    "weights-on-another-device-mean": (
+        "user_id",
+        he.Jagged(T([1, 2]), T([0, 1, 2]), torch.ones(2, device="meta")),
+        None,
+    ),
+    "weights-on-another-device-sequence": (
+        "watch_history",
+        he.Jagged(T([1, 2]), T([0, 1, 2]), torch.ones(2, device="meta")),
+        None,
+    ),
+    "offsets-on-another-device": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3], device="meta")), None),
     # ids of the wrong dtype or shape
     "float-ids-jagged": ("clicked_items", he.Jagged(T([1.0, 2.0, 3.0]), T([0, 2, 3])), None),
     "float-ids-1d": ("user_id", T([1.0, 2.0]), None),
@@ -334,3 +350,52 @@ def test_config_is_frozen():
 def test_collection_refuses_non_int_seed_and_pad(kwargs):
     with pytest.raises(he.ConfigError):
         he.EmbeddingCollection([he.TableConfig("a", 3, 2)], **kwargs)
+
+
+def dynamic_state(ec):
+    """Everything a dynamic lookup may change: rows, ids, counters, sketch, index, free slots."""
+    out = {k: v.clone() for k, v in ec.state_dict().items() if isinstance(v, torch.Tensor)}
+    for g, s in enumerate(ec.storages):
+        for name in (
+            "weight",
+            "slot_key",
+            "slot_table",
+            "last_seen",
+            "freq",
+            "free",
+            "sketch",
+            "stats",
+            "size",
+            "_hrow",
+        ):
+            out[f"{g}.{name}"] = getattr(s, name).detach().clone()
+        out[f"{g}.clock"] = torch.tensor(s.clock)
+        out[f"{g}.gen"] = s._gen.get_state()
+    return out
+
+
+def assert_same_state(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        x, y = a[k], b[k]
+        if x.is_floating_point():
+            x, y = bits(x), bits(y)
+        assert x.shape == y.shape and torch.equal(x, y), k
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", "none"])
+def test_weights_on_another_device_leave_a_dynamic_table_unchanged(combiner):
+    """Weights on another device than the ids are refused before any id is inserted (they
+    were read as invalid memory with ``sum``, and raised only after inserting with ``mean``)."""
+    ec = he.EmbeddingCollection(
+        [he.TableConfig("t", None, 4, combiner=combiner, dynamic=he.Dynamic(min_count=2))], features={"f": "t"}
+    )
+    ec({"f": [[1, 2], [3]]})
+    before = dynamic_state(ec)
+    bad = he.Jagged(T([1, 5, 6]), T([0, 2, 3]), torch.ones(3, device="meta"))
+    with pytest.raises(he.InvalidInputError, match="meta") as info:
+        ec({"f": bad})
+    assert info.value.feature == "f" and "'f'" in str(info.value)
+    with pytest.raises(he.InvalidInputError, match="meta"):
+        ec.lookup("f", bad)
+    assert_same_state(before, dynamic_state(ec))

@@ -206,7 +206,7 @@ class Jagged:
 
     # --- validation ----------------------------------------------------------------------
     def check_structure(self, feature: str | None = None) -> None:
-        """Checks dtypes and shapes (no pass over the data)."""
+        """Checks dtypes, shapes and devices (no pass over the data)."""
         v, o, w = self.values, self.offsets, self.weights
         if v.dtype not in _INT_DTYPES:
             raise InvalidInputError(f"{_where(feature)}ids must be integers, got dtype {v.dtype}", feature)
@@ -218,9 +218,21 @@ class Jagged:
             raise InvalidInputError(
                 f"{_where(feature)}offsets must be 1-D of length B+1 >= 1, got shape {tuple(o.shape)}", feature
             )
+        if o.device != v.device:
+            raise InvalidInputError(
+                f"{_where(feature)}offsets are on {o.device} but ids are on {v.device}; "
+                f"move them with .to({str(v.device)!r})",
+                feature,
+            )
         if w is not None:
             if not w.is_floating_point():
                 raise InvalidInputError(f"{_where(feature)}weights must be floating point, got {w.dtype}", feature)
+            if w.device != v.device:
+                raise InvalidInputError(
+                    f"{_where(feature)}weights are on {w.device} but ids are on {v.device}; "
+                    f"move them with .to({str(v.device)!r})",
+                    feature,
+                )
             if w.shape != v.shape:
                 raise InvalidInputError(
                     f"{_where(feature)}weights have shape {tuple(w.shape)} but ids have {tuple(v.shape)}; "
