@@ -120,6 +120,18 @@ BAD_INPUTS = {
         he.Jagged(T([1, 2]), T([0, 1, 2]), torch.ones(2, device="meta")),
         None,
     ),
+    "weights-nan-sum": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([1.0, float("nan"), 2.0])), 1),
+    "weights-inf-mean": ("user_id", he.Jagged(T([1, 2]), T([0, 1, 2]), T([1.0, float("inf")])), 1),
+    "weights-neg-inf-sequence": (
+        "watch_history",
+        he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([-float("inf"), 1.0, 1.0])),
+        0,
+    ),
+    "weights-nan-float16": (
+        "clicked_items",
+        he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([1.0, 1.0, float("nan")], dtype=torch.float16)),
+        2,
+    ),
     "offsets-on-another-device": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3], device="meta")), None),
     # ids of the wrong dtype or shape
     "float-ids-jagged": ("clicked_items", he.Jagged(T([1.0, 2.0, 3.0]), T([0, 2, 3])), None),
@@ -399,3 +411,33 @@ def test_weights_on_another_device_leave_a_dynamic_table_unchanged(combiner):
     with pytest.raises(he.InvalidInputError, match="meta"):
         ec.lookup("f", bad)
     assert_same_state(before, dynamic_state(ec))
+
+
+def test_non_finite_weights_leave_a_dynamic_table_unchanged():
+    ec = he.EmbeddingCollection([he.TableConfig("t", None, 4, dynamic=he.Dynamic(min_count=2))], features={"f": "t"})
+    ec({"f": [[1, 2], [3]]})
+    before = dynamic_state(ec)
+    with pytest.raises(he.InvalidInputError, match="finite") as info:
+        ec({"f": he.Jagged(T([1, 5, 6]), T([0, 2, 3]), T([1.0, 1.0, float("nan")]))})
+    assert info.value.feature == "f" and info.value.position == 2
+    assert_same_state(before, dynamic_state(ec))
+
+
+def test_weights_add_no_host_sync(monkeypatch):
+    """The weights' finiteness check is queued with the other checks: weighted inputs make
+    no more host syncs than the same inputs without weights."""
+    ec = make_collection()
+
+    def syncs(weighted):
+        inputs = good_inputs()
+        w = (lambda *x: T(x)) if weighted else (lambda *x: None)
+        inputs["clicked_items"] = he.Jagged(T([1, 2, 9]), T([0, 2, 3]), w(1.0, 2.0, 3.0))
+        inputs["user_id"] = he.Jagged(T([6, 0]), T([0, 1, 2]), w(0.5, 2.0))
+        calls = []
+        real = torch.Tensor.__bool__
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "__bool__", lambda t: calls.append(1) or real(t))
+            ec(inputs)
+        return len(calls)
+
+    assert syncs(True) == syncs(False) >= 1

@@ -242,8 +242,9 @@ class Jagged:
                 )
 
     def ok(self, num_embeddings: int | None = None, allow_negative: bool = False) -> torch.Tensor:
-        """0-d bool tensor: offsets well-formed and ids in ``[0, num_embeddings)`` (any int64
-        with ``allow_negative`` and no ``num_embeddings``, as dynamic tables take).
+        """0-d bool tensor: offsets well-formed, ids in ``[0, num_embeddings)`` (any int64
+        with ``allow_negative`` and no ``num_embeddings``, as dynamic tables take) and
+        weights, if any, finite.
 
         No host sync: a caller checking many features reduces these and syncs once.
         """
@@ -257,6 +258,8 @@ class Jagged:
                 good = good & (lo >= 0)
             if num_embeddings is not None:
                 good = good & (hi < num_embeddings)
+        if self.weights is not None and self.weights.numel():
+            good = good & torch.isfinite(self.weights).all()
         return good
 
     def raise_first_error(
@@ -294,6 +297,17 @@ class Jagged:
                 raise InvalidInputError(
                     f"{where}id out of range: ids[{i}]={int(v[i])}, the table has {num_embeddings} rows "
                     f"(allowed [0, {num_embeddings}))",
+                    feature,
+                    i,
+                )
+        w = self.weights
+        if w is not None and w.numel():
+            bad = ~torch.isfinite(w)
+            if bool(bad.any()):
+                i = _first_true(bad)
+                raise InvalidInputError(
+                    f"{where}weights must be finite; weights[{i}]={float(w[i])} would turn the rows it "
+                    "pools (and, in training, their gradients) into NaN",
                     feature,
                     i,
                 )

@@ -268,6 +268,8 @@ class EmbeddingCollection(nn.Module):
                     checks.append((o[1:] >= o[:-1]).all())
             else:
                 _shifted(o[:-1], base, offsets[bag : bag + b])
+            if c and j.weights is not None:  # NaN or inf would poison the rows they pool
+                checks.append(torch.isfinite(j.weights).all())
             if c and not feat.dynamic:  # dense: ids in [0, num_embeddings)
                 lo_hi.append(torch.aminmax(dst))  # (the int64 copy: then the bounds compare exactly)
                 bounds.append((feat.row_offset, feat.row_offset + feat.table.num_embeddings))
