@@ -153,6 +153,9 @@ BAD_INPUTS = {
     "none": ("user_id", None, None),
     "dict": ("user_id", {"ids": [6, 0]}, None),
     "list-of-ints": ("watch_history", [1, 2, 3], None),
+    "tuple-ids-list-and-offsets": ("clicked_items", ([1, 2, 9], T([0, 2, 3])), None),
+    "tuple-of-ids-alone": ("user_id", (T([6, 0]),), None),
+    "tuple-of-lists": ("watch_history", ([1, 2, 3], [9]), None),
     "list-with-str": ("watch_history", [[1, "2"], [3]], None),
     "numpy-like-object": ("user_id", object(), None),
 }

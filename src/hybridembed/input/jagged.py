@@ -325,7 +325,8 @@ def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
 
     Accepts ``Jagged``, a (B,) or (B, H) integer tensor (``pad`` entries dropped), a 2-D
     sparse COO tensor, a list of lists, or a ``(values, offsets)`` / ``(values, offsets,
-    weights)`` tuple.
+    weights)`` tuple of tensors. Any other tuple is refused rather than guessed at:
+    ``(ids_list, offsets)`` or ``(ids,)`` would otherwise read as a list of bags.
     """
     try:
         if isinstance(x, Jagged):
@@ -336,9 +337,15 @@ def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
             if x.dim() not in (1, 2):
                 raise InvalidInputError(f"a dense id tensor must be (B,) or (B, H), got shape {tuple(x.shape)}")
             return Jagged.from_tensor(x, pad=pad)
-        if isinstance(x, tuple) and len(x) in (2, 3) and all(isinstance(t, torch.Tensor) for t in x[:2]):
-            return Jagged(*x)
-        if isinstance(x, (list, tuple)):
+        if isinstance(x, tuple):
+            if len(x) in (2, 3) and all(isinstance(t, torch.Tensor) for t in x[:2]):
+                return Jagged(*x)  # (which refuses weights that are not a tensor)
+            got = ", ".join(type(t).__name__ for t in x)
+            raise InvalidInputError(
+                f"a tuple input must be (values, offsets) or (values, offsets, weights) tensors, got ({got}); "
+                "give ids and offsets as he.Jagged(values, offsets), or bags as a list of lists ([[3, 1], [7]])"
+            )
+        if isinstance(x, list):
             return Jagged.from_lists(x)
     except InvalidInputError as e:
         if feature is None or e.feature is not None:
@@ -346,6 +353,6 @@ def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
         raise InvalidInputError(f"{_where(feature)}{e}", feature, e.position) from None
     raise InvalidInputError(
         f"{_where(feature)}unsupported input type {type(x).__name__}; give a Jagged, a tensor of ids, "
-        "a sparse COO tensor or a list of lists",
+        "a sparse COO tensor, a list of lists or a (values, offsets[, weights]) tuple of tensors",
         feature,
     )
