@@ -371,19 +371,9 @@ def dynamic_state(ec):
     """Everything a dynamic lookup may change: rows, ids, counters, sketch, index, free slots."""
     out = {k: v.clone() for k, v in ec.state_dict().items() if isinstance(v, torch.Tensor)}
     for g, s in enumerate(ec.storages):
-        for name in (
-            "weight",
-            "slot_key",
-            "slot_table",
-            "last_seen",
-            "freq",
-            "free",
-            "sketch",
-            "stats",
-            "size",
-            "_hrow",
-        ):
-            out[f"{g}.{name}"] = getattr(s, name).detach().clone()
+        for name in ("slot_key", "slot_table", "last_seen", "freq", "free", "sketch", "stats", "size", "_hrow"):
+            out[f"{g}.{name}"] = getattr(s, name).clone()
+        out[f"{g}.weight"] = s.weight.detach()[s.slot_table != -1].clone()  # (free slots are uninitialized)
         out[f"{g}.clock"] = torch.tensor(s.clock)
         out[f"{g}.gen"] = s._gen.get_state()
     return out
@@ -444,3 +434,27 @@ def test_weights_add_no_host_sync(monkeypatch):
         return len(calls)
 
     assert syncs(True) == syncs(False) >= 1
+
+
+@pytest.mark.parametrize("first", [he.Dynamic(), he.Dynamic(min_count=2, admit_probability=0.5, capacity=8)])
+def test_a_batch_one_group_refuses_changes_no_other_group(first):
+    """A dynamic table over capacity refuses the batch; the groups looked up before it
+    (another dim: another storage) keep their ids, rows, counters, sketch and draws."""
+    ec = he.EmbeddingCollection(
+        [he.TableConfig("a", None, 4, dynamic=first), he.TableConfig("b", None, 8, dynamic=he.Dynamic(capacity=2))]
+    )
+    assert len(ec.groups) == 2
+    ec({"a": [[1, 2], [3]], "b": [[1], [2]]})
+    before = dynamic_state(ec)
+    with pytest.raises(he.HybridEmbedError, match="'b'.*capacity"):
+        ec({"a": [[1, 4, 5], [6, 4]], "b": [[1, 7], [8]]})  # b: 2 new rows, none evictable
+    assert_same_state(before, dynamic_state(ec))
+    # and the refused call left no plan behind: the next one runs as on an untouched copy
+    twin = he.EmbeddingCollection(
+        [he.TableConfig("a", None, 4, dynamic=first), he.TableConfig("b", None, 8, dynamic=he.Dynamic(capacity=2))]
+    )
+    twin({"a": [[1, 2], [3]], "b": [[1], [2]]})
+    good = {"a": [[1, 4, 5], [6, 4]], "b": [[1], [2]]}
+    out, ref = ec(good), twin(good)
+    assert all(torch.equal(out[f], ref[f]) for f in ref)
+    assert_same_state(dynamic_state(twin), dynamic_state(ec))

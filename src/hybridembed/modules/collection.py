@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from ..config import TableConfig
-from ..errors import ConfigError, InvalidInputError
+from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..kernels import bag_scale, pooled_lookup
 from ..storage import DenseStorage, HashStorage, RowStorage
+from ..storage.hashed import LookupPlan
 
 __all__ = ["EmbeddingCollection"]
 
@@ -62,6 +63,7 @@ class _GroupBatch:
     sizes: list[int]  # bags per feature
     counts: list[int]  # ids per feature
     ok: torch.Tensor  # 0-d bool: every check of these inputs passed (not yet synced)
+    plan: LookupPlan | None = None  # dynamic: the planned lookup, until _lookup_group commits it
 
 
 def _shifted(x: torch.Tensor, by: int, out: torch.Tensor) -> torch.Tensor:
@@ -219,9 +221,7 @@ class EmbeddingCollection(nn.Module):
             if pooled or seq
         ]
         self._validate(batches, jagged)
-        out: dict[str, torch.Tensor | Jagged] = {}
-        for batch in batches:
-            out.update(self._lookup_group(batch, jagged))
+        out = self._run_groups(batches, jagged)
         return {f: out[f] for f in self._features}
 
     def lookup(self, feature: str, ids: Any) -> torch.Tensor | Jagged:
@@ -243,7 +243,7 @@ class EmbeddingCollection(nn.Module):
         pooled, seq = ([], [feat]) if feat.table.combiner == "none" else ([feat], [])
         batch = self._assemble(self.storages[feat.group], pooled, seq, jagged)
         self._validate([batch], jagged)
-        return self._lookup_group(batch, jagged)[feature]
+        return self._run_groups([batch], jagged)[feature]
 
     def _assemble(self, storage: RowStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict) -> _GroupBatch:
         """A group's features as one batch for one kernel call: pooled features are bags, and
@@ -301,17 +301,50 @@ class EmbeddingCollection(nn.Module):
                 j.raise_first_error(f.name, f.table.num_embeddings, allow_negative=f.dynamic)
         raise InvalidInputError("inputs failed validation, but no single feature is at fault")  # (a bug if reached)
 
+    def _run_groups(self, batches: list[_GroupBatch], jagged: dict[str, Jagged]) -> dict[str, torch.Tensor | Jagged]:
+        """Validated batches (one per group, each group at most once) -> ``{feature: output}``,
+        all or nothing: every dynamic group's lookup is planned first, and when one group
+        refuses the batch (a table over capacity) the others' plans are dropped, so a refused
+        call changes no group. Only then are the lookups made, group by group."""
+        storages = [b.storage for b in batches]
+        if len({id(st) for st in storages}) != len(storages):
+            raise HybridEmbedError("_run_groups takes one batch per group; join a group's features first")
+        planned: list[_GroupBatch] = []
+        try:
+            for batch in batches:
+                if batch.storage.kind == "dynamic":
+                    self._plan_group(batch)
+                    planned.append(batch)
+        except BaseException:
+            for batch in planned:
+                batch.plan.rollback()
+                batch.plan = None
+            raise
+        out: dict[str, torch.Tensor | Jagged] = {}
+        for batch in batches:
+            out.update(self._lookup_group(batch, jagged))
+        return out
+
+    def _plan_group(self, batch: _GroupBatch) -> None:
+        """A dynamic group's lookup, planned (may raise; changes nothing): sets ``batch.plan``."""
+        ids, feats = batch.ids, batch.feats
+        tabs = torch.repeat_interleave(
+            torch.tensor([f.table_index for f in feats], dtype=torch.int32, device=ids.device),
+            torch.tensor(batch.counts, device=ids.device),
+            output_size=ids.numel(),
+        )
+        batch.plan = batch.storage.plan_lookup(ids, tabs, train=self.training)
+
     def _lookup_group(self, batch: _GroupBatch, jagged: dict[str, Jagged]) -> dict[str, torch.Tensor | Jagged]:
-        """The group's one kernel call, then the per-feature outputs (views of its result)."""
+        """The group's one kernel call, then the per-feature outputs (views of its result).
+        A dynamic group's lookup is the plan :meth:`_run_groups` made, else planned here."""
         storage, feats, ids, offsets = batch.storage, batch.feats, batch.ids, batch.offsets
         segments = sink = None
         if storage.kind == "dynamic":  # ids -> row slots; new ids get rows while training
-            tabs = torch.repeat_interleave(
-                torch.tensor([f.table_index for f in feats], dtype=torch.int32, device=ids.device),
-                torch.tensor(batch.counts, device=ids.device),
-                output_size=ids.numel(),
-            )
-            ids, segments = storage.lookup(ids, tabs, train=self.training)  # int32 slots
+            if batch.plan is None:
+                self._plan_group(batch)
+            plan, batch.plan = batch.plan, None
+            ids, segments = plan.commit()  # int32 slots
             offsets = offsets.to(torch.int32)  # (embedding_bag wants ids and offsets of one dtype)
             sink = storage.accumulate_grad
         cdt = storage.tables[0].compute_dtype
