@@ -327,6 +327,40 @@ BAD_CONFIGS = {
     "name-empty": lambda: TC("", 5, 4),
     "name-dot": lambda: TC("a.b", 5, 4),
     "name-not-str": lambda: TC(3, 5, 4),
+    # numbers of the wrong type or beyond what can be addressed (TypeError, OverflowError or
+    # a torch allocation error before)
+    "rows-beyond-max": lambda: TC("a", 2**62, 4),
+    "rows-times-dim-overflow": lambda: TC("a", 2**40, 2**24),
+    "group-rows-overflow": lambda: he.EmbeddingCollection([TC("a", 2**48, 2**14), TC("b", 2**48, 2**14)]),
+    "admit-probability-str": lambda: he.Dynamic(admit_probability="0.5"),
+    "admit-probability-nan": lambda: he.Dynamic(admit_probability=float("nan")),
+    "evict-fraction-none": lambda: he.Dynamic(evict_fraction=None),
+    "capacity-beyond-int32-slots": lambda: he.Dynamic(capacity=2**40),
+    "initial-rows-beyond-int32-slots": lambda: he.Dynamic(initial_rows=2**31),
+    "group-capacity-beyond-int32-slots": lambda: he.EmbeddingCollection(
+        [TC(n, None, 4, dynamic=he.Dynamic(capacity=2**30)) for n in "ab"]
+    ),
+    "pad-beyond-int64": lambda: he.EmbeddingCollection([TC("a", 5, 4)], pad=2**70),
+    "seed-beyond-int64": lambda: he.EmbeddingCollection([TC("a", 5, 4)], seed=2**70),
+    "seed-beyond-int64-dynamic": lambda: he.EmbeddingCollection([TC("a", None, 4, dynamic=he.Dynamic())], seed=2**63),
+    "convert-seed-beyond-int64": lambda: he.convert(torch.nn.Sequential(torch.nn.Embedding(5, 4)), seed=2**70),
+}
+
+# the bad value each of those must name
+BAD_CONFIG_VALUES = {
+    "rows-beyond-max": str(2**62),
+    "rows-times-dim-overflow": "2**63",
+    "group-rows-overflow": "2**63",
+    "admit-probability-str": "'0.5'",
+    "admit-probability-nan": "nan",
+    "evict-fraction-none": "None",
+    "capacity-beyond-int32-slots": str(2**40),
+    "initial-rows-beyond-int32-slots": str(2**31),
+    "group-capacity-beyond-int32-slots": str(2**30),
+    "pad-beyond-int64": str(2**70),
+    "seed-beyond-int64": str(2**70),
+    "seed-beyond-int64-dynamic": str(2**63),
+    "convert-seed-beyond-int64": str(2**70),
 }
 
 
@@ -336,6 +370,7 @@ def test_bad_config_raises_config_error(case):
         BAD_CONFIGS[case]()
     assert isinstance(info.value, ValueError) and isinstance(info.value, he.HybridEmbedError)
     assert str(info.value)
+    assert BAD_CONFIG_VALUES.get(case, "") in str(info.value)
 
 
 def test_config_errors_name_the_bad_value():

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import TableConfig
+from ..config import MAX_SLOTS, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..kernels import bag_scale, pooled_lookup
@@ -79,6 +79,24 @@ def _group_key(t: TableConfig) -> tuple:
     return (t.embedding_dim, t.dtype, "dynamic" if t.dynamic else "dense", t.optimizer, t.dynamic)
 
 
+def _check_group_size(ts: list[TableConfig]) -> None:
+    """A group's rows must be addressable: dense row offsets and rows x dim inside int64,
+    dynamic slots inside int32."""
+    names = ", ".join(t.name for t in ts)
+    if ts[0].dynamic is None:
+        rows = sum(t.num_embeddings for t in ts)
+        if rows * ts[0].embedding_dim >= 1 << 63:
+            raise ConfigError(
+                f"tables {names} share one storage of {rows} rows x {ts[0].embedding_dim}, which overflows int64 "
+                "(must be < 2**63 elements); use fewer rows"
+            )
+    elif ts[0].dynamic.capacity is not None and ts[0].dynamic.capacity * len(ts) > MAX_SLOTS:
+        raise ConfigError(
+            f"dynamic tables {names} share one storage of capacity {ts[0].dynamic.capacity} x {len(ts)} tables "
+            f"> {MAX_SLOTS} row slots (slots are int32); lower Dynamic(capacity=...)"
+        )
+
+
 class EmbeddingCollection(nn.Module):
     """Embedding tables looked up by named features, grouped into fused storages.
 
@@ -86,11 +104,11 @@ class EmbeddingCollection(nn.Module):
         tables: the tables (:class:`TableConfig`), names unique.
         features: ``{feature name: table name}``; several features may share a table.
             Default: one feature per table, named like it.
-        seed: the seed of every table's row-keyed initializer.
+        seed: the seed of every table's row-keyed initializer (an int64).
         device: where the rows live.
         sequence_output: for ``combiner="none"`` tables, ``"jagged"`` (a :class:`Jagged`
             whose values are rows (N, D)) or ``"padded"`` (a zero-padded ``(B, T, D)`` tensor).
-        pad: the id that marks padding in 2-D id tensors; dropped before lookup.
+        pad: the id that marks padding in 2-D id tensors (an int64); dropped before lookup.
 
     ``forward(inputs)`` takes ``{feature: Jagged | (B,) or (B, H) ids | sparse COO | lists}``
     and returns ``{feature: (B, D) tensor}`` for pooled features. Tables with the same dim,
@@ -117,8 +135,8 @@ class EmbeddingCollection(nn.Module):
         if "storages" in names:
             raise ConfigError("'storages' is reserved; rename that table")
         for arg, v in (("seed", seed), ("pad", pad)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"{arg} must be an int, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not -(1 << 63) <= v < 1 << 63:
+                raise ConfigError(f"{arg} must be an int in [-2**63, 2**63) (int64), got {v!r}")
         if sequence_output not in _SEQUENCE_OUTPUTS:
             raise ConfigError(f"sequence_output must be one of {_SEQUENCE_OUTPUTS}, got {sequence_output!r}")
         if features is None:
@@ -140,6 +158,8 @@ class EmbeddingCollection(nn.Module):
         keys: dict[tuple, list[TableConfig]] = {}
         for t in tables:
             keys.setdefault(_group_key(t), []).append(t)
+        for ts in keys.values():
+            _check_group_size(ts)
         self.storages = nn.ModuleList(
             (HashStorage if ts[0].dynamic else DenseStorage)(ts, seed=self.seed, device=device) for ts in keys.values()
         )
