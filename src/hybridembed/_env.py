@@ -6,7 +6,8 @@
     do not ask for 2 MiB pages for embedding rows and optimizer state (on by default where
     the kernel allows it; see :func:`hybridembed.utils.advise_huge_pages`).
 ``HYBRIDEMBED_LOG_LEVEL``
-    level of the ``hybridembed`` logger (``INFO`` by default, e.g. ``DEBUG``, ``WARNING``).
+    level of the ``hybridembed`` logger: ``DEBUG``, ``INFO`` (the default, also when empty),
+    ``WARNING``, ``ERROR`` or ``CRITICAL``, any case; another value logs a warning and uses ``INFO``.
 """
 
 from __future__ import annotations

@@ -11,11 +11,20 @@ import torch
 from . import init as _init
 from .errors import ConfigError
 
-__all__ = ["TableConfig", "Dynamic", "COMBINERS", "STORAGE_DTYPES", "EVICTION_POLICIES"]
+__all__ = ["TableConfig", "Dynamic", "COMBINERS", "STORAGE_DTYPES", "EVICTION_POLICIES", "MAX_ROWS", "MAX_SLOTS"]
 
 COMBINERS = ("sum", "mean", "sqrtn", "none")
 STORAGE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 EVICTION_POLICIES = ("lru", "lfu", "ttl")
+# Most rows of a dense table: 2**48 (2.8e14, far beyond any table that can be allocated, even
+# sharded) keeps row ids, a group's row offsets and rows x dim inside int64.
+MAX_ROWS = 1 << 48
+# Most row slots of a dynamic group (capacity x tables, and initial_rows): slots are int32.
+MAX_SLOTS = (1 << 31) - 2
+
+
+def _is_number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -23,8 +32,9 @@ class Dynamic:
     """A dynamic table: any int64 id (negative too) or hashed string, rows made on first sight.
 
     Args:
-        capacity: most rows kept (None: grow without bound). When a batch needs more, rows
-            are evicted in one batch, ``evict_fraction`` of the capacity at a time.
+        capacity: most rows kept per table (None: grow without bound). When a batch needs
+            more, rows are evicted in one batch, ``evict_fraction`` of the capacity at a time.
+            A group's tables together hold at most ``MAX_SLOTS`` (2**31 - 2; slots are int32).
         eviction: ``lru`` (least recently seen), ``lfu`` (least often seen, then least
             recently) or ``ttl`` (every row unseen for ``ttl_steps`` training steps goes,
             full or not; LRU when still full).
@@ -60,6 +70,8 @@ class Dynamic:
                 return
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"Dynamic: {name} must be a positive int, got {v!r}")
+            if name in ("capacity", "initial_rows") and v > MAX_SLOTS:
+                raise ConfigError(f"Dynamic: {name} must be at most {MAX_SLOTS} (row slots are int32), got {v!r}")
 
         positive_int("capacity", self.capacity, allow_none=True)
         positive_int("min_count", self.min_count)
@@ -72,16 +84,12 @@ class Dynamic:
             positive_int("ttl_steps", self.ttl_steps)
         elif self.ttl_steps is not None:
             raise ConfigError("Dynamic: ttl_steps is only used with eviction='ttl'")
-        if (
-            isinstance(self.default_value, bool)
-            or not isinstance(self.default_value, (int, float))
-            or not math.isfinite(self.default_value)
-        ):
+        if not _is_number(self.default_value):
             raise ConfigError(f"Dynamic: default_value must be a finite number, got {self.default_value!r}")
-        if not 0.0 < self.admit_probability <= 1.0:
-            raise ConfigError(f"Dynamic: admit_probability must be in (0, 1], got {self.admit_probability}")
-        if not 0.0 < self.evict_fraction <= 1.0:
-            raise ConfigError(f"Dynamic: evict_fraction must be in (0, 1], got {self.evict_fraction}")
+        for name in ("admit_probability", "evict_fraction"):
+            v = getattr(self, name)
+            if not _is_number(v) or not 0.0 < v <= 1.0:
+                raise ConfigError(f"Dynamic: {name} must be a number in (0, 1], got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,8 @@ class TableConfig:
 
     Args:
         name: unique name; the table's rows are ``<name>.weight`` in ``state_dict()``.
-        num_embeddings: rows (ids ``0 .. num_embeddings-1``); None for a dynamic table.
+        num_embeddings: rows (ids ``0 .. num_embeddings-1``), at most ``MAX_ROWS`` (2**48),
+            with ``num_embeddings * embedding_dim < 2**63``; None for a dynamic table.
         embedding_dim: ``D``, the width of a row.
         combiner: ``sum``, ``mean``, ``sqrtn`` (pooled, output ``(B, D)``) or ``none``
             (sequence: one row per id, output a ``Jagged`` of rows or padded ``(B, T, D)``).
@@ -130,6 +139,16 @@ class TableConfig:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"table {self.name!r}: {attr} must be a positive int, got {v!r}")
+        if self.dynamic is None and self.num_embeddings > MAX_ROWS:
+            raise ConfigError(
+                f"table {self.name!r}: num_embeddings={self.num_embeddings} is more rows than can ever be "
+                f"allocated; at most 2**48 = {MAX_ROWS}. For an unbounded id space use dynamic=he.Dynamic(...)"
+            )
+        if self.dynamic is None and self.num_embeddings * self.embedding_dim >= 1 << 63:
+            raise ConfigError(
+                f"table {self.name!r}: num_embeddings x embedding_dim = {self.num_embeddings * self.embedding_dim} "
+                "elements overflow int64 (must be < 2**63); use fewer rows or a smaller embedding_dim"
+            )
         if self.combiner not in COMBINERS:
             raise ConfigError(
                 f"table {self.name!r}: unknown combiner {self.combiner!r}; allowed: {', '.join(COMBINERS)}"

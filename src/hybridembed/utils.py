@@ -95,6 +95,17 @@ def get_logger(name: str = "hybridembed") -> logging.Logger:
         handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(name)s: %(message)s"))
         handler.addFilter(_RankFilter())
         root.addHandler(handler)
-        root.setLevel(_env.text("LOG_LEVEL", "INFO").upper())
         root.propagate = False
+        value = _env.text("LOG_LEVEL").strip()
+        level = value.upper() or "INFO"  # (empty: the default)
+        root.setLevel(level if level in _LEVELS else "INFO")
+        if level not in _LEVELS:
+            root.warning(
+                "HYBRIDEMBED_LOG_LEVEL=%r is not a log level; using INFO. Allowed: %s",
+                value,
+                ", ".join(_LEVELS),
+            )
     return logger
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # HYBRIDEMBED_LOG_LEVEL, any case

@@ -355,3 +355,33 @@ def test_bad_ids_raise_before_any_row_changes():
 def test_convert_refuses_tables_that_are_not_a_mapping():
     with pytest.raises(he.ConfigError, match="mapping"):
         he.convert(nn.Sequential(nn.Embedding(3, 2)), tables=[("0", None)])
+
+
+def test_module_apply_on_a_converted_model_visits_every_layer():
+    model = he.convert(Model())
+
+    @torch.no_grad()
+    def init_fn(m):
+        if isinstance(m, nn.Linear):
+            m.weight.fill_(0.5)
+
+    assert model.apply(init_fn) is model
+    assert all(bool((m.weight == 0.5).all()) for m in model.modules() if isinstance(m, nn.Linear))
+    seen = []
+    model.apply(seen.append)
+    assert any(isinstance(m, HybridEmbeddingBag) for m in seen) and any(
+        isinstance(m, he.EmbeddingCollection) for m in seen
+    )
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_per_sample_weights_on_another_device_are_refused_before_any_row_changes(padded):
+    model = he.convert(nn.Sequential(nn.EmbeddingBag(10, D, mode="sum", padding_idx=0 if padded else None)))
+    before = copy.deepcopy(model.state_dict())
+    ids, offsets = torch.tensor([1, 2, 0, 3]), torch.tensor([0, 2])
+    with pytest.raises(he.InvalidInputError, match="meta"):
+        model[0](ids, offsets, torch.ones(4, device="meta"))
+    with pytest.raises(he.InvalidInputError, match="floating"):
+        model[0](ids, offsets, torch.ones(4, dtype=torch.int64))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())

@@ -340,6 +340,32 @@ def test_as_jagged_rejects_unsupported_types_naming_the_feature(x):
     assert info.value.feature == FEATURE
 
 
+@pytest.mark.parametrize(
+    "x",
+    [
+        pytest.param(([1, 2, 3], torch.tensor([0, 2, 3])), id="ids-list-offsets-tensor"),
+        pytest.param((torch.tensor([1, 2, 3]),), id="ids-alone"),
+        pytest.param(([1, 2], [3]), id="tuple-of-lists"),
+        pytest.param((torch.tensor([1, 2]), [0, 2]), id="offsets-list"),
+        pytest.param((torch.tensor([1, 2]), torch.tensor([0, 2]), [1.0, 2.0]), id="weights-list"),
+        pytest.param((torch.tensor([1]), torch.tensor([0, 1]), None, None), id="four"),
+        pytest.param((), id="empty"),
+    ],
+)
+def test_as_jagged_refuses_ambiguous_tuples_naming_the_spelling_to_use(x):
+    """A tuple is (values, offsets[, weights]) tensors or nothing: ``(ids_list, offsets)``
+    was read as two bags, ``(ids,)`` as one."""
+    with pytest.raises(he.InvalidInputError) as info:
+        as_jagged(x, feature=FEATURE)
+    assert info.value.feature == FEATURE and FEATURE in str(info.value)
+    assert "Jagged" in str(info.value) or "Tensor" in str(info.value)
+
+
+def test_as_jagged_tuple_spelling_in_the_message():
+    with pytest.raises(he.InvalidInputError, match=r"he\.Jagged\(values, offsets\).*list of lists"):
+        as_jagged(([1, 2, 3], torch.tensor([0, 2, 3])))
+
+
 def test_as_jagged_names_the_feature_for_constructor_errors():
     with pytest.raises(he.InvalidInputError) as info:
         as_jagged(torch.tensor([[1.0, 2.0]]), feature=FEATURE)

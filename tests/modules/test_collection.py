@@ -833,3 +833,13 @@ def test_lookup_backward_frees_its_grouping():
     assert len(lookup) == 1 and lookup[0].segments is not None
     out.sum().backward()
     assert lookup[0].segments is None
+
+
+def test_module_apply_visits_the_storages():
+    """``nn.Module.apply`` works on a collection (a storage method once shadowed it)."""
+    ec = he.EmbeddingCollection(
+        [he.TableConfig("a", 5, 4), he.TableConfig("b", None, 4, dynamic=he.Dynamic()), he.TableConfig("c", 3, 2)]
+    )
+    seen = []
+    assert ec.apply(seen.append) is ec
+    assert seen[-1] is ec and all(any(m is s for m in seen) for s in ec.storages)

@@ -105,6 +105,34 @@ BAD_INPUTS = {
     "weights-int": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([1, 2, 3])), None),
     "weights-2d": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([[1.0, 2.0, 3.0]])), None),
     "weights-tuple-short": ("user_id", (T([1, 2]), T([0, 1, 2]), T([1.0])), 1),
+    "weights-on-another-device-sum": (
+        "clicked_items",
+        he.Jagged(T([1, 2, 3]), T([0, 2, 3]), torch.ones(3, device="meta")),
+        None,
+    ),
+    "weights-on-another-device-mean": (
+        "user_id",
+        he.Jagged(T([1, 2]), T([0, 1, 2]), torch.ones(2, device="meta")),
+        None,
+    ),
+    "weights-on-another-device-sequence": (
+        "watch_history",
+        he.Jagged(T([1, 2]), T([0, 1, 2]), torch.ones(2, device="meta")),
+        None,
+    ),
+    "weights-nan-sum": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([1.0, float("nan"), 2.0])), 1),
+    "weights-inf-mean": ("user_id", he.Jagged(T([1, 2]), T([0, 1, 2]), T([1.0, float("inf")])), 1),
+    "weights-neg-inf-sequence": (
+        "watch_history",
+        he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([-float("inf"), 1.0, 1.0])),
+        0,
+    ),
+    "weights-nan-float16": (
+        "clicked_items",
+        he.Jagged(T([1, 2, 3]), T([0, 2, 3]), T([1.0, 1.0, float("nan")], dtype=torch.float16)),
+        2,
+    ),
+    "offsets-on-another-device": ("clicked_items", he.Jagged(T([1, 2, 3]), T([0, 2, 3], device="meta")), None),
     # ids of the wrong dtype or shape
     "float-ids-jagged": ("clicked_items", he.Jagged(T([1.0, 2.0, 3.0]), T([0, 2, 3])), None),
     "float-ids-1d": ("user_id", T([1.0, 2.0]), None),
@@ -125,6 +153,9 @@ BAD_INPUTS = {
     "none": ("user_id", None, None),
     "dict": ("user_id", {"ids": [6, 0]}, None),
     "list-of-ints": ("watch_history", [1, 2, 3], None),
+    "tuple-ids-list-and-offsets": ("clicked_items", ([1, 2, 9], T([0, 2, 3])), None),
+    "tuple-of-ids-alone": ("user_id", (T([6, 0]),), None),
+    "tuple-of-lists": ("watch_history", ([1, 2, 3], [9]), None),
     "list-with-str": ("watch_history", [[1, "2"], [3]], None),
     "numpy-like-object": ("user_id", object(), None),
 }
@@ -296,6 +327,40 @@ BAD_CONFIGS = {
     "name-empty": lambda: TC("", 5, 4),
     "name-dot": lambda: TC("a.b", 5, 4),
     "name-not-str": lambda: TC(3, 5, 4),
+    # numbers of the wrong type or beyond what can be addressed (TypeError, OverflowError or
+    # a torch allocation error before)
+    "rows-beyond-max": lambda: TC("a", 2**62, 4),
+    "rows-times-dim-overflow": lambda: TC("a", 2**40, 2**24),
+    "group-rows-overflow": lambda: he.EmbeddingCollection([TC("a", 2**48, 2**14), TC("b", 2**48, 2**14)]),
+    "admit-probability-str": lambda: he.Dynamic(admit_probability="0.5"),
+    "admit-probability-nan": lambda: he.Dynamic(admit_probability=float("nan")),
+    "evict-fraction-none": lambda: he.Dynamic(evict_fraction=None),
+    "capacity-beyond-int32-slots": lambda: he.Dynamic(capacity=2**40),
+    "initial-rows-beyond-int32-slots": lambda: he.Dynamic(initial_rows=2**31),
+    "group-capacity-beyond-int32-slots": lambda: he.EmbeddingCollection(
+        [TC(n, None, 4, dynamic=he.Dynamic(capacity=2**30)) for n in "ab"]
+    ),
+    "pad-beyond-int64": lambda: he.EmbeddingCollection([TC("a", 5, 4)], pad=2**70),
+    "seed-beyond-int64": lambda: he.EmbeddingCollection([TC("a", 5, 4)], seed=2**70),
+    "seed-beyond-int64-dynamic": lambda: he.EmbeddingCollection([TC("a", None, 4, dynamic=he.Dynamic())], seed=2**63),
+    "convert-seed-beyond-int64": lambda: he.convert(torch.nn.Sequential(torch.nn.Embedding(5, 4)), seed=2**70),
+}
+
+# the bad value each of those must name
+BAD_CONFIG_VALUES = {
+    "rows-beyond-max": str(2**62),
+    "rows-times-dim-overflow": "2**63",
+    "group-rows-overflow": "2**63",
+    "admit-probability-str": "'0.5'",
+    "admit-probability-nan": "nan",
+    "evict-fraction-none": "None",
+    "capacity-beyond-int32-slots": str(2**40),
+    "initial-rows-beyond-int32-slots": str(2**31),
+    "group-capacity-beyond-int32-slots": str(2**30),
+    "pad-beyond-int64": str(2**70),
+    "seed-beyond-int64": str(2**70),
+    "seed-beyond-int64-dynamic": str(2**63),
+    "convert-seed-beyond-int64": str(2**70),
 }
 
 
@@ -305,6 +370,7 @@ def test_bad_config_raises_config_error(case):
         BAD_CONFIGS[case]()
     assert isinstance(info.value, ValueError) and isinstance(info.value, he.HybridEmbedError)
     assert str(info.value)
+    assert BAD_CONFIG_VALUES.get(case, "") in str(info.value)
 
 
 def test_config_errors_name_the_bad_value():
@@ -334,3 +400,96 @@ def test_config_is_frozen():
 def test_collection_refuses_non_int_seed_and_pad(kwargs):
     with pytest.raises(he.ConfigError):
         he.EmbeddingCollection([he.TableConfig("a", 3, 2)], **kwargs)
+
+
+def dynamic_state(ec):
+    """Everything a dynamic lookup may change: rows, ids, counters, sketch, index, free slots."""
+    out = {k: v.clone() for k, v in ec.state_dict().items() if isinstance(v, torch.Tensor)}
+    for g, s in enumerate(ec.storages):
+        for name in ("slot_key", "slot_table", "last_seen", "freq", "free", "sketch", "stats", "size", "_hrow"):
+            out[f"{g}.{name}"] = getattr(s, name).clone()
+        out[f"{g}.weight"] = s.weight.detach()[s.slot_table != -1].clone()  # (free slots are uninitialized)
+        out[f"{g}.clock"] = torch.tensor(s.clock)
+        out[f"{g}.gen"] = s._gen.get_state()
+    return out
+
+
+def assert_same_state(a, b):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        x, y = a[k], b[k]
+        if x.is_floating_point():
+            x, y = bits(x), bits(y)
+        assert x.shape == y.shape and torch.equal(x, y), k
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn", "none"])
+def test_weights_on_another_device_leave_a_dynamic_table_unchanged(combiner):
+    """Weights on another device than the ids are refused before any id is inserted (they
+    were read as invalid memory with ``sum``, and raised only after inserting with ``mean``)."""
+    ec = he.EmbeddingCollection(
+        [he.TableConfig("t", None, 4, combiner=combiner, dynamic=he.Dynamic(min_count=2))], features={"f": "t"}
+    )
+    ec({"f": [[1, 2], [3]]})
+    before = dynamic_state(ec)
+    bad = he.Jagged(T([1, 5, 6]), T([0, 2, 3]), torch.ones(3, device="meta"))
+    with pytest.raises(he.InvalidInputError, match="meta") as info:
+        ec({"f": bad})
+    assert info.value.feature == "f" and "'f'" in str(info.value)
+    with pytest.raises(he.InvalidInputError, match="meta"):
+        ec.lookup("f", bad)
+    assert_same_state(before, dynamic_state(ec))
+
+
+def test_non_finite_weights_leave_a_dynamic_table_unchanged():
+    ec = he.EmbeddingCollection([he.TableConfig("t", None, 4, dynamic=he.Dynamic(min_count=2))], features={"f": "t"})
+    ec({"f": [[1, 2], [3]]})
+    before = dynamic_state(ec)
+    with pytest.raises(he.InvalidInputError, match="finite") as info:
+        ec({"f": he.Jagged(T([1, 5, 6]), T([0, 2, 3]), T([1.0, 1.0, float("nan")]))})
+    assert info.value.feature == "f" and info.value.position == 2
+    assert_same_state(before, dynamic_state(ec))
+
+
+def test_weights_add_no_host_sync(monkeypatch):
+    """The weights' finiteness check is queued with the other checks: weighted inputs make
+    no more host syncs than the same inputs without weights."""
+    ec = make_collection()
+
+    def syncs(weighted):
+        inputs = good_inputs()
+        w = (lambda *x: T(x)) if weighted else (lambda *x: None)
+        inputs["clicked_items"] = he.Jagged(T([1, 2, 9]), T([0, 2, 3]), w(1.0, 2.0, 3.0))
+        inputs["user_id"] = he.Jagged(T([6, 0]), T([0, 1, 2]), w(0.5, 2.0))
+        calls = []
+        real = torch.Tensor.__bool__
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "__bool__", lambda t: calls.append(1) or real(t))
+            ec(inputs)
+        return len(calls)
+
+    assert syncs(True) == syncs(False) >= 1
+
+
+@pytest.mark.parametrize("first", [he.Dynamic(), he.Dynamic(min_count=2, admit_probability=0.5, capacity=8)])
+def test_a_batch_one_group_refuses_changes_no_other_group(first):
+    """A dynamic table over capacity refuses the batch; the groups looked up before it
+    (another dim: another storage) keep their ids, rows, counters, sketch and draws."""
+    ec = he.EmbeddingCollection(
+        [he.TableConfig("a", None, 4, dynamic=first), he.TableConfig("b", None, 8, dynamic=he.Dynamic(capacity=2))]
+    )
+    assert len(ec.groups) == 2
+    ec({"a": [[1, 2], [3]], "b": [[1], [2]]})
+    before = dynamic_state(ec)
+    with pytest.raises(he.HybridEmbedError, match="'b'.*capacity"):
+        ec({"a": [[1, 4, 5], [6, 4]], "b": [[1, 7], [8]]})  # b: 2 new rows, none evictable
+    assert_same_state(before, dynamic_state(ec))
+    # and the refused call left no plan behind: the next one runs as on an untouched copy
+    twin = he.EmbeddingCollection(
+        [he.TableConfig("a", None, 4, dynamic=first), he.TableConfig("b", None, 8, dynamic=he.Dynamic(capacity=2))]
+    )
+    twin({"a": [[1, 2], [3]], "b": [[1], [2]]})
+    good = {"a": [[1, 4, 5], [6, 4]], "b": [[1], [2]]}
+    out, ref = ec(good), twin(good)
+    assert all(torch.equal(out[f], ref[f]) for f in ref)
+    assert_same_state(dynamic_state(twin), dynamic_state(ec))

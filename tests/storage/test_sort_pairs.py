@@ -89,8 +89,8 @@ def test_apply_takes_distinct_rows_in_any_order(opt):
     grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
     order = torch.tensor([4, 0, 5, 2, 1, 3])
     st_a, st_b = ec_sorted.storages[0], ec_shuffled.storages[0]
-    st_a.apply(ids, grad, st_a.hparams)
-    st_b.apply(ids[order], grad[order], st_b.hparams)
+    st_a.apply_gradient(ids, grad, st_a.hparams)
+    st_b.apply_gradient(ids[order], grad[order], st_b.hparams)
     torch.testing.assert_close(ec_sorted.weight("t"), ec_shuffled.weight("t"), rtol=0, atol=0)
     for k in st_a.state:
         torch.testing.assert_close(st_a.state[k], st_b.state[k], rtol=0, atol=0)

@@ -206,7 +206,7 @@ class Jagged:
 
     # --- validation ----------------------------------------------------------------------
     def check_structure(self, feature: str | None = None) -> None:
-        """Checks dtypes and shapes (no pass over the data)."""
+        """Checks dtypes, shapes and devices (no pass over the data)."""
         v, o, w = self.values, self.offsets, self.weights
         if v.dtype not in _INT_DTYPES:
             raise InvalidInputError(f"{_where(feature)}ids must be integers, got dtype {v.dtype}", feature)
@@ -218,9 +218,21 @@ class Jagged:
             raise InvalidInputError(
                 f"{_where(feature)}offsets must be 1-D of length B+1 >= 1, got shape {tuple(o.shape)}", feature
             )
+        if o.device != v.device:
+            raise InvalidInputError(
+                f"{_where(feature)}offsets are on {o.device} but ids are on {v.device}; "
+                f"move them with .to({str(v.device)!r})",
+                feature,
+            )
         if w is not None:
             if not w.is_floating_point():
                 raise InvalidInputError(f"{_where(feature)}weights must be floating point, got {w.dtype}", feature)
+            if w.device != v.device:
+                raise InvalidInputError(
+                    f"{_where(feature)}weights are on {w.device} but ids are on {v.device}; "
+                    f"move them with .to({str(v.device)!r})",
+                    feature,
+                )
             if w.shape != v.shape:
                 raise InvalidInputError(
                     f"{_where(feature)}weights have shape {tuple(w.shape)} but ids have {tuple(v.shape)}; "
@@ -230,8 +242,9 @@ class Jagged:
                 )
 
     def ok(self, num_embeddings: int | None = None, allow_negative: bool = False) -> torch.Tensor:
-        """0-d bool tensor: offsets well-formed and ids in ``[0, num_embeddings)`` (any int64
-        with ``allow_negative`` and no ``num_embeddings``, as dynamic tables take).
+        """0-d bool tensor: offsets well-formed, ids in ``[0, num_embeddings)`` (any int64
+        with ``allow_negative`` and no ``num_embeddings``, as dynamic tables take) and
+        weights, if any, finite.
 
         No host sync: a caller checking many features reduces these and syncs once.
         """
@@ -245,6 +258,8 @@ class Jagged:
                 good = good & (lo >= 0)
             if num_embeddings is not None:
                 good = good & (hi < num_embeddings)
+        if self.weights is not None and self.weights.numel():
+            good = good & torch.isfinite(self.weights).all()
         return good
 
     def raise_first_error(
@@ -285,6 +300,17 @@ class Jagged:
                     feature,
                     i,
                 )
+        w = self.weights
+        if w is not None and w.numel():
+            bad = ~torch.isfinite(w)
+            if bool(bad.any()):
+                i = _first_true(bad)
+                raise InvalidInputError(
+                    f"{where}weights must be finite; weights[{i}]={float(w[i])} would turn the rows it "
+                    "pools (and, in training, their gradients) into NaN",
+                    feature,
+                    i,
+                )
 
     def validate(self, feature: str | None = None, num_embeddings: int | None = None) -> Jagged:
         """Raises :class:`InvalidInputError` naming ``feature`` and the first bad position."""
@@ -299,7 +325,8 @@ def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
 
     Accepts ``Jagged``, a (B,) or (B, H) integer tensor (``pad`` entries dropped), a 2-D
     sparse COO tensor, a list of lists, or a ``(values, offsets)`` / ``(values, offsets,
-    weights)`` tuple.
+    weights)`` tuple of tensors. Any other tuple is refused rather than guessed at:
+    ``(ids_list, offsets)`` or ``(ids,)`` would otherwise read as a list of bags.
     """
     try:
         if isinstance(x, Jagged):
@@ -310,9 +337,15 @@ def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
             if x.dim() not in (1, 2):
                 raise InvalidInputError(f"a dense id tensor must be (B,) or (B, H), got shape {tuple(x.shape)}")
             return Jagged.from_tensor(x, pad=pad)
-        if isinstance(x, tuple) and len(x) in (2, 3) and all(isinstance(t, torch.Tensor) for t in x[:2]):
-            return Jagged(*x)
-        if isinstance(x, (list, tuple)):
+        if isinstance(x, tuple):
+            if len(x) in (2, 3) and all(isinstance(t, torch.Tensor) for t in x[:2]):
+                return Jagged(*x)  # (which refuses weights that are not a tensor)
+            got = ", ".join(type(t).__name__ for t in x)
+            raise InvalidInputError(
+                f"a tuple input must be (values, offsets) or (values, offsets, weights) tensors, got ({got}); "
+                "give ids and offsets as he.Jagged(values, offsets), or bags as a list of lists ([[3, 1], [7]])"
+            )
+        if isinstance(x, list):
             return Jagged.from_lists(x)
     except InvalidInputError as e:
         if feature is None or e.feature is not None:
@@ -320,6 +353,6 @@ def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
         raise InvalidInputError(f"{_where(feature)}{e}", feature, e.position) from None
     raise InvalidInputError(
         f"{_where(feature)}unsupported input type {type(x).__name__}; give a Jagged, a tensor of ids, "
-        "a sparse COO tensor or a list of lists",
+        "a sparse COO tensor, a list of lists or a (values, offsets[, weights]) tuple of tensors",
         feature,
     )

@@ -26,11 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import TableConfig
-from ..errors import ConfigError, InvalidInputError
+from ..config import MAX_SLOTS, TableConfig
+from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..kernels import bag_scale, pooled_lookup
 from ..storage import DenseStorage, HashStorage, RowStorage
+from ..storage.hashed import LookupPlan
 
 __all__ = ["EmbeddingCollection"]
 
@@ -67,6 +68,7 @@ class _GroupBatch:
     sizes: list[int]  # bags per feature
     counts: list[int]  # ids per feature
     ok: torch.Tensor  # 0-d bool: every check of these inputs passed (not yet synced)
+    plan: LookupPlan | None = None  # dynamic: the planned lookup, until _lookup_group commits it
 
 
 def _shifted(x: torch.Tensor, by: int, out: torch.Tensor) -> torch.Tensor:
@@ -86,6 +88,24 @@ def _group_key(t: TableConfig) -> tuple:
     return (t.embedding_dim, t.dtype, "dynamic" if t.dynamic else "dense", t.optimizer, t.dynamic)
 
 
+def _check_group_size(ts: list[TableConfig]) -> None:
+    """A group's rows must be addressable: dense row offsets and rows x dim inside int64,
+    dynamic slots inside int32."""
+    names = ", ".join(t.name for t in ts)
+    if ts[0].dynamic is None:
+        rows = sum(t.num_embeddings for t in ts)
+        if rows * ts[0].embedding_dim >= 1 << 63:
+            raise ConfigError(
+                f"tables {names} share one storage of {rows} rows x {ts[0].embedding_dim}, which overflows int64 "
+                "(must be < 2**63 elements); use fewer rows"
+            )
+    elif ts[0].dynamic.capacity is not None and ts[0].dynamic.capacity * len(ts) > MAX_SLOTS:
+        raise ConfigError(
+            f"dynamic tables {names} share one storage of capacity {ts[0].dynamic.capacity} x {len(ts)} tables "
+            f"> {MAX_SLOTS} row slots (slots are int32); lower Dynamic(capacity=...)"
+        )
+
+
 class EmbeddingCollection(nn.Module):
     """Embedding tables looked up by named features, grouped into fused storages.
 
@@ -93,11 +113,11 @@ class EmbeddingCollection(nn.Module):
         tables: the tables (:class:`TableConfig`), names unique.
         features: ``{feature name: table name}``; several features may share a table.
             Default: one feature per table, named like it.
-        seed: the seed of every table's row-keyed initializer.
+        seed: the seed of every table's row-keyed initializer (an int64).
         device: where the rows live.
         sequence_output: for ``combiner="none"`` tables, ``"jagged"`` (a :class:`Jagged`
             whose values are rows (N, D)) or ``"padded"`` (a zero-padded ``(B, T, D)`` tensor).
-        pad: the id that marks padding in 2-D id tensors; dropped before lookup.
+        pad: the id that marks padding in 2-D id tensors (an int64); dropped before lookup.
 
     ``forward(inputs)`` takes ``{feature: Jagged | (B,) or (B, H) ids | sparse COO | lists}``
     and returns ``{feature: (B, D) tensor}`` for pooled features. Tables with the same dim,
@@ -124,8 +144,8 @@ class EmbeddingCollection(nn.Module):
         if "storages" in names:
             raise ConfigError("'storages' is reserved; rename that table")
         for arg, v in (("seed", seed), ("pad", pad)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"{arg} must be an int, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not -(1 << 63) <= v < 1 << 63:
+                raise ConfigError(f"{arg} must be an int in [-2**63, 2**63) (int64), got {v!r}")
         if sequence_output not in _SEQUENCE_OUTPUTS:
             raise ConfigError(f"sequence_output must be one of {_SEQUENCE_OUTPUTS}, got {sequence_output!r}")
         if features is None:
@@ -147,6 +167,8 @@ class EmbeddingCollection(nn.Module):
         keys: dict[tuple, list[TableConfig]] = {}
         for t in tables:
             keys.setdefault(_group_key(t), []).append(t)
+        for ts in keys.values():
+            _check_group_size(ts)
         self.storages = nn.ModuleList(
             (HashStorage if ts[0].dynamic else DenseStorage)(ts, seed=self.seed, device=device) for ts in keys.values()
         )
@@ -212,7 +234,7 @@ class EmbeddingCollection(nn.Module):
         j = as_jagged(x, feat.name, self.pad)
         j.check_structure(feat.name)
         device = self.storages[feat.group].weight.device
-        if j.values.device != device or j.offsets.device != device:
+        if j.values.device != device:  # (check_structure put offsets and weights beside the ids)
             raise InvalidInputError(
                 f"feature {feat.name!r}: input is on {j.values.device} but its table is on {device}; "
                 f"move it with .to({str(device)!r})",
@@ -228,9 +250,7 @@ class EmbeddingCollection(nn.Module):
             if pooled or seq
         ]
         self._validate(batches, jagged)
-        out: dict[str, torch.Tensor | Jagged] = {}
-        for batch in batches:
-            out.update(self._lookup_group(batch, jagged))
+        out = self._run_groups(batches, jagged)
         return {f: out[f] for f in self._features}
 
     def lookup(self, feature: str, ids: Any) -> torch.Tensor | Jagged:
@@ -252,7 +272,7 @@ class EmbeddingCollection(nn.Module):
         pooled, seq = ([], [feat]) if feat.table.combiner == "none" else ([feat], [])
         batch = self._assemble(self.storages[feat.group], pooled, seq, jagged)
         self._validate([batch], jagged)
-        return self._lookup_group(batch, jagged)[feature]
+        return self._run_groups([batch], jagged)[feature]
 
     def lookup_many(
         self, requests: Sequence[tuple[str, Any]], train: bool | None = None, checked: bool = False
@@ -289,9 +309,7 @@ class EmbeddingCollection(nn.Module):
             return []
         batches = [self._assemble(self.storages[g], *per_group[g], jagged) for g in sorted(per_group)]
         self._validate(batches, jagged)
-        out: dict[str, torch.Tensor | Jagged] = {}
-        for batch in batches:
-            out.update(self._lookup_group(batch, jagged, train))
+        out = self._run_groups(batches, jagged, train)
         return [out[str(i)] for i in range(len(requests))]
 
     def _assemble(self, storage: RowStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict) -> _GroupBatch:
@@ -319,6 +337,8 @@ class EmbeddingCollection(nn.Module):
                     checks.append((o[1:] >= o[:-1]).all())
             else:
                 _shifted(o[:-1], base, offsets[bag : bag + b])
+            if c and j.weights is not None:  # NaN or inf would poison the rows they pool
+                checks.append(torch.isfinite(j.weights).all())
             if c and not feat.dynamic:  # dense: ids in [0, num_embeddings)
                 lo_hi.append(torch.aminmax(dst))  # (the int64 copy: then the bounds compare exactly)
                 bounds.append((feat.row_offset, feat.row_offset + feat.table.num_embeddings))
@@ -352,7 +372,7 @@ class EmbeddingCollection(nn.Module):
             ids = ids.to(torch.int64)
         consts = self._group_consts(feats, device)  # (F,) row offsets, (F,) rows per table
         cnt = torch.tensor(counts, device=device)
-        checks = []
+        checks = [torch.isfinite(j.weights).all() for j in js if j.weights is not None and j.weights.numel()]
         if not feats[0].dynamic:  # dense: ids in [0, num_embeddings), then shifted to the group's rows
             if n:
                 rows = consts[1].repeat_interleave(cnt, output_size=n)  # (N,)
@@ -394,20 +414,56 @@ class EmbeddingCollection(nn.Module):
                 j.raise_first_error(f.name, f.table.num_embeddings, allow_negative=f.dynamic)
         raise InvalidInputError("inputs failed validation, but no single feature is at fault")  # (a bug if reached)
 
+    def _run_groups(
+        self, batches: list[_GroupBatch], jagged: dict[str, Jagged], train: bool | None = None
+    ) -> dict[str, torch.Tensor | Jagged]:
+        """Validated batches (one per group, each group at most once) -> ``{feature: output}``,
+        all or nothing: every dynamic group's lookup is planned first, and when one group
+        refuses the batch (a table over capacity) the others' plans are dropped, so a refused
+        call changes no group. Only then are the lookups made, group by group. ``train``
+        overrides ``self.training`` (whether dynamic tables make rows)."""
+        train = self.training if train is None else train
+        storages = [b.storage for b in batches]
+        if len({id(st) for st in storages}) != len(storages):
+            raise HybridEmbedError("_run_groups takes one batch per group; join a group's features first")
+        planned: list[_GroupBatch] = []
+        try:
+            for batch in batches:
+                if batch.storage.kind == "dynamic":
+                    self._plan_group(batch, train)
+                    planned.append(batch)
+        except BaseException:
+            for batch in planned:
+                batch.plan.rollback()
+                batch.plan = None
+            raise
+        out: dict[str, torch.Tensor | Jagged] = {}
+        for batch in batches:
+            out.update(self._lookup_group(batch, jagged, train))
+        return out
+
+    def _plan_group(self, batch: _GroupBatch, train: bool) -> None:
+        """A dynamic group's lookup, planned (may raise; changes nothing): sets ``batch.plan``."""
+        ids, feats = batch.ids, batch.feats
+        tabs = torch.repeat_interleave(
+            torch.tensor([f.table_index for f in feats], dtype=torch.int32, device=ids.device),
+            torch.tensor(batch.counts, device=ids.device),
+            output_size=ids.numel(),
+        )
+        batch.plan = batch.storage.plan_lookup(ids, tabs, train=train)
+
     def _lookup_group(
         self, batch: _GroupBatch, jagged: dict[str, Jagged], train: bool | None = None
     ) -> dict[str, torch.Tensor | Jagged]:
-        """The group's one kernel call, then the per-feature outputs (views of its result), by input key."""
-        train = self.training if train is None else train
+        """The group's one kernel call, then the per-feature outputs (views of its result), by input
+        key. A dynamic group's lookup is the plan :meth:`_run_groups` made, else planned here."""
         storage, feats, ids, offsets = batch.storage, batch.feats, batch.ids, batch.offsets
         segments = sink = None
         if storage.kind == "dynamic":  # ids -> row slots; new ids get rows while training
-            tabs = torch.repeat_interleave(
-                torch.tensor([f.table_index for f in feats], dtype=torch.int32, device=ids.device),
-                torch.tensor(batch.counts, device=ids.device),
-                output_size=ids.numel(),
-            )
-            ids, segments = storage.lookup(ids, tabs, train=train)  # int32 slots
+            if batch.plan is None:
+                self._plan_group(batch, self.training if train is None else train)
+            plan, batch.plan = batch.plan, None
+            ids, segments = plan.commit()  # int32 slots
             offsets = offsets.to(torch.int32)  # (embedding_bag wants ids and offsets of one dtype)
             sink = storage.accumulate_grad
         cdt = storage.tables[0].compute_dtype

@@ -73,12 +73,34 @@ class SparseOptimizer:
         return type(self).__name__
 
     def validate(self, hp: dict[str, Any]) -> None:
+        """Types from ``DEFAULTS`` (a flag is a bool, a number a finite int or float, ``betas``
+        two numbers), then torch.optim's ranges: ``lr``, ``eps``, ``weight_decay`` >= 0,
+        ``betas`` in [0, 1); subclasses add their own (:meth:`_at_least` and friends)."""
+        for key, default in self.DEFAULTS.items():
+            v = hp[key]
+            if isinstance(default, bool):
+                if not isinstance(v, bool):
+                    raise ConfigError(f"{self.name}: {key} must be True or False, got {v!r}")
+            elif isinstance(default, tuple):
+                if not (isinstance(v, (tuple, list)) and len(v) == len(default) and all(map(_is_number, v))):
+                    raise ConfigError(f"{self.name}: {key} must be a pair of numbers like {default!r}, got {v!r}")
+            elif not _is_number(v):
+                raise ConfigError(f"{self.name}: {key} must be a finite number, got {v!r}")
         for key in ("lr", "eps", "weight_decay"):
-            if key in hp and not (isinstance(hp[key], (int, float)) and hp[key] >= 0):
-                raise ConfigError(f"{self.name}: {key} must be a number >= 0, got {hp[key]!r}")
+            if key in hp:
+                self._at_least(hp, key, 0.0)
         betas = hp.get("betas")
-        if betas is not None and not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+        if betas is not None and not all(0.0 <= b < 1.0 for b in betas):
             raise ConfigError(f"{self.name}: betas must be two numbers in [0, 1), got {betas!r}")
+
+    def _at_least(self, hp: dict[str, Any], key: str, low: float, strict: bool = False) -> None:
+        v = hp[key]
+        if v < low or (strict and v == low):
+            raise ConfigError(f"{self.name}: {key} must be {'>' if strict else '>='} {low}, got {v!r}")
+
+    def _within(self, hp: dict[str, Any], key: str, low: float, high: float) -> None:
+        if not low <= hp[key] <= high:
+            raise ConfigError(f"{self.name}: {key} must be in [{low}, {high}], got {hp[key]!r}")
 
     def state_spec(self, hp: dict[str, Any]) -> dict[str, tuple[bool, float]]:
         """``{state name: (per element (D) or per row (scalar), initial value)}``."""
@@ -113,6 +135,10 @@ class SparseOptimizer:
         return f"{self.name}({args})"
 
 
+def _is_number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def _prep_grad(w: Tensor | None, g: Tensor, hp: dict[str, Any]) -> Tensor:
     """Applies ``maximize`` and L2 ``weight_decay`` (which needs the rows ``w``)."""
     if hp.get("maximize"):
@@ -137,6 +163,7 @@ class SGD(SparseOptimizer):
 
     def validate(self, hp):
         super().validate(hp)
+        self._at_least(hp, "momentum", 0.0)
         if hp["nesterov"] and (hp["momentum"] <= 0 or hp["dampening"] != 0):
             raise ConfigError("SGD: nesterov needs momentum > 0 and dampening = 0")
 
@@ -163,6 +190,11 @@ class Adagrad(SparseOptimizer):
         "maximize": False,
     }
 
+    def validate(self, hp):
+        super().validate(hp)
+        self._at_least(hp, "lr_decay", 0.0)
+        self._at_least(hp, "initial_accumulator_value", 0.0)
+
     def state_spec(self, hp):
         return {"sum": (True, float(hp["initial_accumulator_value"]))}
 
@@ -178,6 +210,10 @@ class RowWiseAdagrad(SparseOptimizer):
     (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``, TorchRec's default). State: one float per row."""
 
     DEFAULTS = {"lr": 1e-2, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-8, "maximize": False}
+
+    def validate(self, hp):
+        super().validate(hp)
+        self._at_least(hp, "initial_accumulator_value", 0.0)
 
     def state_spec(self, hp):
         return {"sum": (False, float(hp["initial_accumulator_value"]))}
@@ -252,6 +288,10 @@ class Adadelta(SparseOptimizer):
 
     DEFAULTS = {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0, "maximize": False}
 
+    def validate(self, hp):
+        super().validate(hp)
+        self._within(hp, "rho", 0.0, 1.0)
+
     def state_spec(self, hp):
         return {"square_avg": (True, 0.0), "acc_delta": (True, 0.0)}
 
@@ -276,6 +316,11 @@ class RMSprop(SparseOptimizer):
         "centered": False,
         "maximize": False,
     }
+
+    def validate(self, hp):
+        super().validate(hp)
+        self._at_least(hp, "alpha", 0.0)
+        self._at_least(hp, "momentum", 0.0)
 
     def state_spec(self, hp):
         spec = {"square_avg": (True, 0.0)}
@@ -319,18 +364,17 @@ class Ftrl(SparseOptimizer):
 
     def validate(self, hp):
         super().validate(hp)
+        self._at_least(hp, "lr", 0.0, strict=True)  # (the update divides by it)
         if hp["learning_rate_power"] > 0:
             raise ConfigError(f"Ftrl: learning_rate_power must be <= 0, got {hp['learning_rate_power']}")
-        if hp["initial_accumulator_value"] < 0:
-            raise ConfigError("Ftrl: initial_accumulator_value must be >= 0")
         for k in (
+            "initial_accumulator_value",
             "l1_regularization_strength",
             "l2_regularization_strength",
             "l2_shrinkage_regularization_strength",
             "beta",
         ):
-            if hp[k] < 0:
-                raise ConfigError(f"Ftrl: {k} must be >= 0, got {hp[k]}")
+            self._at_least(hp, k, 0.0)
 
     def state_spec(self, hp):
         return {"accumulator": (True, float(hp["initial_accumulator_value"])), "linear": (True, 0.0)}

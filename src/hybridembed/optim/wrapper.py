@@ -45,6 +45,9 @@ _UNSUPPORTED_FLAGS = {"amsgrad": "amsgrad", "differentiable": "differentiable", 
 
 
 def _as_float(v: Any) -> Any:
+    """torch.optim's tensor hyper-parameters (``lr``, ``betas``) as floats."""
+    if isinstance(v, tuple):
+        return tuple(_as_float(x) for x in v)
     return float(v) if isinstance(v, torch.Tensor) else v
 
 
@@ -117,7 +120,7 @@ class HybridOptimizer(torch.optim.Optimizer):
             self.dense.step()
         for storage, group, r in zip(self._storages, self._sparse_groups, rows):
             if r is not None:
-                storage.apply(*r, group)
+                storage.apply_gradient(*r, group)
             storage.after_step()
         return loss
 

@@ -70,7 +70,7 @@ class RowStorage(nn.Module):
         return reduce_rows(g)
 
     @torch.no_grad()
-    def apply(self, ids: torch.Tensor, grad: torch.Tensor, hparams: dict) -> None:
+    def apply_gradient(self, ids: torch.Tensor, grad: torch.Tensor, hparams: dict) -> None:
         """One optimizer step on rows ``ids`` (U,) distinct (any order), with summed gradient ``grad`` (U, D)."""
         self.step += 1
         mask = self.updatable(ids)

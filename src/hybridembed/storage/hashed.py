@@ -18,7 +18,8 @@ ids from ``[0, n)`` starts (and trains) exactly like a dense table of ``n`` rows
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from ..input import offsets_from_lengths
 from ..utils import advise_huge_pages
 from .base import RowStorage
 
-__all__ = ["HashStorage", "sort_pairs"]
+__all__ = ["HashStorage", "LookupPlan", "sort_pairs"]
 
 _EMPTY = -1
 _HIGH, _LOW = -(1 << 32), (1 << 32) - 1  # the table and slot words of an index row
@@ -101,6 +102,19 @@ def sort_pairs(ids: torch.Tensor, tabs: torch.Tensor, num_tables: int):
 
 
 _MARK = "_hybridembed_distinct_rows"  # on a sparse gradient whose row ids are distinct: its nnz
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class LookupPlan:
+    """A dynamic lookup checked but not yet made (see :meth:`HashStorage.plan_lookup`):
+    ``commit()`` makes it and returns ``(slots (N,), grouping)``; ``rollback()`` drops it."""
+
+    commit: Callable[[], tuple[torch.Tensor, tuple | None]]
+    rollback: Callable[[], None]
 
 
 def _marked(grad: torch.Tensor, distinct: bool) -> torch.Tensor:
@@ -382,57 +396,73 @@ class HashStorage(RowStorage):
         Each segment is one distinct (table, id) pair, so the slots of the kept segments are
         distinct: the lookup's backward sums each row's gradient over its segment instead of
         sorting the N slots again. Pairs without a row (not admitted) are dropped there."""
+        return self.plan_lookup(ids, tabs, train).commit()
+
+    def plan_lookup(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> LookupPlan:
+        """The first half of :meth:`lookup`: finds the ids' rows, draws admission and plans
+        evictions, raising :class:`HybridEmbedError` if the batch cannot fit, and changes
+        nothing else. ``plan.commit()`` then makes the change and returns what :meth:`lookup`
+        does; ``plan.rollback()`` undoes the admission draws instead. Several storages can so
+        accept or refuse one batch together. Nothing else may change the storage between."""
         keys, ktabs, perm, counts = sort_pairs(ids, tabs, len(self.tables))
         found = self._find(keys, ktabs)
         if not train:
-            return self._per_id(found.clamp_min(0), perm, counts), None
-        seg = offsets_from_lengths(counts)  # (U+1,)
+            return LookupPlan(lambda: (self._per_id(found.clamp_min(0), perm, counts), None), _nothing)
         with torch.no_grad():
-            nt = len(self.tables)
-            hit = found >= 0
-            miss = (~hit).nonzero().squeeze(1)
-            new = miss[:0]
-            commit = None
+            miss = (found < 0).nonzero().squeeze(1)
+            ok = commit_admission = None
+            rollback = _nothing
             if miss.numel():
-                ok, commit, rollback = self._admit(keys[miss], ktabs[miss], counts[miss])
-                new, rej = miss[ok], miss[~ok]
+                ok, commit_admission, rollback = self._admit(keys[miss], ktabs[miss], counts[miss])
+            new = miss if ok is None else miss[ok]
             try:
-                victims = self._plan_evictions(ktabs[new], found[hit])
+                victims = self._plan_evictions(ktabs[new], found[found >= 0])
             except HybridEmbedError:
-                if commit is not None:
-                    rollback()
+                rollback()
                 raise
-            # from here on the batch is accepted: commit
-            self.clock += 1
-            # ids per table: the pairs are sorted by table, so each table's runs are one range
-            bounds = torch.searchsorted(ktabs, torch.arange(nt + 1, dtype=ktabs.dtype, device=ktabs.device))
-            looked = seg.index_select(0, bounds[1:]) - seg.index_select(0, bounds[:-1])
-            self.stats[:, 4] += looked
-            self.stats[:, 3] += looked - torch.bincount(ktabs[miss].long(), weights=counts[miss], minlength=nt).long()
-            if commit is not None:
-                commit()
-                self.stats[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
-            if victims.numel():
-                self.last_seen[found[hit]] = self.clock  # (this batch's rows, for the index rebuild)
-            self._evict(victims)
-            if new.numel():
-                slots = self._allocate(new.numel())
-                self._insert(keys[new], ktabs[new], slots)
-                self._init_rows(slots, keys[new], ktabs[new])
-                found[new] = slots
-                self.stats[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
-            if new.numel() == miss.numel():  # every id has a row now
-                s, c = found, counts
-            else:
-                seen = (found >= 0).nonzero().squeeze(1)
-                s, c = found.index_select(0, seen), counts.index_select(0, seen)
-            self.last_seen.index_fill_(0, s, self.clock)
-            self.freq.index_add_(0, s, c)
-            if self.config.eviction == "ttl":  # unseen for ttl_steps lookups, and no pending gradient
-                expired = (self.slot_table >= 0) & (self.clock - self.last_seen >= self.config.ttl_steps)
-                expired &= ~self._protected(s)
-                if bool(expired.any()):
-                    self._evict(expired.nonzero().squeeze(1))
+
+        def commit() -> tuple[torch.Tensor, tuple]:
+            rej = None if ok is None else miss[~ok]
+            return self._commit_lookup(keys, ktabs, perm, counts, found, miss, new, rej, victims, commit_admission)
+
+        return LookupPlan(commit, rollback)
+
+    @torch.no_grad()
+    def _commit_lookup(self, keys, ktabs, perm, counts, found, miss, new, rej, victims, commit_admission):
+        """The second half of :meth:`lookup` (see :meth:`plan_lookup`): the batch is accepted."""
+        nt = len(self.tables)
+        seg = offsets_from_lengths(counts)  # (U+1,)
+        hit = found >= 0
+        self.clock += 1
+        # ids per table: the pairs are sorted by table, so each table's runs are one range
+        bounds = torch.searchsorted(ktabs, torch.arange(nt + 1, dtype=ktabs.dtype, device=ktabs.device))
+        looked = seg.index_select(0, bounds[1:]) - seg.index_select(0, bounds[:-1])
+        self.stats[:, 4] += looked
+        self.stats[:, 3] += looked - torch.bincount(ktabs[miss].long(), weights=counts[miss], minlength=nt).long()
+        if commit_admission is not None:
+            commit_admission()
+            self.stats[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
+        if victims.numel():
+            self.last_seen[found[hit]] = self.clock  # (this batch's rows, for the index rebuild)
+        self._evict(victims)
+        if new.numel():
+            slots = self._allocate(new.numel())
+            self._insert(keys[new], ktabs[new], slots)
+            self._init_rows(slots, keys[new], ktabs[new])
+            found[new] = slots
+            self.stats[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
+        if new.numel() == miss.numel():  # every id has a row now
+            s, c = found, counts
+        else:
+            seen = (found >= 0).nonzero().squeeze(1)
+            s, c = found.index_select(0, seen), counts.index_select(0, seen)
+        self.last_seen.index_fill_(0, s, self.clock)
+        self.freq.index_add_(0, s, c)
+        if self.config.eviction == "ttl":  # unseen for ttl_steps lookups, and no pending gradient
+            expired = (self.slot_table >= 0) & (self.clock - self.last_seen >= self.config.ttl_steps)
+            expired &= ~self._protected(s)
+            if bool(expired.any()):
+                self._evict(expired.nonzero().squeeze(1))
         slot = found.clamp_min(0)  # (U,)
         kept = None if new.numel() == miss.numel() else (slot > 0).nonzero().squeeze(1)
         return self._per_id(slot, perm, counts), (perm, seg, slot, kept)

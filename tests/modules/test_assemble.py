@@ -1,0 +1,55 @@
+"""The two ways a group's batch is assembled (per feature, or per group for small batches) agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridembed as he
+from hybridembed.modules import collection
+
+
+def make(seed: int):
+    tables = [
+        he.TableConfig("a", 30, 4, combiner="mean"),
+        he.TableConfig("b", 20, 4),
+        he.TableConfig("c", 10, 4, combiner="sqrtn"),
+        he.TableConfig("d", None, 4, dynamic=he.Dynamic()),
+        he.TableConfig("e", None, 4, dynamic=he.Dynamic()),
+    ]
+    return he.EmbeddingCollection(
+        tables, features={"a": "a", "b": "b", "b2": "b", "c": "c", "d": "d", "e": "e"}, seed=seed
+    )
+
+
+def inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for f, rows in (("a", 30), ("b", 20), ("b2", 20), ("c", 10), ("d", 1000), ("e", 50)):
+        lengths = torch.randint(0, 4, (6,), generator=g)
+        ids = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
+        w = torch.rand(ids.numel(), generator=g) if f in ("a", "c") else None
+        out[f] = he.Jagged.from_lengths(ids.to(torch.int32 if f == "b" else torch.int64), lengths, w)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_small_and_large_assembly_give_the_same_outputs_gradients_and_errors(monkeypatch, seed):
+    results = []
+    for threshold in (0, 1 << 30):  # every group per feature / every group per group
+        monkeypatch.setattr(collection, "_SMALL_PER_FEATURE", threshold)
+        ec = make(seed)
+        out = ec(inputs(seed))
+        sum(v.sum() for v in out.values()).backward()
+        grads = [s.weight.grad.coalesce().to_dense() for s in ec.storages]
+        bad = inputs(seed + 100)
+        bad["b2"].values[-1:] = 20  # out of range
+        with pytest.raises(he.InvalidInputError) as err:
+            ec(bad)
+        results.append((out, grads, str(err.value)))
+    (o1, g1, e1), (o2, g2, e2) = results
+    for k in o1:
+        torch.testing.assert_close(o1[k], o2[k], rtol=0, atol=0)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert e1 == e2 and "b2" in e1
