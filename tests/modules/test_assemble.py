@@ -22,27 +22,29 @@ def make(seed: int):
     )
 
 
-def inputs(seed: int):
+def inputs(seed: int, hotness: int | None = None):
+    """Random bags of 0..3 ids, or with ``hotness`` every bag that many ids (the per-group path's (F, c) views)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for f, rows in (("a", 30), ("b", 20), ("b2", 20), ("c", 10), ("d", 1000), ("e", 50)):
-        lengths = torch.randint(0, 4, (6,), generator=g)
+        lengths = torch.randint(0, 4, (6,), generator=g) if hotness is None else torch.full((6,), hotness)
         ids = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
         w = torch.rand(ids.numel(), generator=g) if f in ("a", "c") else None
         out[f] = he.Jagged.from_lengths(ids.to(torch.int32 if f == "b" else torch.int64), lengths, w)
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_small_and_large_assembly_give_the_same_outputs_gradients_and_errors(monkeypatch, seed):
+@pytest.mark.parametrize("hotness", [None, 1, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_small_and_large_assembly_give_the_same_outputs_gradients_and_errors(monkeypatch, seed, hotness):
     results = []
     for threshold in (0, 1 << 30):  # every group per feature / every group per group
         monkeypatch.setattr(collection, "_SMALL_PER_FEATURE", threshold)
         ec = make(seed)
-        out = ec(inputs(seed))
+        out = ec(inputs(seed, hotness))
         sum(v.sum() for v in out.values()).backward()
         grads = [s.weight.grad.coalesce().to_dense() for s in ec.storages]
-        bad = inputs(seed + 100)
+        bad = inputs(seed + 100, hotness)
         bad["b2"].values[-1:] = 20  # out of range
         with pytest.raises(he.InvalidInputError) as err:
             ec(bad)

@@ -370,19 +370,29 @@ class EmbeddingCollection(nn.Module):
         ids = torch.cat([j.values for j in js])  # (N,) (type promotion widens narrow ids to int64 or int32)
         if ids.dtype != torch.int64:
             ids = ids.to(torch.int64)
-        consts = self._group_consts(feats, device)  # (F,) row offsets, (F,) rows per table
+        f = len(feats)
+        consts = self._group_consts(feats, device)  # (F,) row offsets, (F,) rows per table, any offset
         cnt = torch.tensor(counts, device=device)
         checks = [torch.isfinite(j.weights).all() for j in js if j.weights is not None and j.weights.numel()]
+        # every feature with the same number of ids and of bags (one-hot layers of one batch): (F, c) views
+        uniform = n and counts.count(counts[0]) == f and sizes.count(sizes[0]) == f
         if not feats[0].dynamic:  # dense: ids in [0, num_embeddings), then shifted to the group's rows
-            if n:
+            if uniform:
+                lo, hi = torch.aminmax(ids.view(f, -1), dim=1)  # (F,)
+                checks.append((lo >= 0).all() & (hi < consts[1]).all())
+                if consts[2]:
+                    ids = ids.view(f, -1).add(consts[0].unsqueeze(1)).view(-1)
+            elif n:
                 rows = consts[1].repeat_interleave(cnt, output_size=n)  # (N,)
                 checks.append(((ids >= 0) & (ids < rows)).all())
-            if consts[2]:  # some table starts past row 0
-                ids = ids + consts[0].repeat_interleave(cnt, output_size=n)
+                if consts[2]:  # some table starts past row 0
+                    ids = ids + consts[0].repeat_interleave(cnt, output_size=n)
         offsets = torch.cat([*(j.offsets[:-1] for j in js), torch.tensor([n], device=device)])  # (S+1,)
         if offsets.dtype != torch.int64:
             offsets = offsets.to(torch.int64)
-        if n:
+        if uniform and sizes[0]:
+            offsets[:-1].view(f, -1).add_(torch.arange(0, n, counts[0], device=device).unsqueeze(1))
+        elif n:
             offsets[:-1] += torch.cumsum(cnt, 0).sub_(cnt).repeat_interleave(torch.tensor(sizes, device=device))
         # offsets well formed: each feature's first is 0 and last its id count, the joined ones never decrease
         checks.append((torch.cat([j.offsets[:1] for j in js]) == 0).all())
