@@ -515,7 +515,9 @@ def fitted_init(weight: torch.Tensor, sample: int = 1 << 20) -> _init.Init:
     """The row-keyed initializer closest to how ``weight`` (N, D) was initialised: uniform on
     its range when its values look uniform (excess kurtosis below -0.9; a uniform's is -1.2, a
     normal's 0), else normal with its mean and std; constant when every value is equal. Reads
-    at most ``sample`` values (evenly spaced rows)."""
+    at most ``sample`` values (evenly spaced rows). The parameters are rounded to two
+    significant digits (a mean to 1% of the std), so layers initialised alike get one
+    initializer and their dynamic rows are made in one pass."""
     w = weight.detach().reshape(-1)
     if w.numel() > sample:
         w = w[:: -(-w.numel() // sample)]
@@ -525,8 +527,16 @@ def fitted_init(weight: torch.Tensor, sample: int = 1 << 20) -> _init.Init:
         return _init.constant(mean if math.isfinite(mean) else 0.0)
     kurtosis = float((((w - mean) / std) ** 4).mean()) - 3.0
     if kurtosis < -0.9:
-        return _init.uniform(float(w.min()), float(w.max()))
-    return _init.normal(mean, std)
+        lo, hi = float(w.min()), float(w.max())
+        step = _round2(hi - lo) / 100
+        return _init.uniform(round(lo / step) * step, round(hi / step) * step)
+    std = _round2(std)
+    return _init.normal(round(mean / (std / 100)) * (std / 100), std)
+
+
+def _round2(x: float) -> float:
+    """``x`` > 0 to two significant digits."""
+    return float(f"{x:.1e}")
 
 
 def _table_config(
