@@ -47,10 +47,13 @@ optimizer settings go through ``tables={path: {"optimizer": he.optim.Adagrad(lr=
   the layer's or None when dynamic; ``combiner`` "sum": the layer's mode does the pooling);
 - ``None``: leave this layer an ordinary torch layer.
 
-A layer made dynamic starts empty: an id's row is made on first sight from the table's
-row-keyed initializer (default ``he.init.normal()``, the ``nn.Embedding`` default), so its
-trained rows are NOT carried over (a warning says so) unless ``copy_dynamic_rows=True``,
-which loads them as ids ``0..N-1`` (they must fit the capacity).
+``dynamic=True`` (or a :class:`~hybridembed.Dynamic`, or layer path patterns) makes layers
+dynamic without listing them. A layer made dynamic starts empty: an id's row is made on
+first sight from the table's row-keyed initializer, by default one fitted to the layer's
+current weights (:func:`fitted_init`: the same normal or uniform distribution, so a model
+initialised with std 1e-4 keeps std 1e-4), so its trained rows are NOT carried over (the
+summary line says so) unless ``copy_dynamic_rows=True``, which loads them as ids ``0..N-1``
+(they must fit the capacity).
 
 Semantics kept: ``padding_idx`` (``nn.Embedding``: its position reads the row as it is
 and sends it no gradient; a dynamic table reads zeros there. ``nn.EmbeddingBag``: entries
@@ -59,9 +62,25 @@ equal to it leave the bag, and the mean's count), ``mode`` sum/mean, ``per_sampl
 tables are always row-sparse, whatever ``sparse=`` said (the flag is kept on the module):
 with SGD and Adagrad (no weight decay, no momentum) the result equals the dense
 optimizer's; with Adam it equals ``torch.optim.SparseAdam`` (see :mod:`hybridembed.optim`).
-Each converted layer is one lookup call; a step's calls on one group add up to one
-sparse gradient and one optimizer update. The collection follows the model's
+Grouped lookups (``grouped=True``, the default): while the model's forward runs, each
+converted layer's lookup is queued and returns a tensor that knows its shape but not yet its
+values; the first use of any of them runs every queued lookup in one kernel call per group
+of tables (:mod:`hybridembed.modules.grouped`). A model that calls 52 layers one by one
+makes 2 kernel calls (one per group), with one validation sync, and the optimizer updates
+each group once. Results and gradients are those of per-layer calls. Ids are checked for
+dtype and device when the layer is called, for range when the queue runs (a bad id is
+reported at the first use of an output, naming the layer's table, and changes nothing). A
+layer called outside the model's forward, and tracing or compiling, look up at once;
+``grouped=False`` makes every call a lookup of its own. The collection follows the model's
 ``train()`` / ``eval()`` (dynamic tables make rows only in training).
+
+Traps reported: ``convert`` names the model attributes (a regularisation list) and torch
+optimizers that still hold the replaced ``nn.Embedding`` weights (``he.wrap_optimizer``
+drops them from an optimizer built before ``convert``); a table gradient that no optimizer
+step consumed warns once, at the next forward, saying to call ``he.wrap_optimizer``; a
+dense gradient on a table (an L2 term over ``layer.weight``) is refused at the optimizer
+step, before any update, naming ``weight_decay`` (applied to the rows a step touches) as
+the fix.
 
     >>> import torch, hybridembed as he
     >>> class Model(torch.nn.Module):
