@@ -35,6 +35,7 @@ __all__ = ["HashStorage", "LookupPlan", "sort_pairs"]
 
 _EMPTY = -1
 _HIGH, _LOW = -(1 << 32), (1 << 32) - 1  # the table and slot words of an index row
+_PROBES = 4  # index positions read per probing round (a window of linear probing)
 _STATS = ("inserted", "evicted", "rejected", "hits", "lookups")
 
 
@@ -193,9 +194,14 @@ class HashStorage(RowStorage):
         # three arrays (measured 1.5x faster on 560k keys); an empty position holds -1
         self._hrow = torch.full((h, 2), _EMPTY, dtype=torch.int64, device=dev)
         self._claim = torch.full((h,), -1, dtype=torch.int32, device=dev)
+        self._probe_offsets = torch.arange(_PROBES, device=dev)
         live = (self.slot_table >= 0).nonzero().squeeze(1)
         if live.numel():
             self._insert(self.slot_key[live], self.slot_table[live], live)
+
+    def _window(self, pos: torch.Tensor) -> torch.Tensor:
+        """(A,) probe starts -> (A, W) the next W positions (linear probing, wrapping)."""
+        return (pos.unsqueeze(1) + self._probe_offsets) & self._mask
 
     def _find(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """(U,) slots of (table, id) pairs; -1 where absent."""
@@ -221,21 +227,32 @@ class HashStorage(RowStorage):
             k, t = keys.index_select(0, active), tw.index_select(0, active)
 
     def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
-        """Add absent, distinct (table, id) pairs pointing at ``slots``."""
+        """Add absent, distinct (table, id) pairs pointing at ``slots``: each at the first empty
+        position of its probe sequence (W positions a round); pairs that chose the same position
+        go to the one with the highest index, the others probe on from there."""
         pending = torch.arange(keys.numel(), device=keys.device, dtype=torch.int32)
         pos = self._hash(keys, tabs) & self._mask
         word = (tabs.to(torch.int64) << 32) | slots.to(torch.int64)
         while pending.numel():
-            empty = self._hrow[pos, 1] < 0
-            cand, cpos = pending[empty], pos[empty]
+            win = self._window(pos)  # (P, W)
+            empty = self._hrow[:, 1].index_select(0, win.view(-1)).view(-1, _PROBES) < 0
+            has = empty.any(1)  # (P,)
+            first = empty.to(torch.uint8).argmax(1, keepdim=True)
+            target = win.gather(1, first).squeeze(1)  # (P,) the first empty position (if any)
+            cand_i = has.nonzero().squeeze(1)
+            cand, cpos = pending.index_select(0, cand_i), target.index_select(0, cand_i)
             self._claim.scatter_reduce_(0, cpos, cand, "amax")  # one winner per empty position
-            won = self._claim[cpos] == cand
-            self._claim[cpos] = -1
-            wpos, widx = cpos[won], cand[won]
-            self._hrow[wpos] = torch.stack([keys[widx], word[widx]], 1)
-            placed = torch.zeros_like(empty)
-            placed[empty] = won
-            pending, pos = pending[~placed], (pos[~placed] + 1) & self._mask
+            won = self._claim.index_select(0, cpos) == cand
+            self._claim.index_fill_(0, cpos, -1)
+            w_i = won.nonzero().squeeze(1)
+            wpos, widx = cpos.index_select(0, w_i), cand.index_select(0, w_i).long()
+            self._hrow.index_copy_(0, wpos, torch.stack([keys.index_select(0, widx), word.index_select(0, widx)], 1))
+            # losers probe on from the position they lost; pairs without an empty one, past their window
+            nxt = torch.where(has, target + 1, pos + _PROBES) & self._mask
+            left = torch.ones_like(has)
+            left.index_fill_(0, cand_i.index_select(0, w_i), False)
+            keep = left.nonzero().squeeze(1)
+            pending, pos = pending.index_select(0, keep), nxt.index_select(0, keep)
 
     # --- rows: make, evict, grow ---------------------------------------------------------
     def _init_rows(self, slots: torch.Tensor, keys: torch.Tensor, tabs: torch.Tensor) -> None:
