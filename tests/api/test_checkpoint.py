@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import hybridembed as he
 from hybridembed.api import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
+HE_SRC = str(Path(he.__file__).resolve().parents[1])  # the subprocesses import the hybridembed tested here
 D = 4
 B = 6
 K = 3  # steps before the checkpoint, and after it
@@ -122,7 +124,7 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     result = tmp_path / "resumed.pt"
     code = f"""
 import sys, torch
-sys.path.insert(0, {str(ROOT)!r})
+sys.path[:0] = [{str(ROOT)!r}, {HE_SRC!r}]
 import hybridembed as he
 from tests.api.test_checkpoint import build, train, snapshot, K
 torch.set_num_threads(1)
@@ -137,7 +139,7 @@ torch.save(out, {str(result)!r})
 """
     env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
     proc = subprocess.run(
-        ["/work/venv/bin/python", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(result, weights_only=True)
@@ -229,7 +231,7 @@ def test_a_save_that_fails_midway_leaves_the_old_checkpoint(tmp_path, monkeypatc
 def test_a_process_killed_midway_leaves_the_old_checkpoint(tmp_path):
     code = f"""
 import os, sys, torch
-sys.path.insert(0, {str(ROOT)!r})
+sys.path[:0] = [{str(ROOT)!r}, {HE_SRC!r}]
 import hybridembed as he
 from hybridembed.api import checkpoint as ckpt
 from tests.api.test_checkpoint import trained, train, snapshot
@@ -249,7 +251,7 @@ he.save({str(tmp_path / "c")!r}, model, opt)
 """
     env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
     proc = subprocess.run(
-        ["/work/venv/bin/python", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 17, proc.stderr[-3000:]
     leftovers = [n for n in _versions(tmp_path / "c") if n.startswith(".tmp-")]

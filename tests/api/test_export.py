@@ -5,7 +5,7 @@ feature, a trained dynamic table, an MLP) is exported in both formats, then load
 subprocess where ``import hybridembed`` fails; its outputs on other batch sizes and
 hotnesses, with ids the dynamic table never saw, equal the trained model's in eval mode.
 
-    /work/venv/bin/python -m pytest -q tests/api/test_export.py
+    python -m pytest -q tests/api/test_export.py
 """
 
 from __future__ import annotations
