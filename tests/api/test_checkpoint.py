@@ -138,9 +138,7 @@ for name in ("adagrad", "adam"):
 torch.save(out, {str(result)!r})
 """
     env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(result, weights_only=True)
     for name in ("adagrad", "adam"):
@@ -250,9 +248,7 @@ ckpt._write_file = dying
 he.save({str(tmp_path / "c")!r}, model, opt)
 """
     env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 17, proc.stderr[-3000:]
     leftovers = [n for n in _versions(tmp_path / "c") if n.startswith(".tmp-")]
     assert len(leftovers) == 1 and "v-000002" in leftovers[0]  # the dead save's partial version
