@@ -490,3 +490,24 @@ def test_a_converted_model_serves_other_batch_sizes(fmt, tmp_path):
             s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
             got = torch.from_numpy(s.run(None, {i.name: t.numpy() for i, t in zip(s.get_inputs(), x)})[0])
         torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["converted", "ec"])
+def test_out_of_range_example_ids_are_refused_by_the_models_validation(kind, tmp_path):
+    model, opt = twin(kind, "sgd")
+    train_steps(model, opt, plain_inputs if kind == "converted" else ec_inputs, range(2))
+    if kind == "converted":
+        bad = list(plain_inputs(100))
+        bad[0] = torch.tensor([1, 2, 30, 4])  # the user table has rows 0..29
+        feature = "user"
+    else:
+        (bad,) = ec_inputs(100)
+        bad = (dict(bad, a=torch.tensor([[1, 2], [30, -1], [3, 4], [5, 6]])),)
+        feature = "'a'"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(he.InvalidInputError, match=f"{feature}.*30"):
+        he.export(model, tmp_path / "m.pt", tuple(bad))
+    assert not (tmp_path / "m.pt").exists()
+    assert model.training and all(m.training for m in model.modules())
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)

@@ -55,7 +55,8 @@ dtype of the example (give int64 ids).
 
 The served model does not validate: a dense-table id outside ``[0, num_embeddings)`` fails
 in the runtime's gather. Before anything is written, ``export`` runs the model (eval mode,
-no gradient) and the served copy on ``example_inputs`` and the artifact (TorchScript
+no gradient, every module's mode restored after; its validation refuses bad example ids
+with :class:`~hybridembed.InvalidInputError`) and then the served copy on ``example_inputs`` and the artifact (TorchScript
 module; ONNX in onnxruntime when installed) on the served inputs, and refuses to write a
 file whose outputs differ (``check=False`` skips this). Every size of every input tensor is
 dynamic; where the ONNX exporter still fixes one (a size 0 or 1 in some torch versions) a
@@ -653,11 +654,14 @@ def export(
     else:  # the one argument
         args, served_args = (example_inputs,), (_served_inputs(example_inputs, "", pad),)
 
+    # the model first: its validation refuses bad example ids (the served copy does not
+    # validate); eval mode, no gradient, modes restored: no dynamic row made, nothing changed
+    expected = _run_eval(model, args)
     served = _served_model(model)
     with torch.no_grad():
         out = served(*served_args)
     if check:
-        _compare(_run_eval(model, args), out, "the served model")
+        _compare(expected, out, "the served model")
     if format == "torchscript":
         _export_torchscript(served, served_args, out, path, check)
     else:
