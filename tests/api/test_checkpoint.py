@@ -27,13 +27,14 @@ class Net(nn.Module):
     """Two layers converted by he.convert (one made dynamic), an EmbeddingCollection with a
     dense and a dynamic table, and an MLP."""
 
-    def __init__(self, tag_dim=D, tag_dtype=torch.float32, extra_table=False, drop_query=False):
+    def __init__(self, tag_dim=D, tag_dtype=torch.float32, extra_table=False, drop_query=False, query_dynamic=None):
         super().__init__()
         self.user = nn.Embedding(50, D)
         self.items = nn.EmbeddingBag(40, D, mode="mean")
         tables = [he.TableConfig("tag", 10, tag_dim, dtype=tag_dtype)]
         if not drop_query:
-            tables.append(he.TableConfig("query", None, D, combiner="mean", dynamic=he.Dynamic()))
+            dynamic = query_dynamic or he.Dynamic()
+            tables.append(he.TableConfig("query", None, D, combiner="mean", dynamic=dynamic))
         if extra_table:
             tables.append(he.TableConfig("more", 5, D))
         self.ec = he.EmbeddingCollection(tables, seed=3)
@@ -392,3 +393,78 @@ def test_save_refuses_a_path_that_is_a_file_and_unserialisable_extra(tmp_path):
         he.save(tmp_path / "c", model, extra={"x": object()})
     with pytest.raises(he.CheckpointError, match="no checkpoint"):
         he.load(tmp_path / "nothing", model)
+
+
+# --- all or nothing: settings and file contents that do not fit the model ------------------------------
+def test_a_dynamic_table_with_another_sketch_is_refused_and_unchanged(tmp_path):
+    model, opt = trained(query_dynamic=he.Dynamic(min_count=2, sketch_width=64))
+    he.save(tmp_path / "c", model, opt)
+    other, other_opt = trained(steps=1, query_dynamic=he.Dynamic(min_count=2, sketch_width=128))
+    before = snapshot(other, other_opt)
+    with pytest.raises(he.CheckpointError, match=r"ec\.query\.sketch: .* 4 x 64 counters .*sketch_width=128") as e:
+        he.load(tmp_path / "c", other, other_opt)
+    assert "nothing was loaded" in str(e.value)
+    assert_identical(snapshot(other, other_opt), before)
+    plain, plain_opt = build()  # min_count=1 keeps no sketch: the saved one is not needed
+    he.load(tmp_path / "c", plain, plain_opt)
+
+
+def _rewrite(vdir: Path, rel: str, change) -> None:
+    """Replace file ``rel`` of a version by ``change(its contents)``, with the manifest's size and
+    checksums made to match: a consistent checkpoint that does not fit the model."""
+    obj = torch.load(vdir / rel, weights_only=True)
+    torch.save(change(obj), vdir / rel)
+    manifest = json.loads((vdir / "manifest.json").read_text())
+    manifest["files"][rel] = {"bytes": (vdir / rel).stat().st_size, "sha256": ckpt._sha256(vdir / rel)}
+    _write_manifest(vdir, manifest)
+
+
+def _write_manifest(vdir: Path, manifest: dict) -> None:
+    (vdir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _bad_state(shard):
+    shard["state"] = {k: v[:-1] for k, v in shard["state"].items()}  # one row short
+    return shard
+
+
+INCONSISTENT = {
+    "optimizer-state-rows": (
+        "tables/ec.tag.00000.pt",
+        _bad_state,
+        r"table 'ec.tag': optimizer state 'sum' is \(9, 4\)",
+    ),
+    "dynamic-optimizer-state": (
+        "tables/ec.query.00000.pt",
+        _bad_state,
+        r"table 'ec.query': optimizer state 'sum' is",
+    ),
+    "dense-tensor-shape": (
+        "dense.pt",
+        lambda d: {**d, "mlp.0.weight": torch.zeros(3, 3)},
+        r"'dense.pt': 'mlp.0.weight' is \(3, 3\) float32, the model's \(8, 16\) float32",
+    ),
+    "dynamic-counters": (
+        "tables/hybridembed.user.00000.pt",
+        lambda d: {**d, "freq": d["freq"][:-1]},
+        r"hybridembed.user.freq: expected \(\d+,\) integers",
+    ),
+    "row-dtype": (
+        "tables/hybridembed.items.00000.pt",
+        lambda d: {**d, "weight": d["weight"].double()},
+        r"hybridembed.items.weight: dtype torch.float64, the table's is torch.float32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(INCONSISTENT))
+def test_file_contents_that_do_not_fit_are_refused_and_nothing_changes(saved, case):
+    path, vdir = saved
+    rel, change, words = INCONSISTENT[case]
+    _rewrite(vdir, rel, change)
+    model, opt = trained("adagrad", steps=1)
+    before = snapshot(model, opt)
+    with pytest.raises(he.CheckpointError, match=words) as e:
+        he.load(path, model, opt)
+    assert "nothing was loaded" in str(e.value)
+    assert_identical(snapshot(model, opt), before)

@@ -72,7 +72,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..modules import EmbeddingCollection
 from ..optim.wrapper import HybridOptimizer
-from ..storage import RowStorage
+from ..storage import RowStorage, serial
 from ..utils import get_logger
 from .convert import _TableLayer
 
@@ -86,8 +86,6 @@ POINTER = "LATEST"
 MANIFEST = "manifest.json"
 _VERSION_RE = re.compile(r"^v-(\d{6,})$")
 _TMP_RE = re.compile(r"^\.tmp-v-\d+-(\d+)$")
-_DYNAMIC_ENTRY = ("ids", "weight", "last_seen", "freq", "stats", "clock")
-_PER_ROW = ("ids", "weight", "last_seen", "freq")
 _CHUNK = 1 << 22
 
 
@@ -685,7 +683,7 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
         entry = {"weight": torch.cat([p["weight"] for _, p in parts]) if len(parts) > 1 else parts[0][1]["weight"]}
     else:
         for s, p in parts:
-            ok = isinstance(p, dict) and all(torch.is_tensor(p.get(k)) for k in _DYNAMIC_ENTRY)
+            ok = isinstance(p, dict) and all(torch.is_tensor(p.get(k)) for k in serial.DYNAMIC_KEYS)
             if not ok or tuple(p["weight"].shape) != (p["ids"].numel(), d):
                 problems.append(f"table {q!r}: file {s['file']!r} does not hold ids and (K, {d}) rows")
         if problems:
@@ -693,7 +691,7 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
         ps = [{k: v for k, v in p.items() if k != "state"} for _, p in parts]
         entry = dict(ps[0])  # what the storage saved (save_table), passed back as is
         if len(ps) > 1:  # per-row entries concatenate; counters of disjoint shards add up; time is the latest
-            entry.update({k: torch.cat([p[k] for p in ps]) for k in _PER_ROW})
+            entry.update({k: torch.cat([p[k] for p in ps]) for k in serial.PER_ROW_KEYS})
             entry["stats"] = torch.stack([p["stats"] for p in ps]).sum(0)
             entry["clock"] = torch.stack([p["clock"] for p in ps]).max()
             if all("sketch" in p for p in ps):
@@ -701,7 +699,7 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
             if entry["ids"].unique().numel() != entry["ids"].numel():
                 problems.append(f"table {q!r}: an id appears in more than one shard")
             order = torch.argsort(entry["ids"])
-            entry.update({k: entry[k][order] for k in _PER_ROW})
+            entry.update({k: entry[k][order] for k in serial.PER_ROW_KEYS})
             entry["_order"] = order
     names = sorted(spec.get("optimizer_state", []))
     state = {}
@@ -715,6 +713,74 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
     entry.pop("_order", None)
     entry["state"] = state
     return entry, problems
+
+
+def _check_dense_file(rel: str, dense: dict, model: nn.Module) -> list[str]:
+    """The dense state file's tensors against the model's (shape and dtype), before loading."""
+    problems = []
+    for k, v in _dense_state(model).items():
+        if not torch.is_tensor(v):
+            continue
+        got = dense.get(k)
+        if not torch.is_tensor(got):
+            problems.append(f"file {rel!r}: no tensor {k!r}")
+        elif got.shape != v.shape or got.dtype != v.dtype:
+            problems.append(
+                f"file {rel!r}: {k!r} is {tuple(got.shape)} {_dtype_name(got.dtype)}, the model's "
+                f"{tuple(v.shape)} {_dtype_name(v.dtype)}"
+            )
+    return problems
+
+
+def _check_optimizer_file(opt_file: dict, optimizer, tables: dict[str, _Table], entries: dict) -> list[str]:
+    """The optimizer file against ``optimizer`` (parameter groups; per table: optimizer, step,
+    state of the rows' shapes), before anything is loaded."""
+    hybrid = isinstance(optimizer, HybridOptimizer)
+    sd = opt_file.get("dense") if hybrid else opt_file.get("state_dict")
+    dense = optimizer.dense if hybrid else optimizer
+    if (
+        not isinstance(sd, dict)
+        or not isinstance(sd.get("param_groups"), list)
+        or not isinstance(sd.get("state"), dict)
+    ):
+        return ["the optimizer file holds no dense optimizer state_dict"]
+    problems = []
+    saved_sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in sd["param_groups"]]
+    sizes = [len(g["params"]) for g in dense.param_groups]
+    if saved_sizes != sizes:
+        problems.append(f"the optimizer file's parameter groups hold {saved_sizes} parameters, the optimizer's {sizes}")
+    if not hybrid:
+        return problems
+    saved = opt_file.get("sparse")
+    if not isinstance(saved, dict):
+        return problems + ["the optimizer file holds no per-table optimizer state"]
+    by_name = _table_of_storage(tables)
+    for name in optimizer.sparse_optimizers():
+        q = by_name.get(name)
+        if q is None:
+            continue
+        meta, t = saved.get(q), tables[q]
+        if not isinstance(meta, dict) or not all(k in meta for k in ("optimizer", "hparams", "step", "shape")):
+            problems.append(f"table {q!r}: the optimizer file lacks its optimizer, hparams, step or shape")
+            continue
+        if list(meta["shape"]) != [t.config.num_embeddings, t.config.embedding_dim]:
+            problems.append(f"table {q!r}: optimizer state saved for shape {meta['shape']}, the table is {t.shape}")
+        if not isinstance(meta["step"], int) or not isinstance(meta["hparams"], dict):
+            problems.append(f"table {q!r}: the optimizer file's step or hparams are malformed")
+        have = t.storage.table_state(t.name)
+        state = entries[q]["state"]
+        if set(state) != set(have):
+            problems.append(f"table {q!r}: optimizer state {sorted(state)} in the checkpoint, {sorted(have)} here")
+            continue
+        rows = entries[q]["ids"].numel() if t.kind == "dynamic" else have[next(iter(have))].shape[0] if have else 0
+        for k, v in state.items():
+            want = (rows, *have[k].shape[1:])
+            if tuple(v.shape) != want or not v.is_floating_point():
+                problems.append(
+                    f"table {q!r}: optimizer state {k!r} is {tuple(v.shape)} {_dtype_name(v.dtype)}, "
+                    f"expected {want} floating point"
+                )
+    return problems
 
 
 def load(
@@ -731,7 +797,8 @@ def load(
     ``verify=False`` file sizes are still checked but not the sha256 checksums.
     Returns the manifest (``manifest["extra"]`` holds what ``save(extra=...)`` stored).
     Dynamic tables are replaced by the checkpoint's rows (their ``Dynamic`` settings
-    may differ, as long as the rows fit the capacity).
+    may differ, as long as the rows fit the capacity and, where both keep an admission
+    sketch (``min_count > 1``), its ``sketch_depth`` and ``sketch_width`` are the saved ones).
     """
     manifest = read_manifest(path)
     vdir = Path(manifest["path"])
@@ -753,6 +820,17 @@ def load(
         if not isinstance(opt_file, dict) or opt_file.get("kind") != manifest["optimizer"]["kind"]:
             problems.append(f"file {manifest['optimizer']['file']!r} does not hold the optimizer state")
     _raise(vdir, problems, "is damaged")
+    # every table entry, the dense state and the optimizer state against the model, before
+    # anything is written: a refused load leaves model and optimizer as they were
+    for q, t in tables.items():
+        missing, errors = serial.check_entry(
+            t.storage, t.name, {k: v for k, v in entries[q].items() if k != "state"}, f"{q}.", strict_dtype=True
+        )
+        problems.extend([f"{k}: missing from the table's files" for k in missing] + errors)
+    problems.extend(_check_dense_file(manifest["dense"]["file"], dense, model))
+    if optimizer is not None:
+        problems.extend(_check_optimizer_file(opt_file, optimizer, tables, entries))
+    _raise(vdir, problems, "does not match the model")
 
     # --- nothing was changed so far; from here on, apply ---------------------------------------
     if dense:
@@ -760,14 +838,14 @@ def load(
     with torch.no_grad():
         for q, t in tables.items():
             if t.kind == "dense":
-                t.collection.weight(t.name).copy_(entries[q]["weight"])
+                serial.load_entry(t.storage, t.name, entries[q])
         dynamic = [q for q, t in tables.items() if t.kind == "dynamic"]
         # tables that shrink first, so a group's rows never exceed its capacity on the way
         dynamic.sort(key=lambda q: entries[q]["ids"].numel() - tables[q].storage.table_slots(tables[q].name)[0].numel())
         clocks: dict[int, tuple[RowStorage, int]] = {}
         for q in dynamic:
             t = tables[q]
-            t.storage.load_table(t.name, {k: v for k, v in entries[q].items() if k != "state"})
+            serial.load_entry(t.storage, t.name, entries[q])
             clock = max(int(entries[q]["clock"]), clocks.get(id(t.storage), (None, 0))[1])
             clocks[id(t.storage)] = (t.storage, clock)
         for storage, clock in clocks.values():  # the saved time, not max(saved, current): an exact restore
