@@ -301,7 +301,7 @@ def test_shards_written_by_several_ranks_load_as_one_table(tmp_path):
         os.remove(vdir / shard["file"])
         del manifest["files"][shard["file"]]
         spec["shards"] = pieces
-    (vdir / "manifest.json").write_text(json.dumps(manifest))
+    _write_manifest(vdir, manifest)
     fresh, fresh_opt = build("adam")
     he.load(tmp_path / "c", fresh, fresh_opt)
     assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
@@ -420,7 +420,8 @@ def _rewrite(vdir: Path, rel: str, change) -> None:
 
 
 def _write_manifest(vdir: Path, manifest: dict) -> None:
-    (vdir / "manifest.json").write_text(json.dumps(manifest))
+    """Write an edited manifest with a checksum that matches it (as a writer of shards would)."""
+    (vdir / "manifest.json").write_text(json.dumps(ckpt._sealed(manifest)))
 
 
 def _bad_state(shard):
@@ -468,3 +469,139 @@ def test_file_contents_that_do_not_fit_are_refused_and_nothing_changes(saved, ca
         he.load(path, model, opt)
     assert "nothing was loaded" in str(e.value)
     assert_identical(snapshot(model, opt), before)
+
+
+# --- the manifest: checksummed, every field typed -----------------------------------------------------
+def _manifest(vdir: Path) -> dict:
+    return json.loads((vdir / "manifest.json").read_text())
+
+
+def _refused(path, words):
+    model, opt = trained("adagrad", steps=1)
+    before = snapshot(model, opt)
+    with pytest.raises(he.CheckpointError, match=words):
+        he.load(path, model, opt)
+    assert_identical(snapshot(model, opt), before)
+
+
+def test_a_flipped_digit_in_extra_is_caught_by_the_manifest_checksum(tmp_path):
+    model, opt = trained("adagrad")
+    he.save(tmp_path / "c", model, opt, extra={"epoch": 3, "step": 120})
+    vdir = Path(ckpt.read_manifest(tmp_path / "c")["path"])
+    text = (vdir / "manifest.json").read_text()
+    assert text.count('"epoch": 3') == 1
+    (vdir / "manifest.json").write_text(text.replace('"epoch": 3', '"epoch": 7'))
+    with pytest.raises(he.CheckpointError, match=r"manifest.json does not match its checksum .*'manifest_sha256'"):
+        ckpt.read_manifest(tmp_path / "c")
+    _refused(tmp_path / "c", "does not match its checksum")
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda m: m.__setitem__("extrb", m.pop("extra")), "does not match its checksum"),  # a changed key
+        (lambda m: m["tables"]["ec.tag"].__setitem__("rows", 11), "does not match its checksum"),
+        (lambda m: m.pop("manifest_sha256"), "has no checksum"),
+    ],
+    ids=["renamed-key", "changed-value", "no-checksum"],
+)
+def test_an_edited_manifest_is_refused(saved, edit, words):
+    path, vdir = saved
+    m = _manifest(vdir)
+    edit(m)
+    (vdir / "manifest.json").write_text(json.dumps(m))
+    _refused(path, f"manifest.json {words}")
+
+
+def _set(*keys, value):
+    def edit(m):
+        d = m
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+
+    return edit
+
+
+# every field with a wrong type (the checksum made to match, as a buggy writer would): one
+# CheckpointError naming the file and the field, never an AttributeError/KeyError/TypeError
+WRONG_TYPES = {
+    "world_size": (_set("world_size", value="1"), "'world_size': expected an int >= 1"),
+    "extra": (_set("extra", value=[1]), "'extra': expected an object"),
+    "created": (_set("created", value=5), "'created': expected a string"),
+    "tables": (_set("tables", value=[]), "'tables': expected an object"),
+    "table": (_set("tables", "ec.tag", value="x"), "'tables.ec.tag': expected an object"),
+    "kind": (_set("tables", "ec.tag", "kind", value="sparse"), "'tables.ec.tag.kind': expected 'dense' or 'dynamic'"),
+    "shape": (_set("tables", "ec.tag", "shape", value=10), r"'tables.ec.tag.shape': expected \[rows, dim\]"),
+    "shape-item": (_set("tables", "ec.tag", "shape", value=["10", 4]), r"'tables.ec.tag.shape': expected"),
+    "dynamic-shape": (_set("tables", "ec.query", "shape", value=[5, 4]), r"'tables.ec.query.shape': expected \[null"),
+    "dtype": (_set("tables", "ec.tag", "dtype", value=None), "'tables.ec.tag.dtype': expected a string"),
+    "rows": (_set("tables", "ec.tag", "rows", value=-1), "'tables.ec.tag.rows': expected an int >= 0"),
+    "optimizer_state": (
+        _set("tables", "ec.tag", "optimizer_state", value="sum"),
+        "'tables.ec.tag.optimizer_state': expected a list of strings",
+    ),
+    "shards": (_set("tables", "ec.tag", "shards", value={}), "'tables.ec.tag.shards': expected a non-empty list"),
+    "shard": (_set("tables", "ec.tag", "shards", value=[3]), r"'tables.ec.tag.shards\[0\]': expected an object"),
+    "row_end": (
+        lambda m: m["tables"]["ec.tag"]["shards"][0].__setitem__("row_end", 10.0),
+        r"'tables.ec.tag.shards\[0\].row_end': expected an int",
+    ),
+    "shard-file": (
+        lambda m: m["tables"]["ec.tag"]["shards"][0].pop("file"),
+        r"'tables.ec.tag.shards\[0\].file' is missing",
+    ),
+    "dynamic-settings": (_set("tables", "ec.query", "dynamic", value=1), "'tables.ec.query.dynamic': expected"),
+    "dense": (_set("dense", value=None), "'dense': expected an object"),
+    "dense-file": (_set("dense", "file", value=1), "'dense.file': expected a string"),
+    "dense-tensors": (_set("dense", "tensors", value=[]), "'dense.tensors': expected an object"),
+    "dense-tensor-shape": (
+        lambda m: next(iter(m["dense"]["tensors"].values())).__setitem__("shape", "8x16"),
+        r"'dense.tensors.mlp.0.weight.shape': expected a list of ints",
+    ),
+    "dense-other": (_set("dense", "other", value=None), "'dense.other': expected a list of strings"),
+    "optimizer": (_set("optimizer", value="adagrad"), "'optimizer': expected an object or null"),
+    "optimizer-kind": (_set("optimizer", "kind", value=1), "'optimizer.kind': expected 'hybrid' or 'torch'"),
+    "optimizer-groups": (
+        _set("optimizer", "dense_param_groups", value=[{"num_params": "3"}]),
+        r"'optimizer.dense_param_groups\[0\].num_params': expected an int",
+    ),
+    "optimizer-sparse": (_set("optimizer", "sparse", value=[]), "'optimizer.sparse': expected an object"),
+    "optimizer-step": (
+        _set("optimizer", "sparse", "ec.tag", "step", value=None),
+        "'optimizer.sparse.ec.tag.step': expected an int",
+    ),
+    "optimizer-hparams": (
+        _set("optimizer", "sparse", "ec.tag", "hparams", value=0.1),
+        "'optimizer.sparse.ec.tag.hparams': expected an object",
+    ),
+    "files": (_set("files", value=None), "'files': expected an object"),
+    "file-bytes": (_set("files", "dense.pt", "bytes", value="12"), "'files.dense.pt.bytes': expected an int"),
+    "file-sha": (_set("files", "dense.pt", "sha256", value=1), "'files.dense.pt.sha256': expected 64 hex digits"),
+    "missing-field": (lambda m: m.pop("torch_version"), "'torch_version' is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_TYPES))
+def test_a_wrongly_typed_manifest_field_is_named(saved, case):
+    path, vdir = saved
+    edit, words = WRONG_TYPES[case]
+    m = _manifest(vdir)
+    edit(m)
+    _write_manifest(vdir, m)
+    with pytest.raises(he.CheckpointError, match=r"manifest.json is malformed; nothing was loaded:\n.*" + words):
+        ckpt.read_manifest(path)
+    _refused(path, words)
+
+
+def test_a_truncated_manifest_and_a_latest_pointer_that_is_not_text(saved):
+    path, vdir = saved
+    data = (vdir / "manifest.json").read_bytes()
+    (vdir / "manifest.json").write_bytes(data[: len(data) // 2])
+    _refused(path, r"manifest.json is not valid JSON")
+    (vdir / "manifest.json").write_bytes(data)
+    (path / "LATEST").write_bytes(b"v-00\xff0001\n")
+    _refused(path, r"LATEST is damaged: byte 4 is not text")
+    model, opt = trained("adagrad", steps=1)
+    he.save(path, model, opt)  # the next save replaces the damaged pointer
+    he.load(path, *build())

@@ -268,7 +268,34 @@ def _read_state(ckpt: str) -> dict[str, Any]:
     state = (manifest.get("extra") or {}).get(STATE_KEY)
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or "arch" not in state:
         raise UsageError(f"--resume {ckpt}: a hybridembed checkpoint, but not one written by hybridembed train")
+    problems = _state_problems(state)
+    if problems:
+        raise UsageError(f"--resume {ckpt}: the run's state in its manifest is malformed: {'; '.join(problems)}")
     return state
+
+
+def _state_problems(state: dict[str, Any]) -> list[str]:
+    """What is wrong with the run's state (types of the position and model flags); empty when fine."""
+    problems = []
+    for key in ("epoch", "batches_done", "step"):
+        v = state.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            problems.append(f"{STATE_KEY}.{key} is {v!r}, expected an int >= 0")
+    if not isinstance(state.get("complete"), bool):
+        problems.append(f"{STATE_KEY}.complete is {state.get('complete')!r}, expected true or false")
+    arch = state["arch"]
+    if not isinstance(arch, dict):
+        return problems + [f"{STATE_KEY}.arch is {arch!r}, expected an object of model flags"]
+    for k, v in arch.items():
+        default = ARCH_DEFAULTS.get(k)
+        if k not in ARCH_DEFAULTS:
+            problems.append(f"{STATE_KEY}.arch has the unknown flag {k!r}")
+        elif (type(v) is not type(default) and not (isinstance(default, int) and v is None)) or (
+            isinstance(v, list) and not all(type(x) is int for x in v)
+        ):
+            what = "a list of ints" if isinstance(default, list) else f"a {type(default).__name__}"
+            problems.append(f"{STATE_KEY}.arch.{k} is {v!r}, expected {what}")
+    return problems
 
 
 def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
