@@ -217,7 +217,7 @@ def test_a_save_that_fails_midway_leaves_the_old_checkpoint(tmp_path, monkeypatc
     monkeypatch.setattr(ckpt, "_write_file", write)
     if fail_at == "commit":
         monkeypatch.setattr(ckpt, "_commit", commit)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(he.CheckpointError, match=r"cannot write the checkpoint .*injected.*previous version"):
         he.save(tmp_path / "c", model, opt)
     assert _versions(tmp_path / "c") == ["v-000001"]  # the partial version is gone, the old one intact
     monkeypatch.setattr(ckpt, "_write_file", real_write)
@@ -605,3 +605,33 @@ def test_a_truncated_manifest_and_a_latest_pointer_that_is_not_text(saved):
     model, opt = trained("adagrad", steps=1)
     he.save(path, model, opt)  # the next save replaces the damaged pointer
     he.load(path, *build())
+
+
+@pytest.mark.parametrize("fails", ["torch.save", "rename"])
+def test_a_write_failure_names_the_file_and_the_os_error(tmp_path, monkeypatch, fails):
+    model, opt = trained("adagrad", steps=1)
+    he.save(tmp_path / "c", model, opt)
+    before = snapshot(model, opt)
+    train(model, opt, range(1, 2))
+    if fails == "torch.save":
+
+        def full(obj, f, *a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(torch, "save", full)
+        words = r"c/\.tmp-v-000002-\d+/tables/ec\.tag\.00000\.pt: No space left on device"
+    else:
+
+        def rename(src, dst):
+            raise PermissionError(13, "Permission denied", str(src))
+
+        monkeypatch.setattr(os, "rename", rename)
+        words = r"c/\.tmp-v-000002-\d+: Permission denied"
+    with pytest.raises(he.CheckpointError, match=r"cannot write the checkpoint .*" + words + r".*writable") as e:
+        he.save(tmp_path / "c", model, opt)
+    assert isinstance(e.value.__cause__, OSError)
+    monkeypatch.undo()
+    assert _versions(tmp_path / "c") == ["v-000001"]
+    fresh, fresh_opt = build("adagrad")
+    he.load(tmp_path / "c", fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), before)

@@ -180,14 +180,33 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_file(path: Path, obj: Any) -> None:
     """One file of a checkpoint: ``torch.save`` (or raw bytes), flushed and fsynced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        if isinstance(obj, bytes):
-            f.write(obj)
-        else:
-            torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            if isinstance(obj, bytes):
+                f.write(obj)
+            else:
+                torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save's writer reports a failed write as RuntimeError
+        raise _WriteError(path, e) from e
+
+
+class _WriteError(OSError):
+    """A checkpoint file that could not be written (becomes a CheckpointError in :func:`save`)."""
+
+    def __init__(self, path: Path, cause: BaseException):
+        super().__init__(f"{path}: {_os_reason(cause)}")
+        self.path = path
+
+
+def _os_reason(e: BaseException) -> str:
+    """The OS error's reason (``No space left on device``), or the first line of another error."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _commit(root: Path, version: str) -> None:
@@ -310,6 +329,17 @@ def save(
     root = Path(path)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory")
+    try:
+        return _save(root, model, optimizer, extra_json, keep)
+    except OSError as e:  # the disk, permissions, a file in the way: say which file and why
+        what = str(e) if isinstance(e, _WriteError) else f"{e.filename or root}: {_os_reason(e)}"
+        raise CheckpointError(
+            f"cannot write the checkpoint {root} ({what}); the previous version, if any, is intact; "
+            "check that the directory is writable and has free space"
+        ) from e
+
+
+def _save(root: Path, model: nn.Module, optimizer, extra_json: dict, keep: int) -> str:
     root.mkdir(parents=True, exist_ok=True)
     _clean(root, keep)
     existing = _versions(root)
