@@ -143,3 +143,36 @@ def test_resume_from_a_malformed_run_state_is_one_line(state, needle, tmp_path, 
     _train_checkpoint(tmp_path / "ckpt", **state)
     assert cli.main(["--resume", str(tmp_path / "ckpt"), "--workdir", str(tmp_path / "w")]) == 2
     assert needle in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "flag, target, needle",
+    [
+        ("--checkpoint", "file", "exists and is not a directory"),
+        ("--checkpoint", "file/sub", "is a file, not a directory"),
+        ("--export", "dir", "is a directory; give a file name"),
+        ("--export", "file/m.pt", "is a file, not a directory"),
+        ("--workdir", "file", "exists and is not a directory"),
+        ("--checkpoint", "readonly/ckpt", "readonly is not writable"),
+    ],
+)
+def test_outputs_that_cannot_be_written_fail_before_training(flag, target, needle, tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "readonly").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: not str(p).endswith("readonly") and real_access(p, mode))
+
+    def no_training(*a, **k):
+        raise AssertionError("trained before checking the outputs")
+
+    monkeypatch.setattr(cli, "load_data", no_training)
+    monkeypatch.setattr(cli, "train_epoch", no_training)
+    data = [] if flag == "--workdir" else ["--data", str(tmp_path / "day_0.tsv")]
+    given = str(tmp_path / target)
+    workdir = given if flag == "--workdir" else str(tmp_path / "w")
+    argv = [*data, "--workdir", workdir, "--no-progress"] + ([flag, given] if flag != "--workdir" else [])
+    assert cli.main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{flag} {given}" in line and needle in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "readonly"]  # nothing written

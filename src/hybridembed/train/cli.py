@@ -340,7 +340,35 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
         args.export = None
     elif args.export is None:
         args.export = os.path.join(args.workdir, "model.onnx" if args.export_format == "onnx" else "model.pt")
+    _check_outputs(args)
     return state
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any data is read or step trained, outputs that cannot be written."""
+    if not args.data:  # the generated data goes there
+        _check_output("--workdir", args.workdir, directory=True)
+    if args.checkpoint:
+        _check_output("--checkpoint", args.checkpoint, directory=True)
+        _check_output("--checkpoint", os.path.join(args.checkpoint, MODEL_DIR), directory=True)
+    if args.export:
+        _check_output("--export", args.export, directory=False)
+
+
+def _check_output(flag: str, path: str, directory: bool) -> None:
+    """``path`` can be written: a directory (made if absent) or a file; nothing is created."""
+    full = os.path.abspath(path)
+    if directory and os.path.exists(full) and not os.path.isdir(full):
+        raise UsageError(f"{flag} {path}: exists and is not a directory; give a directory")
+    if not directory and os.path.isdir(full):
+        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {os.path.join(path, 'model.pt')}")
+    where = full if directory and os.path.isdir(full) else os.path.dirname(full)
+    while not os.path.exists(where):  # the nearest existing folder is where it will be made
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise UsageError(f"{flag} {path}: {where} is a file, not a directory")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {where} is not writable; give another path")
 
 
 def _arch(args: argparse.Namespace) -> dict[str, Any]:
