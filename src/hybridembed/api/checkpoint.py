@@ -398,13 +398,13 @@ def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
         used.add(stem)
         rel = f"tables/{stem}.00000.pt"
         state = sparse[q]["state"] if opt_state is not None and q in sparse else {}
+        entry = serial.table_entry(t.storage, t.name)
         if t.kind == "dense":
-            rows = t.collection.weight(t.name).clone()  # its own storage: a view would save the whole group
+            rows = entry["weight"].clone()  # its own storage: a view would save the whole group
             n = rows.shape[0]
             write(rel, {"weight": rows, "state": state})  # state: already copies (optimizer.state_dict())
             shards = [{"file": rel, "row_start": 0, "row_end": n}]
         else:
-            entry = t.storage.save_table(t.name)
             n = entry["ids"].numel()
             if state and not torch.equal(sparse[q]["ids"].to(entry["ids"].device), entry["ids"]):
                 raise CheckpointError(
@@ -890,7 +890,7 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
         if problems:
             return {}, problems
         ps = [{k: v for k, v in p.items() if k != "state"} for _, p in parts]
-        entry = dict(ps[0])  # what the storage saved (save_table), passed back as is
+        entry = dict(ps[0])  # what the storage saved (serial.table_entry), passed back as is
         if len(ps) > 1:  # per-row entries concatenate; counters of disjoint shards add up; time is the latest
             entry.update({k: torch.cat([p[k] for p in ps]) for k in serial.PER_ROW_KEYS})
             entry["stats"] = torch.stack([p["stats"] for p in ps]).sum(0)

@@ -31,7 +31,7 @@ import torch
 
 from .base import RowStorage
 
-__all__ = ["DYNAMIC_KEYS", "PER_ROW_KEYS", "table_entry", "check_entry", "load_entry"]
+__all__ = ["DYNAMIC_KEYS", "PER_ROW_KEYS", "table_entry", "check_entry", "load_entry", "dense_as_dynamic"]
 
 DYNAMIC_KEYS = ("ids", "weight", "last_seen", "freq", "stats", "clock")  # required in a dynamic entry
 PER_ROW_KEYS = ("ids", "weight", "last_seen", "freq")  # one element (or row) per id
@@ -135,6 +135,20 @@ def check_entry(
                 f"(saved on another kind of device?), got {_shape(gen)}"
             )
     return [], errors
+
+
+def dense_as_dynamic(storage: RowStorage, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A dense (N, D) matrix as an entry of a dynamic table of ``storage``: ids ``0..N-1``, fresh counters."""
+    n = weight.shape[0]
+    dev = storage.weight.device
+    return {
+        "ids": torch.arange(n, device=dev),
+        "weight": weight,
+        "last_seen": torch.zeros(n, dtype=torch.int64, device=dev),
+        "freq": torch.zeros(n, dtype=torch.int64, device=dev),
+        "stats": torch.zeros_like(storage.stats[0]),
+        "clock": torch.tensor(0),
+    }
 
 
 def load_entry(storage: RowStorage, name: str, entry: dict[str, Any]) -> None:
