@@ -1,6 +1,6 @@
 """Tests for ``hybridembed.init``: row-keyed initializers (DESIGN.md, invariant 1).
 
-Run: /work/venv/bin/python -m pytest -q tests/test_init.py
+Run: python -m pytest -q tests/test_init.py
 
 Statistics are checked on 100k samples against closed forms; determinism is checked
 by generating the same rows in different calls, placements and processes.

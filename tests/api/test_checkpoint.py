@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import hybridembed as he
 from hybridembed.api import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
+HE_SRC = str(Path(he.__file__).resolve().parents[1])  # the subprocesses import the hybridembed tested here
 D = 4
 B = 6
 K = 3  # steps before the checkpoint, and after it
@@ -25,13 +27,14 @@ class Net(nn.Module):
     """Two layers converted by he.convert (one made dynamic), an EmbeddingCollection with a
     dense and a dynamic table, and an MLP."""
 
-    def __init__(self, tag_dim=D, tag_dtype=torch.float32, extra_table=False, drop_query=False):
+    def __init__(self, tag_dim=D, tag_dtype=torch.float32, extra_table=False, drop_query=False, query_dynamic=None):
         super().__init__()
         self.user = nn.Embedding(50, D)
         self.items = nn.EmbeddingBag(40, D, mode="mean")
         tables = [he.TableConfig("tag", 10, tag_dim, dtype=tag_dtype)]
         if not drop_query:
-            tables.append(he.TableConfig("query", None, D, combiner="mean", dynamic=he.Dynamic()))
+            dynamic = query_dynamic or he.Dynamic()
+            tables.append(he.TableConfig("query", None, D, combiner="mean", dynamic=dynamic))
         if extra_table:
             tables.append(he.TableConfig("more", 5, D))
         self.ec = he.EmbeddingCollection(tables, seed=3)
@@ -122,7 +125,7 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     result = tmp_path / "resumed.pt"
     code = f"""
 import sys, torch
-sys.path.insert(0, {str(ROOT)!r})
+sys.path[:0] = [{str(ROOT)!r}, {HE_SRC!r}]
 import hybridembed as he
 from tests.api.test_checkpoint import build, train, snapshot, K
 torch.set_num_threads(1)
@@ -136,9 +139,7 @@ for name in ("adagrad", "adam"):
 torch.save(out, {str(result)!r})
 """
     env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run(
-        ["/work/venv/bin/python", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(result, weights_only=True)
     for name in ("adagrad", "adam"):
@@ -216,7 +217,7 @@ def test_a_save_that_fails_midway_leaves_the_old_checkpoint(tmp_path, monkeypatc
     monkeypatch.setattr(ckpt, "_write_file", write)
     if fail_at == "commit":
         monkeypatch.setattr(ckpt, "_commit", commit)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(he.CheckpointError, match=r"cannot write the checkpoint .*injected.*previous version"):
         he.save(tmp_path / "c", model, opt)
     assert _versions(tmp_path / "c") == ["v-000001"]  # the partial version is gone, the old one intact
     monkeypatch.setattr(ckpt, "_write_file", real_write)
@@ -229,7 +230,7 @@ def test_a_save_that_fails_midway_leaves_the_old_checkpoint(tmp_path, monkeypatc
 def test_a_process_killed_midway_leaves_the_old_checkpoint(tmp_path):
     code = f"""
 import os, sys, torch
-sys.path.insert(0, {str(ROOT)!r})
+sys.path[:0] = [{str(ROOT)!r}, {HE_SRC!r}]
 import hybridembed as he
 from hybridembed.api import checkpoint as ckpt
 from tests.api.test_checkpoint import trained, train, snapshot
@@ -248,9 +249,7 @@ ckpt._write_file = dying
 he.save({str(tmp_path / "c")!r}, model, opt)
 """
     env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run(
-        ["/work/venv/bin/python", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 17, proc.stderr[-3000:]
     leftovers = [n for n in _versions(tmp_path / "c") if n.startswith(".tmp-")]
     assert len(leftovers) == 1 and "v-000002" in leftovers[0]  # the dead save's partial version
@@ -302,7 +301,7 @@ def test_shards_written_by_several_ranks_load_as_one_table(tmp_path):
         os.remove(vdir / shard["file"])
         del manifest["files"][shard["file"]]
         spec["shards"] = pieces
-    (vdir / "manifest.json").write_text(json.dumps(manifest))
+    _write_manifest(vdir, manifest)
     fresh, fresh_opt = build("adam")
     he.load(tmp_path / "c", fresh, fresh_opt)
     assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
@@ -394,3 +393,245 @@ def test_save_refuses_a_path_that_is_a_file_and_unserialisable_extra(tmp_path):
         he.save(tmp_path / "c", model, extra={"x": object()})
     with pytest.raises(he.CheckpointError, match="no checkpoint"):
         he.load(tmp_path / "nothing", model)
+
+
+# --- all or nothing: settings and file contents that do not fit the model ------------------------------
+def test_a_dynamic_table_with_another_sketch_is_refused_and_unchanged(tmp_path):
+    model, opt = trained(query_dynamic=he.Dynamic(min_count=2, sketch_width=64))
+    he.save(tmp_path / "c", model, opt)
+    other, other_opt = trained(steps=1, query_dynamic=he.Dynamic(min_count=2, sketch_width=128))
+    before = snapshot(other, other_opt)
+    with pytest.raises(he.CheckpointError, match=r"ec\.query\.sketch: .* 4 x 64 counters .*sketch_width=128") as e:
+        he.load(tmp_path / "c", other, other_opt)
+    assert "nothing was loaded" in str(e.value)
+    assert_identical(snapshot(other, other_opt), before)
+    plain, plain_opt = build()  # min_count=1 keeps no sketch: the saved one is not needed
+    he.load(tmp_path / "c", plain, plain_opt)
+
+
+def _rewrite(vdir: Path, rel: str, change) -> None:
+    """Replace file ``rel`` of a version by ``change(its contents)``, with the manifest's size and
+    checksums made to match: a consistent checkpoint that does not fit the model."""
+    obj = torch.load(vdir / rel, weights_only=True)
+    torch.save(change(obj), vdir / rel)
+    manifest = json.loads((vdir / "manifest.json").read_text())
+    manifest["files"][rel] = {"bytes": (vdir / rel).stat().st_size, "sha256": ckpt._sha256(vdir / rel)}
+    _write_manifest(vdir, manifest)
+
+
+def _write_manifest(vdir: Path, manifest: dict) -> None:
+    """Write an edited manifest with a checksum that matches it (as a writer of shards would)."""
+    (vdir / "manifest.json").write_text(json.dumps(ckpt._sealed(manifest)))
+
+
+def _bad_state(shard):
+    shard["state"] = {k: v[:-1] for k, v in shard["state"].items()}  # one row short
+    return shard
+
+
+INCONSISTENT = {
+    "optimizer-state-rows": (
+        "tables/ec.tag.00000.pt",
+        _bad_state,
+        r"table 'ec.tag': optimizer state 'sum' is \(9, 4\)",
+    ),
+    "dynamic-optimizer-state": (
+        "tables/ec.query.00000.pt",
+        _bad_state,
+        r"table 'ec.query': optimizer state 'sum' is",
+    ),
+    "dense-tensor-shape": (
+        "dense.pt",
+        lambda d: {**d, "mlp.0.weight": torch.zeros(3, 3)},
+        r"'dense.pt': 'mlp.0.weight' is \(3, 3\) float32, the model's \(8, 16\) float32",
+    ),
+    "dynamic-counters": (
+        "tables/hybridembed.user.00000.pt",
+        lambda d: {**d, "freq": d["freq"][:-1]},
+        r"hybridembed.user.freq: expected \(\d+,\) integers",
+    ),
+    "row-dtype": (
+        "tables/hybridembed.items.00000.pt",
+        lambda d: {**d, "weight": d["weight"].double()},
+        r"hybridembed.items.weight: dtype torch.float64, the table's is torch.float32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(INCONSISTENT))
+def test_file_contents_that_do_not_fit_are_refused_and_nothing_changes(saved, case):
+    path, vdir = saved
+    rel, change, words = INCONSISTENT[case]
+    _rewrite(vdir, rel, change)
+    model, opt = trained("adagrad", steps=1)
+    before = snapshot(model, opt)
+    with pytest.raises(he.CheckpointError, match=words) as e:
+        he.load(path, model, opt)
+    assert "nothing was loaded" in str(e.value)
+    assert_identical(snapshot(model, opt), before)
+
+
+# --- the manifest: checksummed, every field typed -----------------------------------------------------
+def _manifest(vdir: Path) -> dict:
+    return json.loads((vdir / "manifest.json").read_text())
+
+
+def _refused(path, words):
+    model, opt = trained("adagrad", steps=1)
+    before = snapshot(model, opt)
+    with pytest.raises(he.CheckpointError, match=words):
+        he.load(path, model, opt)
+    assert_identical(snapshot(model, opt), before)
+
+
+def test_a_flipped_digit_in_extra_is_caught_by_the_manifest_checksum(tmp_path):
+    model, opt = trained("adagrad")
+    he.save(tmp_path / "c", model, opt, extra={"epoch": 3, "step": 120})
+    vdir = Path(ckpt.read_manifest(tmp_path / "c")["path"])
+    text = (vdir / "manifest.json").read_text()
+    assert text.count('"epoch": 3') == 1
+    (vdir / "manifest.json").write_text(text.replace('"epoch": 3', '"epoch": 7'))
+    with pytest.raises(he.CheckpointError, match=r"manifest.json does not match its checksum .*'manifest_sha256'"):
+        ckpt.read_manifest(tmp_path / "c")
+    _refused(tmp_path / "c", "does not match its checksum")
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda m: m.__setitem__("extrb", m.pop("extra")), "does not match its checksum"),  # a changed key
+        (lambda m: m["tables"]["ec.tag"].__setitem__("rows", 11), "does not match its checksum"),
+        (lambda m: m.pop("manifest_sha256"), "has no checksum"),
+    ],
+    ids=["renamed-key", "changed-value", "no-checksum"],
+)
+def test_an_edited_manifest_is_refused(saved, edit, words):
+    path, vdir = saved
+    m = _manifest(vdir)
+    edit(m)
+    (vdir / "manifest.json").write_text(json.dumps(m))
+    _refused(path, f"manifest.json {words}")
+
+
+def _set(*keys, value):
+    def edit(m):
+        d = m
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+
+    return edit
+
+
+# every field with a wrong type (the checksum made to match, as a buggy writer would): one
+# CheckpointError naming the file and the field, never an AttributeError/KeyError/TypeError
+WRONG_TYPES = {
+    "world_size": (_set("world_size", value="1"), "'world_size': expected an int >= 1"),
+    "extra": (_set("extra", value=[1]), "'extra': expected an object"),
+    "created": (_set("created", value=5), "'created': expected a string"),
+    "tables": (_set("tables", value=[]), "'tables': expected an object"),
+    "table": (_set("tables", "ec.tag", value="x"), "'tables.ec.tag': expected an object"),
+    "kind": (_set("tables", "ec.tag", "kind", value="sparse"), "'tables.ec.tag.kind': expected 'dense' or 'dynamic'"),
+    "shape": (_set("tables", "ec.tag", "shape", value=10), r"'tables.ec.tag.shape': expected \[rows, dim\]"),
+    "shape-item": (_set("tables", "ec.tag", "shape", value=["10", 4]), r"'tables.ec.tag.shape': expected"),
+    "dynamic-shape": (_set("tables", "ec.query", "shape", value=[5, 4]), r"'tables.ec.query.shape': expected \[null"),
+    "dtype": (_set("tables", "ec.tag", "dtype", value=None), "'tables.ec.tag.dtype': expected a string"),
+    "rows": (_set("tables", "ec.tag", "rows", value=-1), "'tables.ec.tag.rows': expected an int >= 0"),
+    "optimizer_state": (
+        _set("tables", "ec.tag", "optimizer_state", value="sum"),
+        "'tables.ec.tag.optimizer_state': expected a list of strings",
+    ),
+    "shards": (_set("tables", "ec.tag", "shards", value={}), "'tables.ec.tag.shards': expected a non-empty list"),
+    "shard": (_set("tables", "ec.tag", "shards", value=[3]), r"'tables.ec.tag.shards\[0\]': expected an object"),
+    "row_end": (
+        lambda m: m["tables"]["ec.tag"]["shards"][0].__setitem__("row_end", 10.0),
+        r"'tables.ec.tag.shards\[0\].row_end': expected an int",
+    ),
+    "shard-file": (
+        lambda m: m["tables"]["ec.tag"]["shards"][0].pop("file"),
+        r"'tables.ec.tag.shards\[0\].file' is missing",
+    ),
+    "dynamic-settings": (_set("tables", "ec.query", "dynamic", value=1), "'tables.ec.query.dynamic': expected"),
+    "dense": (_set("dense", value=None), "'dense': expected an object"),
+    "dense-file": (_set("dense", "file", value=1), "'dense.file': expected a string"),
+    "dense-tensors": (_set("dense", "tensors", value=[]), "'dense.tensors': expected an object"),
+    "dense-tensor-shape": (
+        lambda m: next(iter(m["dense"]["tensors"].values())).__setitem__("shape", "8x16"),
+        r"'dense.tensors.mlp.0.weight.shape': expected a list of ints",
+    ),
+    "dense-other": (_set("dense", "other", value=None), "'dense.other': expected a list of strings"),
+    "optimizer": (_set("optimizer", value="adagrad"), "'optimizer': expected an object or null"),
+    "optimizer-kind": (_set("optimizer", "kind", value=1), "'optimizer.kind': expected 'hybrid' or 'torch'"),
+    "optimizer-groups": (
+        _set("optimizer", "dense_param_groups", value=[{"num_params": "3"}]),
+        r"'optimizer.dense_param_groups\[0\].num_params': expected an int",
+    ),
+    "optimizer-sparse": (_set("optimizer", "sparse", value=[]), "'optimizer.sparse': expected an object"),
+    "optimizer-step": (
+        _set("optimizer", "sparse", "ec.tag", "step", value=None),
+        "'optimizer.sparse.ec.tag.step': expected an int",
+    ),
+    "optimizer-hparams": (
+        _set("optimizer", "sparse", "ec.tag", "hparams", value=0.1),
+        "'optimizer.sparse.ec.tag.hparams': expected an object",
+    ),
+    "files": (_set("files", value=None), "'files': expected an object"),
+    "file-bytes": (_set("files", "dense.pt", "bytes", value="12"), "'files.dense.pt.bytes': expected an int"),
+    "file-sha": (_set("files", "dense.pt", "sha256", value=1), "'files.dense.pt.sha256': expected 64 hex digits"),
+    "missing-field": (lambda m: m.pop("torch_version"), "'torch_version' is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_TYPES))
+def test_a_wrongly_typed_manifest_field_is_named(saved, case):
+    path, vdir = saved
+    edit, words = WRONG_TYPES[case]
+    m = _manifest(vdir)
+    edit(m)
+    _write_manifest(vdir, m)
+    with pytest.raises(he.CheckpointError, match=r"manifest.json is malformed; nothing was loaded:\n.*" + words):
+        ckpt.read_manifest(path)
+    _refused(path, words)
+
+
+def test_a_truncated_manifest_and_a_latest_pointer_that_is_not_text(saved):
+    path, vdir = saved
+    data = (vdir / "manifest.json").read_bytes()
+    (vdir / "manifest.json").write_bytes(data[: len(data) // 2])
+    _refused(path, r"manifest.json is not valid JSON")
+    (vdir / "manifest.json").write_bytes(data)
+    (path / "LATEST").write_bytes(b"v-00\xff0001\n")
+    _refused(path, r"LATEST is damaged: byte 4 is not text")
+    model, opt = trained("adagrad", steps=1)
+    he.save(path, model, opt)  # the next save replaces the damaged pointer
+    he.load(path, *build())
+
+
+@pytest.mark.parametrize("fails", ["torch.save", "rename"])
+def test_a_write_failure_names_the_file_and_the_os_error(tmp_path, monkeypatch, fails):
+    model, opt = trained("adagrad", steps=1)
+    he.save(tmp_path / "c", model, opt)
+    before = snapshot(model, opt)
+    train(model, opt, range(1, 2))
+    if fails == "torch.save":
+
+        def full(obj, f, *a, **k):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(torch, "save", full)
+        words = r"c/\.tmp-v-000002-\d+/tables/ec\.tag\.00000\.pt: No space left on device"
+    else:
+
+        def rename(src, dst):
+            raise PermissionError(13, "Permission denied", str(src))
+
+        monkeypatch.setattr(os, "rename", rename)
+        words = r"c/\.tmp-v-000002-\d+: Permission denied"
+    with pytest.raises(he.CheckpointError, match=r"cannot write the checkpoint .*" + words + r".*writable") as e:
+        he.save(tmp_path / "c", model, opt)
+    assert isinstance(e.value.__cause__, OSError)
+    monkeypatch.undo()
+    assert _versions(tmp_path / "c") == ["v-000001"]
+    fresh, fresh_opt = build("adagrad")
+    he.load(tmp_path / "c", fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), before)

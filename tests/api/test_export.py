@@ -5,7 +5,7 @@ feature, a trained dynamic table, an MLP) is exported in both formats, then load
 subprocess where ``import hybridembed`` fails; its outputs on other batch sizes and
 hotnesses, with ids the dynamic table never saw, equal the trained model's in eval mode.
 
-    /work/venv/bin/python -m pytest -q tests/api/test_export.py
+    python -m pytest -q tests/api/test_export.py
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten as pytree_flatten
 
 import hybridembed as he
 from hybridembed.api.export import _count_below
@@ -360,3 +361,153 @@ def test_not_a_module_and_a_model_that_drops_the_weights(tmp_path):
     with pytest.raises(he.HybridEmbedError, match=r"differs from the model's.*check=False"):
         he.export(KeepsIds(), tmp_path / "m.pt", example)
     assert not (tmp_path / "m.pt").exists()
+
+
+# --- export leaves the live model as it was ----------------------------------------------------------
+class PlainNet(nn.Module):
+    """A plain torch model for he.convert: an Embedding with padding_idx, a mean bag of (B, L)
+    ids with padding_idx, a weighted sum bag of (N,) ids and offsets, and one layer made dynamic."""
+
+    def __init__(self):
+        super().__init__()
+        self.user = nn.Embedding(30, D, padding_idx=0)
+        self.items = nn.EmbeddingBag(20, D, mode="mean", padding_idx=1)
+        self.tags = nn.EmbeddingBag(15, D, mode="sum")
+        self.seen = nn.Embedding(1000, D)
+        self.mlp = nn.Linear(4 * D, 1)
+
+    def forward(self, user, items, tags, tag_offsets, tag_weights):
+        tag = self.tags(tags, tag_offsets, per_sample_weights=tag_weights)
+        x = torch.cat([self.user(user), self.items(items), tag, self.seen(user * 31 + 7)], 1)
+        return self.mlp(x).squeeze(1)
+
+
+class ECNet(nn.Module):
+    """An EmbeddingCollection (dense, weighted mean, dynamic) and a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.ec = he.EmbeddingCollection(
+            [
+                he.TableConfig("a", 30, D),
+                he.TableConfig("b", 20, D, combiner="mean"),
+                he.TableConfig("c", None, D, dynamic=he.Dynamic()),
+            ],
+            seed=5,
+        )
+        self.mlp = nn.Linear(3 * D, 1)
+
+    def forward(self, batch):
+        e = self.ec(batch)
+        return self.mlp(torch.cat([e["a"], e["b"], e["c"]], 1)).squeeze(1)
+
+
+def plain_inputs(step: int, b: int = 4, h: int = 3) -> tuple:
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 4, (b,), generator=g)
+    lengths[1] = 0  # an empty bag
+    n = int(lengths.sum())
+    return (
+        torch.randint(0, 30, (b,), generator=g),  # user; 0 is padding
+        torch.randint(0, 20, (b, h), generator=g),  # items; 1 is padding
+        torch.randint(0, 15, (n,), generator=g),  # tags, in bags starting at
+        torch.cumsum(lengths, 0) - lengths,  # (B,) offsets
+        torch.rand(n, generator=g),
+    )
+
+
+def ec_inputs(step: int) -> tuple:
+    g = torch.Generator().manual_seed(step)
+    return (
+        {
+            "a": torch.randint(-1, 30, (4, 2), generator=g),
+            "b": torch.randint(-1, 20, (4, 3), generator=g),
+            "c": torch.randint(0, 10**9, (4, 2), generator=g),
+        },
+    )
+
+
+def twin(kind: str, opt_name: str):
+    torch.manual_seed(1)
+    if kind == "converted":
+        model = he.convert(PlainNet(), tables={"seen": {"dynamic": he.Dynamic()}}, seed=2)
+    else:
+        model = ECNet()
+    opt_cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.Adagrad
+    return model, he.wrap_optimizer(opt_cls(model.parameters(), lr=0.1), model)
+
+
+def train_steps(model, opt, inputs, steps):
+    for s in steps:
+        opt.zero_grad()
+        (model(*inputs(s)) ** 2).sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
+@pytest.mark.parametrize("kind, opt_name", [("converted", "adagrad"), ("converted", "sgd"), ("ec", "adagrad")])
+def test_export_leaves_the_live_model_training_as_before(kind, opt_name, fmt, tmp_path):
+    if fmt == "onnx":
+        pytest.importorskip("onnxscript")
+    inputs = plain_inputs if kind == "converted" else ec_inputs
+    model, opt = twin(kind, opt_name)
+    other, other_opt = twin(kind, opt_name)  # never exported
+    train_steps(model, opt, inputs, range(3))
+    train_steps(other, other_opt, inputs, range(3))
+    he.export(model, tmp_path / "m", inputs(100), format=fmt)  # ids the dynamic tables never saw
+    assert model.training
+    train_steps(model, opt, inputs, range(3, 6))
+    train_steps(other, other_opt, inputs, range(3, 6))
+    a, b = model.state_dict(), other.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    sa, sb = opt.state_dict(), other_opt.state_dict()
+    flat_a, spec_a = pytree_flatten(sa)
+    flat_b, spec_b = pytree_flatten(sb)
+    assert spec_a == spec_b
+    for x, y in zip(flat_a, flat_b):
+        assert torch.equal(x, y) if torch.is_tensor(x) else x == y
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
+def test_a_converted_model_serves_other_batch_sizes(fmt, tmp_path):
+    if fmt == "onnx":
+        ort = pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxscript")
+    model, opt = twin("converted", "adagrad")
+    train_steps(model, opt, plain_inputs, range(3))
+    path = he.export(model, tmp_path / "m", plain_inputs(100), format=fmt)
+    for b, h in [(2, 1), (9, 5)]:
+        x = plain_inputs(200 + b, b, h)
+        model.eval()
+        with torch.no_grad():
+            want = model(*x)
+        model.train()
+        if fmt == "torchscript":
+            got = torch.jit.load(str(path))(*x)
+        else:
+            s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            got = torch.from_numpy(s.run(None, {i.name: t.numpy() for i, t in zip(s.get_inputs(), x)})[0])
+        torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["converted", "ec"])
+def test_out_of_range_example_ids_are_refused_by_the_models_validation(kind, tmp_path):
+    model, opt = twin(kind, "sgd")
+    train_steps(model, opt, plain_inputs if kind == "converted" else ec_inputs, range(2))
+    if kind == "converted":
+        bad = list(plain_inputs(100))
+        bad[0] = torch.tensor([1, 2, 30, 4])  # the user table has rows 0..29
+        feature = "user"
+    else:
+        (bad,) = ec_inputs(100)
+        bad = (dict(bad, a=torch.tensor([[1, 2], [30, -1], [3, 4], [5, 6]])),)
+        feature = "'a'"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(he.InvalidInputError, match=f"{feature}.*30"):
+        he.export(model, tmp_path / "m.pt", tuple(bad))
+    assert not (tmp_path / "m.pt").exists()
+    assert model.training and all(m.training for m in model.modules())
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)

@@ -1,6 +1,6 @@
 """Tests for ``hybridembed.input.jagged``: every constructor, the accessors, validation.
 
-Run: /work/venv/bin/python -m pytest -q tests/input/test_jagged.py
+Run: python -m pytest -q tests/input/test_jagged.py
 
 The reference for every input form is a plain-Python description of the bags
 (``bags``: list of lists of ids, ``wbags``: list of lists of weights or None).

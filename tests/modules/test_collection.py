@@ -1,6 +1,6 @@
 """``EmbeddingCollection`` against an independent reference.
 
-Run: /work/venv/bin/python -m pytest -q tests/modules/test_collection.py
+Run: python -m pytest -q tests/modules/test_collection.py
 
 Reference: ``torch.nn.functional.embedding_bag`` / ``embedding`` per feature on a detached
 copy of each table's rows, or, where PyTorch has no such mode (weighted mean, sqrtn),

@@ -1,6 +1,6 @@
 """Bad input through ``EmbeddingCollection.forward`` and bad configurations (DESIGN.md, invariant 3).
 
-Run: /work/venv/bin/python -m pytest -q tests/modules/test_validation.py
+Run: python -m pytest -q tests/modules/test_validation.py
 
 Every bad input must raise ``hybridembed.InvalidInputError`` (a ``ValueError``) naming the
 feature and, where there is one, the first bad position, before any row is touched.

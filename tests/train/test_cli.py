@@ -105,3 +105,74 @@ def test_resume_from_a_directory_that_is_no_checkpoint(tmp_path, capsys):
 def test_dispatcher_lists_train(capsys):
     assert top.main([]) == 2
     assert "train" in capsys.readouterr().out
+
+
+def _train_checkpoint(path, **state) -> None:
+    """A checkpoint as hybridembed train writes it (its run state in the manifest), of a tiny model."""
+    import torch
+
+    import hybridembed as he
+
+    run = {"format": cli.STATE_FORMAT, "arch": dict(cli.ARCH_DEFAULTS), "epoch": 3, "batches_done": 0, "step": 90}
+    run["complete"] = True
+    run.update(state)
+    he.save(path / cli.MODEL_DIR, torch.nn.Linear(2, 1), extra={cli.STATE_KEY: run})
+
+
+def test_resume_from_a_damaged_manifest_fails_before_training(tmp_path, capsys):
+    _train_checkpoint(tmp_path / "ckpt")
+    (manifest,) = (tmp_path / "ckpt" / cli.MODEL_DIR).glob("v-*/manifest.json")
+    text = manifest.read_text()
+    manifest.write_text(text.replace('"epoch": 3', '"epoch": 7'))  # a flipped digit: resume at the wrong epoch
+    assert cli.main(["--resume", str(tmp_path / "ckpt"), "--workdir", str(tmp_path / "w")]) == 2
+    assert "manifest.json does not match its checksum" in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize(
+    "state, needle",
+    [
+        ({"epoch": "3"}, "hybridembed_train.epoch is '3', expected an int >= 0"),
+        ({"step": -1}, "hybridembed_train.step is -1"),
+        ({"complete": 1}, "hybridembed_train.complete is 1, expected true or false"),
+        ({"arch": {"mlp": "128,64"}}, "hybridembed_train.arch.mlp is '128,64', expected a list of ints"),
+        ({"arch": {"width": 3}}, "unknown flag 'width'"),
+    ],
+)
+def test_resume_from_a_malformed_run_state_is_one_line(state, needle, tmp_path, capsys):
+    _train_checkpoint(tmp_path / "ckpt", **state)
+    assert cli.main(["--resume", str(tmp_path / "ckpt"), "--workdir", str(tmp_path / "w")]) == 2
+    assert needle in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "flag, target, needle",
+    [
+        ("--checkpoint", "file", "exists and is not a directory"),
+        ("--checkpoint", "file/sub", "is a file, not a directory"),
+        ("--export", "dir", "is a directory; give a file name"),
+        ("--export", "file/m.pt", "is a file, not a directory"),
+        ("--workdir", "file", "exists and is not a directory"),
+        ("--checkpoint", "readonly/ckpt", "readonly is not writable"),
+    ],
+)
+def test_outputs_that_cannot_be_written_fail_before_training(flag, target, needle, tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "readonly").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: not str(p).endswith("readonly") and real_access(p, mode))
+
+    def no_training(*a, **k):
+        raise AssertionError("trained before checking the outputs")
+
+    monkeypatch.setattr(cli, "load_data", no_training)
+    monkeypatch.setattr(cli, "train_epoch", no_training)
+    data = [] if flag == "--workdir" else ["--data", str(tmp_path / "day_0.tsv")]
+    given = str(tmp_path / target)
+    workdir = given if flag == "--workdir" else str(tmp_path / "w")
+    argv = [*data, "--workdir", workdir, "--no-progress"] + ([flag, given] if flag != "--workdir" else [])
+    assert cli.main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{flag} {given}" in line and needle in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "readonly"]  # nothing written

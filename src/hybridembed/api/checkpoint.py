@@ -8,7 +8,9 @@ and then flips a one-line pointer file::
       v-000007/
         manifest.json               format version, hybridembed/torch versions, tables (kind,
                                     shape, dtype, rows, shards), optimizer names and
-                                    hyper-parameters, every file with its size and sha256
+                                    hyper-parameters, ``extra``, every file with its size and
+                                    sha256, and ``manifest_sha256``: the sha256 of the manifest's
+                                    canonical JSON (sorted keys, no spaces) without that key
         dense.pt                    every parameter and buffer outside the tables
         tables/<table>.00000.pt     one shard of one table: its rows BY ROW ID (dense: rows
                                     row_start..row_end-1; dynamic: ids and rows) and the
@@ -36,9 +38,13 @@ needs into ``save(..., extra={...})`` (stored in the manifest, committed atomica
 the rows) and read it back from ``load(...)["extra"]``.
 
 Loading (:func:`load`) checks, before changing any parameter, buffer, row or optimizer
-state: the manifest (readable JSON, known format version), the model against it (tables
+state: the manifest (readable JSON, known format version, its checksum, the type of every
+field: any damage, e.g. a flipped digit of ``extra``, is a CheckpointError naming the file
+and field), the model against it (tables
 missing or unexpected, kind, dim, dtype, row count, dense parameters and buffers), every
-file (present, size, sha256), and the optimizer. Every difference found is listed in one
+file (present, size, sha256), the files' contents against the model (every table entry
+with :func:`hybridembed.storage.serial.check_entry`, the dense tensors, the optimizer
+state's shapes) and the optimizer. Every difference found is listed in one
 :class:`~hybridembed.CheckpointError`.
 
     >>> import tempfile, torch, hybridembed as he
@@ -72,7 +78,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..modules import EmbeddingCollection
 from ..optim.wrapper import HybridOptimizer
-from ..storage import RowStorage
+from ..storage import RowStorage, serial
 from ..utils import get_logger
 from .convert import _TableLayer
 
@@ -81,13 +87,12 @@ __all__ = ["save", "load", "read_manifest", "checkpoint_tables", "FORMAT_VERSION
 log = get_logger(__name__)
 
 FORMAT = "hybridembed-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest is checksummed (version 1, without, is still read)
 POINTER = "LATEST"
 MANIFEST = "manifest.json"
+CHECKSUM_KEY = "manifest_sha256"  # sha256 of the manifest's canonical JSON without this key
 _VERSION_RE = re.compile(r"^v-(\d{6,})$")
 _TMP_RE = re.compile(r"^\.tmp-v-\d+-(\d+)$")
-_DYNAMIC_ENTRY = ("ids", "weight", "last_seen", "freq", "stats", "clock")
-_PER_ROW = ("ids", "weight", "last_seen", "freq")
 _CHUNK = 1 << 22
 
 
@@ -175,14 +180,33 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_file(path: Path, obj: Any) -> None:
     """One file of a checkpoint: ``torch.save`` (or raw bytes), flushed and fsynced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        if isinstance(obj, bytes):
-            f.write(obj)
-        else:
-            torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            if isinstance(obj, bytes):
+                f.write(obj)
+            else:
+                torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save's writer reports a failed write as RuntimeError
+        raise _WriteError(path, e) from e
+
+
+class _WriteError(OSError):
+    """A checkpoint file that could not be written (becomes a CheckpointError in :func:`save`)."""
+
+    def __init__(self, path: Path, cause: BaseException):
+        super().__init__(f"{path}: {_os_reason(cause)}")
+        self.path = path
+
+
+def _os_reason(e: BaseException) -> str:
+    """The OS error's reason (``No space left on device``), or the first line of another error."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _commit(root: Path, version: str) -> None:
@@ -227,12 +251,27 @@ def _versions(root: Path) -> list[str]:
     return sorted(names, key=lambda n: int(n[2:]))
 
 
-def _current(root: Path) -> str | None:
+def _read_pointer(root: Path) -> str | None:
+    """What ``root/LATEST`` names (stripped), None when absent; CheckpointError when it is not text."""
     try:
-        name = (root / POINTER).read_text().strip()
+        data = (root / POINTER).read_bytes()
     except FileNotFoundError:
         return None
-    return name if _VERSION_RE.match(name) else None
+    try:
+        return data.decode("ascii").strip()
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{root / POINTER} is damaged: byte {e.start} is not text (it should hold a version name like "
+            "'v-000001'); point it at a version directory of that folder or load that directory directly"
+        ) from None
+
+
+def _current(root: Path) -> str | None:
+    try:
+        name = _read_pointer(root)
+    except CheckpointError:  # a damaged pointer names no version; the next commit replaces it
+        return None
+    return name if name is not None and _VERSION_RE.match(name) else None
 
 
 def _clean(root: Path, keep: int) -> None:
@@ -290,6 +329,17 @@ def save(
     root = Path(path)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory")
+    try:
+        return _save(root, model, optimizer, extra_json, keep)
+    except OSError as e:  # the disk, permissions, a file in the way: say which file and why
+        what = str(e) if isinstance(e, _WriteError) else f"{e.filename or root}: {_os_reason(e)}"
+        raise CheckpointError(
+            f"cannot write the checkpoint {root} ({what}); the previous version, if any, is intact; "
+            "check that the directory is writable and has free space"
+        ) from e
+
+
+def _save(root: Path, model: nn.Module, optimizer, extra_json: dict, keep: int) -> str:
     root.mkdir(parents=True, exist_ok=True)
     _clean(root, keep)
     existing = _versions(root)
@@ -299,7 +349,7 @@ def save(
     try:
         tmp.mkdir()
         manifest = _write_version(tmp, model, optimizer, extra_json)
-        _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=False) + "\n").encode())
+        _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1, sort_keys=False) + "\n").encode())
         for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
             _fsync_dir(d)
         os.rename(tmp, final)
@@ -348,13 +398,13 @@ def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
         used.add(stem)
         rel = f"tables/{stem}.00000.pt"
         state = sparse[q]["state"] if opt_state is not None and q in sparse else {}
+        entry = serial.table_entry(t.storage, t.name)
         if t.kind == "dense":
-            rows = t.collection.weight(t.name).clone()  # its own storage: a view would save the whole group
+            rows = entry["weight"].clone()  # its own storage: a view would save the whole group
             n = rows.shape[0]
             write(rel, {"weight": rows, "state": state})  # state: already copies (optimizer.state_dict())
             shards = [{"file": rel, "row_start": 0, "row_end": n}]
         else:
-            entry = t.storage.save_table(t.name)
             n = entry["ids"].numel()
             if state and not torch.equal(sparse[q]["ids"].to(entry["ids"].device), entry["ids"]):
                 raise CheckpointError(
@@ -445,7 +495,7 @@ def _version_dir(path: str | os.PathLike) -> Path:
     pointer = root / POINTER
     if not pointer.is_file():
         raise CheckpointError(f"no checkpoint at {root}: {POINTER} is missing (no save ever completed there)")
-    name = pointer.read_text().strip()
+    name = _read_pointer(root)
     if not _VERSION_RE.match(name):
         raise CheckpointError(f"{pointer} holds {name!r}, not a version name like 'v-000001'")
     if not (root / name).is_dir():
@@ -459,25 +509,174 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     vdir = _version_dir(path)
     mpath = vdir / MANIFEST
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json.loads(mpath.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{mpath} is missing") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:  # (JSONDecodeError is a ValueError)
         raise CheckpointError(f"{mpath} is not valid JSON ({e}); the checkpoint is damaged") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath} is not a hybridembed checkpoint manifest (format != {FORMAT!r})")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in (1, FORMAT_VERSION):
         raise CheckpointError(
             f"{mpath}: checkpoint format version {version!r} is unknown; this hybridembed "
-            f"({_version()}) reads version {FORMAT_VERSION}"
+            f"({_version()}) reads versions 1 to {FORMAT_VERSION}"
             + ("; upgrade hybridembed" if isinstance(version, int) and version > FORMAT_VERSION else "")
         )
-    for key in ("tables", "dense", "files"):
-        if not isinstance(manifest.get(key), dict):
-            raise CheckpointError(f"{mpath}: the manifest has no valid {key!r} section")
+    if version >= 2:
+        stored = manifest.pop(CHECKSUM_KEY, None)
+        if stored != _manifest_sha256(manifest):
+            what = "has no checksum" if stored is None else "does not match its checksum"
+            raise CheckpointError(
+                f"{mpath} {what} (field {CHECKSUM_KEY!r}): the manifest was changed or damaged after it was "
+                "written; nothing was loaded. Load an older version directory of this checkpoint, or save again"
+            )
+    else:
+        log.warning("%s: format version 1 has no manifest checksum; save again to get one", mpath)
+    problems = _manifest_problems(manifest)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise CheckpointError(f"{mpath} is malformed; nothing was loaded:\n{lines}")
     manifest["path"] = str(vdir)  # where it was read from (not stored in the file)
     return manifest
+
+
+def _manifest_sha256(manifest: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces, ASCII) of ``manifest`` without its checksum."""
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _sealed(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with its checksum added under :data:`CHECKSUM_KEY` (last)."""
+    return {**manifest, CHECKSUM_KEY: _manifest_sha256(manifest)}
+
+
+# --- the manifest's schema: the type of every field -----------------------------------------------
+def _is_int(v: Any, low: int | None = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and (low is None or v >= low)
+
+
+def _kind_name(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+class _Schema:
+    """Collects ``field 'a.b': expected ..., got ...`` for every wrongly typed field of a manifest."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def bad(self, where: str, expected: str, got: Any) -> None:
+        shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 60 else _kind_name(got)
+        self.problems.append(f"field {where!r}: expected {expected}, got {shown}")
+
+    def need(self, d: Mapping, key: str, where: str, test, expected: str) -> Any:
+        if key not in d:
+            self.problems.append(f"field {(where + '.' if where else '') + key!r} is missing")
+            return None
+        v = d[key]
+        if not test(v):
+            self.bad((where + "." if where else "") + key, expected, v)
+            return None
+        return v
+
+
+def _dict(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _manifest_problems(m: dict[str, Any]) -> list[str]:
+    """Every field of the manifest whose type (or range) is wrong; empty when it is well formed."""
+    s = _Schema()
+    for key in ("hybridembed_version", "torch_version", "created"):
+        s.need(m, key, "", _str, "a string")
+    s.need(m, "world_size", "", lambda v: _is_int(v, 1), "an int >= 1")
+    s.need(m, "extra", "", _dict, "an object")
+    tables = s.need(m, "tables", "", _dict, "an object {table: entry}") or {}
+    for q, t in tables.items():
+        w = f"tables.{q}"
+        if not _dict(t):
+            s.bad(w, "an object", t)
+            continue
+        kind = s.need(t, "kind", w, lambda v: v in ("dense", "dynamic"), "'dense' or 'dynamic'")
+        s.need(t, "collection", w, _str, "a string")
+        s.need(t, "table", w, _str, "a string")
+        s.need(t, "dtype", w, _str, "a string")
+        s.need(t, "rows", w, _is_int, "an int >= 0")
+        s.need(t, "optimizer_state", w, lambda v: isinstance(v, list) and all(map(_str, v)), "a list of strings")
+        rows_ok = (lambda v: v is None) if kind == "dynamic" else _is_int
+        s.need(
+            t,
+            "shape",
+            w,
+            lambda v, rows_ok=rows_ok: isinstance(v, list) and len(v) == 2 and rows_ok(v[0]) and _is_int(v[1], 1),
+            "[null, dim]" if kind == "dynamic" else "[rows, dim] (ints)",
+        )
+        if kind == "dynamic":
+            s.need(t, "dynamic", w, _dict, "an object (the Dynamic settings)")
+        shards = s.need(t, "shards", w, lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list") or []
+        for i, sh in enumerate(shards):
+            ws = f"{w}.shards[{i}]"
+            if not _dict(sh):
+                s.bad(ws, "an object", sh)
+                continue
+            s.need(sh, "file", ws, _str, "a string")
+            if kind == "dense":
+                s.need(sh, "row_start", ws, _is_int, "an int >= 0")
+                s.need(sh, "row_end", ws, _is_int, "an int >= 0")
+            elif "rows" in sh:
+                s.need(sh, "rows", ws, _is_int, "an int >= 0")
+    dense = s.need(m, "dense", "", _dict, "an object") or {}
+    if dense:
+        s.need(dense, "file", "dense", _str, "a string")
+        tensors = s.need(dense, "tensors", "dense", _dict, "an object {name: {shape, dtype}}") or {}
+        for k, spec in tensors.items():
+            w = f"dense.tensors.{k}"
+            if not _dict(spec):
+                s.bad(w, "an object", spec)
+                continue
+            s.need(spec, "shape", w, lambda v: isinstance(v, list) and all(_is_int(x) for x in v), "a list of ints")
+            s.need(spec, "dtype", w, _str, "a string")
+        s.need(dense, "other", "dense", lambda v: isinstance(v, list) and all(map(_str, v)), "a list of strings")
+    opt = m.get("optimizer", None) if "optimizer" in m else s.need(m, "optimizer", "", _dict, "")
+    if opt is not None:
+        if not _dict(opt):
+            s.bad("optimizer", "an object or null", opt)
+        else:
+            s.need(opt, "file", "optimizer", _str, "a string")
+            s.need(opt, "kind", "optimizer", lambda v: v in ("hybrid", "torch"), "'hybrid' or 'torch'")
+            s.need(opt, "dense", "optimizer", _str, "a string (the optimizer's class)")
+            groups = s.need(opt, "dense_param_groups", "optimizer", lambda v: isinstance(v, list), "a list") or []
+            for i, g in enumerate(groups):
+                w = f"optimizer.dense_param_groups[{i}]"
+                if not _dict(g):
+                    s.bad(w, "an object", g)
+                    continue
+                s.need(g, "num_params", w, _is_int, "an int >= 0")
+            sparse = s.need(opt, "sparse", "optimizer", _dict, "an object {table: entry}") or {}
+            for q, e in sparse.items():
+                w = f"optimizer.sparse.{q}"
+                if not _dict(e):
+                    s.bad(w, "an object", e)
+                    continue
+                s.need(e, "optimizer", w, _str, "a string")
+                s.need(e, "hparams", w, _dict, "an object")
+                s.need(e, "step", w, _is_int, "an int >= 0")
+    files = s.need(m, "files", "", _dict, "an object {file: {bytes, sha256}}") or {}
+    for rel, spec in files.items():
+        w = f"files.{rel}"
+        if not _dict(spec):
+            s.bad(w, "an object", spec)
+            continue
+        s.need(spec, "bytes", w, _is_int, "an int >= 0")
+        s.need(spec, "sha256", w, lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v), "64 hex digits")
+    return s.problems
 
 
 def checkpoint_tables(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
@@ -685,15 +884,15 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
         entry = {"weight": torch.cat([p["weight"] for _, p in parts]) if len(parts) > 1 else parts[0][1]["weight"]}
     else:
         for s, p in parts:
-            ok = isinstance(p, dict) and all(torch.is_tensor(p.get(k)) for k in _DYNAMIC_ENTRY)
+            ok = isinstance(p, dict) and all(torch.is_tensor(p.get(k)) for k in serial.DYNAMIC_KEYS)
             if not ok or tuple(p["weight"].shape) != (p["ids"].numel(), d):
                 problems.append(f"table {q!r}: file {s['file']!r} does not hold ids and (K, {d}) rows")
         if problems:
             return {}, problems
         ps = [{k: v for k, v in p.items() if k != "state"} for _, p in parts]
-        entry = dict(ps[0])  # what the storage saved (save_table), passed back as is
+        entry = dict(ps[0])  # what the storage saved (serial.table_entry), passed back as is
         if len(ps) > 1:  # per-row entries concatenate; counters of disjoint shards add up; time is the latest
-            entry.update({k: torch.cat([p[k] for p in ps]) for k in _PER_ROW})
+            entry.update({k: torch.cat([p[k] for p in ps]) for k in serial.PER_ROW_KEYS})
             entry["stats"] = torch.stack([p["stats"] for p in ps]).sum(0)
             entry["clock"] = torch.stack([p["clock"] for p in ps]).max()
             if all("sketch" in p for p in ps):
@@ -701,7 +900,7 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
             if entry["ids"].unique().numel() != entry["ids"].numel():
                 problems.append(f"table {q!r}: an id appears in more than one shard")
             order = torch.argsort(entry["ids"])
-            entry.update({k: entry[k][order] for k in _PER_ROW})
+            entry.update({k: entry[k][order] for k in serial.PER_ROW_KEYS})
             entry["_order"] = order
     names = sorted(spec.get("optimizer_state", []))
     state = {}
@@ -715,6 +914,74 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
     entry.pop("_order", None)
     entry["state"] = state
     return entry, problems
+
+
+def _check_dense_file(rel: str, dense: dict, model: nn.Module) -> list[str]:
+    """The dense state file's tensors against the model's (shape and dtype), before loading."""
+    problems = []
+    for k, v in _dense_state(model).items():
+        if not torch.is_tensor(v):
+            continue
+        got = dense.get(k)
+        if not torch.is_tensor(got):
+            problems.append(f"file {rel!r}: no tensor {k!r}")
+        elif got.shape != v.shape or got.dtype != v.dtype:
+            problems.append(
+                f"file {rel!r}: {k!r} is {tuple(got.shape)} {_dtype_name(got.dtype)}, the model's "
+                f"{tuple(v.shape)} {_dtype_name(v.dtype)}"
+            )
+    return problems
+
+
+def _check_optimizer_file(opt_file: dict, optimizer, tables: dict[str, _Table], entries: dict) -> list[str]:
+    """The optimizer file against ``optimizer`` (parameter groups; per table: optimizer, step,
+    state of the rows' shapes), before anything is loaded."""
+    hybrid = isinstance(optimizer, HybridOptimizer)
+    sd = opt_file.get("dense") if hybrid else opt_file.get("state_dict")
+    dense = optimizer.dense if hybrid else optimizer
+    if (
+        not isinstance(sd, dict)
+        or not isinstance(sd.get("param_groups"), list)
+        or not isinstance(sd.get("state"), dict)
+    ):
+        return ["the optimizer file holds no dense optimizer state_dict"]
+    problems = []
+    saved_sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in sd["param_groups"]]
+    sizes = [len(g["params"]) for g in dense.param_groups]
+    if saved_sizes != sizes:
+        problems.append(f"the optimizer file's parameter groups hold {saved_sizes} parameters, the optimizer's {sizes}")
+    if not hybrid:
+        return problems
+    saved = opt_file.get("sparse")
+    if not isinstance(saved, dict):
+        return problems + ["the optimizer file holds no per-table optimizer state"]
+    by_name = _table_of_storage(tables)
+    for name in optimizer.sparse_optimizers():
+        q = by_name.get(name)
+        if q is None:
+            continue
+        meta, t = saved.get(q), tables[q]
+        if not isinstance(meta, dict) or not all(k in meta for k in ("optimizer", "hparams", "step", "shape")):
+            problems.append(f"table {q!r}: the optimizer file lacks its optimizer, hparams, step or shape")
+            continue
+        if list(meta["shape"]) != [t.config.num_embeddings, t.config.embedding_dim]:
+            problems.append(f"table {q!r}: optimizer state saved for shape {meta['shape']}, the table is {t.shape}")
+        if not isinstance(meta["step"], int) or not isinstance(meta["hparams"], dict):
+            problems.append(f"table {q!r}: the optimizer file's step or hparams are malformed")
+        have = t.storage.table_state(t.name)
+        state = entries[q]["state"]
+        if set(state) != set(have):
+            problems.append(f"table {q!r}: optimizer state {sorted(state)} in the checkpoint, {sorted(have)} here")
+            continue
+        rows = entries[q]["ids"].numel() if t.kind == "dynamic" else have[next(iter(have))].shape[0] if have else 0
+        for k, v in state.items():
+            want = (rows, *have[k].shape[1:])
+            if tuple(v.shape) != want or not v.is_floating_point():
+                problems.append(
+                    f"table {q!r}: optimizer state {k!r} is {tuple(v.shape)} {_dtype_name(v.dtype)}, "
+                    f"expected {want} floating point"
+                )
+    return problems
 
 
 def load(
@@ -731,7 +998,8 @@ def load(
     ``verify=False`` file sizes are still checked but not the sha256 checksums.
     Returns the manifest (``manifest["extra"]`` holds what ``save(extra=...)`` stored).
     Dynamic tables are replaced by the checkpoint's rows (their ``Dynamic`` settings
-    may differ, as long as the rows fit the capacity).
+    may differ, as long as the rows fit the capacity and, where both keep an admission
+    sketch (``min_count > 1``), its ``sketch_depth`` and ``sketch_width`` are the saved ones).
     """
     manifest = read_manifest(path)
     vdir = Path(manifest["path"])
@@ -753,6 +1021,17 @@ def load(
         if not isinstance(opt_file, dict) or opt_file.get("kind") != manifest["optimizer"]["kind"]:
             problems.append(f"file {manifest['optimizer']['file']!r} does not hold the optimizer state")
     _raise(vdir, problems, "is damaged")
+    # every table entry, the dense state and the optimizer state against the model, before
+    # anything is written: a refused load leaves model and optimizer as they were
+    for q, t in tables.items():
+        missing, errors = serial.check_entry(
+            t.storage, t.name, {k: v for k, v in entries[q].items() if k != "state"}, f"{q}.", strict_dtype=True
+        )
+        problems.extend([f"{k}: missing from the table's files" for k in missing] + errors)
+    problems.extend(_check_dense_file(manifest["dense"]["file"], dense, model))
+    if optimizer is not None:
+        problems.extend(_check_optimizer_file(opt_file, optimizer, tables, entries))
+    _raise(vdir, problems, "does not match the model")
 
     # --- nothing was changed so far; from here on, apply ---------------------------------------
     if dense:
@@ -760,14 +1039,14 @@ def load(
     with torch.no_grad():
         for q, t in tables.items():
             if t.kind == "dense":
-                t.collection.weight(t.name).copy_(entries[q]["weight"])
+                serial.load_entry(t.storage, t.name, entries[q])
         dynamic = [q for q, t in tables.items() if t.kind == "dynamic"]
         # tables that shrink first, so a group's rows never exceed its capacity on the way
         dynamic.sort(key=lambda q: entries[q]["ids"].numel() - tables[q].storage.table_slots(tables[q].name)[0].numel())
         clocks: dict[int, tuple[RowStorage, int]] = {}
         for q in dynamic:
             t = tables[q]
-            t.storage.load_table(t.name, {k: v for k, v in entries[q].items() if k != "state"})
+            serial.load_entry(t.storage, t.name, entries[q])
             clock = max(int(entries[q]["clock"]), clocks.get(id(t.storage), (None, 0))[1])
             clocks[id(t.storage)] = (t.storage, clock)
         for storage, clock in clocks.values():  # the saved time, not max(saved, current): an exact restore

@@ -116,10 +116,11 @@ from torch import nn
 
 from .. import init as _init
 from ..config import STORAGE_DTYPES, Dynamic, TableConfig
-from ..errors import ConfigError, HybridEmbedError, InvalidInputError
+from ..errors import ConfigError, InvalidInputError
 from ..input import Jagged, bag_index, offsets_from_lengths
 from ..modules import EmbeddingCollection
 from ..modules.grouped import LookupQueue
+from ..storage import serial
 from ..utils import get_logger
 
 __all__ = ["convert", "fitted_init", "ConvertedCollection", "HybridEmbedding", "HybridEmbeddingBag", "COLLECTION_ATTR"]
@@ -190,20 +191,6 @@ class _QueueHook:
             queue.enter()
         else:
             queue.exit(ok=output is not None)  # (None: the forward raised)
-
-
-def _plain_dynamic_entry(storage, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A dense (N, D) matrix as a dynamic table entry: ids ``0..N-1``, fresh counters."""
-    n = weight.shape[0]
-    dev = storage.weight.device
-    return {
-        "ids": torch.arange(n, device=dev),
-        "weight": weight,
-        "last_seen": torch.zeros(n, dtype=torch.int64, device=dev),
-        "freq": torch.zeros(n, dtype=torch.int64, device=dev),
-        "stats": torch.zeros_like(storage.stats[0]),
-        "clock": torch.tensor(0),
-    }
 
 
 class _TableLayer(nn.Module):
@@ -283,59 +270,30 @@ class _TableLayer(nn.Module):
         if not bool(j.ok(self.num_embeddings, allow_negative=self.dynamic)):
             j.raise_first_error(self.table, self.num_embeddings, allow_negative=self.dynamic)
 
-    # --- state_dict: the table's entries under this layer's path ---------------------------------
+    # --- state_dict: the table's entries under this layer's path (storage.serial) -------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        storage = self._collection.storage_of(self.table)
-        if self.dynamic:
-            for k, v in storage.save_table(self.table).items():
-                destination[prefix + k] = v
-            return
-        if keep_vars:
-            start = storage.row_offset[self.table]
-            destination[prefix + "weight"] = storage.weight[start : start + self.num_embeddings]
-        else:
-            destination[prefix + "weight"] = self._collection.weight(self.table)
+        for k, v in serial.table_entry(self._collection.storage_of(self.table), self.table, keep_vars).items():
+            destination[prefix + k] = v
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        storage = self._collection.storage_of(self.table)
         mine = {
             k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix) and "." not in k[len(prefix) :]
         }
-        if self.dynamic:
-            self._load_dynamic(mine, prefix, missing, errors)
-        elif "weight" not in mine:
-            missing.append(prefix + "weight")
-        else:
-            src, dst = mine["weight"], self._collection.weight(self.table)
-            if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
-                shape = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
-                errors.append(
-                    f"size mismatch for {prefix}weight: copying a param with shape {shape} from checkpoint, "
-                    f"the shape in current model is {tuple(dst.shape)}."
-                )
-            else:
-                with torch.no_grad():
-                    dst.copy_(src)
+        entry = mine
+        if self.dynamic and set(mine) == {"weight"}:  # a plain (N, D) matrix from the unconverted model: ids 0..N-1
+            w = mine["weight"]
+            if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != self.embedding_dim:
+                errors.append(f"size mismatch for {prefix}weight: expected (N, {self.embedding_dim}) rows")
+                return
+            entry = serial.dense_as_dynamic(storage, w)
+        lacking, problems = serial.check_entry(storage, self.table, entry, prefix)
+        missing.extend(lacking)
+        errors.extend(problems)
+        if not lacking and not problems:
+            serial.load_entry(storage, self.table, entry)
         if strict and not self.dynamic:  # a dynamic table's entry is whatever its storage saves
             unexpected.extend(prefix + k for k in mine if k != "weight")
-
-    def _load_dynamic(self, mine: dict, prefix: str, missing: list, errors: list) -> None:
-        storage = self._collection.storage_of(self.table)
-        dim = self.embedding_dim
-        if set(mine) == {"weight"}:  # a plain (N, D) matrix from the unconverted model: ids 0..N-1
-            w = mine["weight"]
-            if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != dim:
-                errors.append(f"size mismatch for {prefix}weight: expected (N, {dim}) rows")
-                return
-            mine = _plain_dynamic_entry(storage, w)
-        lacking, error = storage.entry_problems(mine, prefix)
-        if lacking or error:
-            missing.extend(lacking)
-            errors.extend([error] if error else [])
-            return
-        try:
-            storage.load_table(self.table, dict(mine))
-        except HybridEmbedError as e:
-            errors.append(f"{prefix}: {e}")
 
     def extra_repr(self) -> str:
         size = "dynamic" if self.dynamic else str(self.num_embeddings)
@@ -783,7 +741,7 @@ def convert(
                         f"layer {paths[0]!r}: copy_dynamic_rows needs {weight.shape[0]} rows but "
                         f"Dynamic(capacity={cap}); raise the capacity or pass copy_dynamic_rows=False"
                     )
-                storage.load_table(cfg.name, _plain_dynamic_entry(storage, weight))
+                storage.load_table(cfg.name, serial.dense_as_dynamic(storage, weight))
             else:
                 emptied.append(cfg.name)
     replaced = {id(layers[0].module.weight): layers[0].paths[0] for layers, _ in plans}

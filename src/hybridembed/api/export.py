@@ -22,7 +22,10 @@ made of plain torch ops: a dense table becomes its ``(R, D)`` weight; a dynamic 
 its sorted ids ``(K,)`` and rows ``(K, D)``, looked up in-graph by a binary search of
 ``bit_length(K)`` unrolled steps (ONNX has no ``searchsorted``), ids without a row reading
 the table's default vector (``Dynamic.default_value``), as the trained model in eval mode.
-The copy is traced (``torch.jit.trace``) or exported with the ONNX exporter
+A layer made by :func:`~hybridembed.convert` (``HybridEmbedding`` / ``HybridEmbeddingBag``)
+becomes a module of plain ops with the layer's own ``forward`` signature (ids of any shape;
+``(B, L)`` ids, or ``(N,)`` ids with offsets and ``per_sample_weights``, for a bag) reading
+the same served table. The copy is traced (``torch.jit.trace``) or exported with the ONNX exporter
 (``torch.onnx.export(dynamo=True)``, i.e. ``torch.export`` + onnxscript), with the batch and
 hotness of every input tensor dynamic.
 
@@ -52,7 +55,8 @@ dtype of the example (give int64 ids).
 
 The served model does not validate: a dense-table id outside ``[0, num_embeddings)`` fails
 in the runtime's gather. Before anything is written, ``export`` runs the model (eval mode,
-no gradient) and the served copy on ``example_inputs`` and the artifact (TorchScript
+no gradient, every module's mode restored after; its validation refuses bad example ids
+with :class:`~hybridembed.InvalidInputError`) and then the served copy on ``example_inputs`` and the artifact (TorchScript
 module; ONNX in onnxruntime when installed) on the served inputs, and refuses to write a
 file whose outputs differ (``check=False`` skips this). Every size of every input tensor is
 dynamic; where the ONNX exporter still fixes one (a size 0 or 1 in some torch versions) a
@@ -82,6 +86,7 @@ from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged
 from ..modules import EmbeddingCollection
 from ..utils import get_logger
+from .convert import HybridEmbeddingBag, _TableLayer
 
 __all__ = ["export", "ServedEmbeddingCollection", "FORMATS", "WEIGHTS_SUFFIX"]
 
@@ -186,8 +191,13 @@ class ServedEmbeddingCollection(nn.Module):
                 table = _ServedTable(name, cfg.compute_dtype, ids=ids, rows=rows, default=default)
             index[name] = len(self.tables)
             self.tables.append(table)
+        self._index = index  # table name -> position in self.tables
         # (feature, index of its table, combiner), in the collection's feature order
         self.features = [(f, index[t], ec.tables[t].combiner) for f, t in ec.features.items()]
+
+    def table(self, name: str) -> _ServedTable:
+        """The served rows of table ``name`` (what a converted layer reading it serves from)."""
+        return self.tables[self._index[name]]
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._check_keys(inputs)
@@ -252,6 +262,60 @@ class ServedEmbeddingCollection(nn.Module):
             ids = ids.unsqueeze(1)
             weights = None if weights is None else weights.unsqueeze(1)
         return ids.to(torch.int64), weights
+
+
+class _ServedLayer(nn.Module):
+    """A converted layer (:class:`~hybridembed.api.convert.HybridEmbedding` /
+    ``HybridEmbeddingBag``) in plain torch ops: the same ``forward`` signature and results,
+    reading its rows from the served collection's table (a shared submodule: stored once).
+
+    Embedding: ``forward(ids (*)) -> (*, D)``. Bag: ``forward(ids (B, L)) -> (B, D)`` or
+    ``forward(ids (N,), offsets (B,) or (B+1,), per_sample_weights (N,)) -> (B, D)``.
+    """
+
+    def __init__(self, layer: _TableLayer, table: _ServedTable):
+        super().__init__()
+        self.table = table
+        self.bag = isinstance(layer, HybridEmbeddingBag)
+        self.dynamic = layer.dynamic
+        self.padding_idx = layer.padding_idx
+        self.embedding_dim = layer.embedding_dim
+        self.output_dtype = layer.output_dtype
+        self.mode = getattr(layer, "mode", "sum")
+        self.include_last_offset = getattr(layer, "include_last_offset", False)
+
+    def forward(
+        self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        ids = input.to(torch.int64)
+        keep = torch.ones_like(ids, dtype=torch.bool) if self.padding_idx is None else ids != self.padding_idx
+        if not self.bag:  # a dense table reads the padding row as it is, a dynamic one zeros
+            rows = self.table(ids, torch.ones_like(keep) if not self.dynamic else keep)  # (*, D)
+            if self.dynamic:
+                rows = torch.where(keep.unsqueeze(-1), rows, 0.0)
+            return rows.to(self.output_dtype)
+        cdt = self.table.compute_dtype
+        w = keep.to(cdt)  # padding entries leave their bag
+        if per_sample_weights is not None:
+            w = torch.where(keep, per_sample_weights.to(cdt), 0.0)
+        rows = torch.where(keep.unsqueeze(-1), self.table(ids, keep), 0.0) * w.unsqueeze(-1)  # (..., D)
+        if ids.dim() == 2:  # (B, L)
+            pooled, counts = rows.sum(1), keep.sum(1)  # (B, D), (B,)
+        else:  # (N,) ids in bags starting at offsets
+            starts = offsets.to(torch.int64)
+            if self.include_last_offset:
+                starts = starts[:-1]
+            n, b = ids.shape[0], starts.shape[0]
+            marks = torch.zeros(n + 1, dtype=torch.int64, device=ids.device).index_add(
+                0, starts, torch.ones_like(starts)
+            )
+            bag = marks.cumsum(0)[:n] - 1  # (N,) the bag of each id
+            pooled = torch.zeros(b, self.embedding_dim, dtype=cdt, device=ids.device).index_add(0, bag, rows)
+            counts = torch.zeros(b, dtype=torch.int64, device=ids.device).index_add(0, bag, keep.to(torch.int64))
+        pooled = pooled.to(self.output_dtype)
+        if self.mode == "mean":  # sum, then divide, as torch: an empty bag stays 0
+            pooled = pooled / counts.clamp_min(1).unsqueeze(1).to(pooled.dtype)
+        return pooled
 
 
 # --- example inputs -> served inputs ---------------------------------------------------------------
@@ -322,9 +386,16 @@ def _collections(model: nn.Module) -> list[EmbeddingCollection]:
 
 
 def _served_model(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` (eval mode) with every EmbeddingCollection served by plain torch ops."""
+    """A copy of ``model`` (eval mode) with every EmbeddingCollection, and every layer made by
+    ``he.convert``, served by plain torch ops. ``model`` itself is not changed."""
     memo: dict[int, Any] = {id(ec): ServedEmbeddingCollection(ec) for ec in _collections(model)}
-    served = copy.deepcopy(model, memo)  # the memo swaps each collection for its served twin
+    for layer in model.modules():
+        if isinstance(layer, _TableLayer):  # its collection sits in __dict__, not among its submodules
+            ec = layer.collection
+            if id(ec) not in memo:
+                memo[id(ec)] = ServedEmbeddingCollection(ec)
+            memo[id(layer)] = _ServedLayer(layer, memo[id(ec)].table(layer.table))
+    served = copy.deepcopy(model, memo)  # the memo swaps each collection and layer for its served twin
     return served.eval()
 
 
@@ -540,8 +611,9 @@ def export(
     """Write ``model`` as a standalone file that serves without hybridembed installed.
 
     Args:
-        model: any ``nn.Module`` holding :class:`~hybridembed.EmbeddingCollection` (s) (or
-            one itself). Not modified: a copy is exported, in eval mode.
+        model: any ``nn.Module`` holding :class:`~hybridembed.EmbeddingCollection` (s) or
+            layers made by :func:`~hybridembed.convert` (or one itself). Not modified: a
+            copy is exported, in eval mode; the model trains on after it as if never exported.
         path: the file to write (its directory must exist); replaced atomically.
         example_inputs: what ``model.forward`` takes: a tensor or dict (the one argument) or
             a tuple of positional arguments; sparse features as padded ``(B, H)`` id
@@ -582,11 +654,14 @@ def export(
     else:  # the one argument
         args, served_args = (example_inputs,), (_served_inputs(example_inputs, "", pad),)
 
+    # the model first: its validation refuses bad example ids (the served copy does not
+    # validate); eval mode, no gradient, modes restored: no dynamic row made, nothing changed
+    expected = _run_eval(model, args)
     served = _served_model(model)
     with torch.no_grad():
         out = served(*served_args)
     if check:
-        _compare(_run_eval(model, args), out, "the served model")
+        _compare(expected, out, "the served model")
     if format == "torchscript":
         _export_torchscript(served, served_args, out, path, check)
     else:

@@ -30,7 +30,7 @@ from ..config import MAX_SLOTS, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..kernels import bag_scale, pooled_lookup
-from ..storage import DenseStorage, HashStorage, RowStorage
+from ..storage import DenseStorage, HashStorage, RowStorage, serial
 from ..storage.hashed import LookupPlan
 
 __all__ = ["EmbeddingCollection"]
@@ -502,55 +502,31 @@ class EmbeddingCollection(nn.Module):
 
     # --- state_dict: one entry per table, whatever the grouping --------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name in self.tables:
-            storage = self.storages[self._table_group[name]]
-            if storage.kind == "dynamic":  # ids, rows and counters, by id
-                for k, v in storage.save_table(name).items():
-                    destination[prefix + name + "." + k] = v
-                continue
-            w = storage.weight if keep_vars else storage.weight.detach()
-            start = storage.row_offset[name]
-            destination[prefix + name + ".weight"] = w[start : start + self.tables[name].num_embeddings]
+        for name in self.tables:  # dense: weight; dynamic: ids, rows and counters, by id (storage.serial)
+            for k, v in serial.table_entry(self.storage_of(name), name, keep_vars).items():
+                destination[prefix + name + "." + k] = v
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        dense = [n for n in self.tables if self.tables[n].dynamic is None]
-        ours = {prefix + name + ".weight": name for name in dense}
-        dynamic_entries: dict[str, dict] = {}
-        copies, bad = [], False
+        ours: set[str] = set()
+        entries: dict[str, dict] = {}
+        bad = False
         for name, t in self.tables.items():
-            if t.dynamic is None:
-                continue
-            entry = {k[len(prefix + name) + 1 :]: v for k, v in state_dict.items() if k.startswith(prefix + name + ".")}
-            ours.update({prefix + name + "." + k: name for k in entry})
-            lacking, error = self.storage_of(name).entry_problems(entry, prefix + name + ".")
+            head = prefix + name + "."
+            if t.dynamic is None:  # a dense table's entry is its weight; a dynamic one's whatever it saved
+                keys = [head + "weight"] if head + "weight" in state_dict else []
+            else:
+                keys = [k for k in state_dict if k.startswith(head)]
+            ours.update(keys)
+            entry = {k[len(head) :]: state_dict[k] for k in keys}
+            lacking, problems = serial.check_entry(self.storage_of(name), name, entry, head)
             missing.extend(lacking)
-            if error:
-                errors.append(error)
-                bad = True
-            elif not lacking:
-                dynamic_entries[name] = entry
-        for key, name in ours.items():
-            if name not in dense:
-                continue
-            if key not in state_dict:
-                missing.append(key)
-                continue
-            src, dst = state_dict[key], self.weight(name)
-            if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
-                shape = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
-                errors.append(
-                    f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
-                    f"the shape in current model is {tuple(dst.shape)}."
-                )
-                bad = True
-                continue
-            copies.append((dst, src))
+            errors.extend(problems)
+            bad = bad or bool(problems)
+            if not lacking and not problems:
+                entries[name] = entry
         if not bad:  # all or nothing: no table is touched when any entry is wrong
-            with torch.no_grad():
-                for dst, src in copies:
-                    dst.copy_(src)
-            for name, entry in dynamic_entries.items():
-                self.storage_of(name).load_table(name, entry)
+            for name, entry in entries.items():
+                serial.load_entry(self.storage_of(name), name, entry)
         if strict:
             for key in state_dict:
                 if key.startswith(prefix) and key not in ours:

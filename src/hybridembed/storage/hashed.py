@@ -563,21 +563,9 @@ class HashStorage(RowStorage):
             out["sketch"] = self.sketch[i].clone()
         return out
 
-    ENTRY_KEYS = ("ids", "weight", "last_seen", "freq", "stats", "clock")  # required in a saved table
-
-    def entry_problems(self, entry: dict, prefix: str) -> tuple[list[str], str | None]:
-        """(missing keys, size error) of a saved table entry (keys under ``prefix``), before loading."""
-        missing = [prefix + k for k in self.ENTRY_KEYS if k not in entry]
-        if missing:
-            return missing, None
-        w, n = entry["weight"], entry["ids"].numel()
-        if not isinstance(w, torch.Tensor) or tuple(w.shape) != (n, self.dim):
-            shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
-            return [], f"size mismatch for {prefix}weight: {shape} for {n} ids of dim {self.dim}"
-        return [], None
-
     def load_table(self, name: str, entry: dict[str, torch.Tensor]) -> None:
-        """Replace table ``name``'s rows with ``entry`` (as from :meth:`save_table`)."""
+        """Replace table ``name``'s rows with ``entry`` (as from :meth:`save_table`; checked first with
+        :func:`hybridembed.storage.serial.check_entry`)."""
         i, ids = self.table_index[name], entry["ids"].to(self.weight.device, torch.int64)
         if self.capacity is not None and ids.numel() > self.capacity:  # checked before any change
             raise HybridEmbedError(f"table {name!r}: {ids.numel()} rows do not fit the capacity {self.capacity}")

@@ -268,7 +268,34 @@ def _read_state(ckpt: str) -> dict[str, Any]:
     state = (manifest.get("extra") or {}).get(STATE_KEY)
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or "arch" not in state:
         raise UsageError(f"--resume {ckpt}: a hybridembed checkpoint, but not one written by hybridembed train")
+    problems = _state_problems(state)
+    if problems:
+        raise UsageError(f"--resume {ckpt}: the run's state in its manifest is malformed: {'; '.join(problems)}")
     return state
+
+
+def _state_problems(state: dict[str, Any]) -> list[str]:
+    """What is wrong with the run's state (types of the position and model flags); empty when fine."""
+    problems = []
+    for key in ("epoch", "batches_done", "step"):
+        v = state.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            problems.append(f"{STATE_KEY}.{key} is {v!r}, expected an int >= 0")
+    if not isinstance(state.get("complete"), bool):
+        problems.append(f"{STATE_KEY}.complete is {state.get('complete')!r}, expected true or false")
+    arch = state["arch"]
+    if not isinstance(arch, dict):
+        return problems + [f"{STATE_KEY}.arch is {arch!r}, expected an object of model flags"]
+    for k, v in arch.items():
+        default = ARCH_DEFAULTS.get(k)
+        if k not in ARCH_DEFAULTS:
+            problems.append(f"{STATE_KEY}.arch has the unknown flag {k!r}")
+        elif (type(v) is not type(default) and not (isinstance(default, int) and v is None)) or (
+            isinstance(v, list) and not all(type(x) is int for x in v)
+        ):
+            what = "a list of ints" if isinstance(default, list) else f"a {type(default).__name__}"
+            problems.append(f"{STATE_KEY}.arch.{k} is {v!r}, expected {what}")
+    return problems
 
 
 def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -313,7 +340,35 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
         args.export = None
     elif args.export is None:
         args.export = os.path.join(args.workdir, "model.onnx" if args.export_format == "onnx" else "model.pt")
+    _check_outputs(args)
     return state
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any data is read or step trained, outputs that cannot be written."""
+    if not args.data:  # the generated data goes there
+        _check_output("--workdir", args.workdir, directory=True)
+    if args.checkpoint:
+        _check_output("--checkpoint", args.checkpoint, directory=True)
+        _check_output("--checkpoint", os.path.join(args.checkpoint, MODEL_DIR), directory=True)
+    if args.export:
+        _check_output("--export", args.export, directory=False)
+
+
+def _check_output(flag: str, path: str, directory: bool) -> None:
+    """``path`` can be written: a directory (made if absent) or a file; nothing is created."""
+    full = os.path.abspath(path)
+    if directory and os.path.exists(full) and not os.path.isdir(full):
+        raise UsageError(f"{flag} {path}: exists and is not a directory; give a directory")
+    if not directory and os.path.isdir(full):
+        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {os.path.join(path, 'model.pt')}")
+    where = full if directory and os.path.isdir(full) else os.path.dirname(full)
+    while not os.path.exists(where):  # the nearest existing folder is where it will be made
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise UsageError(f"{flag} {path}: {where} is a file, not a directory")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {where} is not writable; give another path")
 
 
 def _arch(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,34 @@
+"""The repository names no path outside itself (so the README's test command runs anywhere)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# an absolute path into a machine's own folders; "/usr/bin/env" (a shebang) is portable
+_OUTSIDE = re.compile(r"(?<![\w.~-])/(?:" + "|".join(["work", "home", "opt", "tmp", "usr"]) + r")/(?!bin/env\b)")
+
+
+def _tracked_files() -> list[Path]:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout to list the repository's files")
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    return [ROOT / n for n in out.decode().split("\0") if n]
+
+
+def test_no_file_names_a_path_outside_the_repository():
+    found = []
+    for path in _tracked_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue  # binary data, or deleted in the work tree
+        for n, line in enumerate(text.splitlines(), 1):
+            if _OUTSIDE.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "absolute paths outside the repository (use sys.executable, tmp_path):\n" + "\n".join(found)
