@@ -240,6 +240,7 @@ class _TableLayer(nn.Module):
         weights: torch.Tensor | None,
         shape: tuple[int, ...],
         post: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        one_per_bag: bool = False,
     ) -> torch.Tensor:
         """Rows of bags ``offsets`` (B+1,) of ``ids`` (N,) -> ``post((B, D) rows)`` of ``shape``.
 
@@ -255,15 +256,9 @@ class _TableLayer(nn.Module):
         queue = getattr(ec, "lookup_queue", None)
         if queue is not None and queue.active:
             return queue.request(self.table, Jagged(ids, offsets, weights), shape, dtype, finish)
+        if one_per_bag and weights is None and not self.dynamic and isinstance(ec, EmbeddingCollection):
+            return finish(ec.lookup_rows(self.table, ids))  # (the cheap per-call path)
         return finish(ec.lookup(self.table, Jagged(ids, offsets, weights)))
-
-    def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
-        """Offsets (n+1,) of n bags of one id: ``arange(n + 1)``, kept for the next call of the same size
-        (read-only: offsets are never written)."""
-        cached = self.__dict__.get("_arange")
-        if cached is None or cached.numel() != n + 1 or cached.device != device:
-            cached = self.__dict__["_arange"] = torch.arange(n + 1, device=device)
-        return cached
 
     def _check(self, j: Jagged) -> None:
         j.check_structure(self.table)
@@ -316,7 +311,8 @@ class HybridEmbedding(_TableLayer):
         out_shape = (*shape, d)
         keep = None if self.padding_idx is None else ids != self.padding_idx  # (N,)
         if keep is None or bool(keep.all()):  # (N, D): bags of one
-            return self._lookup(ids, self._one_per_bag(n, dev), None, out_shape, lambda r: r.reshape(out_shape))
+            offsets = self._collection._one_per_bag(n, dev)
+            return self._lookup(ids, offsets, None, out_shape, lambda r: r.reshape(out_shape), one_per_bag=True)
         self._check(Jagged(ids, torch.tensor([0, n], device=dev)))
         kept = ids[keep]  # (K,)
 

@@ -29,6 +29,7 @@ from torch import nn
 from ..config import MAX_SLOTS, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
+from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
 from ..storage import DenseStorage, HashStorage, RowStorage, serial
 from ..storage.hashed import LookupPlan
@@ -268,11 +269,66 @@ class EmbeddingCollection(nn.Module):
         feat = self._features.get(feature) if isinstance(feature, str) else None
         if feat is None:
             raise InvalidInputError(f"unknown feature {feature!r}; this collection has: {', '.join(self._features)}")
-        jagged = {feature: self._as_input(feat, ids)}
+        j = self._as_input(feat, ids)
+        if not feat.dynamic and feat.table.combiner != "none":
+            return self._lookup_dense(feat, j)
+        jagged = {feature: j}
         pooled, seq = ([], [feat]) if feat.table.combiner == "none" else ([feat], [])
         batch = self._assemble(self.storages[feat.group], pooled, seq, jagged)
         self._validate([batch], jagged)
         return self._run_groups([batch], jagged)[feature]
+
+    def lookup_rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        """(N,) ids, one per bag, of a dense pooled feature -> (N, D) rows: :meth:`lookup` of
+        ``Jagged(ids, arange(N + 1))`` with one range check and one sync (the converted
+        ``nn.Embedding``'s per-call path)."""
+        feat = self._features.get(feature) if isinstance(feature, str) else None
+        if feat is None or feat.dynamic or feat.table.combiner == "none":
+            raise InvalidInputError(f"lookup_rows takes a pooled feature of a dense table, got {feature!r}")
+        storage = self.storages[feat.group]
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in _INT_DTYPES:
+            raise InvalidInputError(f"feature {feature!r}: ids must be a 1-D integer tensor", feature)
+        if ids.device != storage.weight.device:
+            return self.lookup(feature, Jagged(ids, torch.arange(ids.numel() + 1, device=ids.device)))  # (its error)
+        n = ids.numel()
+        if n:
+            lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # (one sync)
+            if lo < 0 or hi >= feat.table.num_embeddings:
+                Jagged(ids, torch.tensor([0, n])).raise_first_error(feat.name, feat.table.num_embeddings)
+        rows = ids + feat.row_offset if ids.dtype == torch.int64 else ids.to(torch.int64).add_(feat.row_offset)
+        offsets = self._one_per_bag(n, ids.device)
+        return pooled_lookup(storage.weight, rows, offsets, None, storage.compute_dtype)  # (N, D)
+
+    def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
+        """Offsets (n+1,) of n bags of one id, ``arange(n + 1)``, kept for the next call of the
+        same size (read-only: offsets are never written)."""
+        cached = self.__dict__.get("_arange")
+        if cached is None or cached.numel() != n + 1 or cached.device != device:
+            cached = self.__dict__["_arange"] = torch.arange(n + 1, device=device)
+        return cached
+
+    def _lookup_dense(self, feat: _Feature, j: Jagged) -> torch.Tensor:
+        """:meth:`lookup` of one pooled feature of a dense table, in a few ops: one bounds check,
+        the offsets' checks and the weights' in one sync, then the group's kernel call."""
+        storage = self.storages[feat.group]
+        v, o, w = j.values, j.offsets, j.weights
+        n = v.numel()
+        checks = [o[0] == 0, o[-1] == n]
+        if o.numel() > 2:
+            checks.append((o[1:] >= o[:-1]).all())
+        if n:
+            lo, hi = torch.aminmax(v)
+            checks += [lo >= 0, hi < feat.table.num_embeddings]
+        if w is not None and w.numel():
+            checks.append(torch.isfinite(w).all())
+        if not bool(torch.stack(checks).all()):
+            j.raise_first_error(feat.name, feat.table.num_embeddings)
+            raise InvalidInputError(f"feature {feat.name!r}: input failed validation")  # (a bug if reached)
+        ids = v + feat.row_offset if v.dtype == torch.int64 else v.to(torch.int64).add_(feat.row_offset)
+        offsets = o if o.dtype == torch.int64 else o.to(torch.int64)
+        cdt = storage.compute_dtype
+        psw = bag_scale(feat.table.combiner, offsets, w, n, cdt)
+        return pooled_lookup(storage.weight, ids, offsets, psw, cdt)  # (B, D)
 
     def lookup_many(
         self, requests: Sequence[tuple[str, Any]], train: bool | None = None, checked: bool = False
