@@ -55,3 +55,31 @@ def test_small_and_large_assembly_give_the_same_outputs_gradients_and_errors(mon
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert e1 == e2 and "b2" in e1
+
+
+@pytest.mark.parametrize("hotness", [None, 1, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_single_feature_paths_equal_the_grouped_forward(seed, hotness):
+    """lookup (dense: _lookup_dense), lookup_rows and lookup_many give the forward's rows and gradients."""
+    ec = make(seed)
+    x = inputs(seed, hotness)
+    ref = ec(x)
+    sum(v.sum() for v in ref.values()).backward()
+    ref_grads = [s.weight.grad.coalesce().to_dense() for s in ec.storages]
+    for s in ec.storages:
+        s.weight.grad = None
+    alone = {f: ec.lookup(f, x[f]) for f in x}
+    many = dict(zip(x, ec.lookup_many(list(x.items()))))
+    for f in x:
+        torch.testing.assert_close(alone[f], ref[f], rtol=0, atol=0)
+        torch.testing.assert_close(many[f], ref[f], rtol=0, atol=0)
+    sum(v.sum() for v in alone.values()).backward()
+    for s, g in zip(ec.storages, ref_grads):
+        torch.testing.assert_close(s.weight.grad.coalesce().to_dense(), g, rtol=1e-6, atol=1e-6)
+    if hotness == 1:
+        ids = x["b"].values
+        torch.testing.assert_close(ec.lookup_rows("b", ids), ref["b"], rtol=0, atol=0)
+        with pytest.raises(he.InvalidInputError, match="'b'.*out of range"):
+            ec.lookup_rows("b", torch.tensor([1, 20]))
+        with pytest.raises(he.InvalidInputError, match="lookup_rows takes"):
+            ec.lookup_rows("d", ids)
