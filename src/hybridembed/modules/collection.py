@@ -81,6 +81,11 @@ def _shifted(x: torch.Tensor, by: int, out: torch.Tensor) -> torch.Tensor:
     return out.add_(by) if by else out
 
 
+def _all(checks: list[torch.Tensor]) -> torch.Tensor:
+    """0-d bool: every check holds (True for none)."""
+    return torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool)
+
+
 # below this many ids per feature on average, a group is assembled with per-group ops (_assemble_small)
 _SMALL_PER_FEATURE = 2048
 
@@ -300,12 +305,35 @@ class EmbeddingCollection(nn.Module):
         return pooled_lookup(storage.weight, rows, offsets, None, storage.compute_dtype)  # (N, D)
 
     def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
-        """Offsets (n+1,) of n bags of one id, ``arange(n + 1)``, kept for the next call of the
-        same size (read-only: offsets are never written)."""
-        cached = self.__dict__.get("_arange")
-        if cached is None or cached.numel() != n + 1 or cached.device != device:
-            cached = self.__dict__["_arange"] = torch.arange(n + 1, device=device)
+        """Offsets (n+1,) of n bags of one id, ``arange(n + 1)``, kept for later calls of the same
+        size (read-only: offsets are never written). Offsets that are one of these tensors are
+        known to be well formed (:meth:`_trusted`), so their checks are skipped."""
+        cache = self.__dict__.setdefault("_aranges", {})
+        cached = cache.get(n)
+        if cached is None or cached.device != device:
+            if len(cache) >= 16:
+                cache.clear()
+            cached = cache[n] = torch.arange(n + 1, device=device)
         return cached
+
+    def _trusted(self, j: Jagged) -> bool:
+        """Whether ``j``'s offsets are this collection's own one-id-per-bag offsets."""
+        return j.offsets is self.__dict__.get("_aranges", {}).get(j.values.shape[0] if j.values.dim() else -1)
+
+    def _keyed(self, feature: str, i: int) -> _Feature:
+        """Feature ``feature`` as the ``i``-th input of a batch (its key: ``str(i)``); cached."""
+        cache = self.__dict__.setdefault("_keyed_features", {})
+        feat = cache.get((feature, i))
+        if feat is None:
+            base = self._features.get(feature) if isinstance(feature, str) else None
+            if base is None:
+                raise InvalidInputError(
+                    f"unknown feature {feature!r}; this collection has: {', '.join(self._features)}"
+                )
+            if len(cache) > 4096:
+                cache.clear()
+            feat = cache[(feature, i)] = replace(base, key=str(i))
+        return feat
 
     def _lookup_dense(self, feat: _Feature, j: Jagged) -> torch.Tensor:
         """:meth:`lookup` of one pooled feature of a dense table, in a few ops: one bounds check,
@@ -352,13 +380,8 @@ class EmbeddingCollection(nn.Module):
         jagged: dict[str, Jagged] = {}
         per_group: dict[int, tuple[list[_Feature], list[_Feature]]] = {}
         for i, (feature, ids) in enumerate(requests):
-            base = self._features.get(feature) if isinstance(feature, str) else None
-            if base is None:
-                raise InvalidInputError(
-                    f"unknown feature {feature!r}; this collection has: {', '.join(self._features)}"
-                )
-            feat = replace(base, key=str(i))
-            jagged[feat.jkey] = ids if checked else self._as_input(base, ids)
+            feat = self._keyed(feature, i)
+            jagged[feat.jkey] = ids if checked else self._as_input(self._features[feature], ids)
             pooled, seq = per_group.setdefault(feat.group, ([], []))
             (seq if feat.table.combiner == "none" else pooled).append(feat)
         if not requests:
@@ -443,6 +466,8 @@ class EmbeddingCollection(nn.Module):
                 checks.append(((ids >= 0) & (ids < rows)).all())
                 if consts[2]:  # some table starts past row 0
                     ids = ids + consts[0].repeat_interleave(cnt, output_size=n)
+        if all(self._trusted(j) for j in js):  # one id per bag, offsets made here: nothing to check
+            return _GroupBatch(storage, feats, [], ids, self._one_per_bag(n, device), sizes, counts, _all(checks))
         offsets = torch.cat([*(j.offsets[:-1] for j in js), torch.tensor([n], device=device)])  # (S+1,)
         if offsets.dtype != torch.int64:
             offsets = offsets.to(torch.int64)

@@ -49,6 +49,7 @@ import torch
 from torch.fx import _symbolic_trace as _fx
 
 from ..input import Jagged
+from ..input.jagged import _INT_DTYPES
 from ..utils import get_logger
 
 __all__ = ["DeferredRows", "LookupQueue", "deferral_possible"]
@@ -196,11 +197,16 @@ class LookupQueue:
         mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ec.training)
         if self._pending and mode != self._mode:
             self.flush()
-        ids = ec._as_input(ec._features[feature], ids)  # structure, dtypes, device: now, no sync
+        feat = ec._features[feature]
+        device = ec.storages[feat.group].weight.device
+        v = ids.values
+        if not (  # structure, dtypes, device: now, no sync (ids with the collection's own offsets: the ids alone)
+            ec._trusted(ids) and ids.weights is None and v.dim() == 1 and v.dtype in _INT_DTYPES and v.device == device
+        ):
+            ids = ec._as_input(feat, ids)
         self._mode = mode
         if dtype is None:
-            dtype = ec.tables[ec.features[feature]].compute_dtype
-        device = ec.storages[ec._features[feature].group].weight.device
+            dtype = feat.table.compute_dtype
         out = DeferredRows(shape, dtype, device, self)
         self._pending.append(_Request(feature, ids, post, out))
         return out
