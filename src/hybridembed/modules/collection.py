@@ -70,6 +70,7 @@ class _GroupBatch:
     counts: list[int]  # ids per feature
     ok: torch.Tensor  # 0-d bool: every check of these inputs passed (not yet synced)
     plan: LookupPlan | None = None  # dynamic: the planned lookup, until _lookup_group commits it
+    one_per_bag: bool = False  # offsets are arange(N + 1), made here
 
 
 def _shifted(x: torch.Tensor, by: int, out: torch.Tensor) -> torch.Tensor:
@@ -302,7 +303,8 @@ class EmbeddingCollection(nn.Module):
                 Jagged(ids, torch.tensor([0, n])).raise_first_error(feat.name, feat.table.num_embeddings)
         rows = ids + feat.row_offset if ids.dtype == torch.int64 else ids.to(torch.int64).add_(feat.row_offset)
         offsets = self._one_per_bag(n, ids.device)
-        return pooled_lookup(storage.weight, rows, offsets, None, storage.compute_dtype)  # (N, D)
+        cdt = storage.compute_dtype
+        return pooled_lookup(storage.weight, rows, offsets, None, cdt, storage.accumulate_grad, one_per_bag=True)
 
     def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
         """Offsets (n+1,) of n bags of one id, ``arange(n + 1)``, kept for later calls of the same
@@ -356,7 +358,7 @@ class EmbeddingCollection(nn.Module):
         offsets = o if o.dtype == torch.int64 else o.to(torch.int64)
         cdt = storage.compute_dtype
         psw = bag_scale(feat.table.combiner, offsets, w, n, cdt)
-        return pooled_lookup(storage.weight, ids, offsets, psw, cdt)  # (B, D)
+        return pooled_lookup(storage.weight, ids, offsets, psw, cdt, storage.accumulate_grad)  # (B, D)
 
     def lookup_many(
         self, requests: Sequence[tuple[str, Any]], train: bool | None = None, checked: bool = False
@@ -467,7 +469,8 @@ class EmbeddingCollection(nn.Module):
                 if consts[2]:  # some table starts past row 0
                     ids = ids + consts[0].repeat_interleave(cnt, output_size=n)
         if all(self._trusted(j) for j in js):  # one id per bag, offsets made here: nothing to check
-            return _GroupBatch(storage, feats, [], ids, self._one_per_bag(n, device), sizes, counts, _all(checks))
+            offsets = self._one_per_bag(n, device)
+            return _GroupBatch(storage, feats, [], ids, offsets, sizes, counts, _all(checks), one_per_bag=True)
         offsets = torch.cat([*(j.offsets[:-1] for j in js), torch.tensor([n], device=device)])  # (S+1,)
         if offsets.dtype != torch.int64:
             offsets = offsets.to(torch.int64)
@@ -570,7 +573,7 @@ class EmbeddingCollection(nn.Module):
                     for sc, c in zip(scales, batch.counts)
                 ]
             )
-        rows = pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments)  # (S, D)
+        rows = pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, batch.one_per_bag)  # (S, D)
         result: dict[str, torch.Tensor | Jagged] = dict(zip((f.jkey for f in feats), torch.split(rows, batch.sizes)))
         for f in batch.seq:
             result[f.jkey] = self._sequence(result[f.jkey], jagged[f.jkey].offsets.to(torch.int64))

@@ -29,7 +29,7 @@ from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..input import offsets_from_lengths
 from ..utils import advise_huge_pages
-from .base import RowStorage
+from .base import RowStorage, add_sparse
 
 __all__ = ["HashStorage", "LookupPlan", "sort_pairs"]
 
@@ -498,7 +498,7 @@ class HashStorage(RowStorage):
         if grad.shape != w.shape:
             grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), w.shape, check_invariants=False)
         if w.grad is not None:
-            grad, distinct = w.grad + grad, False
+            grad, distinct = add_sparse(w.grad, grad), False
         w.grad = _marked(grad, distinct)
 
     def _replace_grad(self, old: torch.Tensor, new: torch.Tensor) -> None:
