@@ -7,6 +7,7 @@ and the plain PyTorch model trained with ``torch.optim``.
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import pickle
 
@@ -248,3 +249,21 @@ def test_dynamic_patterns_settings_and_explicit_init():
             he.convert(Fields(), dynamic=bad)
     with pytest.raises(he.ConfigError, match="grouped"):
         he.convert(Fields(), grouped="yes")
+
+
+def test_deferred_outputs_behave_as_tensors():
+    class Probe(Fields):
+        def forward(self, x):
+            a, b = self.emb[0](x[:, 0]), self.emb[1](x[:, 1])
+            seen = {"repr": repr(a), "len": len(b), "numpy": b.detach().numpy().shape, "grad_fn": a.grad_fn is not None}
+            a.mul_(1.0)  # in place on a deferred output changes the real rows
+            return a.sum() + b.sum(), seen
+
+    conv = he.convert(Probe())
+    out, seen = conv(fields_batch(0)[0])
+    assert seen == {"repr": seen["repr"], "len": 8, "numpy": (8, 4), "grad_fn": True}
+    assert "tensor(" in seen["repr"]
+    out.backward()
+    assert conv.hybridembed.storage_of("emb__0").weight.grad is not None
+    buf = io.BytesIO()
+    torch.save(conv.emb[0](torch.tensor([1])), buf)  # (outside the forward: a plain tensor)

@@ -574,7 +574,13 @@ class EmbeddingCollection(nn.Module):
                 ]
             )
         rows = pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, batch.one_per_bag)  # (S, D)
-        result: dict[str, torch.Tensor | Jagged] = dict(zip((f.jkey for f in feats), torch.split(rows, batch.sizes)))
+        # one narrow view per feature, not torch.split's multi-output views: an output may be
+        # changed in place, as an nn.Embedding output may
+        result: dict[str, torch.Tensor | Jagged] = {}
+        start = 0
+        for f, size in zip(feats, batch.sizes):
+            result[f.jkey] = rows.narrow(0, start, size)
+            start += size
         for f in batch.seq:
             result[f.jkey] = self._sequence(result[f.jkey], jagged[f.jkey].offsets.to(torch.int64))
         return result

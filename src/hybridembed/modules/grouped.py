@@ -133,10 +133,8 @@ class DeferredRows(torch.Tensor):
             "convert the model with he.convert(model, grouped=False) and report this"
         )
 
-    def __repr__(self, *, tensor_contents=None) -> str:
-        if self._value is None:
-            return f"DeferredRows(shape={tuple(self.shape)}, dtype={self.dtype}, pending)"
-        return repr(self._value)
+    def __repr__(self, *, tensor_contents=None) -> str:  # printing is a use: the queue runs
+        return repr(self.materialize())
 
     def __reduce_ex__(self, proto):
         return self.materialize().__reduce_ex__(proto)
