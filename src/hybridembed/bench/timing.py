@@ -1,4 +1,5 @@
-"""Workload generation and interleaved timing shared by ``benchmarks/`` and ``hybridembed bench``."""
+"""Interleaved timing and the allocator option shared by ``benchmarks/`` and ``hybridembed bench``
+(with :func:`~hybridembed.synthetic.powerlaw_ids`, the workloads' ids)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from ..synthetic import powerlaw_ids
 
 __all__ = ["powerlaw_ids", "Timing", "time_interleaved", "add_allocator_option"]
 
@@ -23,18 +24,6 @@ def add_allocator_option(parser: argparse.ArgumentParser) -> None:
         help="call hybridembed.tune_cpu_allocator() first, so glibc reuses large blocks (default on; "
         "it affects every contender alike); --no-tune-allocator keeps glibc's defaults",
     )
-
-
-def powerlaw_ids(n: int, rows: int, alpha: float = 1.05, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(n,) int64 ids in [0, rows) from the power law of NVIDIA's synthetic models.
-
-    ``y = (r * (kmax^g - kmin^g) + kmin^g)^(1/g) - 1`` with ``g = 1 - alpha``, ``kmin = 1``,
-    ``kmax = rows + 1`` and ``r`` uniform in [0, 1): id 0 is the most frequent.
-    """
-    g = 1.0 - alpha
-    r = torch.rand(n, dtype=torch.float64, generator=generator)
-    y = (r * ((rows + 1) ** g - 1.0) + 1.0) ** (1.0 / g) - 1.0
-    return y.long().clamp_(0, rows - 1)
 
 
 @dataclass

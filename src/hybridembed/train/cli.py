@@ -441,7 +441,7 @@ def _table_stats(model: nn.Module) -> tuple[int, int, int]:
     """(rows held, rows evicted, tables) over every dynamic table of ``model``."""
     rows = evicted = tables = 0
     for m in model.modules():
-        if isinstance(m, M.HybridEmbeddings):
+        if isinstance(m, M.DynamicEmbeddings):
             for s in m.collection.dynamic_stats().values():
                 rows += int(s["size"])
                 evicted += int(s["evicted"])
