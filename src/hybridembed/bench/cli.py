@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..utils import get_logger, tune_cpu_allocator
+from ..utils import get_logger
 from . import models as M
 from .system import cpu_busy, machine, meminfo, peak_rss, progress
-from .timing import Timing, add_allocator_option, time_interleaved
+from .timing import Timing, add_allocator_option, apply_allocator_option, time_interleaved
 
 __all__ = ["main", "run", "build_parser"]
 
@@ -577,7 +577,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             notes["torchrec"] = f"not importable ({why}); skipped"
         else:  # TorchRec calls torch.fx.is_fx_tracing(), which warns once about its own API
             logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    allocator = tune_cpu_allocator() if args.tune_allocator else False
+    allocator = apply_allocator_option(args)
     torch.manual_seed(args.seed)
     results: dict[str, Any] = {
         "command": "hybridembed bench " + " ".join(args.argv),

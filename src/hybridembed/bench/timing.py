@@ -11,19 +11,41 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..synthetic import powerlaw_ids
+from ..utils import allocator_tuned, get_logger, tune_cpu_allocator
 
-__all__ = ["powerlaw_ids", "Timing", "time_interleaved", "add_allocator_option"]
+__all__ = ["powerlaw_ids", "Timing", "time_interleaved", "add_allocator_option", "apply_allocator_option"]
+
+log = get_logger(__name__)
 
 
 def add_allocator_option(parser: argparse.ArgumentParser) -> None:
-    """``--tune-allocator`` / ``--no-tune-allocator`` (default on), as every benchmark takes it."""
+    """``--tune-allocator`` / ``--no-tune-allocator``, as every benchmark takes it (apply it with
+    :func:`apply_allocator_option`)."""
     parser.add_argument(
         "--tune-allocator",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="call hybridembed.tune_cpu_allocator() first, so glibc reuses large blocks (default on; "
-        "it affects every contender alike); --no-tune-allocator keeps glibc's defaults",
+        default=None,
+        help="default: as 'import hybridembed' left glibc's allocator (tuned, unless "
+        "HYBRIDEMBED_TUNE_ALLOCATOR=0 was set); --tune-allocator: call hybridembed.tune_cpu_allocator(); "
+        "--no-tune-allocator: do not (glibc's own thresholds need HYBRIDEMBED_TUNE_ALLOCATOR=0 in the "
+        "environment, as the import tunes them otherwise). It affects every contender alike",
     )
+
+
+def apply_allocator_option(args: argparse.Namespace) -> bool:
+    """Applies ``--tune-allocator``; returns whether glibc's allocator is tuned for this run.
+
+    ``--no-tune-allocator`` cannot undo the tuning ``import hybridembed`` did (glibc has no way
+    back to its adaptive thresholds), so it warns and says how to opt out instead.
+    """
+    if args.tune_allocator:
+        tune_cpu_allocator()
+    elif args.tune_allocator is False and allocator_tuned():
+        log.warning(
+            "--no-tune-allocator: the allocator was already tuned when hybridembed was imported; "
+            "set HYBRIDEMBED_TUNE_ALLOCATOR=0 in the environment to run with glibc's defaults"
+        )
+    return allocator_tuned()
 
 
 @dataclass

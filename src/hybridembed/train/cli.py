@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import __version__, _env
 from ..errors import HybridEmbedError
-from ..utils import get_logger, tune_cpu_allocator
+from ..utils import get_logger
 from . import data as D
 from . import models as M
 from .loop import EpochStats, EvalStats, evaluate, train_epoch
@@ -505,7 +505,6 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
     import hybridembed as he
 
     t_start = time.perf_counter()
-    tune_cpu_allocator()
     torch.set_num_threads(args.threads)
     train, test, desc = load_data(args)
     features = train.features
