@@ -1,7 +1,7 @@
 """Dynamic tables: lookup-and-insert throughput, and the training step against dense tables.
 
-    python benchmarks/bench_dynamic.py --tune-allocator          # full size (several minutes)
-    python benchmarks/bench_dynamic.py --tune-allocator --skip throughput --hashed-ids
+    python benchmarks/bench_dynamic.py                           # full size (several minutes)
+    python benchmarks/bench_dynamic.py --skip throughput --hashed-ids
     python benchmarks/bench_dynamic.py --prefill 100000 --batch-ids 20000 --tables 3 --rows 2000 --batch 128 --steps 2
 
 1. Throughput: a dynamic table is filled with --prefill (10,000,000) distinct ids, then
@@ -23,7 +23,7 @@ import time
 import torch
 
 import hybridembed as he
-from hybridembed.bench import add_allocator_option, powerlaw_ids, time_interleaved
+from hybridembed.bench import add_allocator_option, apply_allocator_option, powerlaw_ids, time_interleaved
 from hybridembed.init import mix64
 
 
@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_allocator_option(p)
     p.add_argument("--json")
     args = p.parse_args(argv)
-    if args.tune_allocator:
-        he.tune_cpu_allocator()
+    apply_allocator_option(args)
     torch.manual_seed(0)
     res = {"config": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads()}
     if "throughput" not in args.skip:

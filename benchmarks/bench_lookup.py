@@ -1,7 +1,7 @@
 """Grouped forward+backward against one nn.EmbeddingBag per table, in the same run.
 
-    python benchmarks/bench_lookup.py                       # 26 x 200k x 64, batch 8192, allocator tuned
-    python benchmarks/bench_lookup.py --no-tune-allocator   # glibc defaults
+    python benchmarks/bench_lookup.py                       # 26 x 200k x 64, batch 8192, library defaults
+    HYBRIDEMBED_TUNE_ALLOCATOR=0 python benchmarks/bench_lookup.py   # glibc defaults
     python benchmarks/bench_lookup.py --tables 4 --rows 1000 --batch 256 --steps 3   # smoke
 
 Both sides get the same power-law ids (alpha 1.05) and the same initial weights, and
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import hybridembed as he
-from hybridembed.bench import add_allocator_option, powerlaw_ids, time_interleaved
+from hybridembed.bench import add_allocator_option, apply_allocator_option, powerlaw_ids, time_interleaved
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_allocator_option(p)
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
-    if args.tune_allocator:
-        he.tune_cpu_allocator()
+    apply_allocator_option(args)
     torch.manual_seed(0)
     names = [f"t{i}" for i in range(args.tables)]
     ec = he.EmbeddingCollection([he.TableConfig(n, args.rows, args.dim) for n in names])

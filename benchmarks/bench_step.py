@@ -6,8 +6,11 @@
 - FBGEMM's SplitTableBatchedEmbeddingBagsCodegen on CPU (EXACT_SGD, EXACT_ROWWISE_ADAGRAD),
   the kernel TorchRec uses, when fbgemm-gpu-cpu is installed.
 
-    python benchmarks/bench_step.py --tune-allocator                # 26 x 200k x 64, batch 8192
+    python benchmarks/bench_step.py                                  # 26 x 200k x 64, batch 8192, defaults
+    HYBRIDEMBED_TUNE_ALLOCATOR=0 python benchmarks/bench_step.py     # glibc's allocator defaults
     python benchmarks/bench_step.py --tables 4 --rows 1000 --batch 256 --steps 3   # smoke
+
+(benchmarks/bench_defaults.py runs it in fresh processes, with and without the allocator tuning.)
 
 Ids follow the power law (alpha 1.05); one-hot bags hold 1 id, multi-hot bags a uniform
 0..20 ids (mean 10). Each contender backpropagates the same fixed upstream gradient, as a
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 
 import hybridembed as he
-from hybridembed.bench import add_allocator_option, powerlaw_ids, time_interleaved
+from hybridembed.bench import add_allocator_option, apply_allocator_option, powerlaw_ids, time_interleaved
 
 
 def fbgemm_module(tables: int, rows: int, dim: int, optimizer: str, lr: float, weights: list[torch.Tensor]):
@@ -119,14 +122,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hotness", nargs="+", default=["one", "multi"], choices=["one", "multi"])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
     add_allocator_option(p)
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)
-    if args.tune_allocator:
-        he.tune_cpu_allocator()
+    tuned = apply_allocator_option(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     names = [f"t{i}" for i in range(args.tables)]
-    results = {"config": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": []}
+    results = {
+        "config": vars(args),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "allocator_tuned": tuned,
+        "runs": [],
+    }
+    print(f"{torch.get_num_threads()} threads, allocator {'tuned' if tuned else 'glibc defaults'}", flush=True)
     for optname in args.optimizers:
         results["runs"] += run_optimizer(args, names, optname)
     if args.json:

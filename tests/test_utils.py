@@ -1,5 +1,7 @@
 """hybridembed.utils: process-level helpers."""
 
+import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -37,3 +39,51 @@ def test_log_level_variable_never_breaks_the_import(value, level, warns):
     assert rc == 0, err
     assert got == level
     assert ("LOUD" in err and "DEBUG, INFO, WARNING, ERROR, CRITICAL" in err) == warns, err
+
+
+_MAPPED_BY_A_40_MB_MALLOC = """
+import ctypes, json
+import hybridembed as he
+from hybridembed.utils import allocator_tuned
+libc = ctypes.CDLL("libc.so.6")
+fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in fields]
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+before = libc.mallinfo2().hblkhd  # bytes in blocks glibc mapped with mmap
+p = libc.malloc(40 << 20)  # above glibc's largest default mmap threshold (32 MiB)
+mapped = libc.mallinfo2().hblkhd - before
+libc.free(p)
+print(json.dumps({"tuned": allocator_tuned(), "mapped": mapped}))
+"""
+
+
+def _glibc_with_mallinfo2() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallinfo2")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _glibc_with_mallinfo2(), reason="needs glibc >= 2.33 (mallinfo2)")
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_import_tunes_the_allocator_unless_opted_out(setting):
+    # a user's own script sets nothing: importing hybridembed must make glibc serve a large
+    # block from its heap (reused step after step) instead of mapping fresh pages for it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDEMBED_")}
+    if setting is not None:
+        env["HYBRIDEMBED_TUNE_ALLOCATOR"] = setting
+    res = subprocess.run(
+        [sys.executable, "-c", _MAPPED_BY_A_40_MB_MALLOC], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    if setting == "0":  # the opt-out keeps glibc's thresholds: the block is mapped
+        assert got == {"tuned": False, "mapped": got["mapped"]} and got["mapped"] >= 40 << 20, got
+    else:
+        assert got == {"tuned": True, "mapped": 0}, got

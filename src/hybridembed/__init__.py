@@ -35,5 +35,5 @@ __all__ = [
     "wrap_optimizer",
 ]
 
-if _env.flag("TUNE_ALLOCATOR"):
+if _env.flag("TUNE_ALLOCATOR", True):  # on by default; HYBRIDEMBED_TUNE_ALLOCATOR=0 opts out
     tune_cpu_allocator()

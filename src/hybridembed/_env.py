@@ -1,7 +1,10 @@
 """Every environment variable hybridembed reads, in one place.
 
-``HYBRIDEMBED_TUNE_ALLOCATOR=1``
-    call :func:`hybridembed.tune_cpu_allocator` when hybridembed is imported.
+``HYBRIDEMBED_TUNE_ALLOCATOR=0``
+    do not tune glibc's allocator when hybridembed is imported. By default the import calls
+    :func:`hybridembed.tune_cpu_allocator` (Linux with glibc; process-wide), so that large
+    per-step tensors reuse memory instead of faulting in fresh pages; set this before the
+    import to keep glibc's own thresholds.
 ``HYBRIDEMBED_HUGE_PAGES=0``
     do not ask for 2 MiB pages for embedding rows and optimizer state (on by default where
     the kernel allows it; see :func:`hybridembed.utils.advise_huge_pages`).

@@ -178,7 +178,7 @@ def test_bad_flags_exit_2_with_one_line(argv, capsys):
 
 
 def test_a_run_that_does_not_fit_is_refused_before_allocating(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_meminfo", lambda key: 2**30)  # 1 GiB available
+    monkeypatch.setattr(cli, "meminfo", lambda key: 2**30)  # 1 GiB available
     assert cli.main(["--model", "small", "--json", str(tmp_path / "x.json"), "--no-tune-allocator"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--max-rows" in err[0]

@@ -44,12 +44,12 @@ def test_forward_shapes_and_tables(kind):
     ids = torch.tensor([[1, 2**40, -3], [1, 5, 7]])  # any int64 id: dynamic tables
     out = m(torch.randn(2, 5), ids)
     assert out.shape == (2,) and out.dtype == torch.float32
-    hybrid = [x for x in m.modules() if isinstance(x, M.HybridEmbeddings)]
+    hybrid = [x for x in m.modules() if isinstance(x, M.DynamicEmbeddings)]
     assert len(hybrid) == (2 if kind in ("wdl", "deepfm") else 1)  # + the dim-1 wide/first-order tables
     assert all(len(h.collection.groups) == 1 for h in hybrid)  # one fused group per width
     plain = M.build(kind, 5, feats, dim=4, vocab_sizes=[3, 4, 5], mlp=(8,), bottom=(6,))
     assert plain(torch.randn(2, 5), torch.tensor([[0, 1, 2], [2, 3, 4]])).shape == (2,)
-    assert not any(isinstance(x, M.HybridEmbeddings) for x in plain.modules())
+    assert not any(isinstance(x, M.DynamicEmbeddings) for x in plain.modules())
 
 
 def test_dlrm_interaction_is_pairwise_dots():

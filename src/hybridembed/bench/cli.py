@@ -27,8 +27,6 @@ import json
 import logging
 import math
 import os
-import platform
-import resource
 import sys
 import time
 import warnings
@@ -39,11 +37,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import __version__
-from ..utils import get_logger, tune_cpu_allocator
+from ..utils import get_logger
 from . import models as M
-from .e2e import E2E_MODEL
-from .timing import Timing, add_allocator_option, time_interleaved
+from .system import cpu_busy, machine, meminfo, peak_rss, progress
+from .timing import Timing, add_allocator_option, apply_allocator_option, time_interleaved
 
 __all__ = ["main", "run", "build_parser"]
 
@@ -106,7 +103,7 @@ def build_parser(prog: str = "hybridembed bench") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        choices=[*M.WORKLOADS, E2E_MODEL],
+        choices=[*M.WORKLOADS, M.E2E_MODEL],
         help="workload: a synthetic model (tables, widths, hotness and sharing of config_v3.py), "
         "criteo-dlrm-like, or embedding-step (26 x 200k x 64, batch 8192, one-hot then multi-hot mean 10, "
         "embedding-only), or train-e2e (hybridembed train's DLRM vs the same DLRM in plain PyTorch, end to "
@@ -186,60 +183,10 @@ def build_parser(prog: str = "hybridembed bench") -> argparse.ArgumentParser:
     return p
 
 
-# --- machine, memory ------------------------------------------------------------------------
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _version(module: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(module)
-    except PackageNotFoundError:
-        return None
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "memory_bytes": _meminfo("MemTotal"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchrec": _version("torchrec"),
-        "fbgemm_gpu": _version("fbgemm-gpu-cpu") or _version("fbgemm-gpu"),
-        "hybridembed": __version__,
-        "platform": platform.platform(),
-    }
-
-
+# --- memory ------------------------------------------------------------------------------------
 def _gib(n: float) -> str:
     g = n / 2**30
     return f"{g:,.1f}" if g >= 0.95 else f"{g:.2f}"
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 @contextlib.contextmanager
@@ -368,7 +315,7 @@ def _bench_model(name: str, args: argparse.Namespace, anchors: list[str], notes:
     models: dict[str, tuple[M.SyntheticModel, torch.optim.Optimizer | None]] = {}
     build_s: dict[str, float] = {}
     for b in backends:
-        _progress(f"{name}: building {b} ({len(tables)} tables, {params / 1e6:.1f}M parameters)")
+        progress(f"{name}: building {b} ({len(tables)} tables, {params / 1e6:.1f}M parameters)")
         t0 = time.perf_counter()
         ref = models["hybridembed"][0] if b != "hybridembed" else None
         models[b] = M.build_model(first, b, args.optimizer, args.lr, seed=args.seed, like=ref)
@@ -391,11 +338,11 @@ def _bench_model(name: str, args: argparse.Namespace, anchors: list[str], notes:
                 fns["floor_dense"] = _dense_step(
                     models["hybridembed"][0], xs["hybridembed"], batch, args.optimizer, args.lr
                 )
-        _progress(f"{spec.name}: timing {', '.join(fns)}: {args.warmup} warm-up + {args.steps} steps, interleaved")
+        progress(f"{spec.name}: timing {', '.join(fns)}: {args.warmup} warm-up + {args.steps} steps, interleaved")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sparse invariant checks")
             timing = time_interleaved(fns, steps=args.steps, warmup=args.warmup)
-            _progress(f"{spec.name}: measuring peak step memory")
+            progress(f"{spec.name}: measuring peak step memory")
             peaks = {n: step_peak_bytes(fns[n]) for n in models}
         # every contender has now taken the same steps on the same batch: same weights, same outputs
         ref_out = _output(models["hybridembed"][0], xs["hybridembed"], batch)
@@ -466,7 +413,7 @@ def _record(
 
 def _check_fits(full: M.ModelSpec, max_rows: int | None, contenders: int, floor: bool, optimizer: str) -> None:
     """Refuses, before allocating, a run whose tables would not fit in memory."""
-    available = _meminfo("MemAvailable")
+    available = meminfo("MemAvailable")
     if available is None:
         return
 
@@ -484,11 +431,6 @@ def _check_fits(full: M.ModelSpec, max_rows: int | None, contenders: int, floor:
         f"contender(s), above {MEMORY_FRACTION:.0%} of the {_gib(available)} GiB available; "
         f"use --max-rows {cap} or fewer --anchors"
     )
-
-
-def _progress(msg: str) -> None:
-    sys.stdout.flush()
-    print(f"  .. {msg}", file=sys.stderr, flush=True)
 
 
 # --- output -----------------------------------------------------------------------------------
@@ -605,26 +547,6 @@ def _resolve(args: argparse.Namespace) -> None:
     args.png = args.png or stem + ".png"
 
 
-def _cpu_ticks() -> tuple[int, int] | None:
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return sum(fields[3:5]), sum(fields)  # (idle + iowait, total)
-
-
-def cpu_busy(interval: float = 0.5) -> float | None:
-    """Fraction of the machine's CPU time used in the next ``interval`` seconds while this
-    process sleeps: what other processes take. None off Linux."""
-    a = _cpu_ticks()
-    time.sleep(interval)
-    b = _cpu_ticks()
-    if a is None or b is None or b[1] == a[1]:
-        return None
-    return 1.0 - (b[0] - a[0]) / (b[1] - a[1])
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark described by parsed ``args``; prints the table, returns the results.
 
@@ -633,7 +555,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        if args.model == E2E_MODEL:
+        if args.model == M.E2E_MODEL:
             from .e2e import run_e2e
 
             return run_e2e(args)
@@ -649,13 +571,13 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     contenders = 1 + sum(b in anchors for b in ("per_table", "torchrec"))
     _check_fits(M.workloads(args.model)[0], args.max_rows, contenders, "floor" in anchors, args.optimizer)
     if "torchrec" in anchors:
-        _progress("importing torchrec")
+        progress("importing torchrec")
         why = M.torchrec_status()
         if why is not None:
             notes["torchrec"] = f"not importable ({why}); skipped"
         else:  # TorchRec calls torch.fx.is_fx_tracing(), which warns once about its own API
             logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    allocator = tune_cpu_allocator() if args.tune_allocator else False
+    allocator = apply_allocator_option(args)
     torch.manual_seed(args.seed)
     results: dict[str, Any] = {
         "command": "hybridembed bench " + " ".join(args.argv),
@@ -688,7 +610,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     for name, why in notes.items():
         print(f"  {name}: {why}")
     results["runs"] = _bench_model(args.model, args, anchors, notes)
-    results["process_peak_rss_bytes"] = _peak_rss()
+    results["process_peak_rss_bytes"] = peak_rss()
     results["cpu_busy_by_others"]["end"] = end = cpu_busy()
     for r in results["runs"]:
         _print_run(r, anchors)
@@ -713,8 +635,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "hybridembed bench") -> 
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     args.argv = argv
-    if args.memory_only and args.model == E2E_MODEL:
-        parser.error(f"--memory-only does not apply to --model {E2E_MODEL}")
+    if args.memory_only and args.model == M.E2E_MODEL:
+        parser.error(f"--memory-only does not apply to --model {M.E2E_MODEL}")
     if args.memory_only:
         specs = [s for n in ([args.model] if args.model else M.WORKLOADS) for s in M.workloads(n)]
         reports = [M.memory(s, args.optimizer) for s in specs]
@@ -730,7 +652,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "hybridembed bench") -> 
         return 2
     _write_json(results, args.json)
     print(f"results: {args.json}")
-    if args.model != E2E_MODEL and write_chart(results, args.png):
+    if args.model != M.E2E_MODEL and write_chart(results, args.png):
         print(f"chart: {args.png}")
     return 0
 

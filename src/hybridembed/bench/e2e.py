@@ -37,11 +37,12 @@ from torch import nn
 
 from ..train import data as D
 from ..train import models as TM
+from .models import E2E_MODEL
+from .system import cpu_busy, machine, progress
 from .timing import time_interleaved
 
 __all__ = ["E2E_MODEL", "PlainEmbeddingBags", "build_vocab", "run_e2e"]
 
-E2E_MODEL = "train-e2e"
 ROWS, QUICK_ROWS = 100_000, 20_000
 BATCH = 2048  # hybridembed train's Criteo default
 DIM, MLP, BOTTOM, CAPACITY = 16, (128, 64), (64,), 100_000  # hybridembed train's defaults
@@ -101,8 +102,6 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark for parsed ``hybridembed bench`` ``args``; prints the table, returns the results."""
     import hybridembed as he
 
-    from .cli import _progress, cpu_busy, machine
-
     busy = cpu_busy()
     rows = args.rows or (QUICK_ROWS if args.quick else ROWS)
     batch = args.batch or BATCH
@@ -110,18 +109,18 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     path = D.default_generated_path(workdir, rows, args.seed)
     gen_s = None
     if not os.path.isfile(path):
-        _progress(f"generating {rows:,} Criteo-format rows: {path}")
+        progress(f"generating {rows:,} Criteo-format rows: {path}")
         t0 = time.perf_counter()
         D.generate_criteo(path, rows, seed=args.seed)
         gen_s = time.perf_counter() - t0
 
-    _progress("plain_torch one-time pass: reading the file, mapping ids to [0, vocab)")
+    progress("plain_torch one-time pass: reading the file, mapping ids to [0, vocab)")
     t0 = time.perf_counter()
     mapped, vocab = build_vocab(path)
     vocab_s = time.perf_counter() - t0
     n_dense, feats = len(D.CRITEO_DENSE), D.CRITEO_SPARSE
 
-    _progress("building both models")
+    progress("building both models")
     t0 = time.perf_counter()
     hyb = TM.build("dlrm", n_dense, feats, dim=DIM, capacity=CAPACITY, mlp=MLP, bottom=BOTTOM, seed=args.seed)
     hyb_opt = he.wrap_optimizer(torch.optim.Adagrad(hyb.parameters(), lr=args.lr), hyb)
@@ -137,7 +136,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     step_h, loss_h = _contender(hyb, hyb_opt, _cycle(src, batch), None)
     step_p, loss_p = _contender(plain, plain_opt, _cycle(src, batch), mapped)
     full_batches = rows // batch
-    _progress(f"timing {args.warmup} + {args.steps} interleaved steps each ({full_batches} full batches per pass)")
+    progress(f"timing {args.warmup} + {args.steps} interleaved steps each ({full_batches} full batches per pass)")
     with warnings.catch_warnings():  # torch's Adagrad on sparse gradients, as in the other workloads
         warnings.filterwarnings("ignore", message="Sparse invariant checks")
         timing = time_interleaved({"hybridembed": step_h, "plain_torch": step_p}, steps=args.steps, warmup=args.warmup)

@@ -39,7 +39,7 @@ from ..errors import ConfigError
 from ..input import Jagged
 from ..modules import EmbeddingCollection
 from ..optim import wrap_optimizer
-from .timing import powerlaw_ids
+from ..synthetic import powerlaw_ids
 
 __all__ = [
     "EmbeddingSpec",
@@ -50,6 +50,7 @@ __all__ = [
     "Batch",
     "MODELS",
     "WORKLOADS",
+    "E2E_MODEL",
     "BACKENDS",
     "workloads",
     "expand",
@@ -260,6 +261,11 @@ WORKLOADS: dict[str, tuple[ModelSpec, ...]] = {
         ),
     ),
 }
+
+
+# ``hybridembed train``'s DLRM end to end (bench/e2e.py, which imports the train package only
+# when that workload runs); not a synthetic model, so not in WORKLOADS
+E2E_MODEL = "train-e2e"
 
 
 def workloads(name: str) -> tuple[ModelSpec, ...]:

@@ -1,4 +1,5 @@
-"""Workload generation and interleaved timing shared by ``benchmarks/`` and ``hybridembed bench``."""
+"""Interleaved timing and the allocator option shared by ``benchmarks/`` and ``hybridembed bench``
+(with :func:`~hybridembed.synthetic.powerlaw_ids`, the workloads' ids)."""
 
 from __future__ import annotations
 
@@ -9,32 +10,42 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from ..synthetic import powerlaw_ids
+from ..utils import allocator_tuned, get_logger, tune_cpu_allocator
 
-__all__ = ["powerlaw_ids", "Timing", "time_interleaved", "add_allocator_option"]
+__all__ = ["powerlaw_ids", "Timing", "time_interleaved", "add_allocator_option", "apply_allocator_option"]
+
+log = get_logger(__name__)
 
 
 def add_allocator_option(parser: argparse.ArgumentParser) -> None:
-    """``--tune-allocator`` / ``--no-tune-allocator`` (default on), as every benchmark takes it."""
+    """``--tune-allocator`` / ``--no-tune-allocator``, as every benchmark takes it (apply it with
+    :func:`apply_allocator_option`)."""
     parser.add_argument(
         "--tune-allocator",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="call hybridembed.tune_cpu_allocator() first, so glibc reuses large blocks (default on; "
-        "it affects every contender alike); --no-tune-allocator keeps glibc's defaults",
+        default=None,
+        help="default: as 'import hybridembed' left glibc's allocator (tuned, unless "
+        "HYBRIDEMBED_TUNE_ALLOCATOR=0 was set); --tune-allocator: call hybridembed.tune_cpu_allocator(); "
+        "--no-tune-allocator: do not (glibc's own thresholds need HYBRIDEMBED_TUNE_ALLOCATOR=0 in the "
+        "environment, as the import tunes them otherwise). It affects every contender alike",
     )
 
 
-def powerlaw_ids(n: int, rows: int, alpha: float = 1.05, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(n,) int64 ids in [0, rows) from the power law of NVIDIA's synthetic models.
+def apply_allocator_option(args: argparse.Namespace) -> bool:
+    """Applies ``--tune-allocator``; returns whether glibc's allocator is tuned for this run.
 
-    ``y = (r * (kmax^g - kmin^g) + kmin^g)^(1/g) - 1`` with ``g = 1 - alpha``, ``kmin = 1``,
-    ``kmax = rows + 1`` and ``r`` uniform in [0, 1): id 0 is the most frequent.
+    ``--no-tune-allocator`` cannot undo the tuning ``import hybridembed`` did (glibc has no way
+    back to its adaptive thresholds), so it warns and says how to opt out instead.
     """
-    g = 1.0 - alpha
-    r = torch.rand(n, dtype=torch.float64, generator=generator)
-    y = (r * ((rows + 1) ** g - 1.0) + 1.0) ** (1.0 / g) - 1.0
-    return y.long().clamp_(0, rows - 1)
+    if args.tune_allocator:
+        tune_cpu_allocator()
+    elif args.tune_allocator is False and allocator_tuned():
+        log.warning(
+            "--no-tune-allocator: the allocator was already tuned when hybridembed was imported; "
+            "set HYBRIDEMBED_TUNE_ALLOCATOR=0 in the environment to run with glibc's defaults"
+        )
+    return allocator_tuned()
 
 
 @dataclass

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import __version__, _env
 from ..errors import HybridEmbedError
-from ..utils import get_logger, tune_cpu_allocator
+from ..utils import get_logger
 from . import data as D
 from . import models as M
 from .loop import EpochStats, EvalStats, evaluate, train_epoch
@@ -496,7 +496,7 @@ def _table_stats(model: nn.Module) -> tuple[int, int, int]:
     """(rows held, rows evicted, tables) over every dynamic table of ``model``."""
     rows = evicted = tables = 0
     for m in model.modules():
-        if isinstance(m, M.HybridEmbeddings):
+        if isinstance(m, M.DynamicEmbeddings):
             for s in m.collection.dynamic_stats().values():
                 rows += int(s["size"])
                 evicted += int(s["evicted"])
@@ -560,7 +560,6 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
     import hybridembed as he
 
     t_start = time.perf_counter()
-    tune_cpu_allocator()
     torch.set_num_threads(args.threads)
     train, test, desc = load_data(args)
     features = train.features

@@ -31,6 +31,7 @@ import torch
 
 from ..errors import HybridEmbedError
 from ..init import stable_hash64
+from ..synthetic import powerlaw_ids
 from ..utils import get_logger
 
 __all__ = [
@@ -458,7 +459,7 @@ def _hex8(x: np.ndarray) -> np.ndarray:
 def generate_criteo(path: str, rows: int, seed: int = 0, alpha: float = 1.05) -> str:
     """Writes ``rows`` Criteo-format impressions to ``path`` (TSV) and returns ``path``.
 
-    Categorical ids follow the power law of :func:`hybridembed.bench.powerlaw_ids` over a
+    Categorical ids follow the power law of :func:`hybridembed.synthetic.powerlaw_ids` over a
     Criteo-like spread of vocabularies, written as 8-hex-digit hashes; cells are empty at
     Criteo-like rates. The click probability is a logistic function of per-id effects of
     most features, the dense counts and one pairwise interaction, shifted to a 25% click
@@ -466,8 +467,6 @@ def generate_criteo(path: str, rows: int, seed: int = 0, alpha: float = 1.05) ->
     Deterministic for a given ``(rows, seed)``. Written through a temporary name.
     """
     pa = _pyarrow()
-    from ..bench.timing import powerlaw_ids
-
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     logit = np.zeros(rows)

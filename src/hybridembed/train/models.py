@@ -6,7 +6,7 @@ Shape legend: ``B`` batch, ``Dn`` dense features, ``F`` categorical features, ``
 embedding dim, ``K = Dn + F * D`` the flat input of the MLP/cross towers.
 
 Every model is plain PyTorch around an *embedding provider*: a module mapping sparse ids
-(B, F) int64 to rows (B, F, D). :class:`HybridEmbeddings` holds one dynamic
+(B, F) int64 to rows (B, F, D). :class:`DynamicEmbeddings` holds one dynamic
 :class:`hybridembed.EmbeddingCollection` table per feature (any int64 id, rows made on first
 sight, at most ``capacity`` rows per table); :class:`TorchEmbeddings` holds one
 ``nn.Embedding`` per feature over a known vocabulary (what :func:`hybridembed.convert`
@@ -32,7 +32,7 @@ from ..modules import EmbeddingCollection
 
 __all__ = [
     "MODELS",
-    "HybridEmbeddings",
+    "DynamicEmbeddings",
     "TorchEmbeddings",
     "DLRM",
     "WideDeep",
@@ -46,7 +46,7 @@ __all__ = [
 EmbeddingFactory = Callable[[int, str], nn.Module]  # (dim, name prefix) -> (B, F) ids -> (B, F, D)
 
 
-class HybridEmbeddings(nn.Module):
+class DynamicEmbeddings(nn.Module):
     """One dynamic hybridembed table per feature: (B, F) int64 ids -> (B, F, D) rows.
 
     All tables share dim, dtype and :class:`hybridembed.Dynamic` config, so they form one
@@ -254,7 +254,7 @@ def build(
     def embeddings(d: int, prefix: str) -> nn.Module:
         if vocab_sizes is not None:
             return TorchEmbeddings(vocab_sizes, d)
-        return HybridEmbeddings(features, d, capacity=capacity, prefix=prefix, seed=seed, min_count=min_count)
+        return DynamicEmbeddings(features, d, capacity=capacity, prefix=prefix, seed=seed, min_count=min_count)
 
     f = len(features)
     if kind == "dlrm":
