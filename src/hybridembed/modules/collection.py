@@ -574,13 +574,12 @@ class EmbeddingCollection(nn.Module):
                 ]
             )
         rows = pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, batch.one_per_bag)  # (S, D)
-        # one narrow view per feature, not torch.split's multi-output views: an output may be
-        # changed in place, as an nn.Embedding output may
-        result: dict[str, torch.Tensor | Jagged] = {}
-        start = 0
-        for f, size in zip(feats, batch.sizes):
-            result[f.jkey] = rows.narrow(0, start, size)
-            start += size
+        # unsafe_split: split's one backward (a cat), but outputs that may be changed in place, as an
+        # nn.Embedding output may (split's multi-output views refuse that; narrow views would each
+        # backpropagate a zero-filled (S, D) gradient). Safe here: the outputs are disjoint and
+        # nothing else reads `rows`.
+        parts = torch.unsafe_split_with_sizes(rows, batch.sizes)
+        result: dict[str, torch.Tensor | Jagged] = dict(zip((f.jkey for f in feats), parts))
         for f in batch.seq:
             result[f.jkey] = self._sequence(result[f.jkey], jagged[f.jkey].offsets.to(torch.int64))
         return result
