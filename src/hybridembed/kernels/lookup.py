@@ -215,6 +215,13 @@ def reduce_rows(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     idx, vals = grad._indices()[0], grad._values()
     if grad.is_coalesced() or idx.numel() < 2 or bool((idx[1:] > idx[:-1]).all()):
         return idx, vals
+    if idx.numel() < _UNIQUE_BELOW:  # small: unique + index_add_ (measured ~2x faster than the stable sort)
+        uniq, inverse = torch.unique(idx, return_inverse=True)  # (U,) ascending, (N,)
+        rows = vals.new_zeros(uniq.numel(), vals.shape[1]).index_add_(0, inverse, vals)  # (U, D), in id order
+        return uniq, rows
     uniq, perm, seg = sorted_segments(idx, grad.shape[0])
     rows = F.embedding_bag(perm, vals, seg, mode="sum", include_last_offset=True)  # (U, D)
     return uniq, rows
+
+
+_UNIQUE_BELOW = 32768  # gradients of fewer rows are reduced with unique + index_add_

@@ -20,7 +20,7 @@ Shape legend: ``F`` features, ``B`` batch, ``D`` dim, ``N`` ids of a feature,
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -47,14 +47,14 @@ class _Feature:
     row_offset: int  # dense: where the table's rows start in its group's storage
     table_index: int  # dynamic: the table's key in its group's hash index
     key: str | None = None  # its input's key in a batch; the name unless one feature is looked up twice
+    jkey: str = field(init=False, repr=False, compare=False)  # key, or the name
+    dynamic: bool = field(init=False, repr=False, compare=False)
+    scaled: bool = field(init=False, repr=False, compare=False)  # its combiner scales rows (mean, sqrtn)
 
-    @property
-    def jkey(self) -> str:
-        return self.key if self.key is not None else self.name
-
-    @property
-    def dynamic(self) -> bool:
-        return self.table.dynamic is not None
+    def __post_init__(self) -> None:  # (plain fields: read on every lookup)
+        object.__setattr__(self, "jkey", self.key if self.key is not None else self.name)
+        object.__setattr__(self, "dynamic", self.table.dynamic is not None)
+        object.__setattr__(self, "scaled", self.table.combiner in ("mean", "sqrtn"))
 
 
 @dataclass
@@ -180,6 +180,7 @@ class EmbeddingCollection(nn.Module):
             (HashStorage if ts[0].dynamic else DenseStorage)(ts, seed=self.seed, device=device) for ts in keys.values()
         )
         self._table_group = {t.name: g for g, ts in enumerate(keys.values()) for t in ts}
+        self.__dict__["_storage_list"] = list(self.storages)  # (plain list: indexed on every lookup)
         self._features = {}
         for f, t in self.features.items():
             st = self.storages[self._table_group[t]]
@@ -562,10 +563,15 @@ class EmbeddingCollection(nn.Module):
             sink = storage.accumulate_grad
         cdt = storage.tables[0].compute_dtype
         psw = None  # (N,) per-id multipliers: the combiners and the user's weights
-        scales = [
-            bag_scale(f.table.combiner, jagged[f.jkey].offsets, jagged[f.jkey].weights, c, cdt)
-            for f, c in zip(feats, batch.counts)
-        ]
+        plain = not any(f.scaled or jagged[f.jkey].weights is not None for f in feats)
+        scales = (
+            []
+            if plain
+            else [
+                bag_scale(f.table.combiner, jagged[f.jkey].offsets, jagged[f.jkey].weights, c, cdt)
+                for f, c in zip(feats, batch.counts)
+            ]
+        )
         if any(sc is not None for sc in scales):
             psw = torch.cat(
                 [

@@ -156,14 +156,18 @@ class LookupQueue:
         self._mode: tuple[bool, bool, bool] | None = None
         self.flushes = 0  # times the queue ran (one kernel call per group each time)
         self.depth = 0  # forwards of the owning model under way: lookups are deferred only inside one
+        self._defer = False
 
     @property
     def active(self) -> bool:
-        """Whether a lookup requested now is deferred: inside the model's forward, not tracing."""
-        return self.depth > 0 and deferral_possible()
+        """Whether a lookup requested now is deferred: inside the model's forward, not tracing
+        (decided when the outermost forward began)."""
+        return self.depth > 0 and self._defer
 
     def enter(self) -> None:
         """The owning model's forward begins."""
+        if self.depth == 0:
+            self._defer = deferral_possible()
         self.depth += 1
 
     def exit(self, ok: bool = True) -> None:
@@ -196,7 +200,7 @@ class LookupQueue:
         if self._pending and mode != self._mode:
             self.flush()
         feat = ec._features[feature]
-        device = ec.storages[feat.group].weight.device
+        device = ec._storage_list[feat.group].weight.device
         v = ids.values
         if not (  # structure, dtypes, device: now, no sync (ids with the collection's own offsets: the ids alone)
             ec._trusted(ids) and ids.weights is None and v.dim() == 1 and v.dtype in _INT_DTYPES and v.device == device
