@@ -304,6 +304,11 @@ class HybridEmbedding(_TableLayer):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.padding_idx is None:  # the common call, inside a grouped forward: queued, kept short
+            queue = getattr(self._collection, "lookup_queue", None)
+            if queue is not None and queue.active and isinstance(input, torch.Tensor):
+                shape = (*input.shape, self.embedding_dim)
+                return queue.request_rows(self.table, input.reshape(-1), shape, self.output_dtype)
         shape = tuple(input.shape)
         ids = input.reshape(-1)  # (N,)
         n, dev = ids.numel(), ids.device

@@ -141,10 +141,24 @@ class DeferredRows(torch.Tensor):
 
 
 class _Request:
-    __slots__ = ("feature", "ids", "post", "out")
+    __slots__ = ("feature", "ids", "post", "out", "shape", "dtype")
 
-    def __init__(self, feature: str, ids: Jagged, post: Callable | None, out: DeferredRows):
+    def __init__(
+        self, feature: str, ids: Jagged, post: Callable | None, out: DeferredRows, shape: tuple, dtype: torch.dtype
+    ):
         self.feature, self.ids, self.post, self.out = feature, ids, post, out
+        self.shape, self.dtype = shape, dtype  # (the output's: read from the DeferredRows, each costs a dispatch)
+
+    def finish(self, rows: torch.Tensor) -> torch.Tensor:
+        """The lookup's rows -> the requested output: ``post(rows)``, or rows in the output's
+        dtype and shape."""
+        if self.post is not None:
+            return self.post(rows)
+        if not isinstance(rows, torch.Tensor):  # (a sequence feature's Jagged of rows)
+            return rows
+        if rows.dtype != self.dtype:
+            rows = rows.to(self.dtype)
+        return rows.reshape(self.shape)
 
 
 class LookupQueue:
@@ -210,7 +224,25 @@ class LookupQueue:
         if dtype is None:
             dtype = feat.table.compute_dtype
         out = DeferredRows(shape, dtype, device, self)
-        self._pending.append(_Request(feature, ids, post, out))
+        self._pending.append(_Request(feature, ids, post, out, tuple(shape), dtype))
+        return out
+
+    def request_rows(self, feature: str, ids: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> DeferredRows:
+        """:meth:`request` of ``ids`` (N,), one per bag, whose rows (N, D) are returned in
+        ``dtype`` and viewed as ``shape`` (a converted ``nn.Embedding``: the common call, kept
+        short)."""
+        ec = self.collection
+        feat = ec._features[feature]
+        device = ec._storage_list[feat.group].weight.device
+        offsets = ec._one_per_bag(ids.shape[0], ids.device)
+        if ids.dtype not in _INT_DTYPES or ids.device != device:  # (the general path names the problem)
+            return self.request(feature, Jagged(ids, offsets), shape, dtype, lambda r: r.to(dtype).reshape(shape))
+        mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ec.training)
+        if self._pending and mode != self._mode:
+            self.flush()
+        self._mode = mode
+        out = DeferredRows(shape, dtype, device, self)
+        self._pending.append(_Request(feature, Jagged(ids, offsets), None, out, shape, dtype))
         return out
 
     def flush(self) -> None:
@@ -224,7 +256,7 @@ class LookupQueue:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 rows = self.collection.lookup_many([(r.feature, r.ids) for r in reqs], train=train, checked=True)
                 for r, x in zip(reqs, rows):
-                    r.out._value = x if r.post is None else r.post(x)
+                    r.out._value = r.finish(x)
                     r.out._queue = None
         except BaseException as e:
             for r in reqs:
