@@ -36,6 +36,7 @@ __all__ = ["HashStorage", "LookupPlan", "sort_pairs"]
 _EMPTY = -1
 _HIGH, _LOW = -(1 << 32), (1 << 32) - 1  # the table and slot words of an index row
 _PROBES = 4  # index positions read per probing round (a window of linear probing)
+_FIND_WINDOW = 16  # positions a lookup reads per round after the first
 _STATS = ("inserted", "evicted", "rejected", "hits", "lookups")
 
 
@@ -195,6 +196,7 @@ class HashStorage(RowStorage):
         self._hrow = torch.full((h, 2), _EMPTY, dtype=torch.int64, device=dev)
         self._claim = torch.full((h,), -1, dtype=torch.int32, device=dev)
         self._probe_offsets = torch.arange(_PROBES, device=dev)
+        self._find_offsets = torch.arange(_FIND_WINDOW, device=dev)
         live = (self.slot_table >= 0).nonzero().squeeze(1)
         if live.numel():
             self._insert(self.slot_key[live], self.slot_table[live], live)
@@ -204,27 +206,34 @@ class HashStorage(RowStorage):
         return (pos.unsqueeze(1) + self._probe_offsets) & self._mask
 
     def _find(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
-        """(U,) slots of (table, id) pairs; -1 where absent."""
+        """(U,) slots of (table, id) pairs; -1 where absent.
+
+        Linear probing. The first round reads each pair's home position (most pairs are
+        decided there); the few left read the next ``_FIND_WINDOW`` positions a round, where a
+        pair's first position that holds it (found) or is empty (absent: there are no
+        tombstones, eviction rebuilds the index) decides: about 2 rounds instead of one per
+        probe (7 measured), each of ~15 small ops."""
         tw = tabs.to(torch.int64) << 32  # the table as stored in a row's second word
         pos = self._hash(keys, tabs) & self._mask
-        active = None  # all of them, in the first round
-        k, t = keys, tw
-        while True:
-            row = self._hrow.index_select(0, pos)  # each probe position read once
-            word = row[:, 1]
-            hit = (row[:, 0] == k) & ((word & _HIGH) == t)
-            go_on = ~hit & (word >= 0)  # occupied by another pair: probe the next position
-            found = word & _LOW
-            if active is None:
-                out = torch.where(hit, found, -1)
-            else:
-                out.index_put_((active[hit],), found[hit])
-            idx = go_on.nonzero().squeeze(1)
-            if idx.numel() == 0:
-                return out
-            active = idx if active is None else active.index_select(0, idx)
-            pos = (pos.index_select(0, idx) + 1) & self._mask
-            k, t = keys.index_select(0, active), tw.index_select(0, active)
+        row = self._hrow.index_select(0, pos)  # (U, 2): each home position read once
+        word = row[:, 1]
+        hit = (row[:, 0] == keys) & ((word & _HIGH) == tw)
+        out = torch.where(hit, word & _LOW, -1)
+        active = (~hit & (word >= 0)).nonzero().squeeze(1)  # home held by another pair: probe on
+        pos = pos.index_select(0, active) + 1
+        while active.numel():
+            k, t = keys.index_select(0, active).unsqueeze(1), tw.index_select(0, active).unsqueeze(1)
+            win = (pos.unsqueeze(1) + self._find_offsets) & self._mask  # (A, W)
+            row = self._hrow.index_select(0, win.view(-1)).view(-1, _FIND_WINDOW, 2)
+            word = row[..., 1]
+            hit = (row[..., 0] == k) & ((word & _HIGH) == t)  # (A, W)
+            stop = hit | (word < 0)
+            first = stop.to(torch.uint8).argmax(1, keepdim=True)  # (A, 1): the deciding position
+            found = torch.where(hit.gather(1, first), word.gather(1, first) & _LOW, -1).squeeze(1)
+            out.index_copy_(0, active, found)
+            more = (~stop.any(1)).nonzero().squeeze(1)
+            active, pos = active.index_select(0, more), pos.index_select(0, more) + _FIND_WINDOW
+        return out
 
     def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
         """Add absent, distinct (table, id) pairs pointing at ``slots``: each at the first empty
