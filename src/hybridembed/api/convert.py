@@ -108,6 +108,7 @@ from __future__ import annotations
 import fnmatch
 import gc
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -189,8 +190,12 @@ class _QueueHook:
             return
         if self.begin:
             queue.enter()
+            queue.handling.append(sys.exc_info()[1])  # (an exception being handled around the call, if any)
         else:
-            queue.exit(ok=output is not None)  # (None: the forward raised)
+            # None: the forward raised, or returned None (a forward that keeps its outputs on the model):
+            # it raised when an exception other than the one handled around the call is in flight
+            outer = queue.handling.pop() if queue.handling else None
+            queue.exit(ok=output is not None or sys.exc_info()[1] is outer)
 
 
 class _TableLayer(nn.Module):

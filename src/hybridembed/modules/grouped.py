@@ -171,6 +171,7 @@ class LookupQueue:
         self.flushes = 0  # times the queue ran (one kernel call per group each time)
         self.depth = 0  # forwards of the owning model under way: lookups are deferred only inside one
         self._defer = False
+        self.handling: list[BaseException | None] = []  # per forward under way: the exception handled around it
 
     @property
     def active(self) -> bool:
