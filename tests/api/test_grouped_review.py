@@ -7,6 +7,8 @@ The reference: the same model converted with ``grouped=False`` (one lookup per l
 from __future__ import annotations
 
 import copy
+import pickle
+import threading
 
 import pytest
 import torch
@@ -117,3 +119,45 @@ def test_an_interrupted_forward_leaves_no_forward_under_way():
     with pytest.raises(KeyboardInterrupt):
         conv(torch.tensor([1]), stop=True)
     assert not isinstance(conv.a(torch.tensor([1])), DeferredRows)
+
+
+class Pausing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Embedding(10, 3)
+        self.b = nn.Embedding(10, 3)
+
+    def forward(self, x, paused=None):  # (B,) -> (B, 3)
+        e = self.a(x)
+        if paused is not None:  # (another thread runs a forward meanwhile)
+            paused[0].set()
+            paused[1].wait()
+        return e + self.b(x)
+
+
+def test_forwards_in_two_threads_keep_their_own_lookups():
+    torch.manual_seed(0)
+    plain = Pausing()
+    conv = he.convert(copy.deepcopy(plain)).eval()
+    paused, out = (threading.Event(), threading.Event()), {}
+
+    def serve():
+        with torch.no_grad():
+            out["first"] = conv(torch.tensor([1, 2]), paused)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    paused[0].wait()
+    with torch.no_grad(), pytest.raises(he.InvalidInputError, match="'a'"):
+        conv(torch.tensor([1, 12]))  # (was: its bad id failed the other thread's forward too)
+    paused[1].set()
+    t.join()
+    torch.testing.assert_close(out["first"], plain(torch.tensor([1, 2])).detach())
+
+
+def test_copies_of_a_queue_start_empty():
+    conv = he.convert(Pausing())
+    twin = pickle.loads(pickle.dumps(conv))
+    queue = twin.hybridembed.lookup_queue
+    assert queue.collection is twin.hybridembed and len(queue) == 0 and queue.depth == 0
+    torch.testing.assert_close(twin(torch.tensor([3])), conv(torch.tensor([3])))

@@ -42,6 +42,7 @@ Rules that keep this exact:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -161,44 +162,68 @@ class _Request:
         return rows.reshape(self.shape)
 
 
+class _ThreadState(threading.local):
+    """A queue's state in one thread: forwards running in other threads (a threaded server) have
+    their own lookups, mode and depth, so one forward's bad ids or exception never fails another's."""
+
+    def __init__(self) -> None:
+        self.pending: list[_Request] = []
+        self.mode: tuple[bool, bool, bool] | None = None
+        self.depth = 0  # forwards of the owning model under way: lookups are deferred only inside one
+        self.defer = False
+        self.handling: list[BaseException | None] = []  # per forward under way: the exception handled around it
+
+
+def _in_thread(name: str) -> property:
+    return property(lambda q: getattr(q._thread, name), lambda q, v: setattr(q._thread, name, v))
+
+
 class LookupQueue:
-    """Lookups on one collection, requested one by one and run together (see the module docstring)."""
+    """Lookups on one collection, requested one by one and run together (see the module docstring).
+    Each thread has its own queue state."""
+
+    depth = _in_thread("depth")
+    handling = _in_thread("handling")
 
     def __init__(self, collection) -> None:
         self.collection = collection
-        self._pending: list[_Request] = []
-        self._mode: tuple[bool, bool, bool] | None = None
+        self._thread = _ThreadState()
         self.flushes = 0  # times the queue ran (one kernel call per group each time)
-        self.depth = 0  # forwards of the owning model under way: lookups are deferred only inside one
-        self._defer = False
-        self.handling: list[BaseException | None] = []  # per forward under way: the exception handled around it
+
+    def __getstate__(self) -> dict:  # (copies start with nothing queued)
+        return {"collection": self.collection, "flushes": self.flushes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._thread = _ThreadState()
 
     @property
     def active(self) -> bool:
         """Whether a lookup requested now is deferred: inside the model's forward, not tracing
         (decided when the outermost forward began)."""
-        return self.depth > 0 and self._defer
+        t = self._thread
+        return t.depth > 0 and t.defer
 
     def enter(self) -> None:
         """The owning model's forward begins."""
-        if self.depth == 0:
-            self._defer = deferral_possible()
-        self.depth += 1
+        if self._thread.depth == 0:
+            self._thread.defer = deferral_possible()
+        self._thread.depth += 1
 
     def exit(self, ok: bool = True) -> None:
         """The owning model's forward ends: what is still queued runs now (dropped if it raised)."""
-        self.depth = max(0, self.depth - 1)
-        if self.depth:
+        self._thread.depth = max(0, self._thread.depth - 1)
+        if self._thread.depth:
             return
         if ok:
             self.flush()
         else:
-            dropped, self._pending = self._pending, []
+            dropped, self._thread.pending = self._thread.pending, []
             for r in dropped:
                 r.out._error, r.out._queue = RuntimeError("the forward that requested this lookup raised"), None
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._thread.pending)
 
     def request(
         self,
@@ -210,9 +235,9 @@ class LookupQueue:
     ) -> DeferredRows:
         """Queues the lookup of ``ids`` for ``feature``; its output, ``post(rows)`` when given,
         will have ``shape`` and ``dtype`` (the table's compute dtype by default)."""
-        ec = self.collection
+        ec, t = self.collection, self._thread
         mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ec.training)
-        if self._pending and mode != self._mode:
+        if t.pending and mode != t.mode:
             self.flush()
         feat = ec._features[feature]
         device = ec._storage_list[feat.group].weight.device
@@ -221,11 +246,11 @@ class LookupQueue:
             ec._trusted(ids) and ids.weights is None and v.dim() == 1 and v.dtype in _INT_DTYPES and v.device == device
         ):
             ids = ec._as_input(feat, ids)
-        self._mode = mode
+        t.mode = mode
         if dtype is None:
             dtype = feat.table.compute_dtype
         out = DeferredRows(shape, dtype, device, self)
-        self._pending.append(_Request(feature, ids, post, out, tuple(shape), dtype))
+        t.pending.append(_Request(feature, ids, post, out, tuple(shape), dtype))
         return out
 
     def request_rows(self, feature: str, ids: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> DeferredRows:
@@ -238,20 +263,20 @@ class LookupQueue:
         offsets = ec._one_per_bag(ids.shape[0], ids.device)
         if ids.dtype not in _INT_DTYPES or ids.device != device:  # (the general path names the problem)
             return self.request(feature, Jagged(ids, offsets), shape, dtype, lambda r: r.to(dtype).reshape(shape))
-        mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ec.training)
-        if self._pending and mode != self._mode:
+        mode, t = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ec.training), self._thread
+        if t.pending and mode != t.mode:
             self.flush()
-        self._mode = mode
+        t.mode = mode
         out = DeferredRows(shape, dtype, device, self)
-        self._pending.append(_Request(feature, Jagged(ids, offsets), None, out, shape, dtype))
+        t.pending.append(_Request(feature, Jagged(ids, offsets), None, out, shape, dtype))
         return out
 
     def flush(self) -> None:
         """Runs every queued lookup: one kernel call per group."""
-        reqs, self._pending = self._pending, []
+        reqs, self._thread.pending = self._thread.pending, []
         if not reqs:
             return
-        grad, inference, train = self._mode
+        grad, inference, train = self._thread.mode
         self.flushes += 1
         try:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
