@@ -189,7 +189,7 @@ class _QueueHook:
         if queue is None:
             return
         if self.begin:
-            queue.enter()
+            queue.enter(sys._getframe(1))  # (the module call running the forward, on the stack while it runs)
             queue.handling.append(sys.exc_info()[1])  # (an exception being handled around the call, if any)
         else:
             # None: the forward raised, or returned None (a forward that keeps its outputs on the model):

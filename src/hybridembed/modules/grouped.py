@@ -26,6 +26,12 @@ Rules that keep this exact:
   A queue that fails changes no table, and every one of its outputs re-raises the error.
 - Tracing and compiling (``torch.jit``, ``torch.fx``, ``torch.compile``) see per-layer
   calls: nothing is deferred there. ``he.convert(model, grouped=False)`` turns it off.
+- Known limit: ``torch.autograd.Function.apply`` (a custom autograd function, or
+  ``torch.utils.checkpoint`` with ``use_reentrant=True``) does not go through
+  ``__torch_function__``; handed a deferred output directly, it records the placeholder,
+  not the rows, and the table gets no gradient (reentrant checkpoint says so with an error).
+  Pass such functions an op's result (``torch.cat``, ``x * 1``) or convert with
+  ``grouped=False``.
 
     >>> import torch, hybridembed as he
     >>> ec = he.EmbeddingCollection([he.TableConfig("a", 10, 4), he.TableConfig("b", 10, 4)])
@@ -42,6 +48,7 @@ Rules that keep this exact:
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -162,6 +169,18 @@ class _Request:
         return rows.reshape(self.shape)
 
 
+def _on_stack(frame) -> bool:
+    """Whether ``frame`` is running in this thread (None: unknown, taken as running)."""
+    if frame is None:
+        return True
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
 class _ThreadState(threading.local):
     """A queue's state in one thread: forwards running in other threads (a threaded server) have
     their own lookups, mode and depth, so one forward's bad ids or exception never fails another's."""
@@ -172,6 +191,7 @@ class _ThreadState(threading.local):
         self.depth = 0  # forwards of the owning model under way: lookups are deferred only inside one
         self.defer = False
         self.handling: list[BaseException | None] = []  # per forward under way: the exception handled around it
+        self.frames: list = []  # per forward under way: the frame that called its pre-hook
 
 
 def _in_thread(name: str) -> property:
@@ -204,23 +224,37 @@ class LookupQueue:
         t = self._thread
         return t.depth > 0 and t.defer
 
-    def enter(self) -> None:
-        """The owning model's forward begins."""
-        if self._thread.depth == 0:
-            self._thread.defer = deferral_possible()
-        self._thread.depth += 1
+    def enter(self, frame=None) -> None:
+        """The owning model's forward begins (``frame``: the frame running it, while it runs).
+
+        A forward that was interrupted by a ``BaseException`` torch does not run hooks for
+        (``KeyboardInterrupt``) left its state behind: it is dropped here, when its frame is no
+        longer on the stack."""
+        t = self._thread
+        if t.depth and t.frames and not _on_stack(t.frames[-1]):
+            self._drop("the forward that requested this lookup was interrupted")
+            t.depth, t.frames, t.handling = 0, [], []
+        if t.depth == 0:
+            t.defer = deferral_possible()
+        t.depth += 1
+        t.frames.append(frame)
 
     def exit(self, ok: bool = True) -> None:
         """The owning model's forward ends: what is still queued runs now (dropped if it raised)."""
         self._thread.depth = max(0, self._thread.depth - 1)
+        if self._thread.frames:
+            self._thread.frames.pop()
         if self._thread.depth:
             return
         if ok:
             self.flush()
         else:
-            dropped, self._thread.pending = self._thread.pending, []
-            for r in dropped:
-                r.out._error, r.out._queue = RuntimeError("the forward that requested this lookup raised"), None
+            self._drop("the forward that requested this lookup raised")
+
+    def _drop(self, why: str) -> None:
+        dropped, self._thread.pending = self._thread.pending, []
+        for r in dropped:
+            r.out._error, r.out._queue = RuntimeError(why), None
 
     def __len__(self) -> int:
         return len(self._thread.pending)
