@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import hybridembed as he
+from hybridembed.api.convert import fitted_init
 from hybridembed.kernels import lookup as lookup_kernels
 from hybridembed.modules.grouped import DeferredRows
 
@@ -193,6 +194,30 @@ def test_converting_after_the_optimizer_is_reported_and_unconsumed_gradients_war
     ((conv(x) - y) ** 2).mean().backward()
     wrapped.step()
     assert not torch.equal(before, conv.emb[0].weight.detach())
+
+
+def test_unconsumed_gradients_warn_on_the_per_layer_path_too(caplog):
+    conv = he.convert(Fields(), grouped=False)  # nn.Embedding layers then take lookup_rows
+    x, y = fields_batch(0)
+    ((conv(x) - y) ** 2).mean().backward()
+    with caplog.at_level(logging.WARNING, logger="hybridembed"):
+        conv(x)
+    assert "no optimizer step consumed" in caplog.text
+
+
+def test_lookup_many_and_fitted_init_refuse_bad_arguments():
+    conv = he.convert(Fields())
+    ec = conv.hybridembed
+    for bad in ([torch.tensor([1])], [("emb__0",)], "emb__0"):
+        with pytest.raises(he.InvalidInputError, match="pairs"):
+            ec.lookup_many(bad)
+    with pytest.raises(he.InvalidInputError, match="train"):
+        ec.lookup_many([("emb__0", torch.tensor([1]))], train="yes")
+    with pytest.raises(he.InvalidInputError, match="input must be a tensor"):
+        conv.emb[0]([1, 2])
+    for bad in (None, torch.zeros(0, 4), torch.zeros(3, 4, dtype=torch.int64)):
+        with pytest.raises(he.ConfigError, match="fitted_init"):
+            fitted_init(bad)
 
 
 def test_model_attributes_holding_replaced_weights_are_reported(caplog):

@@ -146,9 +146,13 @@ class ConvertedCollection(EmbeddingCollection):
         self._check_consumed()
         return super().lookup(feature, ids)
 
-    def lookup_many(self, requests, train: bool | None = None, checked: bool = False) -> list[torch.Tensor | Jagged]:
+    def lookup_rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
         self._check_consumed()
-        return super().lookup_many(requests, train, checked)
+        return super().lookup_rows(feature, ids)
+
+    def _lookup_many(self, requests, train: bool | None, checked: bool) -> list[torch.Tensor | Jagged]:
+        self._check_consumed()
+        return super()._lookup_many(requests, train, checked)
 
     def _check_consumed(self) -> None:
         """Warns once when a table's gradient was left by the last step with no optimizer to take
@@ -228,10 +232,7 @@ class _TableLayer(nn.Module):
                     f"table {self.table!r} is dynamic and has no fixed weight matrix; read its rows with "
                     f"model.{COLLECTION_ATTR}.dynamic_rows({self.table!r})"
                 )
-            ec = self._collection
-            if not isinstance(ec, EmbeddingCollection):  # a served copy (export)
-                return ec.weight(self.table)
-            storage = ec.storage_of(self.table)
+            storage = self._collection.storage_of(self.table)
             start = storage.row_offset[self.table]
             # a view of the rows Parameter: a loss term over it (an L2 penalty) reaches the table as a
             # dense gradient, which the optimizer refuses with the fix, instead of being dropped silently
@@ -245,7 +246,6 @@ class _TableLayer(nn.Module):
         weights: torch.Tensor | None,
         shape: tuple[int, ...],
         post: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        one_per_bag: bool = False,
     ) -> torch.Tensor:
         """Rows of bags ``offsets`` (B+1,) of ``ids`` (N,) -> ``post((B, D) rows)`` of ``shape``.
 
@@ -258,12 +258,23 @@ class _TableLayer(nn.Module):
             out = out if out.dtype == dtype else out.to(dtype)
             return out if post is None else post(out)
 
-        queue = getattr(ec, "lookup_queue", None)
+        queue = ec.lookup_queue
         if queue is not None and queue.active:
             return queue.request(self.table, Jagged(ids, offsets, weights), shape, dtype, finish)
-        if one_per_bag and weights is None and not self.dynamic and isinstance(ec, EmbeddingCollection):
-            return finish(ec.lookup_rows(self.table, ids))  # (the cheap per-call path)
         return finish(ec.lookup(self.table, Jagged(ids, offsets, weights)))
+
+    def _rows(self, ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """Rows of ``ids`` (N,), one per bag, in the layer's dtype, as ``shape`` (*, D): queued in
+        a grouped forward, else one short lookup (:meth:`EmbeddingCollection.lookup_rows`)."""
+        ec = self._collection
+        queue = ec.lookup_queue
+        if queue is not None and queue.active:
+            return queue.request_rows(self.table, ids, shape, self.output_dtype)
+        if self.dynamic:
+            rows = ec.lookup(self.table, Jagged(ids, ec._one_per_bag(ids.shape[0], ids.device)))
+        else:
+            rows = ec.lookup_rows(self.table, ids)
+        return rows.to(self.output_dtype).reshape(shape)
 
     def _check(self, j: Jagged) -> None:
         j.check_structure(self.table)
@@ -309,20 +320,17 @@ class HybridEmbedding(_TableLayer):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.padding_idx is None:  # the common call, inside a grouped forward: queued, kept short
-            queue = getattr(self._collection, "lookup_queue", None)
-            if queue is not None and queue.active and isinstance(input, torch.Tensor):
-                shape = (*input.shape, self.embedding_dim)
-                return queue.request_rows(self.table, input.reshape(-1), shape, self.output_dtype)
-        shape = tuple(input.shape)
+        if not isinstance(input, torch.Tensor):
+            raise InvalidInputError(
+                f"table {self.table!r}: input must be a tensor of ids, got {type(input).__name__}", self.table
+            )
+        d = self.embedding_dim
+        out_shape = (*input.shape, d)
         ids = input.reshape(-1)  # (N,)
         n, dev = ids.numel(), ids.device
-        d = self.embedding_dim
-        out_shape = (*shape, d)
         keep = None if self.padding_idx is None else ids != self.padding_idx  # (N,)
         if keep is None or bool(keep.all()):  # (N, D): bags of one
-            offsets = self._collection._one_per_bag(n, dev)
-            return self._lookup(ids, offsets, None, out_shape, lambda r: r.reshape(out_shape), one_per_bag=True)
+            return self._rows(ids, out_shape)
         self._check(Jagged(ids, torch.tensor([0, n], device=dev)))
         kept = ids[keep]  # (K,)
 
@@ -501,6 +509,8 @@ def fitted_init(weight: torch.Tensor, sample: int = 1 << 20) -> _init.Init:
     at most ``sample`` values (evenly spaced rows). The parameters are rounded to two
     significant digits (a mean to 1% of the std), so layers initialised alike get one
     initializer and their dynamic rows are made in one pass."""
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.numel() == 0:
+        raise ConfigError(f"fitted_init needs a non-empty floating-point weight tensor, got {weight!r}")
     w = weight.detach().reshape(-1)
     if w.numel() > sample:
         w = w[:: -(-w.numel() // sample)]

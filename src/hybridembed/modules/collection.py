@@ -29,7 +29,6 @@ from torch import nn
 from ..config import MAX_SLOTS, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
-from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
 from ..storage import DenseStorage, HashStorage, RowStorage, serial
 from ..storage.hashed import LookupPlan
@@ -292,20 +291,10 @@ class EmbeddingCollection(nn.Module):
         feat = self._features.get(feature) if isinstance(feature, str) else None
         if feat is None or feat.dynamic or feat.table.combiner == "none":
             raise InvalidInputError(f"lookup_rows takes a pooled feature of a dense table, got {feature!r}")
-        storage = self.storages[feat.group]
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in _INT_DTYPES:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
             raise InvalidInputError(f"feature {feature!r}: ids must be a 1-D integer tensor", feature)
-        if ids.device != storage.weight.device:
-            return self.lookup(feature, Jagged(ids, torch.arange(ids.numel() + 1, device=ids.device)))  # (its error)
-        n = ids.numel()
-        if n:
-            lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # (one sync)
-            if lo < 0 or hi >= feat.table.num_embeddings:
-                Jagged(ids, torch.tensor([0, n])).raise_first_error(feat.name, feat.table.num_embeddings)
-        rows = ids + feat.row_offset if ids.dtype == torch.int64 else ids.to(torch.int64).add_(feat.row_offset)
-        offsets = self._one_per_bag(n, ids.device)
-        cdt = storage.compute_dtype
-        return pooled_lookup(storage.weight, rows, offsets, None, cdt, storage.accumulate_grad, one_per_bag=True)
+        j = self._as_input(feat, Jagged(ids, self._one_per_bag(ids.shape[0], ids.device)))
+        return self._lookup_dense(feat, j)
 
     def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
         """Offsets (n+1,) of n bags of one id, ``arange(n + 1)``, kept for later calls of the same
@@ -344,25 +333,27 @@ class EmbeddingCollection(nn.Module):
         storage = self.storages[feat.group]
         v, o, w = j.values, j.offsets, j.weights
         n = v.numel()
-        checks = [o[0] == 0, o[-1] == n]
-        if o.numel() > 2:
+        trusted = self._trusted(j)  # the collection's own one-id-per-bag offsets: nothing to check
+        checks = [] if trusted else [o[0] == 0, o[-1] == n]
+        if o.numel() > 2 and not trusted:
             checks.append((o[1:] >= o[:-1]).all())
         if n:
             lo, hi = torch.aminmax(v)
             checks += [lo >= 0, hi < feat.table.num_embeddings]
         if w is not None and w.numel():
             checks.append(torch.isfinite(w).all())
-        if not bool(torch.stack(checks).all()):
+        if checks and not bool(torch.stack(checks).all()):
             j.raise_first_error(feat.name, feat.table.num_embeddings)
             raise InvalidInputError(f"feature {feat.name!r}: input failed validation")  # (a bug if reached)
         ids = v + feat.row_offset if v.dtype == torch.int64 else v.to(torch.int64).add_(feat.row_offset)
         offsets = o if o.dtype == torch.int64 else o.to(torch.int64)
         cdt = storage.compute_dtype
         psw = bag_scale(feat.table.combiner, offsets, w, n, cdt)
-        return pooled_lookup(storage.weight, ids, offsets, psw, cdt, storage.accumulate_grad)  # (B, D)
+        sink = storage.accumulate_grad
+        return pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, one_per_bag=trusted)  # (B, D)
 
     def lookup_many(
-        self, requests: Sequence[tuple[str, Any]], train: bool | None = None, checked: bool = False
+        self, requests: Sequence[tuple[str, Any]], train: bool | None = None
     ) -> list[torch.Tensor | Jagged]:
         """Several ``(feature, ids)`` lookups, a feature possibly repeated, in one kernel call per group.
 
@@ -370,8 +361,7 @@ class EmbeddingCollection(nn.Module):
         same way (every request before any row is read: one bad request changes nothing), but
         each group's requests are joined into one batch: this is how the separate embedding
         calls of a converted model's forward become one call per group. ``train`` overrides
-        ``self.training`` (whether dynamic tables make rows); ``checked``: every ``ids`` is a
-        :class:`Jagged` that passed ``_as_input`` already (its structure, dtypes and device).
+        ``self.training`` (whether dynamic tables make rows).
 
         >>> import torch, hybridembed as he
         >>> ec = he.EmbeddingCollection([he.TableConfig("a", 10, 4), he.TableConfig("b", 10, 4)])
@@ -380,6 +370,17 @@ class EmbeddingCollection(nn.Module):
         >>> torch.equal(a2, ec.lookup("a", torch.tensor([[5, 6], [7, -1]])))
         True
         """
+        if not isinstance(requests, Sequence) or not all(isinstance(r, tuple) and len(r) == 2 for r in requests):
+            raise InvalidInputError("lookup_many takes a sequence of (feature name, ids) pairs")
+        if train is not None and not isinstance(train, bool):
+            raise InvalidInputError(f"train must be True, False or None (the module's mode), got {train!r}")
+        return self._lookup_many(requests, train, checked=False)
+
+    def _lookup_many(
+        self, requests: Sequence[tuple[str, Any]], train: bool | None, checked: bool
+    ) -> list[torch.Tensor | Jagged]:
+        """:meth:`lookup_many`; ``checked``: every ``ids`` is a :class:`Jagged` that passed
+        ``_as_input`` already (its structure, dtypes and device), as the lookup queue's are."""
         jagged: dict[str, Jagged] = {}
         per_group: dict[int, tuple[list[_Feature], list[_Feature]]] = {}
         for i, (feature, ids) in enumerate(requests):
@@ -454,7 +455,6 @@ class EmbeddingCollection(nn.Module):
             ids = ids.to(torch.int64)
         f = len(feats)
         consts = self._group_consts(feats, device)  # (F,) row offsets, (F,) rows per table, any offset
-        cnt = torch.tensor(counts, device=device)
         checks = [torch.isfinite(j.weights).all() for j in js if j.weights is not None and j.weights.numel()]
         # every feature with the same number of ids and of bags (one-hot layers of one batch): (F, c) views
         uniform = n and counts.count(counts[0]) == f and sizes.count(sizes[0]) == f
@@ -465,6 +465,7 @@ class EmbeddingCollection(nn.Module):
                 if consts[2]:
                     ids = ids.view(f, -1).add(consts[0].unsqueeze(1)).view(-1)
             elif n:
+                cnt = torch.tensor(counts, device=device)
                 rows = consts[1].repeat_interleave(cnt, output_size=n)  # (N,)
                 checks.append(((ids >= 0) & (ids < rows)).all())
                 if consts[2]:  # some table starts past row 0
@@ -472,6 +473,7 @@ class EmbeddingCollection(nn.Module):
         if all(self._trusted(j) for j in js):  # one id per bag, offsets made here: nothing to check
             offsets = self._one_per_bag(n, device)
             return _GroupBatch(storage, feats, [], ids, offsets, sizes, counts, _all(checks), one_per_bag=True)
+        cnt = torch.tensor(counts, device=device)
         offsets = torch.cat([*(j.offsets[:-1] for j in js), torch.tensor([n], device=device)])  # (S+1,)
         if offsets.dtype != torch.int64:
             offsets = offsets.to(torch.int64)

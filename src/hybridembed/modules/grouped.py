@@ -58,11 +58,8 @@ from torch.fx import _symbolic_trace as _fx
 
 from ..input import Jagged
 from ..input.jagged import _INT_DTYPES
-from ..utils import get_logger
 
 __all__ = ["DeferredRows", "LookupQueue", "deferral_possible"]
-
-log = get_logger(__name__)
 
 # metadata a deferred output answers by itself, without running its lookup
 _METADATA = {
@@ -269,10 +266,7 @@ class LookupQueue:
     ) -> DeferredRows:
         """Queues the lookup of ``ids`` for ``feature``; its output, ``post(rows)`` when given,
         will have ``shape`` and ``dtype`` (the table's compute dtype by default)."""
-        ec, t = self.collection, self._thread
-        mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ec.training)
-        if t.pending and mode != t.mode:
-            self.flush()
+        ec = self.collection
         feat = ec._features[feature]
         device = ec._storage_list[feat.group].weight.device
         v = ids.values
@@ -280,29 +274,23 @@ class LookupQueue:
             ec._trusted(ids) and ids.weights is None and v.dim() == 1 and v.dtype in _INT_DTYPES and v.device == device
         ):
             ids = ec._as_input(feat, ids)
-        t.mode = mode
-        if dtype is None:
-            dtype = feat.table.compute_dtype
-        out = DeferredRows(shape, dtype, device, self)
-        t.pending.append(_Request(feature, ids, post, out, tuple(shape), dtype))
-        return out
+        return self._enqueue(feature, ids, post, shape, feat.table.compute_dtype if dtype is None else dtype, device)
 
     def request_rows(self, feature: str, ids: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> DeferredRows:
         """:meth:`request` of ``ids`` (N,), one per bag, whose rows (N, D) are returned in
         ``dtype`` and viewed as ``shape`` (a converted ``nn.Embedding``: the common call, kept
         short)."""
-        ec = self.collection
-        feat = ec._features[feature]
-        device = ec._storage_list[feat.group].weight.device
-        offsets = ec._one_per_bag(ids.shape[0], ids.device)
-        if ids.dtype not in _INT_DTYPES or ids.device != device:  # (the general path names the problem)
-            return self.request(feature, Jagged(ids, offsets), shape, dtype, lambda r: r.to(dtype).reshape(shape))
-        mode, t = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), ec.training), self._thread
+        return self.request(feature, Jagged(ids, self.collection._one_per_bag(ids.shape[0], ids.device)), shape, dtype)
+
+    def _enqueue(self, feature: str, ids: Jagged, post, shape, dtype: torch.dtype, device) -> DeferredRows:
+        """Queues checked ``ids``; a call in another mode (grad, inference, training) runs the queue first."""
+        t = self._thread
+        mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.collection.training)
         if t.pending and mode != t.mode:
             self.flush()
         t.mode = mode
         out = DeferredRows(shape, dtype, device, self)
-        t.pending.append(_Request(feature, Jagged(ids, offsets), None, out, shape, dtype))
+        t.pending.append(_Request(feature, ids, post, out, tuple(shape), dtype))
         return out
 
     def flush(self) -> None:
@@ -314,7 +302,7 @@ class LookupQueue:
         self.flushes += 1
         try:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                rows = self.collection.lookup_many([(r.feature, r.ids) for r in reqs], train=train, checked=True)
+                rows = self.collection._lookup_many([(r.feature, r.ids) for r in reqs], train, checked=True)
                 for r, x in zip(reqs, rows):
                     r.out._value = r.finish(x)
                     r.out._queue = None

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..config import _is_number
 from ..errors import ConfigError
 
 __all__ = [
@@ -133,10 +134,6 @@ class SparseOptimizer:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hparams.items())
         return f"{self.name}({args})"
-
-
-def _is_number(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _prep_grad(w: Tensor | None, g: Tensor, hp: dict[str, Any]) -> Tensor:

@@ -236,13 +236,16 @@ def wrap_optimizer(
         else:
             opt = sparse_equivalent(torch_optimizer, home.get(id(storage.weight)))
         chosen.append((name, storage, opt))
+
     # the torch optimizer keeps the dense part only; it also lets go of the nn.Embedding weights
     # he.convert replaced (an optimizer built before convert holds them)
+    def ours(p: torch.Tensor) -> bool:
+        return id(p) in weights or getattr(p, "_hybridembed_replaced", False)
+
     for group in torch_optimizer.param_groups:
-        gone = [p for p in group["params"] if id(p) in weights or getattr(p, "_hybridembed_replaced", False)]
-        group["params"] = [p for p in group["params"] if id(p) not in {id(q) for q in gone}]
-        for p in gone:
+        for p in filter(ours, group["params"]):
             torch_optimizer.state.pop(p, None)
+        group["params"] = [p for p in group["params"] if not ours(p)]
     return HybridOptimizer(torch_optimizer, chosen)
 
 

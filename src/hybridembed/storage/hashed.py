@@ -201,9 +201,9 @@ class HashStorage(RowStorage):
         if live.numel():
             self._insert(self.slot_key[live], self.slot_table[live], live)
 
-    def _window(self, pos: torch.Tensor) -> torch.Tensor:
-        """(A,) probe starts -> (A, W) the next W positions (linear probing, wrapping)."""
-        return (pos.unsqueeze(1) + self._probe_offsets) & self._mask
+    def _window(self, pos: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """(A,) probe starts -> (A, W) the next W = len(offsets) positions (linear probing, wrapping)."""
+        return (pos.unsqueeze(1) + offsets) & self._mask
 
     def _find(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """(U,) slots of (table, id) pairs; -1 where absent.
@@ -223,7 +223,7 @@ class HashStorage(RowStorage):
         pos = pos.index_select(0, active) + 1
         while active.numel():
             k, t = keys.index_select(0, active).unsqueeze(1), tw.index_select(0, active).unsqueeze(1)
-            win = (pos.unsqueeze(1) + self._find_offsets) & self._mask  # (A, W)
+            win = self._window(pos, self._find_offsets)  # (A, W)
             row = self._hrow.index_select(0, win.view(-1)).view(-1, _FIND_WINDOW, 2)
             word = row[..., 1]
             hit = (row[..., 0] == k) & ((word & _HIGH) == t)  # (A, W)
@@ -243,7 +243,7 @@ class HashStorage(RowStorage):
         pos = self._hash(keys, tabs) & self._mask
         word = (tabs.to(torch.int64) << 32) | slots.to(torch.int64)
         while pending.numel():
-            win = self._window(pos)  # (P, W)
+            win = self._window(pos, self._probe_offsets)  # (P, W)
             empty = self._hrow[:, 1].index_select(0, win.view(-1)).view(-1, _PROBES) < 0
             has = empty.any(1)  # (P,)
             first = empty.to(torch.uint8).argmax(1, keepdim=True)
