@@ -29,6 +29,7 @@ from torch import nn
 from ..config import MAX_SLOTS, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
+from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
 from ..storage import DenseStorage, HashStorage, RowStorage, serial
 from ..storage.hashed import LookupPlan
@@ -293,7 +294,9 @@ class EmbeddingCollection(nn.Module):
             raise InvalidInputError(f"lookup_rows takes a pooled feature of a dense table, got {feature!r}")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
             raise InvalidInputError(f"feature {feature!r}: ids must be a 1-D integer tensor", feature)
-        j = self._as_input(feat, Jagged(ids, self._one_per_bag(ids.shape[0], ids.device)))
+        j = Jagged(ids, self._one_per_bag(ids.shape[0], ids.device))
+        if ids.dtype not in _INT_DTYPES or ids.device != self._storage_list[feat.group].weight.device:
+            self._as_input(feat, j)  # (raises, naming the problem)
         return self._lookup_dense(feat, j)
 
     def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
