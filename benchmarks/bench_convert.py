@@ -3,6 +3,7 @@
     python benchmarks/bench_convert.py                       # DeepFM, 26 fields -> 52 layers, batch 256
     python benchmarks/bench_convert.py --batch 4096 --rows 400000
     python benchmarks/bench_convert.py --rows 20000 --epochs 1 --quick   # smoke
+    python benchmarks/bench_convert.py --per-call             # a lone layer's call against torch's
 
 The model is DeepFM as DeepCTR-Torch writes it: per categorical field one
 ``nn.Embedding(vocab, D)`` for the FM/DNN part and one ``nn.Embedding(vocab, 1)`` for the
@@ -108,6 +109,26 @@ def evaluate(model, x, d, y, batch: int) -> float:
     return auc(scores, y)
 
 
+def per_call(calls: int = 2000) -> dict[str, float]:
+    """Microseconds per call of a lone layer (no model forward: the per-layer path) against torch's."""
+    x, xb = torch.randint(0, 100_000, (256,)), torch.randint(0, 100_000, (256, 3))
+    layers = {
+        "nn.Embedding": (nn.Embedding(100_000, 16, sparse=True), x),
+        "nn.EmbeddingBag": (nn.EmbeddingBag(100_000, 16, mode="sum", sparse=True), xb),
+    }
+    out = {}
+    for name, (layer, ids) in layers.items():
+        for label, m in ((name, layer), (f"converted {name}", he.convert(copy.deepcopy(layer)))):
+            for _ in range(50):
+                m(ids)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                m(ids)
+            out[label] = (time.perf_counter() - t0) / calls * 1e6
+            print(f"{label:>28}: {out[label]:7.1f} us a call")
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=200_000)
@@ -120,7 +141,10 @@ def main(argv=None) -> dict:
     p.add_argument("--contenders", default="plain,converted,per-layer,dynamic")
     p.add_argument("--quick", action="store_true", help="time at most 200 steps per epoch")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--per-call", action="store_true", help="only time lone layer calls against torch's")
     args = p.parse_args(argv)
+    if args.per_call:
+        return per_call()
 
     torch.manual_seed(args.seed)
     sparse, dense, label = load(args.rows, args.vocab, args.seed)
