@@ -11,7 +11,7 @@ import torch
 from . import init as _init
 from .errors import ConfigError
 
-__all__ = ["TableConfig", "Dynamic", "COMBINERS", "STORAGE_DTYPES", "EVICTION_POLICIES", "MAX_ROWS", "MAX_SLOTS"]
+__all__ = ["TableConfig", "Dynamic", "ShardOf", "COMBINERS", "STORAGE_DTYPES", "EVICTION_POLICIES", "MAX_ROWS", "MAX_SLOTS"]
 
 COMBINERS = ("sum", "mean", "sqrtn", "none")
 STORAGE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -93,6 +93,32 @@ class Dynamic:
 
 
 @dataclass(frozen=True)
+class ShardOf:
+    """The part of a whole table a :class:`TableConfig` holds (set by the sharded runtime).
+
+    A dense shard's local row ``i`` is the whole table's row ``row_start + i * row_step``
+    (a block: step 1; a residue class of modulo placement: step = the number of shards);
+    a dynamic shard holds the ids the plan sends it, by their own value. Its columns are
+    the whole table's ``col_start .. col_start + embedding_dim - 1``. Initial values are
+    keyed by the whole table's name, row and column, so a shard starts equal to the same
+    slice of the whole table.
+    """
+
+    table: str
+    row_start: int = 0
+    row_step: int = 1
+    col_start: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.table, str) or not self.table:
+            raise ConfigError(f"ShardOf: table must be a table name, got {self.table!r}")
+        for name, low in (("row_start", 0), ("row_step", 1), ("col_start", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"ShardOf({self.table!r}): {name} must be an int >= {low}, got {v!r}")
+
+
+@dataclass(frozen=True)
 class TableConfig:
     """One embedding table.
 
@@ -107,6 +133,8 @@ class TableConfig:
         init: a row-keyed initializer from :mod:`hybridembed.init`; default ``uniform(-0.05, 0.05)``.
         optimizer: a per-table sparse optimizer overriding the one ``wrap_optimizer`` picks.
         dynamic: a :class:`Dynamic` makes the table keyed by any int64 id (``num_embeddings=None``).
+        shard: a :class:`ShardOf` when this config is one shard of a sharded table (the
+            sharded runtime makes these; users leave it None).
 
     >>> import hybridembed as he
     >>> he.TableConfig("user", num_embeddings=1000, embedding_dim=16, combiner="mean")
@@ -121,6 +149,7 @@ class TableConfig:
     init: _init.Init = field(default_factory=_init.uniform)
     optimizer: Any = None
     dynamic: Dynamic | None = None
+    shard: ShardOf | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
@@ -164,6 +193,8 @@ class TableConfig:
                     f"table {self.name!r}: optimizer must be a he.optim optimizer (e.g. he.optim.Adagrad(lr=0.1)), "
                     f"got {self.optimizer!r}"
                 )
+        if self.shard is not None and not isinstance(self.shard, ShardOf):
+            raise ConfigError(f"table {self.name!r}: shard must be a ShardOf, got {self.shard!r}")
         if not isinstance(self.init, _init.Init):
             raise ConfigError(
                 f"table {self.name!r}: init must be a hybridembed.init.Init (e.g. he.init.normal(std=0.01)), "
@@ -175,6 +206,16 @@ class TableConfig:
             f"TableConfig(name={self.name!r}, num_embeddings={self.num_embeddings}, "
             f"embedding_dim={self.embedding_dim}, combiner={self.combiner!r}, dtype={self.dtype}, ...)"
         )
+
+    @property
+    def init_name(self) -> str:
+        """The name its initial values are keyed by: the whole table's, for a shard."""
+        return self.shard.table if self.shard is not None else self.name
+
+    @property
+    def col_start(self) -> int:
+        """Its first column in the whole table (0 unless a column shard)."""
+        return self.shard.col_start if self.shard is not None else 0
 
     @property
     def compute_dtype(self) -> torch.dtype:

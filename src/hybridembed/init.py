@@ -127,11 +127,13 @@ def _mix64_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _uniform01(rows: torch.Tensor, key: int | torch.Tensor, dim: int) -> torch.Tensor:
-    """(N,) int64 row ids -> (N, dim) float64 uniforms in (0, 1), keyed by ``key`` (one, or (N,) per row)."""
+def _uniform01(rows: torch.Tensor, key: int | torch.Tensor, dim: int, col_start: int = 0) -> torch.Tensor:
+    """(N,) int64 row ids -> (N, dim) float64 uniforms in (0, 1) of columns ``col_start ..
+    col_start + dim - 1``, keyed by ``key`` (one, or (N,) per row)."""
     h = rows.to(torch.int64).bitwise_xor(key)  # (N,)
     _mix64_(h, torch.empty_like(h))
-    x = h[:, None] + torch.arange(dim, device=rows.device, dtype=torch.int64) * _GOLDEN  # (N, D)
+    cols = torch.arange(col_start, col_start + dim, device=rows.device, dtype=torch.int64)
+    x = h[:, None] + cols * _GOLDEN  # (N, D)
     tmp = torch.empty_like(x)
     _mix64_(x, tmp)
     torch.bitwise_right_shift(x, 11, out=tmp)
@@ -150,12 +152,15 @@ def generate(
     dim: int,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    col_start: int = 0,
 ) -> torch.Tensor:
     """Initial values of ``rows`` (N,) of ``table``: a (N, dim) tensor on ``rows.device``.
 
-    The value of each element depends only on ``(seed, table, row, column)``.
+    The value of each element depends only on ``(seed, table, row, column)``; ``col_start``
+    makes columns ``col_start .. col_start + dim - 1`` (a column shard equals the same slice
+    of the whole table).
     """
-    return generate_keyed(spec, table_key(seed, table), rows, dim, dtype, out)
+    return generate_keyed(spec, table_key(seed, table), rows, dim, dtype, out, col_start)
 
 
 def table_key(seed: int, table: str) -> int:
@@ -170,6 +175,7 @@ def generate_keyed(
     dim: int,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    col_start: int = 0,
 ) -> torch.Tensor:
     """:func:`generate` with the table given by its :func:`table_key`: one int, or an (N,)
     int64 tensor of keys per row, so rows of several tables with one ``spec`` are made in one
@@ -185,7 +191,7 @@ def generate_keyed(
     step = max(1, _CHUNK_ELEMENTS // max(dim, 1))
     for start in range(0, n, step):
         k = key[start : start + step] if isinstance(key, torch.Tensor) else key
-        u = _uniform01(rows[start : start + step], k, dim)  # (n_chunk, D) in (0, 1)
+        u = _uniform01(rows[start : start + step], k, dim, col_start)  # (n_chunk, D) in (0, 1)
         if spec.kind == "uniform":
             v = u.mul_(spec.high - spec.low).add_(spec.low)
         elif spec.kind == "normal":

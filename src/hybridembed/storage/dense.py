@@ -42,13 +42,16 @@ class DenseStorage(RowStorage):
         with torch.no_grad():
             for t in self.tables:
                 rows = torch.arange(t.num_embeddings, device=weight.device)
+                if t.shard is not None:  # the whole table's rows this shard holds
+                    rows = rows.mul_(t.shard.row_step).add_(t.shard.row_start)
                 _init.generate(
                     t.init,
                     seed,
-                    t.name,
+                    t.init_name,
                     rows,
                     self.dim,
                     out=weight[offsets[t.name] : offsets[t.name] + t.num_embeddings],
+                    col_start=t.col_start,
                 )
         self.weight = nn.Parameter(weight)
 

@@ -147,9 +147,9 @@ class HashStorage(RowStorage):
         self.table_index = {t.name: i for i, t in enumerate(self.tables)}
         inits: dict = {}
         for i, t in enumerate(self.tables):
-            inits.setdefault(t.init, []).append(i)
-        self._inits = list(inits.items())  # (initializer, its tables' indices)
-        keys = [_init.table_key(self.seed, t.name) for t in self.tables]
+            inits.setdefault((t.init, t.col_start), []).append(i)
+        self._inits = list(inits.items())  # ((initializer, first column), its tables' indices)
+        keys = [_init.table_key(self.seed, t.init_name) for t in self.tables]
         self.register_buffer("_table_keys", torch.tensor(keys, device=device), persistent=False)
         self.capacity = self.config.capacity  # per table; the group holds capacity x tables slots
         slots = self.capacity * len(self.tables) if self.capacity is not None else self.config.initial_rows
@@ -267,7 +267,7 @@ class HashStorage(RowStorage):
     def _init_rows(self, slots: torch.Tensor, keys: torch.Tensor, tabs: torch.Tensor) -> None:
         with torch.no_grad():
             # tables of one initializer in one pass: each row keyed by its table (bit-identical to per table)
-            for spec, members in self._inits:
+            for (spec, col_start), members in self._inits:
                 if len(members) == len(self.tables):
                     sel, k = None, self._table_keys.index_select(0, tabs.long())
                 else:
@@ -276,7 +276,7 @@ class HashStorage(RowStorage):
                     k = self._table_keys.index_select(0, tabs.index_select(0, sel).long())
                 rows = keys if sel is None else keys.index_select(0, sel)
                 if rows.numel():
-                    new = _init.generate_keyed(spec, k, rows, self.dim, dtype=self.dtype)
+                    new = _init.generate_keyed(spec, k, rows, self.dim, dtype=self.dtype, col_start=col_start)
                     self.weight.index_copy_(0, slots if sel is None else slots.index_select(0, sel), new)
         self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
         self.last_seen[slots], self.freq[slots] = self.clock, 0
