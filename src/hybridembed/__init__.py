@@ -6,6 +6,7 @@
 from . import _env, init, optim
 from .api import convert, export, load, save
 from .config import Dynamic, TableConfig
+from .distributed.api import distribute
 from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError
 from .input import Jagged
 from .modules import EmbeddingCollection
@@ -25,6 +26,7 @@ __all__ = [
     "TableConfig",
     "clip_grad_norm_",
     "convert",
+    "distribute",
     "export",
     "get_logger",
     "init",

@@ -232,6 +232,11 @@ class _TableLayer(nn.Module):
                     f"table {self.table!r} is dynamic and has no fixed weight matrix; read its rows with "
                     f"model.{COLLECTION_ATTR}.dynamic_rows({self.table!r})"
                 )
+            if getattr(self._collection, "sharded", False):
+                raise AttributeError(
+                    f"table {self.table!r} is sharded over the job's ranks and has no weight matrix here; "
+                    f"gather it with model.{COLLECTION_ATTR}.gather_table({self.table!r}) (a collective)"
+                )
             storage = self._collection.storage_of(self.table)
             start = storage.row_offset[self.table]
             # a view of the rows Parameter: a loss term over it (an L2 penalty) reaches the table as a
@@ -282,11 +287,16 @@ class _TableLayer(nn.Module):
             j.raise_first_error(self.table, self.num_embeddings, allow_negative=self.dynamic)
 
     # --- state_dict: the table's entries under this layer's path (storage.serial) -------------
+    # (a sharded table's shards are written by its ShardedCollection, under its own path)
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if getattr(self._collection, "sharded", False):
+            return
         for k, v in serial.table_entry(self._collection.storage_of(self.table), self.table, keep_vars).items():
             destination[prefix + k] = v
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        if getattr(self._collection, "sharded", False):
+            return
         storage = self._collection.storage_of(self.table)
         mine = {
             k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix) and "." not in k[len(prefix) :]

@@ -315,6 +315,18 @@ class EmbeddingCollection(nn.Module):
         """Whether ``j``'s offsets are this collection's own one-id-per-bag offsets."""
         return j.offsets is self.__dict__.get("_aranges", {}).get(j.values.shape[0] if j.values.dim() else -1)
 
+    def _request_input(self, feature: str, ids: Jagged) -> tuple[Jagged, torch.dtype, torch.device]:
+        """For the lookup queue: ``ids`` of ``feature`` checked now (structure, dtypes, device; no
+        sync), with the feature's output dtype and device."""
+        feat = self._features[feature]
+        device = self._storage_list[feat.group].weight.device
+        v = ids.values
+        if not (  # ids with the collection's own offsets: the ids alone
+            self._trusted(ids) and ids.weights is None and v.dim() == 1 and v.dtype in _INT_DTYPES and v.device == device
+        ):
+            ids = self._as_input(feat, ids)
+        return ids, feat.table.compute_dtype, device
+
     def _keyed(self, feature: str, i: int) -> _Feature:
         """Feature ``feature`` as the ``i``-th input of a batch (its key: ``str(i)``); cached."""
         cache = self.__dict__.setdefault("_keyed_features", {})

@@ -57,7 +57,6 @@ import torch
 from torch.fx import _symbolic_trace as _fx
 
 from ..input import Jagged
-from ..input.jagged import _INT_DTYPES
 
 __all__ = ["DeferredRows", "LookupQueue", "deferral_possible"]
 
@@ -266,15 +265,8 @@ class LookupQueue:
     ) -> DeferredRows:
         """Queues the lookup of ``ids`` for ``feature``; its output, ``post(rows)`` when given,
         will have ``shape`` and ``dtype`` (the table's compute dtype by default)."""
-        ec = self.collection
-        feat = ec._features[feature]
-        device = ec._storage_list[feat.group].weight.device
-        v = ids.values
-        if not (  # structure, dtypes, device: now, no sync (ids with the collection's own offsets: the ids alone)
-            ec._trusted(ids) and ids.weights is None and v.dim() == 1 and v.dtype in _INT_DTYPES and v.device == device
-        ):
-            ids = ec._as_input(feat, ids)
-        return self._enqueue(feature, ids, post, shape, feat.table.compute_dtype if dtype is None else dtype, device)
+        ids, compute_dtype, device = self.collection._request_input(feature, ids)
+        return self._enqueue(feature, ids, post, shape, compute_dtype if dtype is None else dtype, device)
 
     def request_rows(self, feature: str, ids: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> DeferredRows:
         """:meth:`request` of ``ids`` (N,), one per bag, whose rows (N, D) are returned in

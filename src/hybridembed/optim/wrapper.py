@@ -116,6 +116,8 @@ class HybridOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rows = [storage.grad_rows() for storage in self._storages]  # (raises on a dense gradient: before any update)
+        # a replicated (data-parallel) table's gradient is all-reduced here, on every rank in the same order
+        rows = [r if getattr(s, "grad_sync", None) is None else s.grad_sync(r) for s, r in zip(self._storages, rows)]
         if any(p.grad is not None for g in self.dense.param_groups for p in g["params"]):
             self.dense.step()
         for storage, group, r in zip(self._storages, self._sparse_groups, rows):

@@ -1,0 +1,172 @@
+"""``he.distribute``: a model's embedding tables sharded over a job, its dense rest data-parallel.
+
+    # every rank, after torch.distributed.init_process_group("gloo" | "nccl"):
+    model = he.distribute(model)          # nn.Embedding(Bag) layers and EmbeddingCollections sharded
+    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.05), model)
+    for batch in my_shard_of_the_data:    # the training loop does not change
+        loss = loss_fn(model(batch), y); opt.zero_grad(); loss.backward(); opt.step()
+
+``distribute`` converts plain embedding layers as :func:`hybridembed.convert` does (their
+lookups grouped per forward, so a forward that calls 26 layers makes one exchange), then
+replaces every :class:`~hybridembed.EmbeddingCollection` (a converted model's included) by a
+:class:`~hybridembed.distributed.ShardedCollection` holding this rank's shards, and wraps the
+model in ``DistributedDataParallel`` with the embedding rows excluded from its all-reduce
+(they train through the exchange; data-parallel tables all-reduce their own row gradients at
+the optimizer step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..api.convert import ConvertedCollection, _TableLayer, convert
+from ..errors import ConfigError
+from ..modules import EmbeddingCollection
+from ..modules.grouped import LookupQueue
+from .plan import Plan
+from .runtime import REDUCTIONS, ShardedCollection
+
+__all__ = ["distribute", "unwrap"]
+
+_CONVERT_ARGS = ("tables", "seed", "dynamic", "copy_dynamic_rows")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a ``DistributedDataParallel`` wrapper (the model itself otherwise)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def distribute(
+    model: nn.Module,
+    plan: Plan | Mapping[str, Plan] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    reduction: str = "mean",
+    ddp: bool | Mapping[str, Any] = True,
+    **convert_args: Any,
+) -> nn.Module:
+    """Shard ``model``'s embedding tables over the job; returns the model to train, unchanged loop.
+
+    Args:
+        model: a plain model (``nn.Embedding`` / ``nn.EmbeddingBag`` layers), a converted one,
+            or one holding :class:`~hybridembed.EmbeddingCollection` modules. Modified in place.
+        plan: a :class:`Plan` placing every table (of every collection), or ``{collection path:
+            Plan}``; default: the planner's ``memory_balanced`` plan per collection.
+        process_group: the ranks to shard over and run data-parallel on (default: the job).
+        reduction: ``"mean"`` (default, as DDP: world N equals world 1 on the concatenated
+            batch) or ``"sum"`` of the ranks' embedding gradients.
+        ddp: wrap the result in ``DistributedDataParallel`` (a dict: its keyword arguments);
+            False leaves the dense part to you.
+        **convert_args: ``tables``, ``seed``, ``dynamic``, ``copy_dynamic_rows`` as :func:`convert`.
+
+    Every rank must call it with the same model and plan (the table configurations and plans
+    are compared across ranks: the first difference is named).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            "he.distribute needs an initialised torch.distributed process group: call "
+            "torch.distributed.init_process_group(...) first (launch with torchrun or `hybridembed launch`); "
+            "for one process use he.convert"
+        )
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"distribute needs an nn.Module, got {type(model).__name__}")
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError("distribute takes the model itself, not a DistributedDataParallel wrapper (it wraps it)")
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    unknown = sorted(set(convert_args) - set(_CONVERT_ARGS))
+    if unknown:
+        raise ConfigError(f"distribute: unknown argument {unknown[0]!r}; convert's arguments: {', '.join(_CONVERT_ARGS)}")
+    if plan is not None and not isinstance(plan, (Plan, Mapping)):
+        raise ConfigError(f"plan must be a Plan or {{collection path: Plan}}, got {type(plan).__name__}")
+    if any(isinstance(m, ShardedCollection) for m in model.modules()):
+        raise ConfigError("this model is distributed already")
+    if any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules()):
+        model = convert(model, grouped=True, **convert_args)
+    collections = _collections(model)
+    if not collections:
+        raise ConfigError("distribute: the model has no embedding layers or hybridembed tables to shard")
+    for path, ec in collections.items():
+        sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction)
+        _swap(model, ec, sharded)
+    if ddp is False:
+        return model
+    if not isinstance(ddp, (bool, Mapping)):
+        raise ConfigError(f"ddp must be True, False or a dict of DistributedDataParallel arguments, got {ddp!r}")
+    ours = {id(t) for m in model.modules() if isinstance(m, ShardedCollection) for t in (*m.parameters(), *m.buffers())}
+    ignore = [n for n, p in model.named_parameters() if id(p) in ours]
+    ignore += [n for n, b in model.named_buffers() if id(b) in ours]
+    if not any(p.requires_grad and id(p) not in ours for p in model.parameters()):
+        return model  # nothing dense to synchronise
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    kwargs = dict(ddp) if isinstance(ddp, Mapping) else {}
+    return DistributedDataParallel(model, process_group=process_group, **kwargs)
+
+
+def _collections(model: nn.Module) -> dict[str, EmbeddingCollection]:
+    found: dict[int, tuple[str, EmbeddingCollection]] = {}
+    for path, m in model.named_modules():
+        if isinstance(m, EmbeddingCollection) and id(m) not in found:
+            found[id(m)] = (path, m)
+    # a collection inside another is sharded with it (none today)
+    return {path: m for path, m in found.values()}
+
+
+def _plan_for(plan, path: str, ec: EmbeddingCollection) -> Plan | None:
+    if plan is None:
+        return None
+    if isinstance(plan, Plan):
+        names = set(ec.tables)
+        if {t.table for t in plan.tables} == names:
+            return plan
+        picked = tuple(t for t in plan.tables if t.table in names)
+        return Plan(plan.world_size, picked, plan.strategy, dict(plan.notes))
+    if path not in plan:
+        raise ConfigError(f"plan: no plan for the collection at {path!r}; plans given for: {', '.join(plan)}")
+    return plan[path]
+
+
+def _shard(ec: EmbeddingCollection, plan: Plan | None, group, reduction: str) -> ShardedCollection:
+    for name, t in ec.tables.items():
+        if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
+            raise ConfigError(
+                f"dynamic table {name!r} already holds rows; distribute the model before training it "
+                "(or save it and load the checkpoint into the distributed model)"
+            )
+    weights = {n: ec.weight(n) for n, t in ec.tables.items() if t.dynamic is None}
+    device = ec.storages[0].weight.device
+    sharded = ShardedCollection(
+        list(ec.tables.values()),
+        ec.features,
+        plan,
+        process_group=group,
+        seed=ec.seed,
+        device=device,
+        sequence_output=ec.sequence_output,
+        pad=ec.pad,
+        reduction=reduction,
+        weights=weights,
+    )
+    sharded.train(ec.training)
+    return sharded
+
+
+def _swap(model: nn.Module, old: EmbeddingCollection, new: ShardedCollection) -> None:
+    """Put ``new`` wherever ``old`` is registered, and point converted layers at it."""
+    for _, parent in model.named_modules(remove_duplicate=False):
+        for name, child in list(parent._modules.items()):
+            if child is old:
+                parent._modules[name] = new
+        if isinstance(parent, _TableLayer) and parent.collection is old:
+            parent.__dict__["_collection"] = new
+    if isinstance(old, ConvertedCollection) and old.lookup_queue is not None:
+        new.lookup_queue = LookupQueue(new)
+    if model is old:
+        raise ConfigError("distribute a model holding the EmbeddingCollection, not the collection itself")
+    torch.nn.Module.train(new, old.training)

@@ -1,0 +1,140 @@
+"""``spawn``: run a function on N local processes of a fresh gloo (or NCCL) job, and return
+what each rank returned, or raise the first rank's error; it always finishes.
+
+What ``hybridembed train --nproc N`` uses when launched bare (no torchrun), and what the
+multi-process tests use. A rank that raises reports its traceback; the others are stopped
+after ``grace`` seconds instead of waiting in a collective for a peer that is gone; a job
+that outlives ``timeout`` is stopped and reported.
+
+    >>> from hybridembed.distributed.launch import spawn
+    >>> import operator
+    >>> spawn(operator.add, 2, 10)   # fn(rank, world_size, *args) on each rank  # doctest: +SKIP
+    [10, 11]
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from ..errors import HybridEmbedError
+
+__all__ = ["spawn", "free_port", "SpawnError"]
+
+
+class SpawnError(HybridEmbedError):
+    """A rank of a spawned job failed (its traceback is in the message) or the job timed out."""
+
+
+def free_port() -> int:
+    """A TCP port the OS says is free now (for the job's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout), init_method=f"tcp://127.0.0.1:{port}"
+        )
+        out = fn(rank, world, *args)
+        # pickled to bytes here: a tensor put on a torch queue as is travels through shared memory
+        # that dies with this process before the parent has read it
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException as e:  # reported, then this rank leaves (the others stop)
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    pg_timeout: float = 60.0,
+    grace: float = 10.0,
+    threads: int | None = 1,
+) -> list[Any]:
+    """``fn(rank, nprocs, *args)`` on ``nprocs`` fresh processes (``spawn`` start method) that
+    share a ``torch.distributed`` job; returns their results by rank.
+
+    ``fn`` and its arguments must be picklable (a module-level function). ``pg_timeout``
+    bounds every collective; ``timeout`` the whole job; ``threads``: intra-op threads per
+    rank (1 by default: N ranks on N cores). Raises :class:`SpawnError` with the first
+    failing rank's traceback.
+    """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise HybridEmbedError(f"nprocs must be a positive int, got {nprocs!r}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, nprocs, port, backend, pg_timeout, fn, args, results, threads), daemon=True
+        )
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    failure: tuple[int, str] | None = None
+    deadline = time.monotonic() + timeout
+    stop_at = None
+    reported: set[int] = set()
+    try:
+        while len(reported) < nprocs:
+            now = time.monotonic()
+            if now > deadline:
+                failure = failure or (-1, f"the job did not finish within {timeout:.0f} s")
+                break
+            if stop_at is not None and now > stop_at:
+                break
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
+                if dead and failure is None:
+                    failure = (dead[0], f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})")
+                    stop_at = time.monotonic() + grace
+                continue
+            reported.add(rank)
+            if ok:
+                out[rank] = pickle.loads(value)
+            elif failure is None:
+                failure = (rank, value)
+                stop_at = time.monotonic() + grace  # the others may fail too (and say why) or wait on it
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if failure else 5.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    if failure is not None:
+        rank, text = failure
+        where = f"rank {rank}" if rank >= 0 else "the job"
+        raise SpawnError(f"{where} failed: {text}")
+    return [out[r] for r in range(nprocs)]

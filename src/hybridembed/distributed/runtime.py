@@ -1,0 +1,723 @@
+"""``ShardedCollection``: an :class:`~hybridembed.EmbeddingCollection` whose tables are sharded
+over the ranks of a ``torch.distributed`` job by a :class:`~hybridembed.distributed.Plan`.
+
+Each rank holds its shards in an ordinary ``EmbeddingCollection`` (``self.local``: one
+table per shard, grouped and updated as in one process) and data-parallel tables whole in
+another (``self.replicated``). A lookup of the features of one forward is one exchange:
+
+1. every rank validates its batch in global id space, routes each id to the shard that
+   owns it (table-wise: the table's rank; column-wise: every column slice; row-wise: by
+   block, residue or a hash of the id) and computes the combiners' per-id weights (mean,
+   sqrtn need the whole bag, which a row shard does not see);
+2. a header all-to-all (sizes, an error flag, a digest of the features looked up), then
+   one all-to-all of ids and bag lengths (and one of per-id weights when any are used);
+3. each owner pools its part of every bag in one kernel call per group of its shards;
+4. one all-to-all of pooled rows back (autograd-aware: backward sends the gradients the
+   reverse way, so the owner's sparse optimizer updates its rows); the requester sums a
+   row-wise table's partial bags and concatenates a column-wise table's slices.
+
+A rank whose input is bad (or whose lookup fails on an owner) does not leave the others
+waiting: the failure travels in the header (or beside the rows) and every rank raises.
+
+Gradients across ranks (``reduction``): ``"mean"`` (default) divides the gradient each rank
+sends back by the world size, as DDP averages dense gradients: K steps at world N then equal
+K steps at world 1 on the concatenated batches when each rank's loss is the mean over its
+equal-sized batch (the world-1 loss being the mean of the ranks' losses). ``"sum"`` adds the
+ranks' gradients (SOK's convention; equal to world 1 on a summed loss).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import init as _init
+from ..config import ShardOf, TableConfig
+from ..errors import ConfigError, HybridEmbedError, InvalidInputError
+from ..input import Jagged, as_jagged, offsets_from_lengths
+from ..input.jagged import bag_index
+from ..kernels import bag_scale
+from ..modules import EmbeddingCollection
+from .plan import Plan, Shard, TablePlan
+
+__all__ = ["ShardedCollection", "REDUCTIONS", "hash_residue"]
+
+REDUCTIONS = ("mean", "sum")
+_HASH_MASK = (1 << 62) - 1
+_HEAD = 3  # header fields before the per-pair sizes: error flag, weights flag, request digest
+
+
+def hash_residue(ids: torch.Tensor, k: int) -> torch.Tensor:
+    """(N,) int64 ids of a dynamic table -> the residue (N,) in ``0..k-1`` of their hash,
+    which picks their shard under hash placement (splitmix64, so sequential ids spread)."""
+    return (_init.mix64(ids) & _HASH_MASK).remainder_(k)
+
+
+@dataclass
+class _Route:
+    """How a table's ids find their shards: the plan's shards that hold rows (an empty
+    row block holds none and gets no ids), the partition kind and, for rows, the map."""
+
+    plan: TablePlan
+    shards: list[tuple[int, Shard]]  # (shard index in the plan, shard), active only
+    kind: str  # "local" (data parallel), "whole" (table-wise), "columns", "rows"
+    starts: torch.Tensor | None = None  # block placement: row_start per active shard, ascending
+    order: torch.Tensor | None = None  # block placement: active shard position of each start
+    residue_to: torch.Tensor | None = None  # mod / hash placement: residue -> active shard position
+
+    def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N,) global ids -> (active shard position (N,), the id in its shard's local space (N,))."""
+        p = self.plan.placement
+        k = self.plan.shards[0].row_step if p in ("mod", "hash") else 0
+        if p == "hash":
+            return self.residue_to.index_select(0, hash_residue(ids, k)), ids
+        if p == "mod":
+            return self.residue_to.index_select(0, ids.remainder(k)), ids.div(k, rounding_mode="floor")
+        pos = torch.searchsorted(self.starts, ids, right=True).sub_(1)
+        return self.order.index_select(0, pos), ids - self.starts.index_select(0, pos)
+
+
+@dataclass
+class _Pair:
+    """One (request, shard) of a lookup: what one rank asks one owner for."""
+
+    request: int
+    position: int  # the shard's position among its table's active shards
+    rank: int  # the owner
+    local: str  # the owner's feature name for it
+    width: int
+
+
+class _Exchange(torch.autograd.Function):
+    """``all_to_all_single`` of a flat tensor whose backward is the reverse exchange
+    (optionally scaled): rows go out to requesters, gradients come back to owners."""
+
+    @staticmethod
+    def forward(ctx, send, send_splits, recv_splits, group, scale):  # (sum send_splits,) -> (sum recv_splits,)
+        recv = send.new_empty(sum(recv_splits))
+        dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=group)
+        ctx.splits, ctx.group, ctx.scale = (send_splits, recv_splits), group, scale
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        g = grad.contiguous()
+        if ctx.scale != 1.0:
+            g = g * ctx.scale
+        out = g.new_empty(sum(send_splits))
+        dist.all_to_all_single(out, g, send_splits, recv_splits, group=ctx.group)
+        return out, None, None, None, None
+
+
+def _exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    out = t.new_empty(sum(recv_splits))
+    dist.all_to_all_single(out, t, recv_splits, send_splits, group=group)
+    return out
+
+
+def _digest(items: Sequence[str]) -> int:
+    """A 62-bit digest of a sequence of names (the same on every rank for the same names)."""
+    h = hashlib.sha256("\x00".join(items).encode()).digest()
+    return int.from_bytes(h[:8], "little") & _HASH_MASK
+
+
+def _describe(t: TableConfig) -> dict[str, Any]:
+    return {
+        "rows": t.num_embeddings,
+        "dim": t.embedding_dim,
+        "combiner": t.combiner,
+        "dtype": str(t.dtype),
+        "init": repr(t.init),
+        "optimizer": repr(t.optimizer),
+        "dynamic": repr(t.dynamic),
+    }
+
+
+class ShardedCollection(nn.Module):
+    """Tables sharded over a process group, looked up like an :class:`EmbeddingCollection`.
+
+    Args:
+        tables, features, seed, sequence_output, pad: as :class:`EmbeddingCollection` (the
+            whole tables: the unsharded model).
+        plan: a :class:`Plan` for these tables at this world size; default: the planner's
+            ``memory_balanced`` plan.
+        process_group: the ranks the tables are sharded over (default: the whole job).
+        device: where this rank's shards live.
+        reduction: ``"mean"`` or ``"sum"`` of the ranks' gradients (see the module docstring).
+        weights: ``{table: (rows, dim) tensor}`` initial rows of dense tables (each rank
+            copies its shards' slices); tables not given start from their row-keyed
+            initializer (equal to the unsharded collection's).
+
+    Every rank must build it with the same tables, features, seed and plan (compared at
+    construction: the first difference is named) and must make the same lookups in the
+    same order each step (checked by a digest in every exchange).
+    """
+
+    sharded = True
+    lookup_queue = None  # set by distribute on a converted model (one exchange per forward)
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        features: Mapping[str, str] | None = None,
+        plan: Plan | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        sequence_output: str = "jagged",
+        pad: int = -1,
+        reduction: str = "mean",
+        weights: Mapping[str, torch.Tensor] | None = None,
+    ):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(
+                "sharded tables need an initialised torch.distributed process group: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets the environment), "
+                "or use he.convert for one process"
+            )
+        if reduction not in REDUCTIONS:
+            raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        tables = list(tables)
+        _check_like_collection(tables, features, seed, pad, sequence_output)
+        self.tables: dict[str, TableConfig] = {t.name: t for t in tables}
+        self.features: dict[str, str] = dict(features) if features is not None else {n: n for n in self.tables}
+        self.seed, self.pad, self.sequence_output, self.reduction = int(seed), int(pad), sequence_output, reduction
+        group = process_group if process_group is not None else dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if plan is None:
+            from .planner import make_plan
+
+            plan = make_plan(tables, self.world_size)
+        if not isinstance(plan, Plan):
+            raise ConfigError(f"plan must be a hybridembed.distributed.Plan, got {type(plan).__name__}")
+        if plan.world_size != self.world_size:
+            raise ConfigError(
+                f"the plan is for world size {plan.world_size}, this process group has {self.world_size} ranks"
+            )
+        plan.check(tables)
+        self.plan = plan
+        self._agree(group)
+        # the exchange runs on a group of its own, so DDP's all-reduce of dense gradients never
+        # waits in line behind it (and the other way round)
+        ranks = dist.get_process_group_ranks(group) if process_group is not None else list(range(self.world_size))
+        self.__dict__["_group"] = dist.new_group(ranks)
+        self._scale = 1.0 / self.world_size if reduction == "mean" else 1.0
+
+        self._routes: dict[str, _Route] = {}
+        local_tables: list[TableConfig] = []
+        local_names: dict[tuple[str, int], str] = {}
+        replicated: list[TableConfig] = []
+        for tp in plan.tables:
+            t = self.tables[tp.table]
+            route = self._route(tp, t)
+            self._routes[t.name] = route
+            if route.kind == "local":
+                replicated.append(t)
+                continue
+            for pos, (i, s) in enumerate(route.shards):
+                name = t.name if route.kind == "whole" else f"{t.name}@{i}"
+                local_names[(t.name, pos)] = name
+                if s.rank == self.rank:
+                    local_tables.append(_shard_config(t, s, name, len(route.shards) if route.kind == "rows" else 1))
+        self._local_names = local_names
+        mine = {c.name for c in local_tables}
+        local_features = {
+            f"{f}@{pos}": local_names[(t, pos)]
+            for f, t in self.features.items()
+            if self._routes[t].kind != "local"
+            for pos in range(len(self._routes[t].shards))
+            if local_names[(t, pos)] in mine
+        }
+        self.local = (
+            EmbeddingCollection(local_tables, local_features, seed=self.seed, device=device, pad=self.pad)
+            if local_tables
+            else None
+        )
+        rep_features = {f: t for f, t in self.features.items() if self._routes[t].kind == "local"}
+        self.replicated = (
+            EmbeddingCollection(
+                replicated, rep_features, seed=self.seed, device=device, sequence_output=sequence_output, pad=self.pad
+            )
+            if replicated
+            else None
+        )
+        if self.replicated is not None:
+            for st in self.replicated.storages:
+                st.grad_sync = _ReplicaSync(self, st)
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        wire = {t.compute_dtype for t in tables}
+        self._wire = torch.float64 if torch.float64 in wire else torch.float32
+        if weights:
+            self._copy_weights(weights)
+
+    # --- construction ---------------------------------------------------------------------
+    def _route(self, tp: TablePlan, t: TableConfig) -> _Route:
+        if tp.sharding == "data_parallel":
+            return _Route(tp, [(0, tp.shards[0])], "local")
+        if tp.partitioned == "none":
+            return _Route(tp, [(0, tp.shards[0])], "whole")
+        if tp.partitioned == "columns":
+            ordered = sorted(enumerate(tp.shards), key=lambda x: x[1].col_start)
+            return _Route(tp, ordered, "columns")
+        active = [(i, s) for i, s in enumerate(tp.shards) if s.num_rows != 0]
+        route = _Route(tp, active, "rows")
+        if tp.placement in ("mod", "hash"):
+            k = len(tp.shards)
+            to = torch.full((k,), -1, dtype=torch.int64)
+            for pos, (_, s) in enumerate(active):
+                to[s.row_start] = pos
+            route.residue_to = to
+        else:
+            by_start = sorted(range(len(active)), key=lambda p: (active[p][1].row_start, active[p][1].row_stop))
+            route.starts = torch.tensor([active[p][1].row_start for p in by_start], dtype=torch.int64)
+            route.order = torch.tensor(by_start, dtype=torch.int64)
+        return route
+
+    def _agree(self, group) -> None:
+        """Every rank must shard the same tables by the same plan: compared once, here."""
+        mine = {
+            "tables": {n: _describe(t) for n, t in self.tables.items()},
+            "features": self.features,
+            "seed": self.seed,
+            "reduction": self.reduction,
+            "plan": self.plan.to_dict() | {"notes": {}},
+        }
+        text = json.dumps(mine, default=str)  # (in this order: the first difference named is the first cause)
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, text, group=group)
+        ref = json.loads(everyone[0])
+        for r, other in enumerate(everyone[1:], 1):
+            if other == everyone[0]:
+                continue
+            theirs = json.loads(other)
+            raise ConfigError(f"ranks disagree on the model: {_first_difference(ref, theirs, r)}")
+
+    def _copy_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, w in weights.items():
+                t = self.tables.get(name)
+                if t is None or t.dynamic is not None:
+                    raise ConfigError(f"weights: {name!r} is not a dense table of this collection")
+                if tuple(w.shape) != (t.num_embeddings, t.embedding_dim):
+                    raise ConfigError(
+                        f"weights[{name!r}]: shape {tuple(w.shape)}, the table is {(t.num_embeddings, t.embedding_dim)}"
+                    )
+                route = self._routes[name]
+                if route.kind == "local":
+                    self.replicated.weight(name).copy_(w)
+                    continue
+                for pos, (_, s) in enumerate(route.shards):
+                    if s.rank == self.rank:
+                        rows = w[s.row_start : s.row_stop : s.row_step, s.col_start : s.col_stop]
+                        self.local.weight(self._local_names[(name, pos)]).copy_(rows)
+
+    # --- inspection -------------------------------------------------------------------------
+    @property
+    def storages(self) -> list:
+        """This rank's storages: its shards' and the replicated tables'."""
+        return [*(self.local.storages if self.local else []), *(self.replicated.storages if self.replicated else [])]
+
+    def device_of(self, feature: str) -> torch.device:
+        return self._device
+
+    def gather_table(self, name: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The whole table ``name`` on every rank (a collective: every rank calls it): dense
+        (rows, dim); dynamic (ids ascending, rows). For tests and small tables."""
+        t = self.tables.get(name)
+        if t is None:
+            raise ConfigError(f"unknown table {name!r}; tables: {', '.join(self.tables)}")
+        route = self._routes[name]
+        if route.kind == "local":
+            return self.replicated.weight(name).clone() if t.dynamic is None else self.replicated.dynamic_rows(name)
+        mine = [(pos, s) for pos, (_, s) in enumerate(route.shards) if s.rank == self.rank]
+        if t.dynamic is None:
+            full = torch.zeros(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=self._device)
+            for pos, s in mine:
+                rows = self.local.weight(self._local_names[(name, pos)])
+                full[s.row_start : s.row_stop : s.row_step, s.col_start : s.col_stop] = rows
+            dist.all_reduce(full, group=self._group)
+            return full
+        parts = []
+        for pos, s in mine:
+            ids, rows = self.local.dynamic_rows(self._local_names[(name, pos)])
+            parts.append((s.col_start, ids, rows))
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, [(c, i.cpu(), r.cpu()) for c, i, r in parts], group=self._group)
+        pieces = [p for rank_parts in everyone for p in rank_parts]
+        if route.kind == "columns":  # every slice holds the same ids
+            pieces.sort(key=lambda p: p[0])
+            ids = pieces[0][1]
+            return ids, torch.cat([r for _, _, r in pieces], 1)
+        ids = torch.cat([i for _, i, _ in pieces])
+        rows = torch.cat([r for _, _, r in pieces])
+        order = torch.argsort(ids)
+        return ids[order], rows[order]
+
+    # --- forward -----------------------------------------------------------------------------
+    def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
+        if not isinstance(inputs, Mapping):
+            raise InvalidInputError(f"inputs must be a mapping {{feature name: ids}}, got {type(inputs).__name__}")
+        unknown = [k for k in inputs if k not in self.features]
+        if unknown:
+            raise InvalidInputError(f"unknown feature {unknown[0]!r}; features: {', '.join(self.features)}", unknown[0])
+        missing = [f for f in self.features if f not in inputs]
+        if missing:
+            raise InvalidInputError(f"missing feature {missing[0]!r}: every feature needs an input", missing[0])
+        out = self._run([(f, self._as_input(f, inputs[f])) for f in self.features], self.training)
+        return dict(zip(self.features, out))
+
+    def lookup(self, feature: str, ids: Any) -> torch.Tensor | Jagged:
+        """One feature: a whole exchange (every rank must call it too); prefer ``forward``."""
+        return self.lookup_many([(feature, ids)])[0]
+
+    def lookup_rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.lookup(feature, Jagged(ids, self._one_per_bag(ids.shape[0], ids.device)))
+
+    def lookup_many(self, requests: Sequence[tuple[str, Any]], train: bool | None = None) -> list:
+        """Several ``(feature, ids)`` lookups in one exchange (as :meth:`EmbeddingCollection.lookup_many`)."""
+        if not isinstance(requests, Sequence) or not all(isinstance(r, tuple) and len(r) == 2 for r in requests):
+            raise InvalidInputError("lookup_many takes a sequence of (feature name, ids) pairs")
+        return self._lookup_many(requests, train, checked=False)
+
+    def _lookup_many(self, requests, train: bool | None, checked: bool) -> list:
+        reqs = []
+        for f, ids in requests:
+            if f not in self.features:
+                raise InvalidInputError(f"unknown feature {f!r}; features: {', '.join(self.features)}", f)
+            reqs.append((f, ids if checked else self._as_input(f, ids)))
+        return self._run(reqs, self.training if train is None else train)
+
+    def _as_input(self, feature: str, x: Any) -> Jagged:
+        j = as_jagged(x, feature, self.pad)
+        j.check_structure(feature)
+        if j.values.device != self._device:
+            raise InvalidInputError(
+                f"feature {feature!r}: input is on {j.values.device} but its table is on {self._device}; "
+                f"move it with .to({str(self._device)!r})",
+                feature,
+            )
+        return j
+
+    def _request_input(self, feature: str, ids: Jagged) -> tuple[Jagged, torch.dtype, torch.device]:
+        """For the lookup queue: ``ids`` checked now (structure, device), the output dtype and device."""
+        if feature not in self.features:
+            raise InvalidInputError(f"unknown feature {feature!r}; features: {', '.join(self.features)}", feature)
+        return self._as_input(feature, ids), self.tables[self.features[feature]].compute_dtype, self._device
+
+    def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(n + 1, device=device)
+
+    # --- the exchange ------------------------------------------------------------------------
+    def _run(self, reqs: list[tuple[str, Jagged]], train: bool) -> list[torch.Tensor | Jagged]:
+        group, world = self._group, self.world_size
+        tabs = [self.tables[self.features[f]] for f, _ in reqs]
+        # 1. validation in global id space: one sync; the error travels in the header
+        error: InvalidInputError | None = None
+        if reqs:
+            oks = [j.ok(t.num_embeddings, allow_negative=t.dynamic is not None) for (_, j), t in zip(reqs, tabs)]
+            if not bool(torch.stack(oks).all()):
+                for (f, j), t, ok in zip(reqs, tabs, oks):
+                    if not bool(ok):
+                        try:
+                            j.raise_first_error(f, t.num_embeddings, allow_negative=t.dynamic is not None)
+                        except InvalidInputError as e:
+                            error = e
+                            break
+        # 2. routing: per (request, shard) the bag lengths, ids and per-id weights it sends
+        pairs: list[_Pair] = []
+        sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        unroute: dict[int, torch.Tensor] = {}  # row-wise sequence features: the ids' order by shard
+        scales: list[torch.Tensor | None] = []
+        for q, ((f, j), t) in enumerate(zip(reqs, tabs)):
+            route = self._routes[t.name]
+            if route.kind == "local":
+                scales.append(None)
+                continue
+            psw = None
+            if error is None:
+                n = j.values.numel()
+                psw = bag_scale(t.combiner, j.offsets, j.weights, n, t.compute_dtype)
+                psw = None if psw is None else psw.detach()
+            scales.append(psw)
+            for pos, (_, s) in enumerate(route.shards):
+                pairs.append(_Pair(q, pos, s.rank, f"{f}@{pos}", s.width))
+            if error is not None:
+                empty = torch.zeros(0, dtype=torch.int64, device=self._device)
+                sends.extend((empty, empty, None) for _ in route.shards)
+                continue
+            ids = j.values.to(torch.int64)
+            seq = t.combiner == "none"
+            lengths = torch.ones(n, dtype=torch.int64, device=ids.device) if seq else j.lengths().to(torch.int64)
+            if route.kind != "rows":
+                sends.extend((lengths, ids, psw) for _ in route.shards)
+                continue
+            k = len(route.shards)
+            where, local = route.split(ids)
+            order = torch.argsort(where, stable=True)
+            per_shard = torch.bincount(where, minlength=k).tolist()
+            ids_s = local.index_select(0, order).split(per_shard)
+            w_s = psw.index_select(0, order).split(per_shard) if psw is not None else [None] * k
+            if seq:
+                unroute[q] = order
+                len_s = [torch.ones(c, dtype=torch.int64, device=ids.device) for c in per_shard]
+            else:
+                b = j.batch_size
+                cell = where * b + bag_index(j.offsets, n)
+                len_s = torch.bincount(cell, minlength=k * b).view(k, b).unbind(0)
+            sends.extend(zip(len_s, ids_s, w_s))
+        # 3. header: sizes per pair, error and weights flags, and a digest of the requests
+        digest = _digest([f for f, _ in reqs])
+        has_w = any(w is not None for _, _, w in sends)
+        by_rank: list[list[int]] = [[] for _ in range(world)]
+        for i, p in enumerate(pairs):
+            by_rank[p.rank].append(i)
+        head = []
+        for r in range(world):
+            head += [int(error is not None), int(has_w), digest]
+            for i in by_rank[r]:
+                head += [sends[i][0].numel(), sends[i][1].numel()]
+        send_h = torch.tensor(head, dtype=torch.int64)
+        mine = by_rank[self.rank]
+        recv_h = _exchange(send_h, [_HEAD + 2 * len(x) for x in by_rank], [_HEAD + 2 * len(mine)] * world, group)
+        got = recv_h.view(world, -1).tolist()
+        failed = [r for r in range(world) if got[r][0]]
+        if failed:
+            if error is not None:
+                raise error
+            raise InvalidInputError(
+                f"rank(s) {', '.join(map(str, failed))} got invalid input in this step (their error names it); "
+                "nothing was looked up or changed on any rank"
+            )
+        if any(got[r][2] != digest for r in range(world)):
+            raise HybridEmbedError(
+                f"rank {self.rank}: the ranks looked up different features in this step (every rank must make the "
+                "same lookups, in the same order, each step); this rank's: " + ", ".join(f for f, _ in reqs)
+            )
+        any_w = any(got[r][1] for r in range(world))
+        # 4. ids (and weights) to their owners
+        out_ids = [torch.cat([_EMPTY_I64, *(x for i in by_rank[r] for x in sends[i][:2])]) for r in range(world)]
+        send_sizes = [int(x.numel()) for x in out_ids]
+        sizes = [row[_HEAD:] for row in got]  # per source: (bags, ids) per pair this rank owns
+        recv_sizes = [sum(s) for s in sizes]
+        recv_ids = _exchange(torch.cat(out_ids), send_sizes, recv_sizes, group)
+        recv_w = None
+        if any_w:
+            cdt = self._wire
+            ws = [
+                torch.cat(
+                    [
+                        (sends[i][2] if sends[i][2] is not None else torch.ones(sends[i][1].numel(), dtype=cdt)).to(cdt)
+                        for i in by_rank[r]
+                    ]
+                    or [torch.zeros(0, dtype=cdt)]
+                )
+                for r in range(world)
+            ]
+            recv_w = _exchange(
+                torch.cat(ws), [w.numel() for w in ws], [sum(s[1::2]) for s in sizes], group
+            )
+        # 5. the owner's lookups: every source's part of each pair joined into one batch
+        status = 1.0
+        results: list[torch.Tensor] = []
+        bags = [[s[2 * k] for s in sizes] for k in range(len(mine))]  # [pair][source]
+        try:
+            results = self._own_lookups(mine, pairs, sizes, recv_ids, recv_w, train)
+        except Exception as e:  # the others get zero rows and a failed status, then everyone raises
+            status, failure = 0.0, e
+            results = [
+                torch.zeros(sum(bags[k]), pairs[i].width, dtype=self._wire, device=self._device)
+                for k, i in enumerate(mine)
+            ]
+        # 6. rows back: per source, its bags of every pair this rank owns, then a status
+        anchor = torch.zeros(0, dtype=self._wire, device=self._device, requires_grad=torch.is_grad_enabled())
+        chunks, send_splits = [anchor], []
+        pieces = [r.split(b) for r, b in zip(results, bags)]
+        for src in range(world):
+            size = 0
+            for k, i in enumerate(mine):
+                part = pieces[k][src]
+                chunks.append(part.reshape(-1).to(self._wire))
+                size += part.numel()
+            chunks.append(torch.full((1,), status, dtype=self._wire))
+            send_splits.append(size + 1)
+        recv_splits = [
+            sum(sends[i][0].numel() * pairs[i].width for i in by_rank[r]) + 1 for r in range(world)
+        ]
+        flat = _Exchange.apply(torch.cat(chunks), send_splits, recv_splits, group, self._scale)
+        ends = torch.tensor(recv_splits).cumsum(0).sub_(1)
+        statuses = flat.detach().index_select(0, ends).tolist()
+        if status == 0.0:
+            raise failure
+        bad = [r for r in range(world) if statuses[r] != 1.0]
+        if bad:
+            raise HybridEmbedError(
+                f"the lookup failed on rank(s) {', '.join(map(str, bad))} (their error names it); no row was changed"
+            )
+        # 7. per request: its rows, summed over row shards or joined over column slices
+        rows_of: dict[int, torch.Tensor] = {}
+        segments = flat.split(recv_splits)
+        for r in range(world):
+            parts = segments[r][:-1].split([sends[i][0].numel() * pairs[i].width for i in by_rank[r]])
+            for i, part in zip(by_rank[r], parts):
+                rows_of[i] = part.view(-1, pairs[i].width)
+        outputs: list[Any] = []
+        local_reqs = [(q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].kind == "local"]
+        local_out = {}
+        if local_reqs:
+            res = self.replicated._lookup_many([(f, j) for _, f, j in local_reqs], train, checked=True)
+            local_out = {q: x for (q, _, _), x in zip(local_reqs, res)}
+        first = 0
+        for q, ((f, j), t) in enumerate(zip(reqs, tabs)):
+            route = self._routes[t.name]
+            if route.kind == "local":
+                outputs.append(local_out[q])
+                continue
+            k = len(route.shards)
+            parts = [rows_of[first + pos] for pos in range(k)]
+            first += k
+            if route.kind == "whole":
+                x = parts[0]
+            elif route.kind == "columns":
+                x = torch.cat(parts, 1)
+            elif q in unroute:  # row-wise sequence: each id's row from its shard, back in place
+                cat = torch.cat(parts)
+                x = torch.empty_like(cat).index_copy(0, unroute[q], cat)
+            else:
+                x = parts[0]
+                for p in parts[1:]:
+                    x = x + p
+            x = x.to(t.compute_dtype)
+            if t.combiner == "none":
+                jx = Jagged(x, j.offsets.to(torch.int64))
+                x = jx if self.sequence_output == "jagged" else jx.to_padded(0)
+            outputs.append(x)
+        return outputs
+
+    def _own_lookups(self, mine, pairs, sizes, recv_ids, recv_w, train) -> list[torch.Tensor]:
+        """The pooled rows (bags of every source, in source order) of each pair this rank owns."""
+        if not mine:
+            return []
+        world = self.world_size
+        per_source = recv_ids.split([sum(s) for s in sizes])
+        w_source = recv_w.split([sum(s[1::2]) for s in sizes]) if recv_w is not None else None
+        requests = []
+        for k, i in enumerate(mine):
+            lens, ids, ws = [], [], []
+            for src in range(world):
+                chunks = per_source[src].split(sizes[src])
+                lens.append(chunks[2 * k])
+                ids.append(chunks[2 * k + 1])
+                if w_source is not None:
+                    ws.append(w_source[src].split(sizes[src][1::2])[k])
+            values = torch.cat(ids)
+            weights = torch.cat(ws).to(self._wire) if w_source is not None else None
+            requests.append((pairs[i].local, Jagged(values, offsets_from_lengths(torch.cat(lens)), weights)))
+        return self.local._lookup_many(requests, train, checked=True)
+
+    def extra_repr(self) -> str:
+        kinds = {}
+        for r in self._routes.values():
+            kinds[r.plan.sharding] = kinds.get(r.plan.sharding, 0) + 1
+        shown = ", ".join(f"{k}: {v}" for k, v in kinds.items())
+        return f"rank={self.rank}/{self.world_size}, tables={len(self.tables)} ({shown}), reduction={self.reduction}"
+
+
+_EMPTY_I64 = torch.zeros(0, dtype=torch.int64)
+
+
+class _ReplicaSync:
+    """A data-parallel storage's gradient, all-reduced before the optimizer step: every
+    replica then applies the same update to the same rows (the union the ranks touched)."""
+
+    def __init__(self, owner: ShardedCollection, storage) -> None:
+        self.owner, self.storage = owner, storage
+
+    def __call__(self, pending: tuple[torch.Tensor, torch.Tensor] | None):
+        st = self.storage
+        rows, dim = st.weight.shape
+        buf = torch.zeros(rows, dim + 1, dtype=st.compute_dtype, device=st.weight.device)
+        if pending is not None:
+            ids, grad = pending
+            buf[ids, :dim] = grad.to(buf.dtype)
+            buf[ids, dim] = 1.0
+        dist.all_reduce(buf, group=self.owner._group)
+        touched = buf[:, dim].nonzero().squeeze(1)
+        if touched.numel() == 0:
+            return None
+        grad = buf.index_select(0, touched)[:, :dim]
+        if self.owner.reduction == "mean":
+            grad = grad / self.owner.world_size
+        return touched, grad.to(st.weight.dtype)
+
+
+def _shard_config(t: TableConfig, s: Shard, name: str, shards: int) -> TableConfig:
+    """The local table of shard ``s`` of ``t``: its rows and columns; pooled by sum (the
+    requester applies the combiner's per-id weights; a row shard sees part of each bag)."""
+    dynamic = t.dynamic
+    if dynamic is not None and dynamic.capacity is not None and shards > 1:
+        dynamic = replace(dynamic, capacity=-(-dynamic.capacity // shards))
+    if dynamic is not None:
+        shard = ShardOf(t.name, 0, 1, s.col_start)
+    else:
+        shard = ShardOf(t.name, s.row_start, s.row_step, s.col_start)
+    return replace(
+        t,
+        name=name,
+        num_embeddings=None if dynamic is not None else s.num_rows,
+        embedding_dim=s.width,
+        combiner="sum",
+        dynamic=dynamic,
+        shard=shard,
+    )
+
+
+def _check_like_collection(tables, features, seed, pad, sequence_output) -> None:
+    """The checks :class:`EmbeddingCollection` makes of its arguments, without its storages."""
+    if not tables or not all(isinstance(t, TableConfig) for t in tables):
+        raise ConfigError("tables must be a non-empty sequence of hybridembed.TableConfig")
+    names = [t.name for t in tables]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"table names must be unique; repeated: {', '.join(dup)}")
+    bad = [n for n in names if "@" in n]
+    if bad:
+        raise ConfigError(f"table name {bad[0]!r}: '@' is reserved for shard names in a sharded collection")
+    for arg, v in (("seed", seed), ("pad", pad)):
+        if isinstance(v, bool) or not isinstance(v, int) or not -(1 << 63) <= v < 1 << 63:
+            raise ConfigError(f"{arg} must be an int in [-2**63, 2**63) (int64), got {v!r}")
+    if sequence_output not in ("jagged", "padded"):
+        raise ConfigError(f"sequence_output must be 'jagged' or 'padded', got {sequence_output!r}")
+    if features is not None:
+        if not isinstance(features, Mapping) or not features:
+            raise ConfigError("features must be a non-empty mapping {feature name: table name}")
+        for f, t in features.items():
+            if not isinstance(f, str) or t not in names:
+                raise ConfigError(f"feature {f!r} reads table {t!r}, which is not among the tables ({', '.join(names)})")
+            if "@" in f:
+                raise ConfigError(f"feature {f!r}: '@' is reserved for shard names in a sharded collection")
+
+
+def _first_difference(a: Any, b: Any, rank: int, path: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in [*a, *(k for k in b if k not in a)]:
+            if k not in b:
+                return f"rank 0 has {path}{k}, rank {rank} does not"
+            if k not in a:
+                return f"rank {rank} has {path}{k}, rank 0 does not"
+            if a[k] != b[k]:
+                return _first_difference(a[k], b[k], rank, f"{path}{k}.")
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, rank, f"{path}{i}.")
+    return f"{path.rstrip('.')}: {a!r} on rank 0, {b!r} on rank {rank}"

@@ -1,0 +1,239 @@
+"""The sharded runtime against the single-process collection: K steps at world 2 and 4 on each
+rank's slice of the batches equal K steps at world 1 on the concatenated batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hybridembed as he
+from hybridembed.distributed import Plan, ShardedCollection, shard_table
+from hybridembed.distributed.launch import SpawnError, spawn
+
+DYN = he.Dynamic()
+
+
+def _tables(dynamic: bool = True) -> list[he.TableConfig]:
+    ts = [
+        he.TableConfig("a", 50, 8),
+        he.TableConfig("b", 40, 6, combiner="mean"),
+        he.TableConfig("c", 37, 8, combiner="sqrtn", init=he.init.normal(std=0.1)),
+        he.TableConfig("d", 30, 8, combiner="mean"),
+        he.TableConfig("f", 10, 4, combiner="mean"),
+        he.TableConfig("s", 25, 8, combiner="none"),
+    ]
+    if dynamic:
+        ts.append(he.TableConfig("e", None, 8, dynamic=DYN))
+    return ts
+
+
+FEATURES = {"a": "a", "a2": "a", "b": "b", "c": "c", "d": "d", "f": "f", "s": "s", "e": "e"}
+
+
+def _plan(world: int, tables: list[he.TableConfig], mixed: str = "mixed", optimizer: str = "sgd") -> Plan:
+    ranks = tuple(range(world))
+    by = {t.name: t for t in tables}
+    if mixed == "mixed":
+        kinds = {
+            "a": ("table_wise", (world - 1,), {}),
+            "b": ("column_wise", ranks[:2], {}),
+            "c": ("row_wise", ranks, {"placement": "block"}),
+            "d": ("row_wise", ranks, {"placement": "mod"}),
+            "e": ("row_wise", ranks, {}),
+            "f": ("data_parallel", ranks, {}),
+            "s": ("table_row_wise", ranks[-2:], {"placement": "mod"}),
+        }
+        if optimizer == "rowwise":  # a column slice keeps its own row-wise accumulator (documented)
+            kinds["b"] = ("row_wise", ranks, {"placement": "block"})
+    else:  # one sharding type for every table that can take it
+        kinds = {}
+        for n, t in by.items():
+            kind = mixed
+            if t.dynamic is not None and kind in ("data_parallel", "table_wise", "column_wise"):
+                kind = "row_wise"
+            r = (sorted(by).index(n) % world,) if kind == "table_wise" else ranks
+            kinds[n] = (kind, r, {})
+    return Plan(world, tuple(shard_table(by[n], k, r, **o) for n, (k, r, o) in kinds.items() if n in by))
+
+
+def _batch(step: int, n: int, features: dict[str, str], weighted: bool) -> dict[str, he.Jagged]:
+    g = torch.Generator().manual_seed(1000 + step)
+    rows = {"a": 50, "b": 40, "c": 37, "d": 30, "f": 10, "s": 25, "e": 10**12}
+    out = {}
+    for f, t in features.items():
+        lengths = torch.randint(0, 4, (n,), generator=g)  # empty bags included
+        k = int(lengths.sum())
+        ids = torch.randint(0, rows[t], (k,), generator=g)
+        if t == "e":
+            ids = ids - rows[t] // 2  # negative ids too
+        w = torch.rand(k, generator=g) + 0.5 if weighted and f in ("c", "a2", "d") else None
+        out[f] = he.Jagged.from_lengths(ids, lengths, w)
+    return out
+
+
+def _slice(j: he.Jagged, lo: int, hi: int) -> he.Jagged:
+    o = j.offsets
+    a, b = int(o[lo]), int(o[hi])
+    w = None if j.weights is None else j.weights[a:b]
+    return he.Jagged(j.values[a:b], o[lo : hi + 1] - a, w)
+
+
+def _loss(out: dict, projections: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    total = 0.0
+    for f, x in out.items():
+        rows = x.values if isinstance(x, he.Jagged) else x
+        v = projections[f][: rows.shape[1]]
+        total = total + (rows @ v).pow(2).sum()
+    return total * scale
+
+
+def _projections(features) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {f: torch.randn(8, generator=g) for f in features}
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    "rowwise": None,
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+}
+
+
+def _opt(name: str, model: nn.Module):
+    if name == "rowwise":
+        return he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparse=he.optim.RowWiseAdagrad(lr=0.1))
+    return he.wrap_optimizer(OPTIMIZERS[name](model.parameters()), model)
+
+
+def _train(ec: nn.Module, batches: list[dict], optimizer: str, scale: float, features) -> None:
+    model = nn.ModuleDict({"ec": ec, "dense": nn.Linear(1, 1)})
+    opt = _opt(optimizer, model)
+    proj = _projections(features)
+    for b in batches:
+        opt.zero_grad()
+        _loss(ec(b), proj, scale).backward()
+        opt.step()
+
+
+def _run_sharded(rank: int, world: int, case: dict) -> dict:
+    tables = _tables(case["dynamic"])
+    features = {f: t for f, t in FEATURES.items() if any(t == x.name for x in tables)}
+    plan = _plan(world, tables, case["plan"], case["optimizer"])
+    ec = ShardedCollection(tables, features, plan, reduction=case["reduction"], seed=3)
+    batches = []
+    for step in range(case["steps"]):
+        sizes = case["sizes"]
+        full = _batch(step, sum(sizes), features, case["weighted"])
+        lo = sum(sizes[:rank])
+        batches.append({f: _slice(j, lo, lo + sizes[rank]) for f, j in full.items()})
+    scale = 1.0 / case["sizes"][rank] if case["reduction"] == "mean" else 1.0
+    _train(ec, batches, case["optimizer"], scale, features)
+    ec.eval()
+    probe = _batch(99, sum(case["sizes"]), features, case["weighted"])
+    lo = sum(case["sizes"][:rank])
+    mine = ec({f: _slice(j, lo, lo + case["sizes"][rank]) for f, j in probe.items()})
+    return {
+        "tables": {t.name: ec.gather_table(t.name) for t in tables},
+        "out": {f: (x.values if isinstance(x, he.Jagged) else x) for f, x in mine.items()},
+    }
+
+
+def _reference(case: dict) -> tuple[he.EmbeddingCollection, dict]:
+    tables = _tables(case["dynamic"])
+    features = {f: t for f, t in FEATURES.items() if any(t == x.name for x in tables)}
+    ec = he.EmbeddingCollection(tables, features, seed=3)
+    total = sum(case["sizes"])
+    batches = [_batch(step, total, features, case["weighted"]) for step in range(case["steps"])]
+    scale = 1.0 / total if case["reduction"] == "mean" else 1.0
+    _train(ec, batches, case["optimizer"], scale, features)
+    ec.eval()
+    out = ec(_batch(99, total, features, case["weighted"]))
+    return ec, {f: (x.values if isinstance(x, he.Jagged) else x) for f, x in out.items()}
+
+
+def _check(case: dict, results: list[dict]) -> None:
+    ref, ref_out = _reference(case)
+    for name, t in ref.tables.items():
+        got = results[0]["tables"][name]
+        if t.dynamic is None:
+            torch.testing.assert_close(got, ref.weight(name), atol=1e-5, rtol=1e-5, msg=lambda m: f"table {name}: {m}")
+        else:
+            ids, rows = ref.dynamic_rows(name)
+            assert torch.equal(got[0], ids), f"table {name}: different ids"
+            torch.testing.assert_close(got[1], rows, atol=1e-5, rtol=1e-5)
+    for f, x in ref_out.items():  # the outputs after training, each rank its slice, in order
+        got = torch.cat([r["out"][f] for r in results])
+        torch.testing.assert_close(got, x, atol=1e-5, rtol=1e-5, msg=lambda m: f"output {f}: {m}")
+
+
+BASE = {"dynamic": True, "plan": "mixed", "reduction": "mean", "steps": 3, "weighted": True}
+
+
+def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    return [_run_sharded(rank, world, case) for case in cases]  # (one job: spawning costs seconds)
+
+
+def _check_all(cases: list[dict], world: int) -> None:
+    for case, results in zip(cases, zip(*spawn(_run_cases, world, cases, timeout=240))):
+        _check(case, list(results))
+
+
+def test_mixed_plan_world2_equals_world1_every_optimizer():
+    _check_all([{**BASE, "optimizer": o, "sizes": [6, 6]} for o in OPTIMIZERS], 2)
+
+
+def test_mixed_plan_world4_unequal_batches_sum():
+    _check_all([{**BASE, "optimizer": "adagrad", "sizes": [5, 0, 7, 3], "reduction": "sum"}], 4)
+
+
+def test_each_sharding_type_world2():
+    cases = [
+        {**BASE, "optimizer": o, "sizes": [4, 4], "plan": kind}
+        for kind in ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+        for o in ("adam", "rowwise")
+        if not (kind == "column_wise" and o == "rowwise")  # a column slice keeps its own row-wise accumulator
+    ]
+    _check_all(cases, 2)
+
+
+def _bad_input(rank: int, world: int) -> str:
+    tables = _tables(False)
+    features = {f: t for f, t in FEATURES.items() if t != "e"}
+    ec = ShardedCollection(tables, features, _plan(world, tables))
+    before = {t.name: ec.gather_table(t.name) for t in tables}
+    b = _batch(0, 4, features, False)
+    if rank == 1:
+        b["c"] = he.Jagged(torch.tensor([0, 37]), torch.tensor([0, 1, 2, 2, 2]))
+    try:
+        ec(b)
+    except he.InvalidInputError as e:
+        msg = str(e)
+    else:
+        msg = "no error"
+    after = {t.name: ec.gather_table(t.name) for t in tables}
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    ec(_batch(1, 4, features, False))  # the job goes on
+    return msg
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank_and_changes_nothing():
+    msgs = spawn(_bad_input, 2, timeout=120)
+    assert "out of range" in msgs[1] and "'c'" in msgs[1]
+    assert "rank(s) 1" in msgs[0]
+
+
+def _disagree(rank: int, world: int) -> None:
+    tables = [he.TableConfig("a", 10 + rank, 4)]
+    ShardedCollection(tables, plan=Plan(world, (shard_table(tables[0], "table_wise", (0,)),)))
+
+
+def test_ranks_disagreeing_on_the_model_are_named():
+    with pytest.raises(SpawnError, match=r"ranks disagree on the model: tables\.a\.rows: 10 on rank 0, 11 on rank 1"):
+        spawn(_disagree, 2, timeout=60)
+
+
+def test_without_a_process_group_is_refused():
+    with pytest.raises(he.ConfigError, match="init_process_group"):
+        ShardedCollection([he.TableConfig("a", 10, 4)])
