@@ -133,16 +133,16 @@ class Storage(Protocol):
         ...
 
     # --- one table's rows and optimizer state -------------------------------------------
-    def table_ids(self, table: str) -> torch.Tensor | None:
-        """Ids ascending (K,) of the rows a keyed table holds; None for a dense table (row r is id r)."""
+    def table_ids(self, name: str) -> torch.Tensor | None:
+        """Ids ascending (K,) of the rows keyed table ``name`` holds; None for a dense table (row r is id r)."""
         ...
 
-    def table_state(self, table: str) -> dict[str, torch.Tensor]:
-        """The table's rows of each optimizer state tensor (dense: views; keyed: copies, in
+    def table_state(self, name: str) -> dict[str, torch.Tensor]:
+        """Table ``name``'s rows of each optimizer state tensor (dense: views; keyed: copies, in
         :meth:`table_ids` order)."""
         ...
 
-    def load_table_state(self, table: str, ids: torch.Tensor | None, state: dict[str, torch.Tensor]) -> None:
+    def load_table_state(self, name: str, ids: torch.Tensor | None, state: dict[str, torch.Tensor]) -> None:
         """Writes optimizer state as :meth:`table_state` returns it: of rows ``ids`` (keyed;
         they must be held) or of all the table's rows (dense, ``ids`` None)."""
         ...
