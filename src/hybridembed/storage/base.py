@@ -1,10 +1,10 @@
 """What every storage shares: rows in one matrix, optimizer state beside them, the update.
 
 :class:`RowStorage` implements the parts of :class:`~hybridembed.storage.Storage` (the
-protocol) that do not depend on how ids map to rows. A storage holds ``weight`` (R, D), one ``nn.Parameter`` for a group of tables, and
-``state``: the optimizer's per-row tensors, (R,) or (R, D), float32 (float64 for float64
-tables). The collection writes the per-table ``state_dict`` entries; the storage itself
-writes none.
+protocol) that do not depend on how ids map to rows. A storage holds ``weight`` (R, D),
+one ``nn.Parameter`` for a group of tables, and ``state``: the optimizer's per-row
+tensors, (R,) or (R, D), float32 (float64 for float64 tables). The collection writes the
+per-table ``state_dict`` entries; the storage itself writes none.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ class DenseStorage(RowStorage):
     # --- per-table views -------------------------------------------------------------------
     def _span(self, name: str) -> tuple[int, int]:
         """(first row in ``weight``, rows) of table ``name``."""
-        return self.row_offset[self._table(name).name], self._table(name).num_embeddings
+        t = self._table(name)
+        return self.row_offset[t.name], t.num_embeddings
 
     def table_ids(self, name: str) -> None:
         """None: a dense table's row r is id r."""

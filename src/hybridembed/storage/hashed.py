@@ -18,7 +18,7 @@ ids from ``[0, n)`` starts (and trains) exactly like a dense table of ``n`` rows
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -501,7 +501,7 @@ class HashStorage(RowStorage):
         return torch.empty_like(per_run).index_copy_(0, perm, per_run)  # (2x faster than out[perm] = ...)
 
     @property
-    def grad_sink(self):
+    def grad_sink(self) -> Callable[..., None]:
         """The lookup hands its gradient to :meth:`accumulate_grad`: the matrix may grow between
         forward and backward."""
         return self.accumulate_grad
