@@ -24,9 +24,10 @@ def _bench(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
+    from .bench.models import WORKLOADS  # --model: the synthetic models, at full size
     from .distributed.cli import main
 
-    return main(argv, prog="hybridembed plan")
+    return main(argv, prog="hybridembed plan", models=WORKLOADS)
 
 
 def _train(argv: list[str]) -> int:

@@ -45,14 +45,20 @@ def _expected_total(tables, plan, optimizer="adagrad") -> int:
 
 
 # --- synthetic models at full size --------------------------------------------------------------
+@pytest.mark.parametrize("model", [*MODELS])
+def test_tables_for_model_matches_expand(model):
+    tables, hotness, bags = _model(model)
+    specs, inputs = expand(MODELS[model])
+    assert [(t.name, t.num_embeddings, t.embedding_dim) for t in tables] == [(s.name, s.rows, s.width) for s in specs]
+    assert hotness == {s.name: float(sum(i.hotness for i in inputs if i.table == s.name)) for s in specs}
+    assert bags == dict(Counter(i.table for i in inputs))
+
+
 def test_tables_for_model_sums_the_inputs_of_shared_tables():
     tables, hotness, bags = _model("tiny")
-    specs, inputs = expand(MODELS["tiny"])
-    assert [t.name for t in tables] == [s.name for s in specs] and len(tables) == 55
-    assert (tables[0].num_embeddings, tables[0].embedding_dim) == (10_000, 8)
+    assert len(tables) == 55 and (tables[0].num_embeddings, tables[0].embedding_dim) == (10_000, 8)
     assert (hotness["t0"], bags["t0"]) == (11.0, 2)  # read by two inputs: 1 and 10 ids
     assert (hotness["t3"], bags["t3"]) == (1.0, 1)
-    assert sum(hotness.values()) == sum(i.hotness for i in inputs)
 
 
 @pytest.mark.parametrize("world_size", [1, 8, 128])

@@ -17,7 +17,7 @@ import math
 import re
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +49,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, minimum: int = 1) -> int:
     """``"80GiB"``, ``"80G"`` (binary), ``"80GB"`` (decimal), ``"512MiB"``, ``"1e9"`` -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
     scale = _SIZES.get(m.group(2)) if m else None
     if scale is None:
         raise argparse.ArgumentTypeError(f"expected a size like 80GiB, 512MiB, 80GB or 1e9 (bytes), got {text!r}")
     v = float(m.group(1)) * scale
-    if not math.isfinite(v) or v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    if not math.isfinite(v) or v < minimum:
+        raise argparse.ArgumentTypeError(f"expected a size >= {minimum} bytes, got {text!r}")
     return int(v)
 
 
@@ -114,11 +114,10 @@ def parse_override(text: str) -> tuple[str, dict[str, Any]]:
     return name, spec
 
 
-def _models() -> dict[str, Any]:
-    from ..bench.models import WORKLOADS
-
+def _by_name(workloads: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+    """{name: model spec}: every spec by its own name, and a workload of one spec by the workload's."""
     out = {}
-    for name, specs in WORKLOADS.items():
+    for name, specs in workloads.items():
         for spec in specs:
             out[spec.name] = spec
         if len(specs) == 1:
@@ -181,7 +180,7 @@ def build_parser(prog: str = "hybridembed plan") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--data-parallel-below",
-        type=parse_bytes,
+        type=lambda text: parse_bytes(text, minimum=0),
         default=DATA_PARALLEL_BELOW,
         metavar="SIZE",
         help=f"replicate tables smaller than this (default {format_bytes(DATA_PARALLEL_BELOW)})",
@@ -202,7 +201,9 @@ def build_parser(prog: str = "hybridembed plan") -> argparse.ArgumentParser:
         metavar="TABLE=TYPE[:PLACEMENT][@RANKS]",
         help="force a table's sharding, e.g. t3=row_wise:mod, t0=table_wise@5, t1=row_wise@0-3 (repeatable)",
     )
-    p.add_argument("--summary", action="store_true", help="print the totals only, not every table and rank")
+    p.add_argument(
+        "--summary", action="store_true", help="print the sharding counts and totals only, not every table and rank"
+    )
     p.add_argument("--json", metavar="OUT", type=Path, help="write the plan as JSON (Plan.from_json reads it)")
     return p
 
@@ -343,8 +344,15 @@ def format_plan(
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "hybridembed plan") -> int:
-    """Entry point of ``hybridembed plan``; returns the exit code (2: bad arguments or no fitting plan)."""
+def main(
+    argv: Sequence[str] | None = None,
+    prog: str = "hybridembed plan",
+    models: Mapping[str, Sequence[Any]] | None = None,
+) -> int:
+    """Entry point of ``hybridembed plan``; returns the exit code (2: bad arguments or no fitting plan).
+
+    ``models``: ``--model`` names -> model specs (``hybridembed.bench.models.WORKLOADS``, passed
+    in by the ``hybridembed`` command: the library does not import the benchmarks)."""
     args = build_parser(prog).parse_args(argv)
 
     def fail(message: str) -> int:
@@ -358,10 +366,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "hybridembed plan") -> i
         overrides[name] = spec
     try:
         if args.model is not None:
-            models = _models()
-            if args.model not in models:
-                return fail(f"unknown model {args.model!r}; allowed: {', '.join(models)}")
-            tables, hotness, bags = tables_for_model(models[args.model])
+            specs = _by_name(models or {})
+            if args.model not in specs:
+                return fail(f"unknown model {args.model!r}; allowed: {', '.join(specs) or 'none (use --tables)'}")
+            tables, hotness, bags = tables_for_model(specs[args.model])
             title, source = f"{args.model}", "hotness from the model's inputs"
         else:
             tables, hotness, bags = load_tables(args.tables)

@@ -42,15 +42,12 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import TableConfig
 from ..errors import ConfigError
 from ..utils import get_logger
 from .plan import SHARDING_TYPES, Plan, Shard, TablePlan, shard_table
-
-if TYPE_CHECKING:
-    from ..bench.models import ModelSpec
 
 __all__ = [
     "STRATEGIES",
@@ -525,7 +522,7 @@ def make_plan(
     mean = total / W
     if strategy == "memory_balanced":
         cap = mean * (1 + tolerance)
-        order = sorted(units, key=lambda u: (-u.mem, u.index, u.part or 0))
+        order = sorted(units, key=lambda u: (-u.mem, -u.comm, u.index, u.part or 0))  # of equals, the cold split
     else:
         cap = mean * (1 + max(tolerance, COMM_MEMORY_SLACK))
         order = sorted(units, key=lambda u: (-u.comm, -u.mem, u.index, u.part or 0))
@@ -541,6 +538,9 @@ def make_plan(
             break
         split = now_split
 
+    by_table: dict[str, list[_Unit]] = {}
+    for u in units:
+        by_table.setdefault(u.table, []).append(u)
     out = []
     for name, t in info.items():
         if name in fixed:
@@ -550,7 +550,7 @@ def make_plan(
         elif (name, None) in where:
             out.append(shard_table(t.config, "table_wise", (where[name, None],)))
         else:
-            parts = sorted((u.part, where[name, u.part], u.width) for u in units if u.table == name)
+            parts = sorted((u.part, where[name, u.part], u.width) for u in by_table[name])
             out.append(shard_table(t.config, "column_wise", [r for _, r, _ in parts], widths=[w for *_, w in parts]))
 
     plan_notes = {
@@ -650,22 +650,26 @@ def _check_budget(plan: Plan, info: Mapping[str, _Table], budget: int, total: in
 
 
 # --- synthetic models -----------------------------------------------------------------------
-def tables_for_model(spec: ModelSpec) -> tuple[list[TableConfig], dict[str, float], dict[str, int]]:
+def tables_for_model(spec: Any) -> tuple[list[TableConfig], dict[str, float], dict[str, int]]:
     """A synthetic model's tables at full size (configs only, nothing allocated), with each
     table's hotness (ids per sample, summed over the inputs reading it) and bags per sample
     (inputs reading it).
+
+    ``spec`` is a :class:`hybridembed.bench.models.ModelSpec` (read, not imported: the
+    library does not import the benchmarks); tables are named as its ``expand`` names them.
 
     >>> from hybridembed.bench.models import MODELS
     >>> tables, hotness, bags = tables_for_model(MODELS["tiny"])
     >>> len(tables), tables[2].num_embeddings, hotness["t2"], bags["t2"]
     (55, 25000000, 11.0, 2)
     """
-    from ..bench.models import expand
-
-    specs, inputs = expand(spec)
-    hotness = {t.name: 0.0 for t in specs}
-    bags = {t.name: 0 for t in specs}
-    for i in inputs:
-        hotness[i.table] += i.hotness
-        bags[i.table] += 1
-    return [TableConfig(t.name, t.rows, t.width) for t in specs], hotness, bags
+    tables: list[TableConfig] = []
+    hotness: dict[str, float] = {}
+    bags: dict[str, int] = {}
+    for e in spec.embeddings:  # num_tables tables of rows x width, each read by one input per nnz entry
+        for _ in range(e.num_tables):
+            name = f"t{len(tables)}"
+            tables.append(TableConfig(name, e.rows, e.width))
+            hotness[name] = float(sum(e.nnz))
+            bags[name] = len(e.nnz)
+    return tables, hotness, bags
