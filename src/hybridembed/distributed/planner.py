@@ -16,13 +16,13 @@ How a table is placed (in this order):
 4. A table of more than ``column_slice_threshold`` elements (rows x D) is cut into
    ``ceil(elements / threshold)`` column slices (at most ``min(D, W)``), each placed like a
    table on its own rank (as NVIDIA distributed-embeddings does).
-5. The rest are placed ``table_wise``, largest first (``memory_balanced``: onto the rank
-   with the least memory; ``comm_balanced``: the heaviest traffic first onto the rank with
-   the least traffic where it fits in memory). A table that fits on no rank (it would
-   take a rank past the mean memory per rank by more than ``tolerance``, or past
-   ``memory_per_rank``) is split ``row_wise`` in blocks over every rank instead; since
-   that changes the mean room left for the others, the placement is repeated until the
-   set of split tables is stable.
+5. The rest are placed ``table_wise``, largest first. ``memory_balanced``: onto the rank
+   with the least memory; ``comm_balanced``: the heaviest traffic first, onto the rank with
+   the least traffic where it fits in memory (at most 125% of the mean per rank). A table
+   that fits on no rank (past the mean memory per rank by more than ``tolerance``, or past
+   ``memory_per_rank``) is split ``row_wise`` in blocks over every rank instead; since that
+   changes the room left for the others, the placement is repeated until the set of split
+   tables is stable.
 
 Memory and traffic per rank are those of :func:`plan_costs`.
 
@@ -159,16 +159,17 @@ def _per_table(value: Any, names: Sequence[str], what: str, kind: type, low: flo
             return False
         return math.isfinite(v) and v >= low
 
+    noun = "a number" if kind is float else "an int"
     if isinstance(value, Mapping):
         unknown = sorted(set(value) - set(names))
         if unknown:
             raise ConfigError(f"{what} names unknown table {unknown[0]!r}; the tables: {', '.join(names[:20])}")
         bad = [(n, v) for n, v in value.items() if not ok(v)]
         if bad:
-            raise ConfigError(f"{what} of table {bad[0][0]!r} must be a number >= {low}, got {bad[0][1]!r}")
+            raise ConfigError(f"{what} of table {bad[0][0]!r} must be {noun} >= {low}, got {bad[0][1]!r}")
         return {n: kind(value.get(n, 1)) for n in names}
     if not ok(value):
-        raise ConfigError(f"{what} must be a number >= {low} or a {{table: value}} mapping, got {value!r}")
+        raise ConfigError(f"{what} must be {noun} >= {low} or a {{table: value}} mapping, got {value!r}")
     return dict.fromkeys(names, kind(value))
 
 
@@ -523,7 +524,7 @@ def make_plan(
     if strategy == "memory_balanced":
         cap = mean * (1 + tolerance)
         order = sorted(units, key=lambda u: (-u.mem, -u.comm, u.index, u.part or 0))  # of equals, the cold split
-    else:
+    else:  # memory a constraint: at most 125% of the mean (and the budget, below)
         cap = mean * (1 + max(tolerance, COMM_MEMORY_SLACK))
         order = sorted(units, key=lambda u: (-u.comm, -u.mem, u.index, u.part or 0))
     if memory_per_rank is not None:
