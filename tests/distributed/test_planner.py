@@ -563,3 +563,29 @@ def test_planning_calls_no_torch_function():
     with Record():  # the recorder does see a call
         __import__("torch").zeros(1)
     assert [f.__name__ for f in calls] == ["zeros"]
+
+
+def test_cli_parses_sizes_and_overrides():
+    import argparse
+
+    from hybridembed.distributed.cli import parse_bytes, parse_override
+
+    assert [parse_bytes(s) for s in ("80GiB", "80G", "80GB", "512MiB", "1e9", "1.5k", "7")] == [
+        80 << 30,
+        80 << 30,
+        80 * 10**9,
+        512 << 20,
+        10**9,
+        1536,
+        7,
+    ]
+    assert parse_bytes("0", minimum=0) == 0
+    for bad in ("", "GiB", "80 XB", "-1G", "0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(bad)
+    assert parse_override("t3=row_wise:mod") == ("t3", {"sharding": "row_wise", "placement": "mod"})
+    assert parse_override("t0=table_wise@5") == ("t0", {"sharding": "table_wise", "ranks": [5]})
+    assert parse_override("t1=row_wise@0-2,7") == ("t1", {"sharding": "row_wise", "ranks": [0, 1, 2, 7]})
+    for bad in ("t0", "=row_wise", "t0=row_wise:zigzag", "t0=row_wise@x", "t0=row_wise@1-", "t0=row_wise@5-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_override(bad)

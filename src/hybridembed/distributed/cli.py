@@ -84,8 +84,8 @@ def _fraction(text: str) -> float:
 def _ranks(text: str) -> list[int]:
     out: list[int] = []
     for part in text.split(","):
-        a, _, b = part.partition("-")
-        if not a.isdigit() or (b and not b.isdigit()):
+        a, dash, b = part.partition("-")
+        if not a.isdigit() or (dash and not b.isdigit()) or (dash and int(b) < int(a)):
             raise ValueError(f"ranks {text!r}: expected e.g. 3, 0-7 or 0,2,4-5")
         out += range(int(a), int(b or a) + 1)
     return out
