@@ -319,7 +319,11 @@ class EmbeddingCollection(nn.Module):
         device = self._storage_list[feat.group].weight.device
         v = ids.values
         if not (  # ids with the collection's own offsets: the ids alone
-            self._trusted(ids) and ids.weights is None and v.dim() == 1 and v.dtype in _INT_DTYPES and v.device == device
+            self._trusted(ids)
+            and ids.weights is None
+            and v.dim() == 1
+            and v.dtype in _INT_DTYPES
+            and v.device == device
         ):
             ids = self._as_input(feat, ids)
         return ids, feat.table.compute_dtype, device
@@ -528,14 +532,33 @@ class EmbeddingCollection(nn.Module):
                 j.raise_first_error(f.name, f.table.num_embeddings, allow_negative=f.dynamic)
         raise InvalidInputError("inputs failed validation, but no single feature is at fault")  # (a bug if reached)
 
+    def _pooled_groups(
+        self, requests: Sequence[tuple[str, Jagged]], train: bool
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """Pooled ``(feature, ids)`` requests (checked Jagged inputs, as the lookup queue's) ->
+        per group, (the requests' indices in the order of its bags, its kernel call's output
+        (S, D)): :meth:`_lookup_many` without splitting the output per request, so a caller
+        that ships the rows on (the sharded runtime) sends the kernel's output as it is."""
+        jagged: dict[str, Jagged] = {}
+        per_group: dict[int, list[_Feature]] = {}
+        for i, (feature, ids) in enumerate(requests):
+            feat = self._keyed(feature, i)
+            jagged[feat.jkey] = ids
+            per_group.setdefault(feat.group, []).append(feat)
+        batches = [self._assemble(self.storages[g], per_group[g], [], jagged) for g in sorted(per_group)]
+        self._validate(batches, jagged)
+        rows = self._run_groups(batches, jagged, train, whole=True)
+        return [([int(f.jkey) for f in b.feats], rows[str(i)]) for i, b in enumerate(batches)]
+
     def _run_groups(
-        self, batches: list[_GroupBatch], jagged: dict[str, Jagged], train: bool | None = None
+        self, batches: list[_GroupBatch], jagged: dict[str, Jagged], train: bool | None = None, whole: bool = False
     ) -> dict[str, torch.Tensor | Jagged]:
         """Validated batches (one per group, each group at most once) -> ``{feature: output}``,
         all or nothing: every group's lookup is planned first (:meth:`Storage.resolve`), and when
         one group refuses the batch (a dynamic table over capacity) the others' plans are dropped,
         so a refused call changes no group. Only then are the lookups made, group by group. ``train``
-        overrides ``self.training`` (whether dynamic tables make rows)."""
+        overrides ``self.training`` (whether dynamic tables make rows). ``whole``: the output is
+        ``{str(batch index): its kernel call's (S, D) output}`` instead."""
         train = self.training if train is None else train
         storages = [b.storage for b in batches]
         if len({id(st) for st in storages}) != len(storages):
@@ -551,8 +574,11 @@ class EmbeddingCollection(nn.Module):
                 batch.plan = None
             raise
         out: dict[str, torch.Tensor | Jagged] = {}
-        for batch in batches:
-            out.update(self._lookup_group(batch, jagged, train))
+        for i, batch in enumerate(batches):
+            if whole:
+                out[str(i)] = self._lookup_group(batch, jagged, train, whole=True)
+            else:
+                out.update(self._lookup_group(batch, jagged, train))
         return out
 
     def _plan_group(self, batch: _GroupBatch, train: bool) -> None:
@@ -560,8 +586,8 @@ class EmbeddingCollection(nn.Module):
         batch.plan = batch.storage.resolve(batch.ids, [f.table_index for f in batch.feats], batch.counts, train)
 
     def _lookup_group(
-        self, batch: _GroupBatch, jagged: dict[str, Jagged], train: bool | None = None
-    ) -> dict[str, torch.Tensor | Jagged]:
+        self, batch: _GroupBatch, jagged: dict[str, Jagged], train: bool | None = None, whole: bool = False
+    ) -> dict[str, torch.Tensor | Jagged] | torch.Tensor:
         """The group's one kernel call, then the per-feature outputs (views of its result), by input
         key. The group's lookup is the plan :meth:`_run_groups` made, else planned here."""
         storage, feats, offsets = batch.storage, batch.feats, batch.offsets
@@ -591,6 +617,8 @@ class EmbeddingCollection(nn.Module):
                 ]
             )
         rows = pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, batch.one_per_bag)  # (S, D)
+        if whole:
+            return rows
         # unsafe_split: split's one backward (a cat), but outputs that may be changed in place, as an
         # nn.Embedding output may (split's multi-output views refuse that; narrow views would each
         # backpropagate a zero-filled (S, D) gradient). Safe here: the outputs are disjoint and
