@@ -160,7 +160,9 @@ def _check(case: dict, results: list[dict]) -> None:
     for name, t in ref.tables.items():
         got = results[0]["tables"][name]
         if t.dynamic is None:
-            torch.testing.assert_close(got, ref.weight(name), atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"table {name}: {m}")
+            torch.testing.assert_close(
+                got, ref.weight(name), atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"table {name}: {m}"
+            )
         else:
             ids, rows = ref.dynamic_rows(name)
             assert torch.equal(got[0], ids), f"table {name}: different ids"
