@@ -19,7 +19,7 @@ def _tables(dynamic: bool = True) -> list[he.TableConfig]:
         he.TableConfig("a", 50, 8),
         he.TableConfig("b", 40, 6, combiner="mean"),
         he.TableConfig("c", 37, 8, combiner="sqrtn", init=he.init.normal(std=0.1)),
-        he.TableConfig("d", 30, 8, combiner="mean"),
+        he.TableConfig("d", 30, 8, combiner="mean", optimizer=he.optim.Adagrad(lr=0.05)),  # its own optimizer
         he.TableConfig("f", 10, 4, combiner="mean"),
         he.TableConfig("s", 25, 8, combiner="none"),
     ]

@@ -50,6 +50,7 @@ def distribute(
     reduction: str = "mean",
     ddp: bool | Mapping[str, Any] = True,
     dedup: bool = False,
+    memory_per_rank: int | None = None,
     **convert_args: Any,
 ) -> nn.Module:
     """Shard ``model``'s embedding tables over the job; returns the model to train, unchanged loop.
@@ -64,6 +65,8 @@ def distribute(
             batch) or ``"sum"`` of the ranks' embedding gradients.
         dedup: send distinct ids and pool on the requester where that sends fewer rows (see
             :class:`ShardedCollection`; off by default: measured slower on one machine).
+        memory_per_rank: refuse a plan that puts more rows and optimizer state on a rank (bytes),
+            naming the rank and the shortfall, before any shard is allocated.
         ddp: wrap the result in ``DistributedDataParallel`` (a dict: its keyword arguments);
             False leaves the dense part to you.
         **convert_args: ``tables``, ``seed``, ``dynamic``, ``copy_dynamic_rows`` as :func:`convert`.
@@ -98,7 +101,7 @@ def distribute(
     if not collections:
         raise ConfigError("distribute: the model has no embedding layers or hybridembed tables to shard")
     for path, ec in collections.items():
-        sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction, dedup)
+        sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank)
         _swap(model, ec, sharded)
     if ddp is False:
         return model
@@ -137,7 +140,7 @@ def _plan_for(plan, path: str, ec: EmbeddingCollection) -> Plan | None:
     return plan[path]
 
 
-def _shard(ec: EmbeddingCollection, plan: Plan | None, group, reduction: str, dedup: bool) -> ShardedCollection:
+def _shard(ec: EmbeddingCollection, plan: Plan | None, group, reduction: str, dedup: bool, budget) -> ShardedCollection:
     for name, t in ec.tables.items():
         if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
             raise ConfigError(
@@ -158,6 +161,7 @@ def _shard(ec: EmbeddingCollection, plan: Plan | None, group, reduction: str, de
         reduction=reduction,
         weights=weights,
         dedup=dedup,
+        memory_per_rank=budget,
     )
     sharded.train(ec.training)
     return sharded

@@ -157,6 +157,9 @@ class ShardedCollection(nn.Module):
             one machine (loopback gloo) the sort it costs measured more CPU than the copies it
             saves (26 one-hot power-law features, 4,096 per rank: 46% distinct); across
             machines, where bytes cost more, turn it on.
+        memory_per_rank: bytes of rows and optimizer state (Adagrad's, or the tables' own
+            optimizers') a rank may hold: a plan that puts more on a rank is refused before
+            any row is allocated, naming the rank and the shortfall.
         weights: ``{table: (rows, dim) tensor}`` initial rows of dense tables (each rank
             copies its shards' slices); tables not given start from their row-keyed
             initializer (equal to the unsharded collection's).
@@ -183,6 +186,7 @@ class ShardedCollection(nn.Module):
         reduction: str = "mean",
         weights: Mapping[str, torch.Tensor] | None = None,
         dedup: bool = False,
+        memory_per_rank: int | None = None,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -214,6 +218,8 @@ class ShardedCollection(nn.Module):
                 f"the plan is for world size {plan.world_size}, this process group has {self.world_size} ranks"
             )
         plan.check(tables)
+        if memory_per_rank is not None:
+            _check_budget(plan, tables, memory_per_rank)
         self.plan = plan
         self._agree(group)
         # the exchange runs on a group of its own, so DDP's all-reduce of dense gradients never
@@ -709,6 +715,23 @@ def _shard_config(t: TableConfig, s: Shard, name: str, shards: int) -> TableConf
         dynamic=dynamic,
         shard=shard,
     )
+
+
+def _check_budget(plan: Plan, tables: list[TableConfig], memory_per_rank: int) -> None:
+    from .planner import format_bytes, plan_costs
+
+    if isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, int) or memory_per_rank <= 0:
+        raise ConfigError(f"memory_per_rank must be a positive int (bytes), got {memory_per_rank!r}")
+    costs = plan_costs(plan, tables)
+    worst = max(costs, key=lambda c: c.memory_bytes)
+    if worst.memory_bytes > memory_per_rank:
+        over = sum(c.memory_bytes > memory_per_rank for c in costs)
+        raise ConfigError(
+            f"the plan puts {format_bytes(worst.memory_bytes)} of rows and optimizer state on rank {worst.rank}, "
+            f"{format_bytes(worst.memory_bytes - memory_per_rank)} over memory_per_rank="
+            f"{format_bytes(memory_per_rank)} ({over} rank(s) over); nothing was allocated. Plan with "
+            "make_plan(..., memory_per_rank=...) or shard the largest tables row_wise"
+        )
 
 
 def _check_like_collection(tables, features, seed, pad, sequence_output) -> None:
