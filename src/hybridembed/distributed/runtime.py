@@ -52,6 +52,7 @@ __all__ = ["ShardedCollection", "REDUCTIONS", "hash_residue"]
 REDUCTIONS = ("mean", "sum")
 _HASH_MASK = (1 << 62) - 1
 _HEAD = 3  # header fields before the per-pair sizes: error flag, weights flag, request digest
+_PER_PAIR = 3  # header fields per pair: bags, ids, one id per bag (then no lengths are sent)
 
 
 def hash_residue(ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -430,7 +431,37 @@ class ShardedCollection(nn.Module):
         return self._as_input(feature, ids), self.tables[self.features[feature]].compute_dtype, self._device
 
     def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(n + 1, device=device)
+        """Offsets ``arange(n + 1)`` of n bags of one id, kept for later calls of the same size
+        (read-only): inputs with these offsets skip the offsets' checks (the lookup queue's)."""
+        cache = self.__dict__.setdefault("_aranges", {})
+        cached = cache.get(n)
+        if cached is None or cached.device != device:
+            if len(cache) >= 16:
+                cache.clear()
+            cached = cache[n] = torch.arange(n + 1, device=device)
+        return cached
+
+    def _ones(self, n: int, device: torch.device) -> torch.Tensor:
+        """(n,) int64 ones (bag lengths of one id each), kept like :meth:`_one_per_bag` (read-only)."""
+        cache = self.__dict__.setdefault("_ones_cache", {})
+        cached = cache.get(n)
+        if cached is None or cached.device != device:
+            if len(cache) >= 16:
+                cache.clear()
+            cached = cache[n] = torch.ones(n, dtype=torch.int64, device=device)
+        return cached
+
+    def _trusted(self, j: Jagged) -> bool:
+        return j.offsets is self.__dict__.get("_aranges", {}).get(j.values.shape[0] if j.values.dim() else -1)
+
+    def _ok(self, j: Jagged, t: TableConfig) -> torch.Tensor:
+        """0-d bool: ``j`` is valid input of ``t`` (ids checked in global id space)."""
+        if self._trusted(j) and j.weights is None:  # one id per bag, offsets made here: the ids alone
+            if t.dynamic is not None or j.values.numel() == 0:
+                return torch.ones((), dtype=torch.bool)
+            lo, hi = (m.to(torch.int64) for m in torch.aminmax(j.values))
+            return (lo >= 0) & (hi < t.num_embeddings)
+        return j.ok(t.num_embeddings, allow_negative=t.dynamic is not None)
 
     # --- the exchange ------------------------------------------------------------------------
     def _run(self, reqs: list[tuple[str, Jagged]], train: bool) -> list[torch.Tensor | Jagged]:
@@ -439,7 +470,7 @@ class ShardedCollection(nn.Module):
         # 1. validation in global id space: one sync; the error travels in the header
         error: InvalidInputError | None = None
         if reqs:
-            oks = [j.ok(t.num_embeddings, allow_negative=t.dynamic is not None) for (_, j), t in zip(reqs, tabs)]
+            oks = [self._ok(j, t) for (_, j), t in zip(reqs, tabs)]
             if not bool(torch.stack(oks).all()):
                 for (f, j), t, ok in zip(reqs, tabs, oks):
                     if not bool(ok):
@@ -450,7 +481,7 @@ class ShardedCollection(nn.Module):
                             break
         # 2. routing: per (request, shard) the bag lengths, ids and per-id weights it sends
         pairs: list[_Pair] = []
-        sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = []  # lengths, ids, w, one
         unroute: dict[int, torch.Tensor] = {}  # row-wise sequence features: the ids' order by shard
         scales: list[torch.Tensor | None] = []
         for q, ((f, j), t) in enumerate(zip(reqs, tabs)):
@@ -468,13 +499,14 @@ class ShardedCollection(nn.Module):
                 pairs.append(_Pair(q, pos, s.rank, f"{f}@{pos}", s.width))
             if error is not None:
                 empty = torch.zeros(0, dtype=torch.int64, device=self._device)
-                sends.extend((empty, empty, None) for _ in route.shards)
+                sends.extend((empty, empty, None, True) for _ in route.shards)
                 continue
             ids = j.values.to(torch.int64)
             seq = t.combiner == "none"
-            lengths = torch.ones(n, dtype=torch.int64, device=ids.device) if seq else j.lengths().to(torch.int64)
+            one = seq or self._trusted(j)  # one id per bag
+            lengths = self._ones(n, ids.device) if one else j.lengths().to(torch.int64)
             if route.kind != "rows":
-                sends.extend((lengths, ids, psw) for _ in route.shards)
+                sends.extend((lengths, ids, psw, one) for _ in route.shards)
                 continue
             k = len(route.shards)
             where, local = route.split(ids)
@@ -489,13 +521,13 @@ class ShardedCollection(nn.Module):
                 b = j.batch_size
                 cell = where * b + bag_index(j.offsets, n)
                 len_s = torch.bincount(cell, minlength=k * b).view(k, b).unbind(0)
-            sends.extend(zip(len_s, ids_s, w_s))
+            sends.extend(zip(len_s, ids_s, w_s, [seq] * k))
         # deduplicated per destination: a pair with fewer distinct ids than bags asks for the rows of
         # its distinct ids (bags of one) and pools them here: fewer rows cross, each way
         pooled_here: dict[int, tuple] = {}
         if error is None and self.dedup:
             distinct: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for i, (lengths, ids, w) in enumerate(sends):
+            for i, (lengths, ids, w, _) in enumerate(sends):
                 n, b = ids.numel(), lengths.numel()
                 if n < 2 or n > 2 * b:  # (many ids per bag: pooling on the owner sends fewer rows)
                     continue
@@ -503,14 +535,13 @@ class ShardedCollection(nn.Module):
                     distinct[id(ids)] = torch.unique(ids, return_inverse=True)
                 uniq, inv = distinct[id(ids)]
                 if uniq.numel() < b:
-                    one = torch.ones(uniq.numel(), dtype=torch.int64, device=ids.device)
                     seq = tabs[pairs[i].request].combiner == "none"
                     single = seq or n == b and bool((lengths == 1).all())  # one id per bag: no pooling
                     pooled_here[i] = (inv, None if single else lengths, w)
-                    sends[i] = (one, uniq, None)
+                    sends[i] = (self._ones(uniq.numel(), ids.device), uniq, None, True)
         # 3. header: sizes per pair, error and weights flags, and a digest of the requests
         digest = _digest([f for f, _ in reqs])
-        has_w = any(w is not None for _, _, w in sends)
+        has_w = any(x[2] is not None for x in sends)
         by_rank: list[list[int]] = [[] for _ in range(world)]
         for i, p in enumerate(pairs):
             by_rank[p.rank].append(i)
@@ -518,10 +549,12 @@ class ShardedCollection(nn.Module):
         for r in range(world):
             head += [int(error is not None), int(has_w), digest]
             for i in by_rank[r]:
-                head += [sends[i][0].numel(), sends[i][1].numel()]
+                head += [sends[i][0].numel(), sends[i][1].numel(), int(sends[i][3])]
         send_h = torch.tensor(head, dtype=torch.int64)
         mine = by_rank[self.rank]
-        recv_h = _exchange(send_h, [_HEAD + 2 * len(x) for x in by_rank], [_HEAD + 2 * len(mine)] * world, group)
+        recv_h = _exchange(
+            send_h, [_HEAD + _PER_PAIR * len(x) for x in by_rank], [_HEAD + _PER_PAIR * len(mine)] * world, group
+        )
         got = recv_h.view(world, -1).tolist()
         failed = [r for r in range(world) if got[r][0]]
         if failed:
@@ -538,11 +571,17 @@ class ShardedCollection(nn.Module):
             )
         any_w = any(got[r][1] for r in range(world))
         # 4. ids (and weights) to their owners
-        out_ids = [torch.cat([_EMPTY_I64, *(x for i in by_rank[r] for x in sends[i][:2])]) for r in range(world)]
+        out_ids = [
+            torch.cat([_EMPTY_I64, *(x for i in by_rank[r] for x in (sends[i][1:2] if sends[i][3] else sends[i][:2]))])
+            for r in range(world)
+        ]
         send_sizes = [int(x.numel()) for x in out_ids]
-        sizes = [row[_HEAD:] for row in got]  # per source: (bags, ids) per pair this rank owns
-        recv_sizes = [sum(s) for s in sizes]
-        recv_ids = _exchange(torch.cat(out_ids), send_sizes, recv_sizes, group)
+        per = [row[_HEAD:] for row in got]  # per source: (bags, ids, one per bag) of each pair this rank owns
+        bags = [r[0::_PER_PAIR] for r in per]
+        nids = [r[1::_PER_PAIR] for r in per]
+        ones = [r[2::_PER_PAIR] for r in per]
+        payload = [[x for b, n, o in zip(*z) for x in (0 if o else b, n)] for z in zip(bags, nids, ones)]
+        recv_ids = _exchange(torch.cat(out_ids), send_sizes, [sum(p) for p in payload], group)
         recv_w = None
         if any_w:
             cdt = self._wire
@@ -556,19 +595,19 @@ class ShardedCollection(nn.Module):
                 )
                 for r in range(world)
             ]
-            recv_w = _exchange(torch.cat(ws), [w.numel() for w in ws], [sum(s[1::2]) for s in sizes], group)
+            recv_w = _exchange(torch.cat(ws), [w.numel() for w in ws], [sum(n) for n in nids], group)
         # 5. the owner's lookups: one request per (source, pair), in the order the rows go back
         status = 1.0
         width = [pairs[i].width for i in mine]
         try:
-            flat_send = self._own_lookups(mine, pairs, sizes, recv_ids, recv_w, train)
+            flat_send = self._own_lookups(mine, pairs, (bags, nids, ones, payload), recv_ids, recv_w, train)
         except Exception as e:  # the others get zero rows and a failed status, then everyone raises
             status, failure = 0.0, e
-            total = sum(s[2 * k] * w for s in sizes for k, w in enumerate(width))
+            total = sum(b[k] * w for b in bags for k, w in enumerate(width))
             flat_send = torch.zeros(total, dtype=self._wire, device=self._device)
         # 6. rows back: per source, its bags of every pair this rank owns (the kernels' outputs as
         # they are), then the owners' status (a lookup that failed on one rank fails on every rank)
-        send_splits = [sum(s[2 * k] * w for k, w in enumerate(width)) for s in sizes]
+        send_splits = [sum(b[k] * w for k, w in enumerate(width)) for b in bags]
         recv_pieces = [sends[i][0].numel() * pairs[i].width for r in range(world) for i in by_rank[r]]
         recv_splits = [sum(sends[i][0].numel() * pairs[i].width for i in by_rank[r]) for r in range(world)]
         if torch.is_grad_enabled() and not flat_send.requires_grad:  # (every rank joins the backward exchange)
@@ -638,18 +677,24 @@ class ShardedCollection(nn.Module):
     def _own_lookups(self, mine, pairs, sizes, recv_ids, recv_w, train) -> torch.Tensor:
         """The pooled rows of every pair this rank owns, flat, source by source and pair by pair
         (the order they are sent back in): one request per (source, pair), so with one group of
-        shards the kernel call's output is the send buffer, uncopied."""
+        shards the kernel call's output is the send buffer, uncopied. ``sizes``: per source,
+        the bags, ids and one-id-per-bag flags of each pair, and the payload's piece sizes."""
         if not mine:
             return torch.zeros(0, dtype=self._wire, device=self._device)
+        bags, nids, ones, payload = sizes
         requests = []
-        per_source = recv_ids.split([sum(s) for s in sizes])
-        w_source = recv_w.split([sum(s[1::2]) for s in sizes]) if recv_w is not None else None
+        per_source = recv_ids.split([sum(p) for p in payload])
+        w_source = recv_w.split([sum(n) for n in nids]) if recv_w is not None else None
         for src, chunk in enumerate(per_source):
-            parts = chunk.split(sizes[src])
-            ws = w_source[src].split(sizes[src][1::2]) if w_source is not None else None
+            parts = chunk.split(payload[src])
+            ws = w_source[src].split(nids[src]) if w_source is not None else None
             for k, i in enumerate(mine):
-                w = ws[k] if ws is not None else None
-                requests.append((pairs[i].local, Jagged(parts[2 * k + 1], offsets_from_lengths(parts[2 * k]), w)))
+                ids = parts[2 * k + 1]
+                if ones[src][k]:  # the local collection's own offsets: its checks are skipped
+                    offsets = self.local._one_per_bag(ids.numel(), ids.device)
+                else:
+                    offsets = offsets_from_lengths(parts[2 * k])
+                requests.append((pairs[i].local, Jagged(ids, offsets, ws[k] if ws is not None else None)))
         groups = self.local._pooled_groups(requests, train)
         if len(groups) == 1:  # (its bags are in request order)
             return groups[0][1].reshape(-1).to(self._wire)
