@@ -190,8 +190,15 @@ def test_mixed_plan_world2_equals_world1_every_optimizer():
     _check_all(cases, 2)
 
 
-def test_mixed_plan_world4_unequal_batches_sum():
-    _check_all([{**BASE, "optimizer": "adagrad", "sizes": [5, 0, 7, 3], "reduction": "sum", "dedup": True}], 4)
+def test_world4_unequal_batches_sum_and_each_sharding_type():
+    cases = [{**BASE, "optimizer": "adagrad", "sizes": [5, 0, 7, 3], "reduction": "sum", "dedup": True}]
+    cases += [{**BASE, "optimizer": o, "sizes": [3, 3, 3, 3]} for o in ("sgd", "adam")]
+    cases += [
+        {**BASE, "optimizer": "rowwise", "sizes": [3, 3, 3, 3], "plan": kind}
+        for kind in ("table_wise", "row_wise", "table_row_wise", "data_parallel")
+    ]
+    cases.append({**BASE, "optimizer": "adagrad", "sizes": [3, 3, 3, 3], "plan": "column_wise"})
+    _check_all(cases, 4)
 
 
 def test_each_sharding_type_world2():

@@ -271,6 +271,7 @@ class ShardedCollection(nn.Module):
             for st in self.replicated.storages:
                 st.grad_sync = _ReplicaSync(self, st)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._empty_ids = torch.zeros(0, dtype=torch.int64, device=self._device)
         wire = {t.compute_dtype for t in tables}
         self._wire = torch.float64 if torch.float64 in wire else torch.float32
         if weights:
@@ -550,7 +551,7 @@ class ShardedCollection(nn.Module):
             head += [int(error is not None), int(has_w), digest]
             for i in by_rank[r]:
                 head += [sends[i][0].numel(), sends[i][1].numel(), int(sends[i][3])]
-        send_h = torch.tensor(head, dtype=torch.int64)
+        send_h = torch.tensor(head, dtype=torch.int64, device=self._device)  # (NCCL sends device tensors only)
         mine = by_rank[self.rank]
         recv_h = _exchange(
             send_h, [_HEAD + _PER_PAIR * len(x) for x in by_rank], [_HEAD + _PER_PAIR * len(mine)] * world, group
@@ -572,7 +573,9 @@ class ShardedCollection(nn.Module):
         any_w = any(got[r][1] for r in range(world))
         # 4. ids (and weights) to their owners
         out_ids = [
-            torch.cat([_EMPTY_I64, *(x for i in by_rank[r] for x in (sends[i][1:2] if sends[i][3] else sends[i][:2]))])
+            torch.cat(
+                [self._empty_ids, *(x for i in by_rank[r] for x in (sends[i][1:2] if sends[i][3] else sends[i][:2]))]
+            )
             for r in range(world)
         ]
         send_sizes = [int(x.numel()) for x in out_ids]
@@ -588,10 +591,14 @@ class ShardedCollection(nn.Module):
             ws = [
                 torch.cat(
                     [
-                        (sends[i][2] if sends[i][2] is not None else torch.ones(sends[i][1].numel(), dtype=cdt)).to(cdt)
+                        (
+                            sends[i][2]
+                            if sends[i][2] is not None
+                            else torch.ones(sends[i][1].numel(), dtype=cdt, device=self._device)
+                        ).to(cdt)
                         for i in by_rank[r]
                     ]
-                    or [torch.zeros(0, dtype=cdt)]
+                    or [torch.zeros(0, dtype=cdt, device=self._device)]
                 )
                 for r in range(world)
             ]
@@ -616,7 +623,8 @@ class ShardedCollection(nn.Module):
             flat, statuses = flat_send, torch.full((1,), status)
         else:
             flat = _Exchange.apply(flat_send, send_splits, recv_splits, group, self._scale)
-            statuses = _exchange(torch.full((world,), status, dtype=torch.float32), [1] * world, [1] * world, group)
+            mine_ok = torch.full((world,), status, dtype=torch.float32, device=self._device)
+            statuses = _exchange(mine_ok, [1] * world, [1] * world, group)
         if status == 0.0:
             raise failure
         bad = [r for r, x in enumerate(statuses.tolist()) if x != 1.0]
@@ -711,9 +719,6 @@ class ShardedCollection(nn.Module):
             kinds[r.plan.sharding] = kinds.get(r.plan.sharding, 0) + 1
         shown = ", ".join(f"{k}: {v}" for k, v in kinds.items())
         return f"rank={self.rank}/{self.world_size}, tables={len(self.tables)} ({shown}), reduction={self.reduction}"
-
-
-_EMPTY_I64 = torch.zeros(0, dtype=torch.int64)
 
 
 class _ReplicaSync:
