@@ -113,3 +113,9 @@ def test_wrong_ids_are_refused_and_change_nothing(world1):
     with pytest.raises(he.InvalidInputError, match="must be integers"):
         sc({"a": torch.tensor([1.0]), "b": torch.tensor([1])})
     assert torch.equal(sc.gather_table("a"), before)
+
+
+def test_clip_grad_norm_of_a_distributed_model_is_refused(world1):
+    model = he.distribute(nn.ModuleDict({"e": nn.EmbeddingBag(10, 4)}), ddp=False)
+    with pytest.raises(he.ConfigError, match="this rank's alone"):
+        he.clip_grad_norm_(model, 1.0)
