@@ -246,6 +246,7 @@ class ShardedCollection(nn.Module):
                 if s.rank == self.rank:
                     local_tables.append(_shard_config(t, s, name, len(route.shards) if route.kind == "rows" else 1))
         self._local_names = local_names
+        self._column_tables = [tp.table for tp in plan.tables if self._routes[tp.table].kind == "columns"]
         mine = {c.name for c in local_tables}
         local_features = {
             f"{f}@{pos}": local_names[(t, pos)]
@@ -267,9 +268,6 @@ class ShardedCollection(nn.Module):
             if replicated
             else None
         )
-        if self.replicated is not None:
-            for st in self.replicated.storages:
-                st.grad_sync = _ReplicaSync(self, st)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._empty_ids = torch.zeros(0, dtype=torch.int64, device=self._device)
         wire = {t.compute_dtype for t in tables}
@@ -713,37 +711,93 @@ class ShardedCollection(nn.Module):
                 where[q] = part
         return torch.cat([where[q].reshape(-1).to(self._wire) for q in range(len(requests))])
 
+    # --- the optimizer step (he.wrap_optimizer calls this on every rank, before any update) -----
+    def before_sparse_step(self, storages: list, rows: list) -> list:
+        """Every storage's pending ``(ids, rows)`` (or None) -> the same, completed across ranks:
+        a replicated table's row gradients all-reduced (every replica then makes the same update
+        to the rows any rank touched), and a column slice under a row-wise optimizer given the
+        mean square of its whole rows' gradients (every slice's squares, summed across ranks):
+        ``(ids, rows, row_mean_square)``. Collective: every rank calls it each step."""
+        rows = list(rows)
+        where = {id(st): k for k, st in enumerate(storages)}
+        if self.replicated is not None:
+            for st in self.replicated.storages:
+                k = where.get(id(st))
+                if k is not None:
+                    rows[k] = self._sync_replica(st, rows[k])
+        if self._column_tables:
+            self._row_statistics(where, storages, rows)
+        return rows
+
+    def _sync_replica(self, st, pending: tuple[torch.Tensor, torch.Tensor] | None):
+        nrows, dim = st.weight.shape
+        buf = torch.zeros(nrows, dim + 1, dtype=st.compute_dtype, device=st.weight.device)  # rows | touched
+        if pending is not None:
+            ids, grad = pending[0], pending[1]
+            buf[ids, :dim] = grad.to(buf.dtype)
+            buf[ids, dim] = 1.0
+        dist.all_reduce(buf, group=self._group)
+        touched = buf[:, dim].nonzero().squeeze(1)
+        if touched.numel() == 0:
+            return None
+        grad = buf.index_select(0, touched)[:, :dim]
+        if self.reduction == "mean":
+            grad = grad / self.world_size
+        return touched, grad.to(st.weight.dtype)
+
+    def _row_statistics(self, where: dict, storages: list, rows: list) -> None:
+        """Column slices under a row-wise optimizer: each slice's per-row sum of squares, summed
+        over the slices (ranks) of its table, divided by the table's width. Two all-reduces over
+        every rank: the rows each table touched (the same for all its slices), then the sums."""
+        slices = []  # (table index, storage index, selection of its pending rows)
+        counts = torch.zeros(len(self._column_tables), dtype=torch.int64, device=self._device)
+        for ti, name in enumerate(self._column_tables):
+            route = self._routes[name]
+            for pos, (_, s) in enumerate(route.shards):
+                if s.rank != self.rank:
+                    continue
+                local = self._local_names[(name, pos)]
+                st = self.local.storage_of(local)
+                k = where.get(id(st))
+                if k is None or rows[k] is None or not getattr(st.optimizer, "row_wise", False):
+                    continue
+                ids = rows[k][0]
+                start = st.row_offset[local]
+                sel = ((ids >= start) & (ids < start + self.local.tables[local].num_embeddings)).nonzero().squeeze(1)
+                slices.append((ti, k, sel))
+                counts[ti] = sel.numel()
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self._group)
+        sizes = counts.tolist()
+        if not any(sizes):
+            return
+        starts = [0]
+        for c in sizes:
+            starts.append(starts[-1] + c)
+        sums = torch.zeros(starts[-1], dtype=torch.float64, device=self._device)
+        for ti, k, sel in slices:
+            ids, grad = rows[k][0], rows[k][1]
+            order = torch.argsort(ids.index_select(0, sel))  # (the slices of a table agree on ascending ids)
+            part = storages[k].optimizer.row_stat(grad.index_select(0, sel).to(torch.float64))
+            sums[starts[ti] : starts[ti + 1]] = part.index_select(0, order)
+        dist.all_reduce(sums, group=self._group)
+        stats: dict[int, torch.Tensor] = {}
+        for ti, k, sel in slices:
+            st = storages[k]
+            ids, grad = rows[k][0], rows[k][1]
+            if k not in stats:  # rows of other tables in this storage: their own mean square
+                stats[k] = st.optimizer.row_stat(grad.to(torch.float64)).div_(grad.shape[1])
+            order = torch.argsort(ids.index_select(0, sel))
+            width = self.tables[self._column_tables[ti]].embedding_dim
+            stats[k][sel.index_select(0, order)] = sums[starts[ti] : starts[ti + 1]] / width
+        for k, stat in stats.items():
+            rows[k] = (rows[k][0], rows[k][1], stat.to(storages[k].compute_dtype))
+
     def extra_repr(self) -> str:
         kinds = {}
         for r in self._routes.values():
             kinds[r.plan.sharding] = kinds.get(r.plan.sharding, 0) + 1
         shown = ", ".join(f"{k}: {v}" for k, v in kinds.items())
         return f"rank={self.rank}/{self.world_size}, tables={len(self.tables)} ({shown}), reduction={self.reduction}"
-
-
-class _ReplicaSync:
-    """A data-parallel storage's gradient, all-reduced before the optimizer step: every
-    replica then applies the same update to the same rows (the union the ranks touched)."""
-
-    def __init__(self, owner: ShardedCollection, storage) -> None:
-        self.owner, self.storage = owner, storage
-
-    def __call__(self, pending: tuple[torch.Tensor, torch.Tensor] | None):
-        st = self.storage
-        rows, dim = st.weight.shape
-        buf = torch.zeros(rows, dim + 1, dtype=st.compute_dtype, device=st.weight.device)
-        if pending is not None:
-            ids, grad = pending
-            buf[ids, :dim] = grad.to(buf.dtype)
-            buf[ids, dim] = 1.0
-        dist.all_reduce(buf, group=self.owner._group)
-        touched = buf[:, dim].nonzero().squeeze(1)
-        if touched.numel() == 0:
-            return None
-        grad = buf.index_select(0, touched)[:, :dim]
-        if self.owner.reduction == "mean":
-            grad = grad / self.owner.world_size
-        return touched, grad.to(st.weight.dtype)
 
 
 def _shard_config(t: TableConfig, s: Shard, name: str, shards: int) -> TableConfig:

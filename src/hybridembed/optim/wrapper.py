@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -86,8 +86,13 @@ class HybridOptimizer(torch.optim.Optimizer):
     to this object changes both. Build it with :func:`wrap_optimizer`.
     """
 
-    def __init__(self, dense: torch.optim.Optimizer, storages: list[tuple[str, RowStorage, so.SparseOptimizer]]):
-        if not storages:
+    def __init__(
+        self,
+        dense: torch.optim.Optimizer,
+        storages: list[tuple[str, RowStorage, so.SparseOptimizer]],
+        hooks: Sequence[Any] = (),
+    ):
+        if not storages and not hooks:
             raise ConfigError("the model holds no hybridembed tables; use the torch optimizer directly")
         sparse_groups = []
         for name, storage, opt in storages:
@@ -96,10 +101,15 @@ class HybridOptimizer(torch.optim.Optimizer):
             group["storage"] = name
             storage.attach_optimizer(opt, group)
             sparse_groups.append(group)
-        super().__init__(sparse_groups, defaults={})
+        # (a rank of a sharded job may hold no shard: then no sparse group, only its hooks)
+        super().__init__(sparse_groups or [{"params": []}], defaults={})
         self.dense = dense
         self._storages = [s for _, s, _ in storages]
-        self._sparse_groups = list(self.param_groups)
+        # modules that see every storage's pending gradient before the update (a sharded collection:
+        # it all-reduces its replicated tables' rows, and completes column slices' row statistics);
+        # on every rank of a job, in the same order
+        self._hooks = list(hooks)
+        self._sparse_groups = list(self.param_groups) if sparse_groups else []
         self.param_groups = list(dense.param_groups) + self._sparse_groups
         self.state = dense.state  # dense per-parameter state; sparse state lives in the storages
 
@@ -116,13 +126,13 @@ class HybridOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rows = [storage.grad_rows() for storage in self._storages]  # (raises on a dense gradient: before any update)
-        # a replicated (data-parallel) table's gradient is all-reduced here, on every rank in the same order
-        rows = [r if getattr(s, "grad_sync", None) is None else s.grad_sync(r) for s, r in zip(self._storages, rows)]
+        for hook in self._hooks:
+            rows = hook.before_sparse_step(self._storages, rows)
         if any(p.grad is not None for g in self.dense.param_groups for p in g["params"]):
             self.dense.step()
         for storage, group, r in zip(self._storages, self._sparse_groups, rows):
-            if r is not None:
-                storage.apply_gradient(*r, group)
+            if r is not None:  # (ids, rows) or (ids, rows, each row's statistic for a row-wise optimizer)
+                storage.apply_gradient(r[0], r[1], group, *r[2:])
             storage.after_step()
         return loss
 
@@ -244,7 +254,8 @@ def wrap_optimizer(
         for p in filter(ours, group["params"]):
             torch_optimizer.state.pop(p, None)
         group["params"] = [p for p in group["params"] if not ours(p)]
-    return HybridOptimizer(torch_optimizer, chosen)
+    hooks = [m for m in model.modules() if hasattr(m, "before_sparse_step")]
+    return HybridOptimizer(torch_optimizer, chosen, hooks)
 
 
 def clip_grad_norm_(

@@ -102,18 +102,24 @@ class RowStorage(nn.Module):
         self.weight.grad = add_sparse(self.weight.grad, grad)
 
     @torch.no_grad()
-    def apply_gradient(self, ids: torch.Tensor, grad: torch.Tensor, hparams: dict) -> None:
-        """One optimizer step on rows ``ids`` (U,) distinct (any order), with summed gradient ``grad`` (U, D)."""
+    def apply_gradient(
+        self, ids: torch.Tensor, grad: torch.Tensor, hparams: dict, row_stat: torch.Tensor | None = None
+    ) -> None:
+        """One optimizer step on rows ``ids`` (U,) distinct (any order), with summed gradient ``grad`` (U, D).
+
+        ``row_stat`` (U,): a row-wise optimizer's per-row statistic (the mean square of the
+        row's gradient) when these rows are column slices of wider rows (taken over the whole row)."""
         self.step += 1
         mask = self.updatable(ids)
         if mask is not None and not bool(mask.all()):  # (copies the rows only when some are held back)
             ids, grad = ids[mask], grad[mask]
+            row_stat = None if row_stat is None else row_stat[mask]
         if ids.numel() == 0:
             return
         w, opt, g = self.weight, self.optimizer, grad.to(self.compute_dtype)
         state = {k: v.index_select(0, ids) for k, v in self.state.items()}  # gathered copies
         if opt.additive(hparams):  # row += scale * t: one scatter-add, the rows are never gathered
-            t, scale = opt.delta(g, state, self.step, hparams)
+            t, scale = opt.delta(g, state, self.step, hparams, *(() if row_stat is None else (row_stat,)))
             # dense += coalesced sparse: a parallel per-row axpy; measured 2.1x faster than the
             # serial index_add_ on 92k distinct sorted rows (2 threads), 1.3x on 600k. That
             # kernel (add_dense_sparse_worker_*) needs distinct rows only, not sorted ones, and

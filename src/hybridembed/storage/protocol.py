@@ -124,8 +124,11 @@ class Storage(Protocol):
         """Allocates ``optimizer``'s per-row state beside the rows; resets the step."""
         ...
 
-    def apply_gradient(self, ids: torch.Tensor, grad: torch.Tensor, hparams: dict) -> None:
-        """One optimizer step on row slots ``ids`` (U,) distinct, with summed gradient ``grad`` (U, D)."""
+    def apply_gradient(
+        self, ids: torch.Tensor, grad: torch.Tensor, hparams: dict, row_stat: torch.Tensor | None = None
+    ) -> None:
+        """One optimizer step on row slots ``ids`` (U,) distinct, with summed gradient ``grad`` (U, D);
+        ``row_stat`` (U,): a row-wise optimizer's statistic of the whole row when these are column slices."""
         ...
 
     def after_step(self) -> None:
