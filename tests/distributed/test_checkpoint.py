@@ -194,3 +194,73 @@ def test_distributed_save_load_resumes_exactly(tmp_path):
     _close(_snapshot(model), first[0]["saved"], 0)
     _steps(model, opt, range(K, 2 * K), 0, 1)
     _close(_snapshot(model), first[0]["final"], 1e-5)
+
+
+class Plain(nn.Module):
+    """A plain model: nn.EmbeddingBag / nn.Embedding layers and an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.user = nn.EmbeddingBag(40, 8, mode="sum")
+        self.items = nn.EmbeddingBag(60, 8, mode="mean")
+        self.city = nn.Embedding(20, 8)
+        self.tags = nn.EmbeddingBag(30, 8, mode="sum")
+        self.mlp = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        u = self.user(x["user"].unsqueeze(1))
+        i = self.items(x["items"], x["items_off"])
+        c = self.city(x["city"])
+        t = self.tags(x["tags"], x["tags_off"], per_sample_weights=x["tags_w"])
+        return self.mlp(torch.cat([u, i, c, t], 1)).squeeze(1)
+
+
+def _plain_batch(seed: int, n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = {"user": torch.randint(0, 40, (n,), generator=g), "city": torch.randint(0, 20, (n,), generator=g)}
+    for f, rows in (("items", 60), ("tags", 30)):
+        lengths = torch.randint(1, 4, (n,), generator=g)
+        x[f] = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
+        x[f + "_off"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    x["tags_w"] = torch.rand(x["tags"].numel(), generator=g)
+    return x
+
+
+def _plain_plan(world: int) -> Plan:
+    t = {n: he.TableConfig(n, r, 8) for n, r in (("user", 40), ("items", 60), ("city", 20), ("tags", 30))}
+    ranks = tuple(range(world))
+    return Plan(
+        world,
+        (
+            shard_table(t["user"], "row_wise", ranks, placement="mod"),
+            shard_table(t["items"], "table_wise", (world - 1,)),
+            shard_table(t["city"], "data_parallel", ranks),
+            shard_table(t["tags"], "column_wise", ranks),
+        ),
+    )
+
+
+def _train_export(rank: int, world: int, path: str) -> dict:
+    model = he.distribute(Plain(), plan=_plain_plan(world))
+    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
+    for s in range(2):
+        opt.zero_grad()
+        model(_plain_batch(10 * s + rank, 4)).square().mean().backward()
+        opt.step()
+    x = _plain_batch(99 + rank, 5)
+    written = he.export(model, path, (x,))
+    assert model.training  # modes restored
+    with torch.no_grad():
+        out = unwrap(model).eval()(x)
+    return {"written": str(written), "x": x, "out": out}
+
+
+def test_export_of_a_distributed_model_serves_its_outputs(tmp_path):
+    path = tmp_path / "ranker.pt"
+    results = spawn(_train_export, 2, str(path), timeout=240)
+    assert [r["written"] for r in results] == [str(path)] * 2
+    served = torch.jit.load(str(path))
+    assert not any("Sharded" in type(m).__name__ or "Hybrid" in m.original_name for m in served.modules())
+    for r in results:  # every rank's inputs: the one file serves what the distributed model computes
+        torch.testing.assert_close(served(r["x"]), r["out"], atol=1e-5, rtol=1e-5)
