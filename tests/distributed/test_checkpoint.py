@@ -137,9 +137,19 @@ def _damage_then_resume(rank: int, world: int, path: str, damaged: str) -> dict:
     except he.CheckpointError as e:
         refused = str(e)
     unchanged = all(torch.equal(before[k], v) for k, v in _snapshot(model).items())
+    # the same world size, another plan (table b in blocks, not residues): refused, naming it
+    t = {x.name: x for x in _tables()}
+    other = _plan(world)
+    other = Plan(world, tuple(shard_table(t["b"], "row_wise", (0, 1)) if p.table == "b" else p for p in other.tables))
+    try:
+        he.load(path, he.distribute(Ranker(), plan=other))
+        replanned = None
+    except he.CheckpointError as e:
+        replanned = str(e)
     manifest = he.load(path, model, opt)
     losses = _steps(model, opt, range(K, 2 * K), rank, world)
     return {
+        "replanned": replanned,
         "refused": refused,
         "unchanged": unchanged,
         "extra": manifest["extra"],
@@ -148,13 +158,33 @@ def _damage_then_resume(rank: int, world: int, path: str, damaged: str) -> dict:
     }
 
 
-def _load_at(rank: int, world: int, path: str) -> str | None:
+def _load_at(rank: int, world: int, path: str, other: str) -> dict:
+    from hybridembed.api import checkpoint
+
     model = he.distribute(Ranker(), plan=_plan(world))
+    opt = _optimizer(model)
     try:
-        he.load(path, model, _optimizer(model))
+        he.load(path, model, opt)
+        refused = None
     except he.CheckpointError as e:
-        return str(e)
-    return None
+        refused = str(e)
+    # a rank that cannot write its shard: every rank raises, the previous version stays current
+    he.save(other, model, opt)
+    if rank == 1:
+        real = checkpoint._write_file
+
+        def failing(p, obj):
+            if p.parent.name == "tables":
+                raise checkpoint._WriteError(p, OSError(28, "No space left on device"))
+            real(p, obj)
+
+        checkpoint._write_file = failing
+    try:
+        he.save(other, model, opt)
+        failed = None
+    except he.CheckpointError as e:
+        failed = str(e)
+    return {"refused": refused, "failed": failed}
 
 
 def _close(a: dict, b: dict, tol: float) -> None:
@@ -178,13 +208,20 @@ def test_distributed_save_load_resumes_exactly(tmp_path):
         assert r["refused"] is not None and "no rank changed anything" in r["refused"]
         assert "rank 1" in r["refused"] and "ec.b.00001.pt" in r["refused"] and "checksum" in r["refused"]
         assert r["unchanged"]
+        assert "tables[1].placement" in r["replanned"] and "resharding is not supported yet" in r["replanned"]
         assert r["extra"] == {"step": K}
     _close(second[0]["final"], first[0]["final"], 1e-6)  # resumed == never stopped
 
     # another world size: every rank refuses, naming both sizes
-    errors = spawn(_load_at, 3, path, timeout=240)
+    other = tmp_path / "other"
+    errors = spawn(_load_at, 3, path, str(other), timeout=240)
     for e in errors:
-        assert e is not None and "world size 2" in e and "3 ranks" in e and "resharding is not supported yet" in e
+        refused = e["refused"]
+        assert refused is not None and "world size 2" in refused and "3 ranks" in refused
+        assert "resharding is not supported yet" in refused
+        assert "rank 1:" in e["failed"] and "No space left on device" in e["failed"]
+    assert (other / "LATEST").read_text().strip() == "v-000001"
+    assert sorted(p.name for p in other.iterdir()) == ["LATEST", "v-000001"]
 
     # the model of one process loads the distributed checkpoint (rows put back by id: blocks, residues,
     # column slices, hash shards) and trains on like the job

@@ -25,6 +25,22 @@ by N processes loads at any other world size. One process writes one shard per t
 Tables are named ``<collection path>.<table>`` (``hybridembed.user`` for a converted
 model, ``ec.video`` for an ``EmbeddingCollection`` at ``model.ec``).
 
+A distributed model (:func:`hybridembed.distribute`'s, or one holding
+:class:`~hybridembed.distributed.ShardedCollection` s) is saved and loaded by EVERY rank of
+the job calling :func:`save` / :func:`load` (collectives; the directory must be shared by
+the ranks). Each rank writes its own shards (``tables/<table>.<shard index>.pt``); a shard
+entry records which global rows and columns its file holds: rows ``range(row_start,
+row_end, row_step)`` (``row_step`` k for modulo placement over k shards), columns
+``col_start .. col_end - 1`` (a column slice), the rank and shard index, and the step of its
+optimizer state. Rank 0 writes the data-parallel tables, the dense state, the optimizer file
+and the manifest (with ``world_size`` and each collection's plan under ``plans``) and makes
+the one commit below; every rank returns after it, or every rank raises (a rank that could
+not write is named). :func:`load` needs the same world size and plan (anything else is a
+CheckpointError: resharding is not supported yet); each rank reads and checks only its own
+shards' files, the ranks exchange their verdicts, and every rank loads or none does. The
+model of one process loads such a checkpoint too: the shards are put back by row and column
+(except a per-row optimizer state of column slices, and dynamic tables split by columns).
+
 Atomicity (:func:`save`): the new version is written under ``path/.tmp-v-000008-<pid>``,
 every file and directory fsynced, renamed to ``path/v-000008``, then ``LATEST`` is
 replaced with ``os.replace`` (written to ``LATEST.tmp-<pid>`` and fsynced first) and the
@@ -316,6 +332,9 @@ def save(
         extra: JSON-serialisable metadata stored in the manifest (e.g. the epoch); returned
             by :func:`load` under ``"extra"``.
         keep: how many committed versions to keep (>= 1); older ones are deleted after the commit.
+
+    A distributed model is saved by every rank calling ``save`` with the same arguments (see
+    the module docstring); ``model`` may be the ``DistributedDataParallel`` wrapper.
 
     Returns the directory of the version written.
     """
@@ -1094,6 +1113,8 @@ def load(
     Dynamic tables are replaced by the checkpoint's rows (their ``Dynamic`` settings
     may differ, as long as the rows fit the capacity and, where both keep an admission
     sketch (``min_count > 1``), its ``sketch_depth`` and ``sketch_width`` are the saved ones).
+    A distributed model is loaded by every rank calling ``load``, at the saved world size and
+    plan; a problem found by any rank raises on every rank and no rank changes anything.
     """
     colls = _sharded_collections(_unwrap(model))
     if colls:  # every rank of the job: its shards, all ranks or none

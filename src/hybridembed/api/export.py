@@ -62,6 +62,13 @@ file whose outputs differ (``check=False`` skips this). Every size of every inpu
 dynamic; where the ONNX exporter still fixes one (a size 0 or 1 in some torch versions) a
 warning names the input.
 
+A distributed model (:func:`hybridembed.distribute`'s, ``DistributedDataParallel`` wrapper or
+not) is exported by every rank calling ``export`` (each with its own ``example_inputs``): the
+model runs on every rank, its sharded tables are gathered whole into every process
+(``ShardedCollection.gather_table``, a collective: for models whose tables fit one process,
+as the served file must), and rank 0 checks the served copy against its outputs and writes
+the one plain file; the other ranks write nothing and return the path.
+
 PyTorch 2.13 marks TorchScript (``torch.jit.trace/save/load``) deprecated (it warns), but
 it works and needs no extra package. ONNX needs ``onnx`` and ``onnxscript``
 to export, and ``onnxruntime`` to check and serve.
