@@ -115,7 +115,11 @@ def _distributed(rank: int, world: int, plan_kind: str) -> dict:
     ec = inner.hybridembed
     assert isinstance(ec, ShardedCollection)
     tables = {n: ec.gather_table(n) for n in ec.tables}
-    return {"tables": tables, "mlp": {k: v.detach().clone() for k, v in inner.mlp.state_dict().items()}, "losses": losses}
+    return {
+        "tables": tables,
+        "mlp": {k: v.detach().clone() for k, v in inner.mlp.state_dict().items()},
+        "losses": losses,
+    }
 
 
 def _reference() -> dict:
@@ -135,7 +139,9 @@ def test_distribute_a_plain_model_equals_one_process(world):
     ref = _reference()
     results = spawn(_distributed, world, "explicit", timeout=240)
     for name, w in ref["tables"].items():
-        torch.testing.assert_close(results[0]["tables"][name], w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            results[0]["tables"][name], w, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
     for r in results:
         for k, v in ref["mlp"].items():
             torch.testing.assert_close(r["mlp"][k], v, atol=1e-5, rtol=1e-5)

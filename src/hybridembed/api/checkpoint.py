@@ -123,7 +123,8 @@ class _Table:
         self.name = name
         self.config = collection.tables[name]
         self.storage = collection.storage_of(name)
-        self.kind = "dynamic" if self.config.dynamic is not None else "dense"
+        self.kind = self.storage.kind  # the manifest's "dense" / "dynamic" (data)
+        self.keyed = self.storage.keyed  # rows by id (dynamic), not by row number
 
     @property
     def shape(self) -> list[int | None]:
@@ -422,7 +423,7 @@ def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
         rel = f"tables/{stem}.00000.pt"
         state = sparse[q]["state"] if opt_state is not None and q in sparse else {}
         entry = serial.table_entry(t.storage, t.name)
-        if t.kind == "dense":
+        if not t.keyed:
             rows = entry["weight"].clone()  # its own storage: a view would save the whole group
             n = rows.shape[0]
             write(rel, {"weight": rows, "state": state})  # state: already copies (optimizer.state_dict())
@@ -445,7 +446,7 @@ def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
             "optimizer_state": sorted(state),
             "shards": shards,
         }
-        if t.kind == "dynamic":
+        if t.keyed:
             table_entries[q]["dynamic"] = _jsonable(vars(t.config.dynamic))
 
     dense = _dense_state(model)
@@ -736,7 +737,7 @@ def _check_model(manifest: dict, model: nn.Module, optimizer, tables: dict[str, 
             problems.append(
                 f"table {q!r}: dim changed: {shape[1]} in the checkpoint, {t.config.embedding_dim} in the model"
             )
-        if t.kind == "dense" and shape[0] != t.config.num_embeddings:
+        if not t.keyed and shape[0] != t.config.num_embeddings:
             problems.append(
                 f"table {q!r}: rows changed: {shape[0]} in the checkpoint, {t.config.num_embeddings} in the model"
             )
@@ -827,7 +828,7 @@ def _check_capacity(saved: dict, tables: dict[str, _Table]) -> list[str]:
     """Every dynamic table's saved rows must fit its own capacity (``Dynamic.capacity`` is per table)."""
     problems = []
     for q, t in tables.items():
-        if t.kind != "dynamic" or q not in saved or saved[q].get("kind") != "dynamic":
+        if not t.keyed or q not in saved or saved[q].get("kind") != t.kind:
             continue
         cap = t.storage.capacity
         rows = int(saved[q].get("rows", 0))
@@ -937,9 +938,9 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
     parts = [(s, _torch_load(vdir, s["file"], mmap=True)) for s in spec["shards"]]
     d = t.config.embedding_dim
     problems = []
-    if t.kind == "dense" and any(_span(s, d)[2:] != (1, 0, d) for s, _ in parts):
+    if not t.keyed and any(_span(s, d)[2:] != (1, 0, d) for s, _ in parts):
         return _gather_pieces(q, spec, t, parts)  # residues or column slices of a distributed save
-    if t.kind == "dense":
+    if not t.keyed:
         parts.sort(key=lambda x: int(x[0]["row_start"]))
         for s, p in parts:
             n = int(s["row_end"]) - int(s["row_start"])
@@ -1086,7 +1087,7 @@ def _check_optimizer_file(opt_file: dict, optimizer, tables: dict[str, _Table], 
         if set(state) != set(have):
             problems.append(f"table {q!r}: optimizer state {sorted(state)} in the checkpoint, {sorted(have)} here")
             continue
-        rows = entries[q]["ids"].numel() if t.kind == "dynamic" else have[next(iter(have))].shape[0] if have else 0
+        rows = entries[q]["ids"].numel() if t.keyed else have[next(iter(have))].shape[0] if have else 0
         for k, v in state.items():
             want = (rows, *have[k].shape[1:])
             if tuple(v.shape) != want or not v.is_floating_point():
@@ -1156,11 +1157,11 @@ def load(
         model.load_state_dict(dense, strict=False)
     with torch.no_grad():
         for q, t in tables.items():
-            if t.kind == "dense":
+            if not t.keyed:
                 serial.load_entry(t.storage, t.name, entries[q])
-        dynamic = [q for q, t in tables.items() if t.kind == "dynamic"]
+        dynamic = [q for q, t in tables.items() if t.keyed]
         # tables that shrink first, so a group's rows never exceed its capacity on the way
-        dynamic.sort(key=lambda q: entries[q]["ids"].numel() - tables[q].storage.table_slots(tables[q].name)[0].numel())
+        dynamic.sort(key=lambda q: entries[q]["ids"].numel() - tables[q].storage.table_ids(tables[q].name).numel())
         clocks: dict[int, tuple[RowStorage, int]] = {}
         for q in dynamic:
             t = tables[q]
@@ -1182,7 +1183,7 @@ def load(
                 e = entries[q]
                 sparse[name] = {
                     **meta,
-                    "ids": e["ids"] if tables[q].kind == "dynamic" else None,
+                    "ids": e["ids"] if tables[q].keyed else None,
                     "state": e["state"],
                 }
             optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
@@ -1226,7 +1227,8 @@ class _Piece:
         self.whole = whole  # the whole table's TableConfig
         self.config = collection.tables[name]
         self.storage = collection.storage_of(name)
-        self.kind = "dynamic" if self.config.dynamic is not None else "dense"
+        self.kind = self.storage.kind  # the manifest's "dense" / "dynamic" (data)
+        self.keyed = self.storage.keyed  # rows by id (dynamic), not by row number
         self.replicated = spec.get("replicated", False)
 
 
@@ -1326,7 +1328,7 @@ def _write_pieces(tmp: Path, pieces: list[_Piece], stems: dict[str, str], optimi
         rel = f"tables/{stems[q]}.{piece.spec['shard']:05d}.pt"
         state, opt = _piece_state(piece, optimizer)
         entry = serial.table_entry(piece.storage, piece.name)
-        if piece.kind == "dense":
+        if not piece.keyed:
             obj = {"weight": entry["weight"].clone(), "state": state}
             shard = {"file": rel, **piece.spec}
         else:
@@ -1632,7 +1634,7 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
         managed = hybrid and any(st is piece.storage for st in optimizer._storages)
         if managed and not missing and not errors:
             have = piece.storage.table_state(piece.name)
-            rows = entry["ids"].numel() if piece.kind == "dynamic" else piece.config.num_embeddings
+            rows = entry["ids"].numel() if piece.keyed else piece.config.num_embeddings
             if set(state) != set(have):
                 problems.append(f"{where}: optimizer state {sorted(state)} in the checkpoint, {sorted(have)} here")
             for k, v in state.items():
@@ -1690,9 +1692,9 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
         model.load_state_dict(dense, strict=False)
     with torch.no_grad():
         for piece, entry, _, _ in loaded:
-            if piece.kind == "dense":
+            if not piece.keyed:
                 serial.load_entry(piece.storage, piece.name, entry)
-        dynamic = [x for x in loaded if x[0].kind == "dynamic"]
+        dynamic = [x for x in loaded if x[0].keyed]
         dynamic.sort(key=lambda x: x[1]["ids"].numel() - x[0].storage.table_slots(x[0].name)[0].numel())
         clocks: dict[int, tuple[RowStorage, int]] = {}
         for piece, entry, _, _ in dynamic:
@@ -1712,7 +1714,7 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
             meta = opt_file["sparse"].get(piece.qualified, {})
             sparse[piece.name] = {
                 "shape": [piece.config.num_embeddings, piece.config.embedding_dim],
-                "ids": entry["ids"] if piece.kind == "dynamic" else None,
+                "ids": entry["ids"] if piece.keyed else None,
                 "optimizer": piece.storage.optimizer.name,
                 "hparams": meta.get("hparams", {}),
                 "step": int(step),

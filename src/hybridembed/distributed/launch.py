@@ -52,7 +52,11 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads):
         torch.set_num_threads(threads)
     try:
         dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout), init_method=f"tcp://127.0.0.1:{port}"
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout),
+            init_method=f"tcp://127.0.0.1:{port}",
         )
         out = fn(rank, world, *args)
         # pickled to bytes here: a tensor put on a torch queue as is travels through shared memory
