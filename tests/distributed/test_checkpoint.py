@@ -113,7 +113,13 @@ def _train_save_train(rank: int, world: int, path: str) -> dict:
     written = he.save(path, model, opt, extra={"step": K})
     saved = _snapshot(model)
     _steps(model, opt, range(K, 2 * K), rank, world)
-    return {"written": written, "saved": saved, "final": _snapshot(model)}
+    final = _snapshot(model)
+    # the export of the same model (sharded, data-parallel and dynamic tables): one plain file
+    x, _ = _batch(50, rank * (N // world), (rank + 1) * (N // world))
+    he.export(model, path + ".pt", (x,))
+    with torch.no_grad():
+        out = unwrap(model).eval()(x)
+    return {"written": written, "saved": saved, "final": final, "x": x, "out": out}
 
 
 def _damage_then_resume(rank: int, world: int, path: str, damaged: str) -> dict:
@@ -202,6 +208,10 @@ def test_distributed_save_load_resumes_exactly(tmp_path):
     shards = {q: [(s["rank"], s["shard"]) for s in t["shards"]] for q, t in m["tables"].items()}
     assert shards["ec.b"] == [(0, 0), (1, 1)] and shards["ec.d"] == [(1, 0)] and shards["ec.f"] == [(None, 0)]
     assert m["tables"]["ec.b"]["shards"][1]["row_step"] == 2 and m["tables"]["ec.c"]["shards"][1]["col_start"] == 4
+
+    served = torch.jit.load(path + ".pt")
+    for r in first:
+        torch.testing.assert_close(served(r["x"]), r["out"], atol=1e-5, rtol=1e-5)
 
     second = spawn(_damage_then_resume, 2, path, str(tmp_path / "damaged"), timeout=240)
     for r in second:  # every rank refused, naming the damaged file on rank 1
@@ -301,3 +311,23 @@ def test_export_of_a_distributed_model_serves_its_outputs(tmp_path):
     assert not any("Sharded" in type(m).__name__ or "Hybrid" in m.original_name for m in served.modules())
     for r in results:  # every rank's inputs: the one file serves what the distributed model computes
         torch.testing.assert_close(served(r["x"]), r["out"], atol=1e-5, rtol=1e-5)
+
+
+def test_shards_must_tile_every_row_and_column():
+    """A manifest's residue and column shards are checked before anything is read (no job needed)."""
+    from hybridembed.api.checkpoint import _check_shards
+
+    def table(*shards):
+        return {"kind": "dense", "shape": [5, 4], "shards": [{"file": f"{i}", **s} for i, s in enumerate(shards)]}
+
+    residues = [{"row_start": 0, "row_end": 5, "row_step": 2}, {"row_start": 1, "row_end": 5, "row_step": 2}]
+    assert _check_shards("t", table(*residues)) == []
+    residues[1]["row_start"] = 2  # row 1 nowhere, row 2 twice
+    assert "(row 1)" in _check_shards("t", table(*residues))[0]
+    cols = [
+        {"row_start": 0, "row_end": 5, "col_start": 0, "col_end": 2},
+        {"row_start": 0, "row_end": 5, "col_start": 2},
+    ]
+    assert _check_shards("t", table(*cols)) == []
+    cols[1]["col_start"] = 3
+    assert "do not tile 0..4" in _check_shards("t", table(*cols))[0]

@@ -656,6 +656,16 @@ def _manifest_problems(m: dict[str, Any]) -> list[str]:
                 s.need(sh, "row_end", ws, _is_int, "an int >= 0")
             elif "rows" in sh:
                 s.need(sh, "rows", ws, _is_int, "an int >= 0")
+            for key in ("row_step", "col_start", "col_end", "shard", "step"):  # a distributed save's
+                if key in sh:
+                    s.need(sh, key, ws, lambda v, key=key: _is_int(v, 1 if key == "row_step" else 0), "an int")
+            if sh.get("rank") is not None:
+                s.need(sh, "rank", ws, _is_int, "an int >= 0 or null")
+    if "plans" in m:
+        plans = s.need(m, "plans", "", _dict, "an object {collection path: plan}") or {}
+        for path, plan in plans.items():
+            if not _dict(plan):
+                s.bad(f"plans.{path}", "an object (a Plan's JSON)", plan)
     dense = s.need(m, "dense", "", _dict, "an object") or {}
     if dense:
         s.need(dense, "file", "dense", _str, "a string")
