@@ -190,7 +190,14 @@ def _load_at(rank: int, world: int, path: str, other: str) -> dict:
         failed = None
     except he.CheckpointError as e:
         failed = str(e)
-    return {"refused": refused, "failed": failed}
+    # sharded and unsharded collections in one model: refused on every rank before any exchange
+    mixed = nn.ModuleDict({"s": unwrap(model).ec, "p": he.EmbeddingCollection([he.TableConfig("z", 4, 2)])})
+    try:
+        he.save(other, mixed)
+        mixed_error = None
+    except he.CheckpointError as e:
+        mixed_error = str(e)
+    return {"refused": refused, "failed": failed, "mixed": mixed_error}
 
 
 def _close(a: dict, b: dict, tol: float) -> None:
@@ -230,6 +237,7 @@ def test_distributed_save_load_resumes_exactly(tmp_path):
         assert refused is not None and "world size 2" in refused and "3 ranks" in refused
         assert "resharding is not supported yet" in refused
         assert "rank 1:" in e["failed"] and "No space left on device" in e["failed"]
+        assert "unsharded EmbeddingCollection(s) at ['p']" in e["mixed"]
     assert (other / "LATEST").read_text().strip() == "v-000001"
     assert sorted(p.name for p in other.iterdir()) == ["LATEST", "v-000001"]
 

@@ -154,7 +154,7 @@ def _dense_state(model: nn.Module) -> dict[str, Any]:
     prefixes = [
         f"{path}." if path else ""
         for path, m in model.named_modules(remove_duplicate=False)
-        if isinstance(m, (EmbeddingCollection, _TableLayer, RowStorage))
+        if isinstance(m, (EmbeddingCollection, _TableLayer, RowStorage)) or getattr(type(m), "sharded", False) is True
     ]
     if "" in prefixes:
         return {}
@@ -1282,9 +1282,18 @@ def _stems(names: list[str]) -> dict[str, str]:
     return out
 
 
-def _group_of(colls: Mapping[str, nn.Module]):
+def _group_of(colls: Mapping[str, nn.Module], model: nn.Module | None = None):
     """The process group the collections are sharded over (one for all of them)."""
     import torch.distributed as dist
+
+    inside = {id(m) for sc in colls.values() for m in sc.modules()}
+    plain = [p for p, m in (model.named_modules() if model is not None else []) if id(m) not in inside]
+    plain = [p for p in plain if isinstance(model.get_submodule(p), EmbeddingCollection)]
+    if plain:
+        raise CheckpointError(
+            f"the model holds sharded collections and unsharded EmbeddingCollection(s) at {plain}; a checkpoint "
+            "of a distributed model needs every collection sharded (he.distribute shards them all)"
+        )
 
     groups = {tuple(dist.get_process_group_ranks(sc._group)) for sc in colls.values()}
     if len(groups) > 1:
@@ -1355,7 +1364,7 @@ def _write_pieces(tmp: Path, pieces: list[_Piece], stems: dict[str, str], optimi
 
 
 def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: dict, keep: int) -> str:
-    group = _group_of(colls)
+    group = _group_of(colls, model)
     sc0 = next(iter(colls.values()))
     rank, world = sc0.rank, sc0.world_size
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -1682,7 +1691,7 @@ def _shape(v: Any) -> str:
 
 def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) -> dict[str, Any]:
     """Every rank checks what it loads, the ranks exchange their verdicts, and all load or none does."""
-    group = _group_of(colls)
+    group = _group_of(colls, model)
     prepared, error = None, None
     try:
         prepared = _prepare_sharded(path, model, colls, optimizer, verify)
