@@ -25,6 +25,22 @@ by N processes loads at any other world size. One process writes one shard per t
 Tables are named ``<collection path>.<table>`` (``hybridembed.user`` for a converted
 model, ``ec.video`` for an ``EmbeddingCollection`` at ``model.ec``).
 
+A distributed model (:func:`hybridembed.distribute`'s, or one holding
+:class:`~hybridembed.distributed.ShardedCollection` s) is saved and loaded by EVERY rank of
+the job calling :func:`save` / :func:`load` (collectives; the directory must be shared by
+the ranks). Each rank writes its own shards (``tables/<table>.<shard index>.pt``); a shard
+entry records which global rows and columns its file holds: rows ``range(row_start,
+row_end, row_step)`` (``row_step`` k for modulo placement over k shards), columns
+``col_start .. col_end - 1`` (a column slice), the rank and shard index, and the step of its
+optimizer state. Rank 0 writes the data-parallel tables, the dense state, the optimizer file
+and the manifest (with ``world_size`` and each collection's plan under ``plans``) and makes
+the one commit below; every rank returns after it, or every rank raises (a rank that could
+not write is named). :func:`load` needs the same world size and plan (anything else is a
+CheckpointError: resharding is not supported yet); each rank reads and checks only its own
+shards' files, the ranks exchange their verdicts, and every rank loads or none does. The
+model of one process loads such a checkpoint too: the shards are put back by row and column
+(except a per-row optimizer state of column slices, and dynamic tables split by columns).
+
 Atomicity (:func:`save`): the new version is written under ``path/.tmp-v-000008-<pid>``,
 every file and directory fsynced, renamed to ``path/v-000008``, then ``LATEST`` is
 replaced with ``os.replace`` (written to ``LATEST.tmp-<pid>`` and fsynced first) and the
@@ -62,6 +78,7 @@ state's shapes) and the optimizer. Every difference found is listed in one
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -137,7 +154,7 @@ def _dense_state(model: nn.Module) -> dict[str, Any]:
     prefixes = [
         f"{path}." if path else ""
         for path, m in model.named_modules(remove_duplicate=False)
-        if isinstance(m, (EmbeddingCollection, _TableLayer, RowStorage))
+        if isinstance(m, (EmbeddingCollection, _TableLayer, RowStorage)) or getattr(type(m), "sharded", False) is True
     ]
     if "" in prefixes:
         return {}
@@ -317,6 +334,9 @@ def save(
             by :func:`load` under ``"extra"``.
         keep: how many committed versions to keep (>= 1); older ones are deleted after the commit.
 
+    A distributed model is saved by every rank calling ``save`` with the same arguments (see
+    the module docstring); ``model`` may be the ``DistributedDataParallel`` wrapper.
+
     Returns the directory of the version written.
     """
     if not isinstance(model, nn.Module):
@@ -330,6 +350,9 @@ def save(
     root = Path(path)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory")
+    colls = _sharded_collections(_unwrap(model))
+    if colls:  # every rank of the job: its shards, then one commit by rank 0
+        return _save_sharded(root, _unwrap(model), colls, optimizer, extra_json, keep)
     try:
         return _save(root, model, optimizer, extra_json, keep)
     except OSError as e:  # the disk, permissions, a file in the way: say which file and why
@@ -633,6 +656,16 @@ def _manifest_problems(m: dict[str, Any]) -> list[str]:
                 s.need(sh, "row_end", ws, _is_int, "an int >= 0")
             elif "rows" in sh:
                 s.need(sh, "rows", ws, _is_int, "an int >= 0")
+            for key in ("row_step", "col_start", "col_end", "shard", "step"):  # a distributed save's
+                if key in sh:
+                    s.need(sh, key, ws, lambda v, key=key: _is_int(v, 1 if key == "row_step" else 0), "an int")
+            if sh.get("rank") is not None:
+                s.need(sh, "rank", ws, _is_int, "an int >= 0 or null")
+    if "plans" in m:
+        plans = s.need(m, "plans", "", _dict, "an object {collection path: plan}") or {}
+        for path, plan in plans.items():
+            if not _dict(plan):
+                s.bad(f"plans.{path}", "an object (a Plan's JSON)", plan)
     dense = s.need(m, "dense", "", _dict, "an object") or {}
     if dense:
         s.need(dense, "file", "dense", _str, "a string")
@@ -722,7 +755,15 @@ def _check_model(manifest: dict, model: nn.Module, optimizer, tables: dict[str, 
             problems.append(f"table {q!r}: dtype changed: {s.get('dtype')} in the checkpoint, {t.dtype} in the model")
         problems.extend(_check_shards(q, s))
     problems.extend(_check_capacity(saved, tables))
+    problems.extend(_check_dense_names(manifest, model))
+    if optimizer is not None:
+        problems.extend(_check_optimizer(manifest, optimizer, tables))
+    return problems
 
+
+def _check_dense_names(manifest: dict, model: nn.Module) -> list[str]:
+    """The model's parameters and buffers outside the tables against the manifest's (names, shapes, dtypes)."""
+    problems: list[str] = []
     have = _dense_state(model)
     want = manifest["dense"].get("tensors", {})
     other = set(manifest["dense"].get("other", []))
@@ -741,9 +782,19 @@ def _check_model(manifest: dict, model: nn.Module, optimizer, tables: dict[str, 
                 problems.append(
                     f"{k!r}: dtype {spec.get('dtype')} in the checkpoint, {_dtype_name(v.dtype)} in the model"
                 )
-    if optimizer is not None:
-        problems.extend(_check_optimizer(manifest, optimizer, tables))
     return problems
+
+
+def _span(x: dict, dim: int) -> tuple[int, int, int, int, int]:
+    """A dense shard entry's (row_start, row_end, row_step, col_start, col_end): rows
+    ``range(row_start, row_end, row_step)``, columns ``col_start .. col_end - 1``."""
+    return (
+        int(x["row_start"]),
+        int(x["row_end"]),
+        int(x.get("row_step", 1)),
+        int(x.get("col_start", 0)),
+        int(x.get("col_end", dim)),
+    )
 
 
 def _check_shards(q: str, s: dict) -> list[str]:
@@ -752,17 +803,34 @@ def _check_shards(q: str, s: dict) -> list[str]:
         return [f"table {q!r}: the manifest lists no shards"]
     if s["kind"] == "dynamic":
         return [] if all(isinstance(x, dict) and "file" in x for x in shards) else [f"table {q!r}: malformed shards"]
+    rows, dim = s["shape"]
     try:
-        spans = sorted((int(x["row_start"]), int(x["row_end"])) for x in shards)
+        spans = [_span(x, dim) for x in shards]
     except (KeyError, TypeError, ValueError):
         return [f"table {q!r}: malformed shards (each needs file, row_start, row_end)"]
-    pos = 0
-    for a, b in spans:
-        if a != pos or b < a:
-            return [f"table {q!r}: shards do not tile rows 0..{s['shape'][0]} (gap or overlap at row {pos})"]
-        pos = b
-    if pos != s["shape"][0]:
-        return [f"table {q!r}: shards cover rows 0..{pos}, the table has {s['shape'][0]}"]
+    if any(step < 1 or not 0 <= c0 < c1 <= dim for _, _, step, c0, c1 in spans):
+        return [f"table {q!r}: malformed shards (row_step < 1 or columns outside 0..{dim})"]
+    if all(step == 1 and (c0, c1) == (0, dim) for _, _, step, c0, c1 in spans):  # row blocks
+        pos = 0
+        for a, b, *_ in sorted(spans):
+            if a != pos or b < a:
+                return [f"table {q!r}: shards do not tile rows 0..{rows} (gap or overlap at row {pos})"]
+            pos = b
+        if pos != rows:
+            return [f"table {q!r}: shards cover rows 0..{pos}, the table has {rows}"]
+        return []
+    # residues and column slices (a distributed save): every (row, column) exactly once
+    cols = sorted({(c0, c1) for *_, c0, c1 in spans})
+    if [c0 for c0, _ in cols] != [0, *(c1 for _, c1 in cols[:-1])] or cols[-1][1] != dim:
+        return [f"table {q!r}: the shards' columns {cols} do not tile 0..{dim}"]
+    for c in cols:
+        count = torch.zeros(rows, dtype=torch.int32)
+        for a, b, step, c0, c1 in spans:
+            if (c0, c1) == c:
+                count[a:b:step] += 1
+        if rows and not bool((count == 1).all()):
+            row = int((count != 1).nonzero()[0])
+            return [f"table {q!r}: shards do not tile rows 0..{rows} of columns {c[0]}..{c[1]} (row {row})"]
     return []
 
 
@@ -783,27 +851,9 @@ def _check_capacity(saved: dict, tables: dict[str, _Table]) -> list[str]:
 
 
 def _check_optimizer(manifest: dict, optimizer, tables: dict[str, _Table]) -> list[str]:
+    problems = _check_optimizer_kind(manifest, optimizer)
     entry = manifest.get("optimizer")
-    if not entry:
-        return ["the checkpoint holds no optimizer state (saved without optimizer=); load with optimizer=None"]
-    hybrid = isinstance(optimizer, HybridOptimizer)
-    if entry.get("kind") != ("hybrid" if hybrid else "torch"):
-        return [
-            f"optimizer kind changed: {entry.get('kind')} in the checkpoint, "
-            f"{'hybrid (he.wrap_optimizer)' if hybrid else 'plain torch'} here"
-        ]
-    problems = []
-    dense = optimizer.dense if hybrid else optimizer
-    if entry.get("dense") != type(dense).__name__:
-        problems.append(f"optimizer changed: {entry.get('dense')} in the checkpoint, {type(dense).__name__} here")
-    groups = entry.get("dense_param_groups", [])
-    sizes = [len(g["params"]) for g in dense.param_groups]
-    if [g.get("num_params") for g in groups] != sizes:
-        problems.append(
-            f"optimizer parameter groups differ: {[g.get('num_params') for g in groups]} parameters per group "
-            f"in the checkpoint, {sizes} here"
-        )
-    if not hybrid:
+    if not entry or entry.get("kind") != "hybrid" or not isinstance(optimizer, HybridOptimizer):
         return problems
     saved = entry.get("sparse", {})
     by_name = _table_of_storage(tables)
@@ -823,6 +873,31 @@ def _check_optimizer(manifest: dict, optimizer, tables: dict[str, _Table]) -> li
                 f"table {q!r}: optimizer state {sorted(manifest['tables'][q].get('optimizer_state', []))} in the "
                 f"checkpoint, {names} here"
             )
+    return problems
+
+
+def _check_optimizer_kind(manifest: dict, optimizer) -> list[str]:
+    """The optimizer's kind (hybrid or torch), dense class and parameter groups against the manifest."""
+    entry = manifest.get("optimizer")
+    if not entry:
+        return ["the checkpoint holds no optimizer state (saved without optimizer=); load with optimizer=None"]
+    hybrid = isinstance(optimizer, HybridOptimizer)
+    if entry.get("kind") != ("hybrid" if hybrid else "torch"):
+        return [
+            f"optimizer kind changed: {entry.get('kind')} in the checkpoint, "
+            f"{'hybrid (he.wrap_optimizer)' if hybrid else 'plain torch'} here"
+        ]
+    problems: list[str] = []
+    dense = optimizer.dense if hybrid else optimizer
+    if entry.get("dense") != type(dense).__name__:
+        problems.append(f"optimizer changed: {entry.get('dense')} in the checkpoint, {type(dense).__name__} here")
+    groups = entry.get("dense_param_groups", [])
+    sizes = [len(g["params"]) for g in dense.param_groups]
+    if [g.get("num_params") for g in groups] != sizes:
+        problems.append(
+            f"optimizer parameter groups differ: {[g.get('num_params') for g in groups]} parameters per group "
+            f"in the checkpoint, {sizes} here"
+        )
     return problems
 
 
@@ -873,6 +948,8 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
     parts = [(s, _torch_load(vdir, s["file"], mmap=True)) for s in spec["shards"]]
     d = t.config.embedding_dim
     problems = []
+    if not t.keyed and any(_span(s, d)[2:] != (1, 0, d) for s, _ in parts):
+        return _gather_pieces(q, spec, t, parts)  # residues or column slices of a distributed save
     if not t.keyed:
         parts.sort(key=lambda x: int(x[0]["row_start"]))
         for s, p in parts:
@@ -890,6 +967,11 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
                 problems.append(f"table {q!r}: file {s['file']!r} does not hold ids and (K, {d}) rows")
         if problems:
             return {}, problems
+        if any(int(s.get("col_start", 0)) != 0 or int(s.get("col_end", d)) != d for s, _ in parts):
+            return {}, [
+                f"table {q!r}: the dynamic table was saved in column slices, which one process cannot load yet; "
+                f"{_RESHARD}"
+            ]
         ps = [{k: v for k, v in p.items() if k != "state"} for _, p in parts]
         entry = dict(ps[0])  # what the storage saved (serial.table_entry), passed back as is
         if len(ps) > 1:  # per-row entries concatenate; counters of disjoint shards add up; time is the latest
@@ -915,6 +997,47 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
     entry.pop("_order", None)
     entry["state"] = state
     return entry, problems
+
+
+def _gather_pieces(q: str, spec: dict, t: _Table, parts: list) -> tuple[dict[str, Any], list[str]]:
+    """A dense table put together from shards holding rows ``row_start::row_step`` and columns
+    ``col_start:col_end`` (as a distributed job saves them): (entry, problems)."""
+    rows, d = t.config.num_embeddings, t.config.embedding_dim
+    problems = []
+    for s, p in parts:
+        a, b, step, c0, c1 = _span(s, d)
+        want = (len(range(a, b, step)), c1 - c0)
+        w = p.get("weight") if isinstance(p, dict) else None
+        if not torch.is_tensor(w) or tuple(w.shape) != want:
+            problems.append(f"table {q!r}: file {s['file']!r} does not hold {want} rows")
+    if problems:
+        return {}, problems
+    weight = torch.empty(rows, d, dtype=parts[0][1]["weight"].dtype)
+    for s, p in parts:
+        a, b, step, c0, c1 = _span(s, d)
+        weight[a:b:step, c0:c1] = p["weight"]
+    split = any(_span(s, d)[3:] != (0, d) for s, _ in parts)
+    state = {}
+    for k in sorted(spec.get("optimizer_state", [])):
+        pieces = [p.get("state", {}).get(k) for _, p in parts]
+        if not all(torch.is_tensor(x) for x in pieces):
+            problems.append(f"table {q!r}: optimizer state {k!r} is missing from a shard")
+            continue
+        if pieces[0].dim() == 1 and split:
+            problems.append(
+                f"table {q!r}: optimizer state {k!r} is kept per row of each column slice and cannot be put "
+                "together into the whole table's; load with optimizer=None, or in a job of the saved world size"
+            )
+            continue
+        full = torch.empty((rows, d) if pieces[0].dim() == 2 else (rows,), dtype=pieces[0].dtype)
+        for (s, _), x in zip(parts, pieces):
+            a, b, step, c0, c1 = _span(s, d)
+            if x.dim() == 2:
+                full[a:b:step, c0:c1] = x
+            else:
+                full[a:b:step] = x
+        state[k] = full
+    return {"weight": weight, "state": state}, problems
 
 
 def _check_dense_file(rel: str, dense: dict, model: nn.Module) -> list[str]:
@@ -1001,7 +1124,12 @@ def load(
     Dynamic tables are replaced by the checkpoint's rows (their ``Dynamic`` settings
     may differ, as long as the rows fit the capacity and, where both keep an admission
     sketch (``min_count > 1``), its ``sketch_depth`` and ``sketch_width`` are the saved ones).
+    A distributed model is loaded by every rank calling ``load``, at the saved world size and
+    plan; a problem found by any rank raises on every rank and no rank changes anything.
     """
+    colls = _sharded_collections(_unwrap(model))
+    if colls:  # every rank of the job: its shards, all ranks or none
+        return _load_sharded(path, _unwrap(model), colls, optimizer, verify)
     manifest = read_manifest(path)
     vdir = Path(manifest["path"])
     tables = _model_tables(model)
@@ -1070,4 +1198,547 @@ def load(
                 }
             optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
     log.info("loaded checkpoint %s (%d tables)", vdir, len(tables))
+    return manifest
+
+
+# --- distributed models: every rank saves and loads its own shards --------------------------------
+#
+# A model holding ShardedCollections (he.distribute's result, a DistributedDataParallel wrapper
+# or not) is saved by every rank of the job together: rank 0 makes the temporary version
+# directory, every rank writes its shards' files into it (shared storage), rank 0 writes the
+# dense state, the data-parallel tables, the optimizer file and the manifest from what every
+# rank reports, and commits; every rank returns after the commit (or raises with the others).
+# A shard's file holds its rows in the shard's own order with the manifest entry saying which
+# global rows and columns they are: rows ``range(row_start, row_end, row_step)`` (a block has
+# step 1, modulo placement over k shards step k) and columns ``col_start .. col_end - 1``.
+def _unwrap(model: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _sharded_collections(model: nn.Module) -> dict[str, nn.Module]:
+    """``{path: ShardedCollection}`` of ``model`` (empty for a model of one process)."""
+    if not any(getattr(type(m), "sharded", False) is True for m in model.modules()):
+        return {}
+    from ..distributed.runtime import ShardedCollection
+
+    return {p: m for p, m in model.named_modules() if isinstance(m, ShardedCollection)}
+
+
+class _Piece:
+    """One table, or one shard of one, that this rank holds: ``qualified`` is the whole table's
+    checkpoint name, ``collection``/``name`` where its rows are here (``sc.local`` under
+    ``t@i`` or ``t``, ``sc.replicated`` under ``t``), ``spec`` the manifest's shard entry
+    without its file: which global rows and columns it holds."""
+
+    def __init__(self, qualified: str, collection: EmbeddingCollection, name: str, spec: dict, whole):
+        self.qualified, self.collection, self.name, self.spec = qualified, collection, name, spec
+        self.whole = whole  # the whole table's TableConfig
+        self.config = collection.tables[name]
+        self.storage = collection.storage_of(name)
+        self.kind = self.storage.kind  # the manifest's "dense" / "dynamic" (data)
+        self.keyed = self.storage.keyed  # rows by id (dynamic), not by row number
+        self.replicated = spec.get("replicated", False)
+
+
+def _shard_pieces(path: str, sc) -> list[_Piece]:
+    """This rank's pieces of the ShardedCollection ``sc`` at ``path``: its shards (every rank),
+    and the data-parallel tables (written by rank 0, read by every rank)."""
+    out = []
+    for name, route in sc._routes.items():
+        q = f"{path}.{name}" if path else name
+        t = sc.tables[name]
+        if route.kind == "local":
+            spec = {"shard": 0, "rank": None, "replicated": True, "col_start": 0, "col_end": t.embedding_dim}
+            if t.dynamic is None:
+                spec.update(row_start=0, row_end=t.num_embeddings, row_step=1)
+            out.append(_Piece(q, sc.replicated, name, spec, t))
+            continue
+        for pos, (i, s) in enumerate(route.shards):
+            if s.rank != sc.rank:
+                continue
+            spec = {"shard": i, "rank": s.rank, "col_start": s.col_start, "col_end": s.col_stop}
+            if t.dynamic is None:
+                spec.update(row_start=s.row_start, row_end=s.row_stop, row_step=s.row_step)
+            out.append(_Piece(q, sc.local, sc._local_names[(name, pos)], spec, t))
+    return out
+
+
+def _global_tables(colls: Mapping[str, nn.Module]) -> dict[str, tuple[str, Any]]:
+    """``{qualified: (collection path, whole TableConfig)}`` in the same order on every rank."""
+    return {(f"{p}.{n}" if p else n): (p, t) for p, sc in colls.items() for n, t in sc.tables.items()}
+
+
+def _stems(names: list[str]) -> dict[str, str]:
+    used: set[str] = set()
+    out = {}
+    for q in names:
+        stem = _safe(q)
+        while stem in used:
+            stem += "_"
+        used.add(stem)
+        out[q] = stem
+    return out
+
+
+def _group_of(colls: Mapping[str, nn.Module], model: nn.Module | None = None):
+    """The process group the collections are sharded over (one for all of them)."""
+    import torch.distributed as dist
+
+    inside = {id(m) for sc in colls.values() for m in sc.modules()}
+    plain = [p for p, m in (model.named_modules() if model is not None else []) if id(m) not in inside]
+    plain = [p for p in plain if isinstance(model.get_submodule(p), EmbeddingCollection)]
+    if plain:
+        raise CheckpointError(
+            f"the model holds sharded collections and unsharded EmbeddingCollection(s) at {plain}; a checkpoint "
+            "of a distributed model needs every collection sharded (he.distribute shards them all)"
+        )
+
+    groups = {tuple(dist.get_process_group_ranks(sc._group)) for sc in colls.values()}
+    if len(groups) > 1:
+        raise CheckpointError(
+            f"the model's sharded collections span different sets of ranks {sorted(groups)}; a checkpoint of a "
+            "distributed model needs them sharded over the same process group"
+        )
+    return next(iter(colls.values()))._group
+
+
+def _all_report(group, mine: Any) -> list[Any]:
+    """Every rank's ``mine`` on every rank (a collective: the status exchange of save and load)."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def _failure(e: BaseException) -> str:
+    if isinstance(e, _WriteError):
+        return str(e)
+    if isinstance(e, OSError):
+        return f"{e.filename or ''}: {_os_reason(e)}".lstrip(": ")
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+def _failures(reports: list[Any]) -> list[str]:
+    return [f"rank {r}: {rep[0]}" for r, rep in enumerate(reports) if rep[0] is not None]
+
+
+def _piece_state(piece: _Piece, optimizer) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """(optimizer state of the piece's rows (copies), {optimizer, hparams, step} or None)."""
+    if not isinstance(optimizer, HybridOptimizer) or not any(s is piece.storage for s in optimizer._storages):
+        return {}, None
+    st = piece.storage
+    state = {k: v.clone() for k, v in st.table_state(piece.name).items()}
+    hp = {k: v for k, v in st.hparams.items() if k not in ("params", "storage")}
+    return state, {"optimizer": st.optimizer.name, "hparams": copy.deepcopy(hp), "step": int(st.step)}
+
+
+def _write_pieces(tmp: Path, pieces: list[_Piece], stems: dict[str, str], optimizer, rank: int) -> dict:
+    """Write this rank's pieces (rank 0 also the data-parallel ones); what the manifest needs of them."""
+    tables: dict[str, list[dict]] = {}
+    files: dict[str, dict] = {}
+    meta: dict[str, dict] = {}
+    for piece in pieces:
+        if piece.replicated and rank != 0:
+            continue
+        q = piece.qualified
+        rel = f"tables/{stems[q]}.{piece.spec['shard']:05d}.pt"
+        state, opt = _piece_state(piece, optimizer)
+        entry = serial.table_entry(piece.storage, piece.name)
+        if not piece.keyed:
+            obj = {"weight": entry["weight"].clone(), "state": state}
+            shard = {"file": rel, **piece.spec}
+        else:
+            obj = {**entry, "state": state}
+            shard = {"file": rel, "rows": int(entry["ids"].numel()), **piece.spec}
+        shard.pop("replicated", None)
+        if opt is not None:
+            shard["step"] = opt["step"]
+            meta[q] = opt
+        _write_file(tmp / rel, obj)
+        files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+        tables.setdefault(q, []).append({**shard, "optimizer_state": sorted(state)})
+    return {"tables": tables, "files": files, "meta": meta}
+
+
+def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: dict, keep: int) -> str:
+    group = _group_of(colls, model)
+    sc0 = next(iter(colls.values()))
+    rank, world = sc0.rank, sc0.world_size
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    # 1. rank 0 makes the temporary version directory
+    version = tmp = error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _clean(root, keep)
+            existing = _versions(root)
+            version = f"v-{(int(existing[-1][2:]) + 1 if existing else 1):06d}"
+            tmp = root / f".tmp-{version}-{os.getpid()}"
+            tmp.mkdir()
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            error = _failure(e)
+    reports = _all_report(group, (error, version, str(tmp) if tmp else None))
+    _raise_save(root, _failures(reports))
+    version, tmp = reports[0][1], Path(reports[0][2])
+    final = root / version
+    # 2. every rank writes its shards into it
+    pieces = [p for path, sc in colls.items() for p in _shard_pieces(path, sc)]
+    stems = _stems(list(_global_tables(colls)))
+    part = None
+    try:
+        part = _write_pieces(tmp, pieces, stems, optimizer, rank)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = _failure(e)
+    reports = _all_report(group, (error, part))
+    failed = _failures(reports)
+    # 3. rank 0 writes the rest and commits; every rank learns how that went
+    error = None
+    if rank == 0:
+        try:
+            if failed:
+                raise CheckpointError("")  # (the failures are reported by every rank below)
+            manifest = _sharded_manifest(tmp, model, colls, optimizer, extra, [r[1] for r in reports], world)
+            _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1) + "\n").encode())
+            for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
+                _fsync_dir(d)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            _commit(root, version)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if _current(root) != version:
+                shutil.rmtree(final, ignore_errors=True)
+            error = _failure(e) if not failed else None
+            if not isinstance(e, Exception):
+                raise
+    reports = _all_report(group, (error,))  # every rank returns after the commit
+    _raise_save(root, failed + _failures(reports))
+    if rank == 0:
+        _clean(root, keep)
+        log.info("saved checkpoint %s (%d ranks)", final, world)
+    return str(final)
+
+
+def _raise_save(root: Path, failed: list[str]) -> None:
+    if failed:
+        lines = "\n".join(f"  - {f}" for f in failed)
+        raise CheckpointError(
+            f"cannot write the checkpoint {root}; the previous version, if any, is intact; check that the "
+            f"directory is shared by every rank, writable and has free space:\n{lines}"
+        )
+
+
+def _sharded_manifest(tmp: Path, model, colls: dict, optimizer, extra: dict, parts: list[dict], world: int) -> dict:
+    """The manifest of a distributed save (rank 0), from every rank's report of its shards."""
+    files: dict[str, dict] = {}
+    shards: dict[str, list[dict]] = {}
+    meta: dict[str, dict] = {}
+    for part in parts:
+        files.update(part["files"])
+        meta.update({q: m for q, m in part["meta"].items() if q not in meta})
+        for q, entries in part["tables"].items():
+            shards.setdefault(q, []).extend(entries)
+    table_entries = {}
+    for q, (path, t) in _global_tables(colls).items():
+        entries = sorted(shards.get(q, []), key=lambda s: s["shard"])
+        state = entries[0].pop("optimizer_state") if entries else []
+        for e in entries[1:]:
+            e.pop("optimizer_state")
+        dynamic = t.dynamic is not None
+        tp = colls[path].plan.table(t.name)
+        table_entries[q] = {
+            "kind": "dynamic" if dynamic else "dense",
+            "collection": path,
+            "table": t.name,
+            "shape": [t.num_embeddings, t.embedding_dim],
+            "dtype": _dtype_name(t.dtype),
+            "rows": sum(e["rows"] for e in entries if e["col_start"] == 0) if dynamic else t.num_embeddings,
+            "optimizer_state": state,
+            "sharding": tp.sharding,
+            "placement": tp.placement,
+            "shards": entries,
+        }
+        if dynamic:
+            table_entries[q]["dynamic"] = _jsonable(vars(t.dynamic))
+
+    def write(rel: str, obj: Any) -> None:
+        _write_file(tmp / rel, obj)
+        files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+
+    dense = _dense_state(model)
+    write("dense.pt", dense)
+    dense_entry = {
+        "file": "dense.pt",
+        "tensors": {
+            k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in dense.items() if torch.is_tensor(v)
+        },
+        "other": sorted(k for k, v in dense.items() if not torch.is_tensor(v)),
+    }
+    opt_entry = None
+    if isinstance(optimizer, HybridOptimizer):
+        sd = optimizer.dense.state_dict()
+        sparse = {}
+        for q, m in meta.items():  # a shard's step counts its own updates: each shard entry has its own
+            steps = [e["step"] for e in table_entries[q]["shards"] if "step" in e]
+            sparse[q] = {**m, "step": max(steps), "shape": table_entries[q]["shape"]}
+        write("optimizer.pt", {"kind": "hybrid", "dense": sd, "sparse": sparse})
+        opt_entry = {
+            "file": "optimizer.pt",
+            "kind": "hybrid",
+            "dense": type(optimizer.dense).__name__,
+            "dense_param_groups": _param_groups_json(sd),
+            "sparse": {
+                q: {"optimizer": e["optimizer"], "hparams": _jsonable(e["hparams"]), "step": e["step"]}
+                for q, e in sparse.items()
+            },
+        }
+    elif optimizer is not None:
+        sd = optimizer.state_dict()
+        write("optimizer.pt", {"kind": "torch", "state_dict": sd})
+        opt_entry = {
+            "file": "optimizer.pt",
+            "kind": "torch",
+            "dense": type(optimizer).__name__,
+            "dense_param_groups": _param_groups_json(sd),
+            "sparse": {},
+        }
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "hybridembed_version": _version(),
+        "torch_version": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": world,
+        "plans": {path: json.loads(sc.plan.to_json()) for path, sc in colls.items()},
+        "tables": table_entries,
+        "dense": dense_entry,
+        "optimizer": opt_entry,
+        "extra": extra,
+        "files": dict(sorted(files.items())),
+    }
+
+
+_RESHARD = 'resharding is not supported yet (issue "Checkpoints at any world size")'
+_SPAN_KEYS = ("rank", "row_start", "row_end", "row_step", "col_start", "col_end")
+
+
+def _plan_difference(a: Any, b: Any, where: str = "") -> str | None:
+    """The first place where two plans (as JSON) differ, or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in [*a, *(k for k in b if k not in a)]:
+            if k == "notes" and not where:
+                continue
+            d = _plan_difference(a.get(k), b.get(k), f"{where}.{k}" if where else k)
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _plan_difference(x, y, f"{where}[{i}]"))), None)
+    return None if a == b else f"{where}: {json.dumps(a)} in the checkpoint, {json.dumps(b)} here"
+
+
+def _check_sharded_model(manifest: dict, model: nn.Module, colls: dict, optimizer) -> list[str]:
+    """The distributed model (world size, plans, tables, dense state, optimizer) against the manifest."""
+    world = next(iter(colls.values())).world_size
+    saved_world = manifest["world_size"]
+    plans = manifest.get("plans")
+    if not isinstance(plans, dict):
+        return [
+            f"the checkpoint was written by {saved_world} process(es) without a sharding plan, this job shards its "
+            f"tables over {world} ranks; {_RESHARD}: load it into the model in one process, then he.distribute it"
+        ]
+    if saved_world != world:
+        return [
+            f"the checkpoint was written by a job of world size {saved_world}, this job has {world} ranks; "
+            f"{_RESHARD}: load it in a job of {saved_world} processes with the same plan"
+        ]
+    problems = []
+    for path in sorted(set(plans) | set(colls)):
+        if path not in colls:
+            problems.append(f"the checkpoint has a sharded collection at {path!r}, the model does not")
+        elif path not in plans:
+            problems.append(f"the model's sharded collection at {path!r} is not in the checkpoint")
+        else:
+            d = _plan_difference(plans[path], json.loads(colls[path].plan.to_json()))
+            if d:
+                problems.append(
+                    f"the collection at {path!r} was saved with another plan ({d}); {_RESHARD}: load it with the "
+                    "plan of the checkpoint (manifest 'plans')"
+                )
+    if problems:
+        return problems
+    saved = manifest["tables"]
+    mine = _global_tables(colls)
+    problems += [f"table {q!r} is in the model but missing from the checkpoint" for q in mine if q not in saved]
+    problems += [
+        f"unexpected table {q!r} in the checkpoint: the model has no such table" for q in saved if q not in mine
+    ]
+    for q, (_, t) in mine.items():
+        s = saved.get(q)
+        if s is None:
+            continue
+        kind = "dynamic" if t.dynamic is not None else "dense"
+        if (s.get("kind"), s.get("shape"), s.get("dtype")) != (
+            kind,
+            [t.num_embeddings, t.embedding_dim],
+            _dtype_name(t.dtype),
+        ):
+            problems.append(
+                f"table {q!r}: {s.get('kind')} {s.get('shape')} {s.get('dtype')} in the checkpoint, {kind} "
+                f"{[t.num_embeddings, t.embedding_dim]} {_dtype_name(t.dtype)} in the model"
+            )
+    problems += _check_dense_names(manifest, model)
+    if optimizer is not None:
+        problems += _check_optimizer_kind(manifest, optimizer)
+    return problems
+
+
+def _piece_shard(manifest: dict, piece: _Piece) -> tuple[dict | None, str | None]:
+    """The manifest's shard entry for ``piece`` (same shard index, rank, rows and columns), or a problem."""
+    entries = [s for s in manifest["tables"][piece.qualified]["shards"] if s.get("shard", 0) == piece.spec["shard"]]
+    want = {k: piece.spec[k] for k in _SPAN_KEYS if k in piece.spec}
+    if len(entries) != 1:
+        return None, f"table {piece.qualified!r}: shard {piece.spec['shard']} ({want}) is not in the checkpoint"
+    got = {k: entries[0].get(k) for k in want}
+    if got != want:
+        return None, (
+            f"table {piece.qualified!r}: shard {piece.spec['shard']} holds {got} in the checkpoint, {want} here; "
+            f"{_RESHARD}"
+        )
+    return entries[0], None
+
+
+def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) -> dict:
+    """Read and check everything this rank loads; raise a CheckpointError listing its problems."""
+    manifest = read_manifest(path)
+    vdir = Path(manifest["path"])
+    _raise(vdir, _check_sharded_model(manifest, model, colls, optimizer), "does not match the model")
+    pieces = [p for path_, sc in colls.items() for p in _shard_pieces(path_, sc)]
+    problems: list[str] = []
+    shards = {}
+    for piece in pieces:
+        s, problem = _piece_shard(manifest, piece)
+        if problem:
+            problems.append(problem)
+        shards[id(piece)] = s
+    _raise(vdir, problems, "does not match the model")
+    needed = {s["file"] for s in shards.values()} | {manifest["dense"]["file"]}
+    opt_entry = manifest["optimizer"] if optimizer is not None else None
+    if opt_entry:
+        needed.add(opt_entry["file"])
+    listed = {rel: spec for rel, spec in manifest["files"].items() if rel in needed}
+    mine = {"tables": {}, "dense": manifest["dense"], "optimizer": opt_entry, "files": listed}
+    problems = [f"file {rel!r} is used but not listed in the manifest" for rel in sorted(needed - set(listed))]
+    _raise(vdir, problems + _check_files(vdir, mine, verify), "is damaged")
+
+    hybrid = isinstance(optimizer, HybridOptimizer)
+    sparse_meta = (opt_entry or {}).get("sparse", {})
+    loaded = []
+    for piece in pieces:
+        s, q = shards[id(piece)], piece.qualified
+        where = f"table {q!r} shard {piece.spec['shard']} (file {s['file']!r})"
+        p = _torch_load(vdir, s["file"], mmap=True)
+        if not isinstance(p, dict):
+            problems.append(f"{where}: not a table shard")
+            continue
+        entry = {k: v for k, v in p.items() if k != "state"}
+        missing, errors = serial.check_entry(piece.storage, piece.name, entry, f"{where}: ", strict_dtype=True)
+        problems += [f"{k}: missing" for k in missing] + errors
+        state = p.get("state") if isinstance(p.get("state"), dict) else {}
+        managed = hybrid and any(st is piece.storage for st in optimizer._storages)
+        if managed and not missing and not errors:
+            have = piece.storage.table_state(piece.name)
+            rows = entry["ids"].numel() if piece.keyed else piece.config.num_embeddings
+            if set(state) != set(have):
+                problems.append(f"{where}: optimizer state {sorted(state)} in the checkpoint, {sorted(have)} here")
+            for k, v in state.items():
+                want = (rows, *have[k].shape[1:]) if k in have else None
+                if want is not None and (not torch.is_tensor(v) or tuple(v.shape) != want):
+                    problems.append(f"{where}: optimizer state {k!r} is {_shape(v)}, expected {want}")
+            meta = sparse_meta.get(q)
+            if not isinstance(meta, dict) or meta.get("optimizer") != piece.storage.optimizer.name:
+                got = meta.get("optimizer") if isinstance(meta, dict) else "none"
+                problems.append(f"table {q!r}: optimizer {got} in the checkpoint, {piece.storage.optimizer.name} here")
+        loaded.append((piece, entry, state, s.get("step", (sparse_meta.get(q) or {}).get("step", 0))))
+    dense = _torch_load(vdir, manifest["dense"]["file"])
+    if not isinstance(dense, dict):
+        problems.append(f"file {manifest['dense']['file']!r} does not hold a state_dict")
+    else:
+        problems += _check_dense_file(manifest["dense"]["file"], dense, model)
+    opt_file = None
+    if optimizer is not None:
+        opt_file = _torch_load(vdir, opt_entry["file"])
+        sd = opt_file.get("dense" if hybrid else "state_dict") if isinstance(opt_file, dict) else None
+        if not isinstance(sd, dict) or opt_file.get("kind") != opt_entry["kind"] or "param_groups" not in sd:
+            problems.append(f"file {opt_entry['file']!r} does not hold the optimizer state")
+        else:
+            sizes = [len(g["params"]) for g in (optimizer.dense if hybrid else optimizer).param_groups]
+            saved_sizes = [len(g.get("params", [])) for g in sd["param_groups"]]
+            if saved_sizes != sizes:
+                problems.append(f"the optimizer file's parameter groups hold {saved_sizes} parameters, here {sizes}")
+    _raise(vdir, problems, "does not match the model")
+    return {"manifest": manifest, "loaded": loaded, "dense": dense, "opt_file": opt_file}
+
+
+def _shape(v: Any) -> str:
+    return f"{tuple(v.shape)} {_dtype_name(v.dtype)}" if torch.is_tensor(v) else type(v).__name__
+
+
+def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) -> dict[str, Any]:
+    """Every rank checks what it loads, the ranks exchange their verdicts, and all load or none does."""
+    group = _group_of(colls, model)
+    prepared, error = None, None
+    try:
+        prepared = _prepare_sharded(path, model, colls, optimizer, verify)
+    except Exception as e:  # noqa: BLE001 - every rank hears of it below
+        error = _failure(e)
+    failed = [rep[0] for rep in _all_report(group, (error,))]
+    if any(f is not None for f in failed):
+        ranks: dict[str, list[int]] = {}
+        for r, f in enumerate(failed):
+            if f is not None:
+                ranks.setdefault(f, []).append(r)
+        lines = "\n".join(f"rank {', '.join(map(str, rs))}: {f}" for f, rs in ranks.items())
+        raise CheckpointError(f"checkpoint {path} cannot be loaded; no rank changed anything:\n{lines}")
+    manifest, loaded, dense = prepared["manifest"], prepared["loaded"], prepared["dense"]
+    # --- every rank checked its part; from here on, apply ---------------------------------------
+    if dense:
+        model.load_state_dict(dense, strict=False)
+    with torch.no_grad():
+        for piece, entry, _, _ in loaded:
+            if not piece.keyed:
+                serial.load_entry(piece.storage, piece.name, entry)
+        dynamic = [x for x in loaded if x[0].keyed]
+        dynamic.sort(key=lambda x: x[1]["ids"].numel() - x[0].storage.table_slots(x[0].name)[0].numel())
+        clocks: dict[int, tuple[RowStorage, int]] = {}
+        for piece, entry, _, _ in dynamic:
+            serial.load_entry(piece.storage, piece.name, entry)
+            clock = max(int(entry["clock"]), clocks.get(id(piece.storage), (None, 0))[1])
+            clocks[id(piece.storage)] = (piece.storage, clock)
+        for storage, clock in clocks.values():
+            storage.clock = clock
+    opt_file = prepared["opt_file"]
+    if optimizer is not None and opt_file["kind"] == "torch":
+        optimizer.load_state_dict(opt_file["state_dict"])
+    elif optimizer is not None:
+        sparse = {}
+        for piece, entry, state, step in loaded:
+            if not any(st is piece.storage for st in optimizer._storages):
+                continue
+            meta = opt_file["sparse"].get(piece.qualified, {})
+            sparse[piece.name] = {
+                "shape": [piece.config.num_embeddings, piece.config.embedding_dim],
+                "ids": entry["ids"] if piece.keyed else None,
+                "optimizer": piece.storage.optimizer.name,
+                "hparams": meta.get("hparams", {}),
+                "step": int(step),
+                "state": state,
+            }
+        optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
+    log.info("loaded checkpoint %s (rank %d)", manifest["path"], next(iter(colls.values())).rank)
     return manifest

@@ -62,6 +62,13 @@ file whose outputs differ (``check=False`` skips this). Every size of every inpu
 dynamic; where the ONNX exporter still fixes one (a size 0 or 1 in some torch versions) a
 warning names the input.
 
+A distributed model (:func:`hybridembed.distribute`'s, ``DistributedDataParallel`` wrapper or
+not) is exported by every rank calling ``export`` (each with its own ``example_inputs``): the
+model runs on every rank, its sharded tables are gathered whole into every process
+(``ShardedCollection.gather_table``, a collective: for models whose tables fit one process,
+as the served file must), and rank 0 checks the served copy against its outputs and writes
+the one plain file; the other ranks write nothing and return the path.
+
 PyTorch 2.13 marks TorchScript (``torch.jit.trace/save/load``) deprecated (it warns), but
 it works and needs no extra package. ONNX needs ``onnx`` and ``onnxscript``
 to export, and ``onnxruntime`` to check and serve.
@@ -175,7 +182,9 @@ class ServedEmbeddingCollection(nn.Module):
     True
     """
 
-    def __init__(self, ec: EmbeddingCollection):
+    def __init__(self, ec: EmbeddingCollection, rows: Mapping[str, Any] | None = None):
+        """``rows``: ``{table: (R, D) weight, or (ids (K,) ascending, rows (K, D)) of a dynamic
+        table}`` to serve instead of ``ec``'s own (a sharded collection's gathered tables)."""
         super().__init__()
         self.pad = ec.pad
         tables = sorted({t for t in ec.features.values()}, key=list(ec.tables).index)
@@ -184,11 +193,16 @@ class ServedEmbeddingCollection(nn.Module):
         for name in tables:
             cfg = ec.tables[name]
             if cfg.dynamic is None:
-                table = _ServedTable(name, cfg.compute_dtype, weight=ec.weight(name))
+                weight = ec.weight(name) if rows is None else rows[name]
+                table = _ServedTable(name, cfg.compute_dtype, weight=weight)
             else:
-                ids, rows = ec.dynamic_rows(name)
-                default = ec.storage_of(name).weight.detach()[0]  # slot 0: what ids without a row read
-                table = _ServedTable(name, cfg.compute_dtype, ids=ids, rows=rows, default=default)
+                if rows is None:
+                    ids, held = ec.dynamic_rows(name)
+                    default = ec.storage_of(name).weight.detach()[0]  # slot 0: what ids without a row read
+                else:
+                    ids, held = rows[name]
+                    default = torch.full((cfg.embedding_dim,), float(cfg.dynamic.default_value), dtype=cfg.dtype)
+                table = _ServedTable(name, cfg.compute_dtype, ids=ids, rows=held, default=default)
             index[name] = len(self.tables)
             self.tables.append(table)
         self._index = index  # table name -> position in self.tables
@@ -381,19 +395,33 @@ def _served_inputs(x: Any, path: str, pad: int) -> Any:
 
 
 # --- the served copy of the model -------------------------------------------------------------------
+def _sharded(model: nn.Module) -> list[nn.Module]:
+    """The ShardedCollections of ``model`` (a distributed model's), in module order."""
+    if not any(getattr(type(m), "sharded", False) is True for m in model.modules()):
+        return []
+    from ..distributed.runtime import ShardedCollection
+
+    return [m for m in model.modules() if isinstance(m, ShardedCollection)]
+
+
 def _collections(model: nn.Module) -> list[EmbeddingCollection]:
-    return [m for m in model.modules() if isinstance(m, EmbeddingCollection)]
+    """The EmbeddingCollections of ``model``, and its ShardedCollections (not the shards inside them)."""
+    sharded = _sharded(model)
+    inside = {id(m) for sc in sharded for m in sc.modules() if m is not sc}
+    return [m for m in model.modules() if isinstance(m, EmbeddingCollection) and id(m) not in inside] + sharded
 
 
-def _served_model(model: nn.Module) -> nn.Module:
+def _served_model(model: nn.Module, gathered: Mapping[int, Mapping[str, Any]] | None = None) -> nn.Module:
     """A copy of ``model`` (eval mode) with every EmbeddingCollection, and every layer made by
-    ``he.convert``, served by plain torch ops. ``model`` itself is not changed."""
-    memo: dict[int, Any] = {id(ec): ServedEmbeddingCollection(ec) for ec in _collections(model)}
+    ``he.convert``, served by plain torch ops. ``model`` itself is not changed. ``gathered``:
+    ``{id(sharded collection): {table: rows}}``, the whole tables of a distributed model."""
+    gathered = gathered or {}
+    memo: dict[int, Any] = {id(ec): ServedEmbeddingCollection(ec, gathered.get(id(ec))) for ec in _collections(model)}
     for layer in model.modules():
         if isinstance(layer, _TableLayer):  # its collection sits in __dict__, not among its submodules
             ec = layer.collection
             if id(ec) not in memo:
-                memo[id(ec)] = ServedEmbeddingCollection(ec)
+                memo[id(ec)] = ServedEmbeddingCollection(ec, gathered.get(id(ec)))
             memo[id(layer)] = _ServedLayer(layer, memo[id(ec)].table(layer.table))
     served = copy.deepcopy(model, memo)  # the memo swaps each collection and layer for its served twin
     return served.eval()
@@ -644,7 +672,9 @@ def export(
             f"export path {str(path)!r}: directory {str(path.parent)!r} does not exist; create it first "
             "(os.makedirs(..., exist_ok=True))"
         )
-    pads = {ec.pad for ec in _collections(model)}
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    sharded = _sharded(inner)
+    pads = {ec.pad for ec in _collections(inner)}
     if len(pads) > 1:
         raise ConfigError(f"the model's EmbeddingCollections use different pad values {sorted(pads)}; export needs one")
     pad = pads.pop() if pads else -1
@@ -654,6 +684,8 @@ def export(
     else:  # the one argument
         args, served_args = (example_inputs,), (_served_inputs(example_inputs, "", pad),)
 
+    if sharded:
+        return _export_distributed(model, inner, sharded, path, args, served_args, format, check, opset_version)
     # the model first: its validation refuses bad example ids (the served copy does not
     # validate); eval mode, no gradient, modes restored: no dynamic row made, nothing changed
     expected = _run_eval(model, args)
@@ -673,4 +705,43 @@ def export(
         path,
         ", ".join(_input_names(model, served_args)),
     )
+    return path
+
+
+def _export_distributed(model, inner, sharded, path, args, served_args, format, check, opset_version) -> Path:
+    """Every rank: the distributed model run on its ``args`` and its tables gathered (collectives);
+    rank 0: the served copy checked against its outputs and written; every rank raises if it failed.
+
+    The whole tables are gathered into every process (``ShardedCollection.gather_table``): this
+    serves models whose tables fit one process, as the exported file must."""
+    import torch.distributed as dist
+
+    expected = _run_eval(model, args)  # (every rank: the lookups are an exchange)
+    with torch.no_grad():
+        gathered = {}
+        for sc in sharded:
+            gathered[id(sc)] = {name: sc.gather_table(name) for name in sc.tables}
+    error = None
+    if sharded[0].rank == 0:
+        try:
+            served = _served_model(inner, gathered)
+            with torch.no_grad():
+                out = served(*served_args)
+            if check:
+                _compare(expected, out, "the served model")
+            if format == "torchscript":
+                _export_torchscript(served, served_args, out, path, check)
+            else:
+                _export_onnx(inner, served, served_args, out, path, check, opset_version)
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank heard of it
+            error = e
+    group = sharded[0]._group
+    report: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(report, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    if report[0] is not None:
+        raise HybridEmbedError(f"export failed on rank 0, which writes the file: {report[0]}")
+    if sharded[0].rank == 0:
+        _log.info("exported %s (%d sharded collections, gathered) to %s", format, len(sharded), path)
     return path
