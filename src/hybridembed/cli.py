@@ -2,6 +2,7 @@
 
     hybridembed bench --model tiny --quick     # see hybridembed bench --help
     hybridembed train                          # see hybridembed train --help
+    hybridembed launch --nproc 2 train.py      # see hybridembed launch --help
     hybridembed --version
 
 Each subcommand lives beside the code it drives and is imported only when called, so
@@ -22,6 +23,12 @@ def _bench(argv: list[str]) -> int:
     return main(argv, prog="hybridembed bench")
 
 
+def _launch(argv: list[str]) -> int:
+    from .distributed.launcher_cli import main
+
+    return main(argv, prog="hybridembed launch")
+
+
 def _train(argv: list[str]) -> int:
     from .train.cli import main
 
@@ -32,6 +39,7 @@ def _train(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "bench": ("time NVIDIA's synthetic models against PyTorch, TorchRec and a measured floor", _bench),
     "train": ("train DLRM, Wide & Deep, DeepFM or DCNv2 on Criteo-format data or UCI Adult", _train),
+    "launch": ("run a script on N processes per machine as one torch.distributed job (torchrun)", _launch),
 }
 PLANNED: tuple[str, ...] = ()  # named in the design, not built yet
 
