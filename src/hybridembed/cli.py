@@ -2,6 +2,7 @@
 
     hybridembed bench --model tiny --quick     # see hybridembed bench --help
     hybridembed train                          # see hybridembed train --help
+    hybridembed plan --model jumbo --world-size 128   # see hybridembed plan --help
     hybridembed launch --nproc 2 train.py      # see hybridembed launch --help
     hybridembed --version
 
@@ -29,6 +30,13 @@ def _launch(argv: list[str]) -> int:
     return main(argv, prog="hybridembed launch")
 
 
+def _plan(argv: list[str]) -> int:
+    from .bench.models import WORKLOADS  # --model: the synthetic models, at full size
+    from .distributed.cli import main
+
+    return main(argv, prog="hybridembed plan", models=WORKLOADS)
+
+
 def _train(argv: list[str]) -> int:
     from .train.cli import main
 
@@ -38,6 +46,7 @@ def _train(argv: list[str]) -> int:
 # name -> (one-line description, entry point taking the remaining arguments, returning the exit code)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "bench": ("time NVIDIA's synthetic models against PyTorch, TorchRec and a measured floor", _bench),
+    "plan": ("place tables on the ranks of a distributed job; memory and traffic per rank", _plan),
     "train": ("train DLRM, Wide & Deep, DeepFM or DCNv2 on Criteo-format data or UCI Adult", _train),
     "launch": ("run a script on N processes per machine as one torch.distributed job (torchrun)", _launch),
 }

@@ -115,7 +115,11 @@ def _distributed(rank: int, world: int, plan_kind: str) -> dict:
     ec = inner.hybridembed
     assert isinstance(ec, ShardedCollection)
     tables = {n: ec.gather_table(n) for n in ec.tables}
-    return {"tables": tables, "mlp": {k: v.detach().clone() for k, v in inner.mlp.state_dict().items()}, "losses": losses}
+    return {
+        "tables": tables,
+        "mlp": {k: v.detach().clone() for k, v in inner.mlp.state_dict().items()},
+        "losses": losses,
+    }
 
 
 def _reference() -> dict:

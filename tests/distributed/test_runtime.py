@@ -103,7 +103,9 @@ OPTIMIZERS = {
 
 def _opt(name: str, model: nn.Module):
     if name == "rowwise":
-        return he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sparse=he.optim.RowWiseAdagrad(lr=0.1))
+        return he.wrap_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, sparse=he.optim.RowWiseAdagrad(lr=0.1)
+        )
     return he.wrap_optimizer(OPTIMIZERS[name](model.parameters()), model)
 
 

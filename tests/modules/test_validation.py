@@ -406,7 +406,7 @@ def dynamic_state(ec):
     """Everything a dynamic lookup may change: rows, ids, counters, sketch, index, free slots."""
     out = {k: v.clone() for k, v in ec.state_dict().items() if isinstance(v, torch.Tensor)}
     for g, s in enumerate(ec.storages):
-        for name in ("slot_key", "slot_table", "last_seen", "freq", "free", "sketch", "stats", "size", "_hrow"):
+        for name in ("slot_key", "slot_table", "last_seen", "freq", "free", "sketch", "counters", "size", "_hrow"):
             out[f"{g}.{name}"] = getattr(s, name).clone()
         out[f"{g}.weight"] = s.weight.detach()[s.slot_table != -1].clone()  # (free slots are uninitialized)
         out[f"{g}.clock"] = torch.tensor(s.clock)

@@ -106,7 +106,8 @@ class _Table:
         self.name = name
         self.config = collection.tables[name]
         self.storage = collection.storage_of(name)
-        self.kind = "dynamic" if self.config.dynamic is not None else "dense"
+        self.kind = self.storage.kind  # the manifest's "dense" / "dynamic" (data)
+        self.keyed = self.storage.keyed  # rows by id (dynamic), not by row number
 
     @property
     def shape(self) -> list[int | None]:
@@ -399,7 +400,7 @@ def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
         rel = f"tables/{stem}.00000.pt"
         state = sparse[q]["state"] if opt_state is not None and q in sparse else {}
         entry = serial.table_entry(t.storage, t.name)
-        if t.kind == "dense":
+        if not t.keyed:
             rows = entry["weight"].clone()  # its own storage: a view would save the whole group
             n = rows.shape[0]
             write(rel, {"weight": rows, "state": state})  # state: already copies (optimizer.state_dict())
@@ -422,7 +423,7 @@ def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
             "optimizer_state": sorted(state),
             "shards": shards,
         }
-        if t.kind == "dynamic":
+        if t.keyed:
             table_entries[q]["dynamic"] = _jsonable(vars(t.config.dynamic))
 
     dense = _dense_state(model)
@@ -713,7 +714,7 @@ def _check_model(manifest: dict, model: nn.Module, optimizer, tables: dict[str, 
             problems.append(
                 f"table {q!r}: dim changed: {shape[1]} in the checkpoint, {t.config.embedding_dim} in the model"
             )
-        if t.kind == "dense" and shape[0] != t.config.num_embeddings:
+        if not t.keyed and shape[0] != t.config.num_embeddings:
             problems.append(
                 f"table {q!r}: rows changed: {shape[0]} in the checkpoint, {t.config.num_embeddings} in the model"
             )
@@ -769,7 +770,7 @@ def _check_capacity(saved: dict, tables: dict[str, _Table]) -> list[str]:
     """Every dynamic table's saved rows must fit its own capacity (``Dynamic.capacity`` is per table)."""
     problems = []
     for q, t in tables.items():
-        if t.kind != "dynamic" or q not in saved or saved[q].get("kind") != "dynamic":
+        if not t.keyed or q not in saved or saved[q].get("kind") != t.kind:
             continue
         cap = t.storage.capacity
         rows = int(saved[q].get("rows", 0))
@@ -872,7 +873,7 @@ def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], 
     parts = [(s, _torch_load(vdir, s["file"], mmap=True)) for s in spec["shards"]]
     d = t.config.embedding_dim
     problems = []
-    if t.kind == "dense":
+    if not t.keyed:
         parts.sort(key=lambda x: int(x[0]["row_start"]))
         for s, p in parts:
             n = int(s["row_end"]) - int(s["row_start"])
@@ -973,7 +974,7 @@ def _check_optimizer_file(opt_file: dict, optimizer, tables: dict[str, _Table], 
         if set(state) != set(have):
             problems.append(f"table {q!r}: optimizer state {sorted(state)} in the checkpoint, {sorted(have)} here")
             continue
-        rows = entries[q]["ids"].numel() if t.kind == "dynamic" else have[next(iter(have))].shape[0] if have else 0
+        rows = entries[q]["ids"].numel() if t.keyed else have[next(iter(have))].shape[0] if have else 0
         for k, v in state.items():
             want = (rows, *have[k].shape[1:])
             if tuple(v.shape) != want or not v.is_floating_point():
@@ -1038,11 +1039,11 @@ def load(
         model.load_state_dict(dense, strict=False)
     with torch.no_grad():
         for q, t in tables.items():
-            if t.kind == "dense":
+            if not t.keyed:
                 serial.load_entry(t.storage, t.name, entries[q])
-        dynamic = [q for q, t in tables.items() if t.kind == "dynamic"]
+        dynamic = [q for q, t in tables.items() if t.keyed]
         # tables that shrink first, so a group's rows never exceed its capacity on the way
-        dynamic.sort(key=lambda q: entries[q]["ids"].numel() - tables[q].storage.table_slots(tables[q].name)[0].numel())
+        dynamic.sort(key=lambda q: entries[q]["ids"].numel() - tables[q].storage.table_ids(tables[q].name).numel())
         clocks: dict[int, tuple[RowStorage, int]] = {}
         for q in dynamic:
             t = tables[q]
@@ -1064,7 +1065,7 @@ def load(
                 e = entries[q]
                 sparse[name] = {
                     **meta,
-                    "ids": e["ids"] if tables[q].kind == "dynamic" else None,
+                    "ids": e["ids"] if tables[q].keyed else None,
                     "state": e["state"],
                 }
             optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})

@@ -82,7 +82,9 @@ def distribute(
         raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     unknown = sorted(set(convert_args) - set(_CONVERT_ARGS))
     if unknown:
-        raise ConfigError(f"distribute: unknown argument {unknown[0]!r}; convert's arguments: {', '.join(_CONVERT_ARGS)}")
+        raise ConfigError(
+            f"distribute: unknown argument {unknown[0]!r}; convert's arguments: {', '.join(_CONVERT_ARGS)}"
+        )
     if plan is not None and not isinstance(plan, (Plan, Mapping)):
         raise ConfigError(f"plan must be a Plan or {{collection path: Plan}}, got {type(plan).__name__}")
     if any(isinstance(m, ShardedCollection) for m in model.modules()):

@@ -26,6 +26,7 @@ Sharding types (``SHARDING_TYPES``, plain functions ``(table, ranks, **options) 
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -164,7 +165,8 @@ class Plan:
                 )
                 for t in d["tables"]
             )
-            return cls(int(d["world_size"]), tables, str(d.get("strategy", "manual")), dict(d.get("notes", {})))
+            # world_size as stored: Plan checks it is an int (2.7 or "2" are not silently made 2)
+            return cls(d["world_size"], tables, str(d.get("strategy", "manual")), dict(d.get("notes", {})))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"not a hybridembed plan: {type(e).__name__}: {e}") from None
 
@@ -212,6 +214,10 @@ def _check_table_plan(tp: TablePlan, t: TableConfig, world_size: int) -> None:
         if not 0 <= s.rank < world_size:
             raise ConfigError(f"table {name!r}: rank {s.rank} is out of range for world size {world_size}")
     dynamic = t.dynamic is not None
+    for s in tp.shards:  # None (no fixed rows) is a dynamic table's row_stop, and only a dynamic table's
+        if (s.row_stop is None) != dynamic:
+            what = "a dynamic table's shard has no row_stop (None)" if dynamic else "a shard's row_stop is an int"
+            raise ConfigError(f"table {name!r}: {what}; got row_stop={s.row_stop!r}")
     if dynamic and tp.sharding == "data_parallel":
         raise ConfigError(
             f"table {name!r} is dynamic: replicas would make different rows; shard it row_wise (by a hash of the id)"
@@ -254,7 +260,9 @@ def _check_table_plan(tp: TablePlan, t: TableConfig, world_size: int) -> None:
     if tp.placement in ("mod", "hash"):
         residues = sorted(s.row_start for s in tp.shards)
         if residues != list(range(k)) or any(s.row_step != k for s in tp.shards):
-            raise ConfigError(f"table {name!r}: {tp.placement} placement over {k} shards needs residues 0..{k - 1}, step {k}")
+            raise ConfigError(
+                f"table {name!r}: {tp.placement} placement over {k} shards needs residues 0..{k - 1}, step {k}"
+            )
         if tp.placement == "mod" and any(s.row_stop != rows for s in tp.shards):
             raise ConfigError(f"table {name!r}: a mod shard's row_stop is the table's rows ({rows})")
         return
@@ -264,7 +272,7 @@ def _check_table_plan(tp: TablePlan, t: TableConfig, world_size: int) -> None:
     pos = 0
     for a, b in spans:
         if a != pos or b < a:
-            what = "overlap" if a < pos else "gap"
+            what = "overlap" if a < pos else "gap" if a > pos else f"reversed range ({a}, {b})"
             raise ConfigError(f"table {name!r}: row ranges {spans} {what} at row {pos} ({rows} rows)")
         pos = b
     if pos != rows or any(s.row_step != 1 for s in tp.shards):
@@ -353,4 +361,10 @@ def shard_table(t: TableConfig, sharding: str, ranks: Sequence[int], **options: 
         raise ConfigError(f"table {t.name!r}: unknown sharding type {sharding!r}; known: {', '.join(SHARDING_TYPES)}")
     if not ranks:
         raise ConfigError(f"table {t.name!r}: {sharding} needs at least one rank")
+    allowed = [p for p in inspect.signature(fn).parameters if p not in ("t", "ranks")]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"table {t.name!r}: {sharding} takes no option {unknown[0]!r}; its options: {', '.join(allowed) or 'none'}"
+        )
     return fn(t, tuple(ranks), **options)

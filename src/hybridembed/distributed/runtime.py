@@ -523,55 +523,39 @@ class ShardedCollection(nn.Module):
                 )
                 for r in range(world)
             ]
-            recv_w = _exchange(
-                torch.cat(ws), [w.numel() for w in ws], [sum(s[1::2]) for s in sizes], group
-            )
-        # 5. the owner's lookups: every source's part of each pair joined into one batch
+            recv_w = _exchange(torch.cat(ws), [w.numel() for w in ws], [sum(s[1::2]) for s in sizes], group)
+        # 5. the owner's lookups: one request per (source, pair), in the order the rows go back
         status = 1.0
-        results: list[torch.Tensor] = []
-        bags = [[s[2 * k] for s in sizes] for k in range(len(mine))]  # [pair][source]
+        width = [pairs[i].width for i in mine]
         try:
-            results = self._own_lookups(mine, pairs, sizes, recv_ids, recv_w, train)
+            flat_send = self._own_lookups(mine, pairs, sizes, recv_ids, recv_w, train)
         except Exception as e:  # the others get zero rows and a failed status, then everyone raises
             status, failure = 0.0, e
-            results = [
-                torch.zeros(sum(bags[k]), pairs[i].width, dtype=self._wire, device=self._device)
-                for k, i in enumerate(mine)
-            ]
-        # 6. rows back: per source, its bags of every pair this rank owns, then a status
-        anchor = torch.zeros(0, dtype=self._wire, device=self._device, requires_grad=torch.is_grad_enabled())
-        chunks, send_splits = [anchor], []
-        pieces = [r.split(b) for r, b in zip(results, bags)]
-        for src in range(world):
-            size = 0
-            for k, i in enumerate(mine):
-                part = pieces[k][src]
-                chunks.append(part.reshape(-1).to(self._wire))
-                size += part.numel()
-            chunks.append(torch.full((1,), status, dtype=self._wire))
-            send_splits.append(size + 1)
-        recv_splits = [
-            sum(sends[i][0].numel() * pairs[i].width for i in by_rank[r]) + 1 for r in range(world)
-        ]
-        flat = _Exchange.apply(torch.cat(chunks), send_splits, recv_splits, group, self._scale)
-        ends = torch.tensor(recv_splits).cumsum(0).sub_(1)
-        statuses = flat.detach().index_select(0, ends).tolist()
+            total = sum(s[2 * k] * w for s in sizes for k, w in enumerate(width))
+            flat_send = torch.zeros(total, dtype=self._wire, device=self._device)
+        # 6. rows back: per source, its bags of every pair this rank owns (the kernels' outputs as
+        # they are), then the owners' status (a lookup that failed on one rank fails on every rank)
+        send_splits = [sum(s[2 * k] * w for k, w in enumerate(width)) for s in sizes]
+        recv_pieces = [sends[i][0].numel() * pairs[i].width for r in range(world) for i in by_rank[r]]
+        recv_splits = [sum(sends[i][0].numel() * pairs[i].width for i in by_rank[r]) for r in range(world)]
+        if torch.is_grad_enabled() and not flat_send.requires_grad:  # (every rank joins the backward exchange)
+            flat_send = flat_send + torch.zeros((), dtype=flat_send.dtype, device=flat_send.device, requires_grad=True)
+        flat = _Exchange.apply(flat_send, send_splits, recv_splits, group, self._scale)
+        statuses = _exchange(torch.full((world,), status, dtype=torch.float32), [1] * world, [1] * world, group)
         if status == 0.0:
             raise failure
-        bad = [r for r in range(world) if statuses[r] != 1.0]
+        bad = [r for r, x in enumerate(statuses.tolist()) if x != 1.0]
         if bad:
             raise HybridEmbedError(
                 f"the lookup failed on rank(s) {', '.join(map(str, bad))} (their error names it); no row was changed"
             )
         # 7. per request: its rows, summed over row shards or joined over column slices
-        rows_of: dict[int, torch.Tensor] = {}
-        segments = flat.split(recv_splits)
-        for r in range(world):
-            parts = segments[r][:-1].split([sends[i][0].numel() * pairs[i].width for i in by_rank[r]])
-            for i, part in zip(by_rank[r], parts):
-                rows_of[i] = part.view(-1, pairs[i].width)
+        order = [i for r in range(world) for i in by_rank[r]]
+        rows_of = {i: piece.view(-1, pairs[i].width) for i, piece in zip(order, flat.split(recv_pieces))}
         outputs: list[Any] = []
-        local_reqs = [(q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].kind == "local"]
+        local_reqs = [
+            (q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].kind == "local"
+        ]
         local_out = {}
         if local_reqs:
             res = self.replicated._lookup_many([(f, j) for _, f, j in local_reqs], train, checked=True)
@@ -603,26 +587,30 @@ class ShardedCollection(nn.Module):
             outputs.append(x)
         return outputs
 
-    def _own_lookups(self, mine, pairs, sizes, recv_ids, recv_w, train) -> list[torch.Tensor]:
-        """The pooled rows (bags of every source, in source order) of each pair this rank owns."""
+    def _own_lookups(self, mine, pairs, sizes, recv_ids, recv_w, train) -> torch.Tensor:
+        """The pooled rows of every pair this rank owns, flat, source by source and pair by pair
+        (the order they are sent back in): one request per (source, pair), so with one group of
+        shards the kernel call's output is the send buffer, uncopied."""
         if not mine:
-            return []
-        world = self.world_size
+            return torch.zeros(0, dtype=self._wire, device=self._device)
+        requests = []
         per_source = recv_ids.split([sum(s) for s in sizes])
         w_source = recv_w.split([sum(s[1::2]) for s in sizes]) if recv_w is not None else None
-        requests = []
-        for k, i in enumerate(mine):
-            lens, ids, ws = [], [], []
-            for src in range(world):
-                chunks = per_source[src].split(sizes[src])
-                lens.append(chunks[2 * k])
-                ids.append(chunks[2 * k + 1])
-                if w_source is not None:
-                    ws.append(w_source[src].split(sizes[src][1::2])[k])
-            values = torch.cat(ids)
-            weights = torch.cat(ws).to(self._wire) if w_source is not None else None
-            requests.append((pairs[i].local, Jagged(values, offsets_from_lengths(torch.cat(lens)), weights)))
-        return self.local._lookup_many(requests, train, checked=True)
+        for src, chunk in enumerate(per_source):
+            parts = chunk.split(sizes[src])
+            ws = w_source[src].split(sizes[src][1::2]) if w_source is not None else None
+            for k, i in enumerate(mine):
+                w = ws[k] if ws is not None else None
+                requests.append((pairs[i].local, Jagged(parts[2 * k + 1], offsets_from_lengths(parts[2 * k]), w)))
+        groups = self.local._pooled_groups(requests, train)
+        if len(groups) == 1:  # (its bags are in request order)
+            return groups[0][1].reshape(-1).to(self._wire)
+        where: dict[int, torch.Tensor] = {}
+        for order, rows in groups:
+            bags = [requests[q][1].batch_size for q in order]
+            for q, part in zip(order, rows.split(bags)):
+                where[q] = part
+        return torch.cat([where[q].reshape(-1).to(self._wire) for q in range(len(requests))])
 
     def extra_repr(self) -> str:
         kinds = {}
@@ -702,7 +690,9 @@ def _check_like_collection(tables, features, seed, pad, sequence_output) -> None
             raise ConfigError("features must be a non-empty mapping {feature name: table name}")
         for f, t in features.items():
             if not isinstance(f, str) or t not in names:
-                raise ConfigError(f"feature {f!r} reads table {t!r}, which is not among the tables ({', '.join(names)})")
+                raise ConfigError(
+                    f"feature {f!r} reads table {t!r}, which is not among the tables ({', '.join(names)})"
+                )
             if "@" in f:
                 raise ConfigError(f"feature {f!r}: '@' is reserved for shard names in a sharded collection")
 

@@ -31,8 +31,7 @@ from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
-from ..storage import DenseStorage, HashStorage, RowStorage, serial
-from ..storage.hashed import LookupPlan
+from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
 
 __all__ = ["EmbeddingCollection"]
 
@@ -44,8 +43,8 @@ class _Feature:
     name: str
     table: TableConfig
     group: int
-    row_offset: int  # dense: where the table's rows start in its group's storage
-    table_index: int  # dynamic: the table's key in its group's hash index
+    row_offset: int  # added to its ids before the storage resolves them (dense: the table's first row)
+    table_index: int  # the table's index in its group's storage
     key: str | None = None  # its input's key in a batch; the name unless one feature is looked up twice
     jkey: str = field(init=False, repr=False, compare=False)  # key, or the name
     dynamic: bool = field(init=False, repr=False, compare=False)
@@ -69,7 +68,7 @@ class _GroupBatch:
     sizes: list[int]  # bags per feature
     counts: list[int]  # ids per feature
     ok: torch.Tensor  # 0-d bool: every check of these inputs passed (not yet synced)
-    plan: LookupPlan | None = None  # dynamic: the planned lookup, until _lookup_group commits it
+    plan: LookupPlan | None = None  # the storage's planned lookup (resolve), until _lookup_group commits it
     one_per_bag: bool = False  # offsets are arange(N + 1), made here
 
 
@@ -184,9 +183,7 @@ class EmbeddingCollection(nn.Module):
         self._features = {}
         for f, t in self.features.items():
             st = self.storages[self._table_group[t]]
-            offset = st.row_offset[t] if st.kind == "dense" else 0
-            index = st.table_index[t] if st.kind == "dynamic" else 0
-            self._features[f] = _Feature(f, by_name[t], self._table_group[t], offset, index)
+            self._features[f] = _Feature(f, by_name[t], self._table_group[t], st.row_offset[t], st.table_index[t])
         # per group: pooled features, then sequence features, in declaration order
         self._group_features: list[tuple[list[_Feature], list[_Feature]]] = [([], []) for _ in self.storages]
         for feat in self._features.values():
@@ -202,14 +199,14 @@ class EmbeddingCollection(nn.Module):
     def weight(self, table: str) -> torch.Tensor:
         """(num_embeddings, D) rows of a dense table; a view sharing memory with the storage."""
         st = self.storage_of(table)
-        if st.kind == "dynamic":
+        if st.keyed:
             raise ConfigError(f"table {table!r} is dynamic; read its rows with ec.dynamic_rows({table!r})")
         return st.table_rows(table)
 
     def dynamic_rows(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids ascending (K,), rows (K, D)) of a dynamic table."""
         st = self.storage_of(table)
-        if st.kind != "dynamic":
+        if not st.keyed:
             raise ConfigError(f"table {table!r} is dense; read its rows with ec.weight({table!r})")
         ids, slots = st.table_slots(table)
         return ids, st.weight.detach().index_select(0, slots)
@@ -322,7 +319,11 @@ class EmbeddingCollection(nn.Module):
         device = self._storage_list[feat.group].weight.device
         v = ids.values
         if not (  # ids with the collection's own offsets: the ids alone
-            self._trusted(ids) and ids.weights is None and v.dim() == 1 and v.dtype in _INT_DTYPES and v.device == device
+            self._trusted(ids)
+            and ids.weights is None
+            and v.dim() == 1
+            and v.dtype in _INT_DTYPES
+            and v.device == device
         ):
             ids = self._as_input(feat, ids)
         return ids, feat.table.compute_dtype, device
@@ -531,14 +532,33 @@ class EmbeddingCollection(nn.Module):
                 j.raise_first_error(f.name, f.table.num_embeddings, allow_negative=f.dynamic)
         raise InvalidInputError("inputs failed validation, but no single feature is at fault")  # (a bug if reached)
 
+    def _pooled_groups(
+        self, requests: Sequence[tuple[str, Jagged]], train: bool
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """Pooled ``(feature, ids)`` requests (checked Jagged inputs, as the lookup queue's) ->
+        per group, (the requests' indices in the order of its bags, its kernel call's output
+        (S, D)): :meth:`_lookup_many` without splitting the output per request, so a caller
+        that ships the rows on (the sharded runtime) sends the kernel's output as it is."""
+        jagged: dict[str, Jagged] = {}
+        per_group: dict[int, list[_Feature]] = {}
+        for i, (feature, ids) in enumerate(requests):
+            feat = self._keyed(feature, i)
+            jagged[feat.jkey] = ids
+            per_group.setdefault(feat.group, []).append(feat)
+        batches = [self._assemble(self.storages[g], per_group[g], [], jagged) for g in sorted(per_group)]
+        self._validate(batches, jagged)
+        rows = self._run_groups(batches, jagged, train, whole=True)
+        return [([int(f.jkey) for f in b.feats], rows[str(i)]) for i, b in enumerate(batches)]
+
     def _run_groups(
-        self, batches: list[_GroupBatch], jagged: dict[str, Jagged], train: bool | None = None
+        self, batches: list[_GroupBatch], jagged: dict[str, Jagged], train: bool | None = None, whole: bool = False
     ) -> dict[str, torch.Tensor | Jagged]:
         """Validated batches (one per group, each group at most once) -> ``{feature: output}``,
-        all or nothing: every dynamic group's lookup is planned first, and when one group
-        refuses the batch (a table over capacity) the others' plans are dropped, so a refused
-        call changes no group. Only then are the lookups made, group by group. ``train``
-        overrides ``self.training`` (whether dynamic tables make rows)."""
+        all or nothing: every group's lookup is planned first (:meth:`Storage.resolve`), and when
+        one group refuses the batch (a dynamic table over capacity) the others' plans are dropped,
+        so a refused call changes no group. Only then are the lookups made, group by group. ``train``
+        overrides ``self.training`` (whether dynamic tables make rows). ``whole``: the output is
+        ``{str(batch index): its kernel call's (S, D) output}`` instead."""
         train = self.training if train is None else train
         storages = [b.storage for b in batches]
         if len({id(st) for st in storages}) != len(storages):
@@ -546,43 +566,38 @@ class EmbeddingCollection(nn.Module):
         planned: list[_GroupBatch] = []
         try:
             for batch in batches:
-                if batch.storage.kind == "dynamic":
-                    self._plan_group(batch, train)
-                    planned.append(batch)
+                self._plan_group(batch, train)
+                planned.append(batch)
         except BaseException:
             for batch in planned:
                 batch.plan.rollback()
                 batch.plan = None
             raise
         out: dict[str, torch.Tensor | Jagged] = {}
-        for batch in batches:
-            out.update(self._lookup_group(batch, jagged, train))
+        for i, batch in enumerate(batches):
+            if whole:
+                out[str(i)] = self._lookup_group(batch, jagged, train, whole=True)
+            else:
+                out.update(self._lookup_group(batch, jagged, train))
         return out
 
     def _plan_group(self, batch: _GroupBatch, train: bool) -> None:
-        """A dynamic group's lookup, planned (may raise; changes nothing): sets ``batch.plan``."""
-        ids, feats = batch.ids, batch.feats
-        tabs = torch.repeat_interleave(
-            torch.tensor([f.table_index for f in feats], dtype=torch.int32, device=ids.device),
-            torch.tensor(batch.counts, device=ids.device),
-            output_size=ids.numel(),
-        )
-        batch.plan = batch.storage.plan_lookup(ids, tabs, train=train)
+        """A group's lookup, planned (may raise; changes nothing): sets ``batch.plan``."""
+        batch.plan = batch.storage.resolve(batch.ids, [f.table_index for f in batch.feats], batch.counts, train)
 
     def _lookup_group(
-        self, batch: _GroupBatch, jagged: dict[str, Jagged], train: bool | None = None
-    ) -> dict[str, torch.Tensor | Jagged]:
+        self, batch: _GroupBatch, jagged: dict[str, Jagged], train: bool | None = None, whole: bool = False
+    ) -> dict[str, torch.Tensor | Jagged] | torch.Tensor:
         """The group's one kernel call, then the per-feature outputs (views of its result), by input
-        key. A dynamic group's lookup is the plan :meth:`_run_groups` made, else planned here."""
-        storage, feats, ids, offsets = batch.storage, batch.feats, batch.ids, batch.offsets
-        segments = sink = None
-        if storage.kind == "dynamic":  # ids -> row slots; new ids get rows while training
-            if batch.plan is None:
-                self._plan_group(batch, self.training if train is None else train)
-            plan, batch.plan = batch.plan, None
-            ids, segments = plan.commit()  # int32 slots
-            offsets = offsets.to(torch.int32)  # (embedding_bag wants ids and offsets of one dtype)
-            sink = storage.accumulate_grad
+        key. The group's lookup is the plan :meth:`_run_groups` made, else planned here."""
+        storage, feats, offsets = batch.storage, batch.feats, batch.offsets
+        if batch.plan is None:
+            self._plan_group(batch, self.training if train is None else train)
+        plan, batch.plan = batch.plan, None
+        ids, segments = plan.commit()  # row slots; dynamic: int32, new ids get rows while training
+        if ids.dtype != offsets.dtype:  # (embedding_bag wants ids and offsets of one dtype)
+            offsets = offsets.to(ids.dtype)
+        sink = storage.grad_sink
         cdt = storage.tables[0].compute_dtype
         psw = None  # (N,) per-id multipliers: the combiners and the user's weights
         plain = not any(f.scaled or jagged[f.jkey].weights is not None for f in feats)
@@ -602,6 +617,8 @@ class EmbeddingCollection(nn.Module):
                 ]
             )
         rows = pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, batch.one_per_bag)  # (S, D)
+        if whole:
+            return rows
         # unsafe_split: split's one backward (a cat), but outputs that may be changed in place, as an
         # nn.Embedding output may (split's multi-output views refuse that; narrow views would each
         # backpropagate a zero-filled (S, D) gradient). Safe here: the outputs are disjoint and

@@ -138,7 +138,7 @@ class HybridOptimizer(torch.optim.Optimizer):
             for t in storage.tables:
                 tables[t.name] = {
                     "shape": [t.num_embeddings, t.embedding_dim],
-                    "ids": storage.table_slots(t.name)[0] if storage.kind == "dynamic" else None,
+                    "ids": storage.table_ids(t.name),
                     "optimizer": storage.optimizer.name,
                     "hparams": copy.deepcopy(hp),
                     "step": storage.step,
@@ -170,7 +170,7 @@ class HybridOptimizer(torch.optim.Optimizer):
             if set(entry["state"]) != set(have):
                 raise HybridEmbedError(f"table {name!r}: state {sorted(entry['state'])} != {sorted(have)}")
             for k, v in entry["state"].items():
-                if storage.kind == "dynamic":
+                if storage.keyed:
                     ids = entry.get("ids")
                     if ids is None or tuple(v.shape) != (ids.numel(), *have[k].shape[1:]):
                         raise HybridEmbedError(f"table {name!r}: state {k!r} does not match its ids")
@@ -185,11 +185,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for name, (storage, group) in mine.items():
                 entry = sparse[name]
-                if storage.kind == "dynamic":
-                    storage.load_table_state(name, entry["ids"], entry["state"])
-                else:
-                    for k, v in storage.table_state(name).items():
-                        v.copy_(entry["state"][k])
+                storage.load_table_state(name, entry.get("ids"), entry["state"])
                 storage.step = int(entry["step"])
                 group.update({k: v for k, v in entry["hparams"].items() if k not in ("params", "storage")})
 

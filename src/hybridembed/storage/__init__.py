@@ -1,7 +1,8 @@
-"""Storage: where rows and their optimizer state live."""
+"""Storage: where rows and their optimizer state live, behind one protocol (:class:`Storage`)."""
 
 from .base import RowStorage
 from .dense import DenseStorage
 from .hashed import HashStorage
+from .protocol import LookupPlan, Storage
 
-__all__ = ["DenseStorage", "HashStorage", "RowStorage"]
+__all__ = ["DenseStorage", "HashStorage", "LookupPlan", "RowStorage", "Storage"]

@@ -1,16 +1,20 @@
 """What every storage shares: rows in one matrix, optimizer state beside them, the update.
 
-A storage holds ``weight`` (R, D), one ``nn.Parameter`` for a group of tables, and
-``state``: the optimizer's per-row tensors, (R,) or (R, D), float32 (float64 for float64
-tables). The collection writes the per-table ``state_dict`` entries; the storage itself
-writes none.
+:class:`RowStorage` implements the parts of :class:`~hybridembed.storage.Storage` (the
+protocol) that do not depend on how ids map to rows. A storage holds ``weight`` (R, D),
+one ``nn.Parameter`` for a group of tables, and ``state``: the optimizer's per-row
+tensors, (R,) or (R, D), float32 (float64 for float64 tables). The collection writes the
+per-table ``state_dict`` entries; the storage itself writes none.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..kernels import reduce_rows
 from ..utils import advise_huge_pages
@@ -29,8 +33,17 @@ def add_sparse(acc: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
     return torch.sparse_coo_tensor(idx, torch.cat([acc._values(), grad._values()]), acc.shape, check_invariants=False)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 class RowStorage(nn.Module):
-    kind = "abstract"
+    """The shared half of :class:`~hybridembed.storage.Storage`; subclasses add the lookup
+    (``resolve``) and per-table access (``row_offset``, ``table_index``, ranges, ids)."""
+
+    kind = "abstract"  # data (checkpoint manifests): "dense" or "dynamic"
+    keyed = False  # ids are keys (any int64), not row numbers
+    grad_sink = None  # the lookup's gradient reaches weight.grad through autograd
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,6 +130,84 @@ class RowStorage(nn.Module):
 
     def after_step(self) -> None:
         """Called by the optimizer after every step, whether or not this storage had a gradient."""
+
+    def read_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """(K,) row slots -> (K, D) copies of their rows (no autograd)."""
+        return self.weight.detach().index_select(0, slots)
+
+    # --- per-table helpers ---------------------------------------------------------------
+    def _table(self, name: str) -> TableConfig:
+        """Table ``name``'s config; unknown names are refused, naming the storage's tables."""
+        for t in self.tables:
+            if t.name == name:
+                return t
+        names = ", ".join(t.name for t in self.tables)
+        raise HybridEmbedError(f"table {name!r} is not in this storage; it holds: {names}")
+
+    def _row_bytes(self) -> int:
+        """Bytes of one row and its optimizer state."""
+        return self.weight.shape[1] * self.weight.element_size() + sum(
+            (v[0].numel() if v.dim() > 1 else 1) * v.element_size() for v in self.state.values()
+        )
+
+    def _check_rows_data(self, table: str, data: dict[str, Any], cols: int | None = None) -> tuple[int, int]:
+        """Checks ``data``: ``{"weight": (K, C), state name: (K, C) per-element or (K,) row-wise}``
+        (any subset of those keys; C is ``cols`` when given, else the same for every (K, C)
+        entry) -> (K, C) (C is 0 when only row-wise state is given). Raises, naming the bad
+        entry, before anything is written."""
+        if not isinstance(data, dict):
+            raise HybridEmbedError(
+                f"table {table!r}: rows to write must be a dict of tensors, got {type(data).__name__}"
+            )
+        allowed = ["weight", *self.state]
+        unknown = [k for k in data if k not in allowed]
+        if unknown:
+            raise HybridEmbedError(
+                f"table {table!r}: cannot write {unknown[0]!r}; allowed keys: {', '.join(allowed)} "
+                "(the rows and this storage's optimizer state)"
+            )
+        k = None
+        for name, v in data.items():
+            per_element = name == "weight" or self.state[name].dim() > 1
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                got = f"{v.dtype} tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+                raise HybridEmbedError(f"table {table!r}: {name!r} must be a floating point tensor, got {got}")
+            if v.dim() != (2 if per_element else 1):
+                want = "(K, C) (rows x columns)" if per_element else "(K,) (one value per row)"
+                raise HybridEmbedError(f"table {table!r}: {name!r} must be {want}, got shape {tuple(v.shape)}")
+            if per_element:
+                if cols is not None and v.shape[1] != cols:
+                    raise HybridEmbedError(f"table {table!r}: {name!r} has {v.shape[1]} columns, expected {cols}")
+                cols = v.shape[1]
+            if k is not None and v.shape[0] != k:
+                raise HybridEmbedError(f"table {table!r}: {name!r} has {v.shape[0]} rows, the other entries {k}")
+            k = v.shape[0]
+        if k is None:
+            raise HybridEmbedError(f"table {table!r}: nothing to write; give 'weight' and/or optimizer state")
+        return k, cols or 0
+
+    def _check_ids_data(
+        self, table: str, ids: Any, rows: Any, state: dict[str, Any] | None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Checks a ``write_ids`` call: (K,) distinct integer ids, rows (K, D), state of K rows.
+        -> (ids as int64 on the storage's device, ``{"weight": rows, **state}``)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+            got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise HybridEmbedError(f"table {table!r}: ids must be a (K,) integer tensor, got {got}")
+        if state is not None and not isinstance(state, dict):
+            raise HybridEmbedError(
+                f"table {table!r}: state must be a dict of tensors or None, got {type(state).__name__}"
+            )
+        if state and "weight" in state:
+            raise HybridEmbedError(f"table {table!r}: pass the rows as rows, not in state")
+        data = {"weight": rows, **(state or {})}
+        k, _ = self._check_rows_data(table, data, self.dim)
+        if k != ids.numel():
+            raise HybridEmbedError(f"table {table!r}: {ids.numel()} ids but {k} rows")
+        ids = ids.to(self.weight.device, torch.int64)
+        if k and ids.unique().numel() != k:
+            raise HybridEmbedError(f"table {table!r}: an id appears more than once in the ids to write")
+        return ids, data
 
     def _apply(self, fn, recurse=True):  # .to(device) moves the optimizer state with the rows
         out = super()._apply(fn, recurse)

@@ -8,14 +8,17 @@ of ``weight`` (R, D). Optimizer state tensors, when an optimizer adds them, are 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from .. import init as _init
 from ..config import TableConfig
+from ..errors import HybridEmbedError
 from ..utils import advise_huge_pages
-from .base import RowStorage
+from .base import RowStorage, _is_int
+from .protocol import LookupPlan, ready_plan
 
 __all__ = ["DenseStorage"]
 
@@ -36,6 +39,7 @@ class DenseStorage(RowStorage):
             offsets[t.name] = total
             total += t.num_embeddings
         self.row_offset: dict[str, int] = offsets
+        self.table_index = {t.name: i for i, t in enumerate(self.tables)}
         self.num_rows = total
         weight = torch.empty(total, self.dim, dtype=self.dtype, device=device)
         advise_huge_pages(weight)  # before the first write, so the pages fault in huge
@@ -55,17 +59,111 @@ class DenseStorage(RowStorage):
                 )
         self.weight = nn.Parameter(weight)
 
+    def resolve(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> LookupPlan:
+        """Ids shifted by their table's ``row_offset`` (and bounds-checked by the caller) are
+        their own row slots: a plan that changes nothing (see :meth:`Storage.resolve`)."""
+        return ready_plan(ids)
+
+    # --- per-table views -------------------------------------------------------------------
+    def _span(self, name: str) -> tuple[int, int]:
+        """(first row in ``weight``, rows) of table ``name``."""
+        t = self._table(name)
+        return self.row_offset[t.name], t.num_embeddings
+
+    def table_ids(self, name: str) -> None:
+        """None: a dense table's row r is id r."""
+        self._table(name)
+        return None
+
     def table_state(self, name: str) -> dict[str, torch.Tensor]:
         """Views of table ``name``'s rows of each optimizer state tensor."""
-        start = self.row_offset[name]
-        n = next(t.num_embeddings for t in self.tables if t.name == name)
+        start, n = self._span(name)
         return {k: v[start : start + n] for k, v in self.state.items()}
+
+    @torch.no_grad()
+    def load_table_state(self, name: str, ids: torch.Tensor | None, state: dict[str, torch.Tensor]) -> None:
+        """Copies ``state`` (each of the table's shape, as :meth:`table_state`) into table ``name``'s
+        optimizer state; ``ids`` is unused (a dense table's state covers all its rows)."""
+        for k, v in self.table_state(name).items():
+            v.copy_(state[k])
 
     def table_rows(self, name: str) -> torch.Tensor:
         """(num_embeddings, D) view of table ``name``'s rows (shares memory)."""
-        start = self.row_offset[name]
-        n = next(t.num_embeddings for t in self.tables if t.name == name)
+        start, n = self._span(name)
         return self.weight.detach()[start : start + n]
+
+    def _check_range(self, name: str, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        n = self._table(name).num_embeddings
+        for what, (a, b), limit in (("rows", rows, n), ("columns", cols, self.dim)):
+            if not (_is_int(a) and _is_int(b)):
+                raise HybridEmbedError(f"table {name!r}: {what} [{a!r}, {b!r}): bounds must be ints")
+            if not 0 <= a <= b <= limit:
+                raise HybridEmbedError(
+                    f"table {name!r}: {what} [{a}, {b}) are outside the table's {what} [0, {limit}); "
+                    f"give a range with 0 <= start <= stop <= {limit}"
+                )
+
+    def read_range(
+        self, table: str, row_start: int, row_stop: int, col_start: int = 0, col_stop: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Copies of rows ``[row_start, row_stop)``, columns ``[col_start, col_stop)`` (default: to
+        D) of ``table``: ``{"weight": (K, C), state: (K, C) per-element or (K,) row-wise}``."""
+        col_stop = self.dim if col_stop is None else col_stop
+        self._check_range(table, (row_start, row_stop), (col_start, col_stop))
+        a, b = self.row_offset[table] + row_start, self.row_offset[table] + row_stop
+        out = {"weight": self.weight.detach()[a:b, col_start:col_stop].clone()}
+        for k, v in self.state.items():
+            out[k] = (v[a:b, col_start:col_stop] if v.dim() > 1 else v[a:b]).clone()
+        return out
+
+    @torch.no_grad()
+    def write_range(self, table: str, row_start: int, data: dict[str, torch.Tensor], col_start: int = 0) -> None:
+        """Writes ``data`` (as :meth:`read_range` returns it, any subset of its keys) at rows
+        ``[row_start, row_start + K)``, columns ``[col_start, col_start + C)`` of ``table``;
+        checked before anything is written."""
+        self._table(table)
+        k, cols = self._check_rows_data(table, data)
+        if not (_is_int(row_start) and _is_int(col_start)):
+            raise HybridEmbedError(f"table {table!r}: row_start and col_start must be ints")
+        self._check_range(table, (row_start, row_start + k), (col_start, col_start + cols))
+        a = self.row_offset[table] + row_start
+        for name, v in data.items():
+            dst = self.weight.detach() if name == "weight" else self.state[name]
+            dst = dst[a : a + k, col_start : col_start + cols] if dst.dim() > 1 else dst[a : a + k]
+            dst.copy_(v)
+
+    def read_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(ids ``0..R-1`` (R,), rows (R, D), ``{state: (R, D) or (R,)}``) of ``table``, copies."""
+        _, n = self._span(table)
+        data = self.read_range(table, 0, n)
+        return torch.arange(n, device=self.weight.device), data.pop("weight"), data
+
+    @torch.no_grad()
+    def write_ids(
+        self, table: str, ids: torch.Tensor, rows: torch.Tensor, state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Sets rows ``ids`` (K,) distinct, in ``[0, num_embeddings)``, of ``table`` to ``rows`` (K, D)
+        (and their optimizer state to ``state``); checked before anything is written."""
+        start, n = self._span(table)
+        ids, data = self._check_ids_data(table, ids, rows, state)
+        if ids.numel():
+            lo, hi = torch.stack(torch.aminmax(ids)).tolist()
+            if lo < 0 or hi >= n:
+                bad = lo if lo < 0 else hi
+                raise HybridEmbedError(
+                    f"table {table!r}: id {bad} is outside the table's rows [0, {n}); a dense table has no other ids"
+                )
+        slots = ids + start
+        for name, v in data.items():
+            dst = self.weight.detach() if name == "weight" else self.state[name]
+            dst.index_copy_(0, slots, v.to(dst))
+
+    def stats(self, table: str | None = None) -> dict[str, Any]:
+        """``{"rows", "memory_bytes"}`` of ``table`` or (None) of the whole storage."""
+        if table is None:
+            return {"rows": self.num_rows, "memory_bytes": self.memory_bytes}
+        _, n = self._span(table)
+        return {"rows": n, "memory_bytes": n * self._row_bytes()}
 
     def extra_repr(self) -> str:
         names = ", ".join(t.name for t in self.tables)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from ..errors import HybridEmbedError
 from ..input import offsets_from_lengths
 from ..utils import advise_huge_pages
 from .base import RowStorage, add_sparse
+from .protocol import LookupPlan, _nothing
 
 __all__ = ["HashStorage", "LookupPlan", "sort_pairs"]
 
@@ -106,19 +107,6 @@ def sort_pairs(ids: torch.Tensor, tabs: torch.Tensor, num_tables: int):
 _MARK = "_hybridembed_distinct_rows"  # on a sparse gradient whose row ids are distinct: its nnz
 
 
-def _nothing() -> None:
-    pass
-
-
-@dataclass(frozen=True)
-class LookupPlan:
-    """A dynamic lookup checked but not yet made (see :meth:`HashStorage.plan_lookup`):
-    ``commit()`` makes it and returns ``(slots (N,), grouping)``; ``rollback()`` drops it."""
-
-    commit: Callable[[], tuple[torch.Tensor, tuple | None]]
-    rollback: Callable[[], None]
-
-
 def _marked(grad: torch.Tensor, distinct: bool) -> torch.Tensor:
     """Marks ``grad`` as holding distinct rows (the optimizer then skips the reduction). The
     mark is the row count at marking, so an in-place change that adds rows voids it."""
@@ -135,6 +123,7 @@ class HashStorage(RowStorage):
     """Rows of a group of dynamic tables (same dim, dtype, optimizer and :class:`Dynamic`)."""
 
     kind = "dynamic"
+    keyed = True
 
     def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
         super().__init__()
@@ -145,6 +134,7 @@ class HashStorage(RowStorage):
         self.compute_dtype = self.tables[0].compute_dtype
         self.seed = int(seed)
         self.table_index = {t.name: i for i, t in enumerate(self.tables)}
+        self.row_offset = {t.name: 0 for t in self.tables}  # ids are keys: not shifted
         inits: dict = {}
         for i, t in enumerate(self.tables):
             inits.setdefault((t.init, t.col_start), []).append(i)
@@ -173,8 +163,8 @@ class HashStorage(RowStorage):
             else torch.zeros(0, device=dev)
         )
         self.register_buffer("sketch", sketch, persistent=False)
-        self.register_buffer(
-            "stats", torch.zeros(len(self.tables), len(_STATS), dtype=torch.int64, device=dev), persistent=False
+        self.register_buffer(  # (tables, counters): the table_stats counters, _STATS
+            "counters", torch.zeros(len(self.tables), len(_STATS), dtype=torch.int64, device=dev), persistent=False
         )
         self.register_buffer("size", torch.zeros(len(self.tables), dtype=torch.int64, device=dev), persistent=False)
         self.clock = 0  # training lookups so far: the time of LRU and TTL
@@ -289,7 +279,7 @@ class HashStorage(RowStorage):
             return
         per_table = torch.bincount(self.slot_table[victims].long(), minlength=len(self.tables))
         if count:
-            self.stats[:, 1] += per_table
+            self.counters[:, 1] += per_table
         self.size -= per_table
         self.slot_table[victims] = _EMPTY
         self.free = torch.cat([self.free, victims.flip(0)])
@@ -424,6 +414,16 @@ class HashStorage(RowStorage):
         sorting the N slots again. Pairs without a row (not admitted) are dropped there."""
         return self.plan_lookup(ids, tabs, train).commit()
 
+    def resolve(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> LookupPlan:
+        """:meth:`plan_lookup` of ``ids`` (N,), the first ``counts[0]`` of table index ``tables[0]``,
+        the next ``counts[1]`` of ``tables[1]``, ... (see :meth:`Storage.resolve`)."""
+        tabs = torch.repeat_interleave(
+            torch.tensor(tables, dtype=torch.int32, device=ids.device),
+            torch.tensor(counts, device=ids.device),
+            output_size=ids.numel(),
+        )
+        return self.plan_lookup(ids, tabs, train)
+
     def plan_lookup(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> LookupPlan:
         """The first half of :meth:`lookup`: finds the ids' rows, draws admission and plans
         evictions, raising :class:`HybridEmbedError` if the batch cannot fit, and changes
@@ -463,11 +463,11 @@ class HashStorage(RowStorage):
         # ids per table: the pairs are sorted by table, so each table's runs are one range
         bounds = torch.searchsorted(ktabs, torch.arange(nt + 1, dtype=ktabs.dtype, device=ktabs.device))
         looked = seg.index_select(0, bounds[1:]) - seg.index_select(0, bounds[:-1])
-        self.stats[:, 4] += looked
-        self.stats[:, 3] += looked - torch.bincount(ktabs[miss].long(), weights=counts[miss], minlength=nt).long()
+        self.counters[:, 4] += looked
+        self.counters[:, 3] += looked - torch.bincount(ktabs[miss].long(), weights=counts[miss], minlength=nt).long()
         if commit_admission is not None:
             commit_admission()
-            self.stats[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
+            self.counters[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
         if victims.numel():
             self.last_seen[found[hit]] = self.clock  # (this batch's rows, for the index rebuild)
         self._evict(victims)
@@ -476,7 +476,7 @@ class HashStorage(RowStorage):
             self._insert(keys[new], ktabs[new], slots)
             self._init_rows(slots, keys[new], ktabs[new])
             found[new] = slots
-            self.stats[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
+            self.counters[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
         if new.numel() == miss.numel():  # every id has a row now
             s, c = found, counts
         else:
@@ -499,6 +499,12 @@ class HashStorage(RowStorage):
         are below 2**31; int32 halves this scatter, and embedding_bag takes int32 ids)."""
         per_run = slot.to(torch.int32).repeat_interleave(counts, output_size=perm.numel())
         return torch.empty_like(per_run).index_copy_(0, perm, per_run)  # (2x faster than out[perm] = ...)
+
+    @property
+    def grad_sink(self) -> Callable[..., None]:
+        """The lookup hands its gradient to :meth:`accumulate_grad`: the matrix may grow between
+        forward and backward."""
+        return self.accumulate_grad
 
     def accumulate_grad(self, grad: torch.Tensor, distinct: bool = False) -> None:
         """Receives the lookup's sparse gradient (sized to the current, possibly grown, matrix);
@@ -535,11 +541,17 @@ class HashStorage(RowStorage):
         order = torch.argsort(keys)
         return keys[order], slots[order]
 
+    def table_ids(self, name: str) -> torch.Tensor:
+        """Ids ascending (K,) of the rows table ``name`` holds."""
+        return self.table_slots(self._table(name).name)[0]
+
     def table_state(self, name: str) -> dict[str, torch.Tensor]:
+        """Copies of table ``name``'s rows of each optimizer state tensor, in :meth:`table_ids` order."""
         _, slots = self.table_slots(name)
         return {k: v.index_select(0, slots) for k, v in self.state.items()}
 
     def load_table_state(self, name: str, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Writes ``state`` (K,) or (K, D) per name of rows ``ids`` (K,), which the table must hold."""
         slots = self._find(ids.to(self.weight.device), torch.full_like(ids, self.table_index[name], dtype=torch.int32))
         if bool((slots < 0).any()):
             raise HybridEmbedError(
@@ -550,13 +562,77 @@ class HashStorage(RowStorage):
 
     def table_stats(self, name: str) -> dict[str, float]:
         i = self.table_index[name]
-        s = dict(zip(_STATS, self.stats[i].tolist()))
+        s = dict(zip(_STATS, self.counters[i].tolist()))
         s["size"] = int(self.size[i])
         s["capacity"] = self.config.capacity
         s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
         return s
 
+    def stats(self, table: str | None = None) -> dict[str, Any]:
+        """:meth:`table_stats` with ``rows`` (held) and ``memory_bytes`` (of those rows and their
+        optimizer state) of ``table``; or (None) of the whole storage: counters summed,
+        ``capacity`` in row slots, ``memory_bytes`` of every slot."""
+        if table is not None:
+            s = self.table_stats(self._table(table).name)
+            return {"rows": s["size"], "memory_bytes": s["size"] * self._row_bytes(), **s}
+        s = dict(zip(_STATS, self.counters.sum(0).tolist()))
+        s["size"] = s["rows"] = int(self.size.sum())
+        s["capacity"] = self.capacity * len(self.tables) if self.capacity is not None else None
+        s["hit_rate"] = s["hits"] / s["lookups"] if s["lookups"] else 0.0
+        s["memory_bytes"] = self.memory_bytes
+        return s
+
+    def read_range(
+        self, table: str, row_start: int, row_stop: int, col_start: int = 0, col_stop: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Refused: a dynamic table's rows are addressed by id (see :meth:`read_ids`)."""
+        raise HybridEmbedError(
+            f"table {self._table(table).name!r} is dynamic: its rows are keyed by id, not numbered; "
+            "read them with read_ids(table)"
+        )
+
+    def write_range(self, table: str, row_start: int, data: dict[str, torch.Tensor], col_start: int = 0) -> None:
+        """Refused: a dynamic table's rows are addressed by id (see :meth:`write_ids`)."""
+        raise HybridEmbedError(
+            f"table {self._table(table).name!r} is dynamic: its rows are keyed by id, not numbered; "
+            "write them with write_ids(table, ids, rows, state)"
+        )
+
+    def read_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(ids ascending (K,), rows (K, D), ``{state: (K, D) or (K,)}``) of ``table``, copies."""
+        ids, slots = self.table_slots(self._table(table).name)
+        return ids, self.read_rows(slots), {k: v.index_select(0, slots) for k, v in self.state.items()}
+
+    @torch.no_grad()
+    def write_ids(
+        self, table: str, ids: torch.Tensor, rows: torch.Tensor, state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Sets rows ``ids`` (K,) distinct of ``table`` to ``rows`` (K, D) (and their optimizer state
+        to ``state``); ids the table does not hold get rows (initialised, fresh counters; never
+        by eviction: they must fit the capacity). Other rows and every counter are left as they
+        are. Checked before anything changes."""
+        i = self.table_index[self._table(table).name]
+        ids, data = self._check_ids_data(table, ids, rows, state)
+        tabs = torch.full_like(ids, i, dtype=torch.int32)
+        slots = self._find(ids, tabs)
+        new = (slots < 0).nonzero().squeeze(1)
+        if self.capacity is not None and int(self.size[i]) + new.numel() > self.capacity:
+            raise HybridEmbedError(
+                f"table {table!r}: {new.numel()} new ids do not fit: {int(self.size[i])} of its {self.capacity} rows "
+                "are in use; raise Dynamic(capacity=...)"
+            )
+        if new.numel():
+            made = self._allocate(new.numel())
+            self._insert(ids[new], tabs[new], made)
+            self._init_rows(made, ids[new], tabs[new])
+            slots[new] = made
+        for name, v in data.items():
+            dst = self.weight.detach() if name == "weight" else self.state[name]
+            dst.index_copy_(0, slots, v.to(dst))
+
     def save_table(self, name: str) -> dict[str, torch.Tensor]:
+        """Table ``name`` as a checkpoint entry (see :mod:`hybridembed.storage.serial`): ids, rows,
+        counters, clock and, where kept, the admission generator state and sketch."""
         i = self.table_index[name]
         ids, slots = self.table_slots(name)
         out = {
@@ -564,7 +640,7 @@ class HashStorage(RowStorage):
             "weight": self.weight.detach().index_select(0, slots),
             "last_seen": self.last_seen[slots],
             "freq": self.freq[slots],
-            "stats": self.stats[i].clone(),
+            "stats": self.counters[i].clone(),
             "clock": torch.tensor(self.clock),
             "generator": self._gen.get_state(),
         }
@@ -587,7 +663,7 @@ class HashStorage(RowStorage):
         with torch.no_grad():
             self.weight.index_copy_(0, slots, entry["weight"].to(self.weight))
         self.last_seen[slots], self.freq[slots] = entry["last_seen"].to(self.last_seen), entry["freq"].to(self.freq)
-        self.stats[i] = entry["stats"].to(self.stats)
+        self.counters[i] = entry["stats"].to(self.counters)
         self.clock = max(self.clock, int(entry["clock"]))
         self._applied_clock = self.clock
         if "generator" in entry:

@@ -45,7 +45,7 @@ def _rows(storage: RowStorage, name: str) -> int:
 def table_entry(storage: RowStorage, name: str, keep_vars: bool = False) -> dict[str, torch.Tensor]:
     """Table ``name`` of ``storage`` as an entry. Dense: ``weight`` is a view of the rows (the
     parameter's own slice, with autograd, when ``keep_vars``); dynamic: copies."""
-    if storage.kind == "dynamic":
+    if storage.keyed:
         return storage.save_table(name)
     if keep_vars:
         start = storage.row_offset[name]
@@ -74,7 +74,7 @@ def check_entry(
     floating dtype is converted (as ``load_state_dict`` does).
     """
     errors: list[str] = []
-    if storage.kind != "dynamic":
+    if not storage.keyed:
         if "weight" not in entry:
             return [prefix + "weight"], []
         src, want = entry["weight"], (_rows(storage, name), storage.dim)
@@ -104,8 +104,10 @@ def check_entry(
             errors.append(f"{prefix}{key}: expected ({k},) integers (one per id), got {_shape(v)}")
     i = storage.table_index[name]
     stats = entry["stats"]
-    if not _is_int(stats) or stats.shape != storage.stats[i].shape:
-        errors.append(f"{prefix}stats: expected {tuple(storage.stats[i].shape)} integer counters, got {_shape(stats)}")
+    if not _is_int(stats) or stats.shape != storage.counters[i].shape:
+        errors.append(
+            f"{prefix}stats: expected {tuple(storage.counters[i].shape)} integer counters, got {_shape(stats)}"
+        )
     clock = entry["clock"]
     if not _is_int(clock) or clock.numel() != 1:
         errors.append(f"{prefix}clock: expected one integer, got {_shape(clock)}")
@@ -146,14 +148,14 @@ def dense_as_dynamic(storage: RowStorage, weight: torch.Tensor) -> dict[str, tor
         "weight": weight,
         "last_seen": torch.zeros(n, dtype=torch.int64, device=dev),
         "freq": torch.zeros(n, dtype=torch.int64, device=dev),
-        "stats": torch.zeros_like(storage.stats[0]),
+        "stats": torch.zeros_like(storage.counters[0]),
         "clock": torch.tensor(0),
     }
 
 
 def load_entry(storage: RowStorage, name: str, entry: dict[str, Any]) -> None:
     """Write ``entry`` (checked with :func:`check_entry`) into table ``name`` of ``storage``."""
-    if storage.kind == "dynamic":
+    if storage.keyed:
         storage.load_table(name, {k: v for k, v in entry.items() if k in DYNAMIC_KEYS + OPTIONAL_KEYS})
         return
     with torch.no_grad():
