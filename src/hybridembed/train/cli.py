@@ -22,6 +22,7 @@ Bad flags, missing files and malformed rows end the run with one ``error:`` line
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import __version__, _env
 from ..distributed.launch import SpawnError
@@ -612,13 +614,21 @@ def run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE) 
         log.setLevel(level)
 
 
+# DistributedDataParallel's argument for "no buffer broadcast before each forward" (renamed in torch 2.13)
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
 def _distribute(args: argparse.Namespace, model: nn.Module, job: Job) -> tuple[nn.Module, str | None]:
     """``he.distribute(model)`` over the job; (the model to train, why checkpoints are not written or None)."""
     from ..distributed import distribute, unwrap
 
     # the models' only buffer (DLRM's pair indices) is a constant: DDP's default broadcast of the
     # buffers before every forward cost ~7 ms of a ~25 ms step on Adult at world 2
-    model = distribute(model, plan=plan_for(model, job.world), ddp={"broadcast_buffers": False})
+    model = distribute(model, plan=plan_for(model, job.world), ddp=_NO_BUFFER_SYNC)
     problem = sharded_io(unwrap(model), job) if (args.checkpoint or args.export or args.resume) else None
     if problem is None:
         return model, None
