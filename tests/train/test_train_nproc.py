@@ -79,6 +79,23 @@ def test_under_torchrun_each_process_joins_the_job(generated, tmp_path):
     assert "sharded over 2 processes" in r.stdout
 
 
+def test_resume_at_nproc_2_is_refused_or_continues(generated, tmp_path, capfd):
+    """While he.save cannot write a sharded model, --resume at world 2 ends with one line, exit 2."""
+    ckpt = str(tmp_path / "ckpt")
+    assert cli.main(_argv(generated, tmp_path, "--checkpoint", ckpt, "--no-export")) == 0
+    capfd.readouterr()
+    code = cli.main(_argv(generated, tmp_path, "--resume", ckpt, "--epochs", "2", "--nproc", "2", "--no-export"))
+    out, err = capfd.readouterr()
+    if code == 2:
+        assert re.fullmatch(
+            rf"hybridembed train: error: --resume {re.escape(ckpt)} at --nproc 2: not yet supported \(.+\); "
+            r"resume with --nproc 1 \(rank [01] of 2\)\n",
+            err,
+        ), err
+    else:
+        assert code == 0 and "resumed from" in out and re.search(r"^epoch 2/2 ", out, re.M), (out, err)
+
+
 def test_bad_flags_exit_2_before_any_process_starts(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         cli.main(["--nproc", "0"])
