@@ -71,7 +71,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             "torchrun (python -m torch.distributed.run). Each process reads RANK, WORLD_SIZE and the rendezvous "
             "address from its environment: call torch.distributed.init_process_group() and he.distribute(model)."
         ),
-        epilog="Multi-machine use and examples: docs/train.md (Launching).",
+        epilog="Several machines, examples: docs/train.md (Several processes).",
+        allow_abbrev=False,
     )
     p.add_argument("--nproc", type=_positive, default=1, metavar="N", help="processes on this machine (default 1)")
     p.add_argument(
