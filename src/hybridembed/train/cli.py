@@ -691,8 +691,8 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
     example = next(iter(test.batches(8))) if test is not None and len(test) else None
     estimate = train.estimate_rows()
     for epoch in range(epoch0, args.epochs):
-        desc = f"epoch {epoch + 1}/{args.epochs}"
-        bar = _progress(estimate, skip * args.batch_size, desc, args.no_progress or not job.main)
+        label = f"epoch {epoch + 1}/{args.epochs}"
+        bar = _progress(estimate, skip * args.batch_size, label, args.no_progress or not job.main)
         done = [skip]
 
         def on_step(rows: int, loss: float, epoch: int = epoch, bar=bar, done=done) -> None:
