@@ -11,7 +11,16 @@ import torch
 from . import init as _init
 from .errors import ConfigError
 
-__all__ = ["TableConfig", "Dynamic", "ShardOf", "COMBINERS", "STORAGE_DTYPES", "EVICTION_POLICIES", "MAX_ROWS", "MAX_SLOTS"]
+__all__ = [
+    "TableConfig",
+    "Dynamic",
+    "ShardOf",
+    "COMBINERS",
+    "STORAGE_DTYPES",
+    "EVICTION_POLICIES",
+    "MAX_ROWS",
+    "MAX_SLOTS",
+]
 
 COMBINERS = ("sum", "mean", "sqrtn", "none")
 STORAGE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

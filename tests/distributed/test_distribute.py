@@ -137,9 +137,11 @@ def _reference() -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_distribute_a_plain_model_equals_one_process(world):
     ref = _reference()
-    results = spawn(_distributed, world, "explicit", timeout=240)
+    results = spawn(_distributed, world, "default" if world == 2 else "explicit", timeout=240)
     for name, w in ref["tables"].items():
-        torch.testing.assert_close(results[0]["tables"][name], w, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            results[0]["tables"][name], w, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
     for r in results:
         for k, v in ref["mlp"].items():
             torch.testing.assert_close(r["mlp"][k], v, atol=1e-5, rtol=1e-5)

@@ -19,7 +19,7 @@ def _tables(dynamic: bool = True) -> list[he.TableConfig]:
         he.TableConfig("a", 50, 8),
         he.TableConfig("b", 40, 6, combiner="mean"),
         he.TableConfig("c", 37, 8, combiner="sqrtn", init=he.init.normal(std=0.1)),
-        he.TableConfig("d", 30, 8, combiner="mean"),
+        he.TableConfig("d", 30, 8, combiner="mean", optimizer=he.optim.Adagrad(lr=0.05)),  # its own optimizer
         he.TableConfig("f", 10, 4, combiner="mean"),
         he.TableConfig("s", 25, 8, combiner="none"),
     ]
@@ -123,7 +123,7 @@ def _run_sharded(rank: int, world: int, case: dict) -> dict:
     tables = _tables(case["dynamic"])
     features = {f: t for f, t in FEATURES.items() if any(t == x.name for x in tables)}
     plan = _plan(world, tables, case["plan"], case["optimizer"])
-    ec = ShardedCollection(tables, features, plan, reduction=case["reduction"], seed=3)
+    ec = ShardedCollection(tables, features, plan, reduction=case["reduction"], seed=3, dedup=case.get("dedup", False))
     batches = []
     for step in range(case["steps"]):
         sizes = case["sizes"]
@@ -160,14 +160,16 @@ def _check(case: dict, results: list[dict]) -> None:
     for name, t in ref.tables.items():
         got = results[0]["tables"][name]
         if t.dynamic is None:
-            torch.testing.assert_close(got, ref.weight(name), atol=1e-5, rtol=1e-5, msg=lambda m: f"table {name}: {m}")
+            torch.testing.assert_close(
+                got, ref.weight(name), atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"table {name}: {m}"
+            )
         else:
             ids, rows = ref.dynamic_rows(name)
             assert torch.equal(got[0], ids), f"table {name}: different ids"
             torch.testing.assert_close(got[1], rows, atol=1e-5, rtol=1e-5)
     for f, x in ref_out.items():  # the outputs after training, each rank its slice, in order
         got = torch.cat([r["out"][f] for r in results])
-        torch.testing.assert_close(got, x, atol=1e-5, rtol=1e-5, msg=lambda m: f"output {f}: {m}")
+        torch.testing.assert_close(got, x, atol=1e-5, rtol=1e-5, msg=lambda m, f=f: f"output {f}: {m}")
 
 
 BASE = {"dynamic": True, "plan": "mixed", "reduction": "mean", "steps": 3, "weighted": True}
@@ -183,11 +185,20 @@ def _check_all(cases: list[dict], world: int) -> None:
 
 
 def test_mixed_plan_world2_equals_world1_every_optimizer():
-    _check_all([{**BASE, "optimizer": o, "sizes": [6, 6]} for o in OPTIMIZERS], 2)
+    cases = [{**BASE, "optimizer": o, "sizes": [6, 6]} for o in OPTIMIZERS]
+    cases += [{**BASE, "optimizer": o, "sizes": [6, 6], "dedup": True} for o in ("adagrad", "adam")]
+    _check_all(cases, 2)
 
 
-def test_mixed_plan_world4_unequal_batches_sum():
-    _check_all([{**BASE, "optimizer": "adagrad", "sizes": [5, 0, 7, 3], "reduction": "sum"}], 4)
+def test_world4_unequal_batches_sum_and_each_sharding_type():
+    cases = [{**BASE, "optimizer": "adagrad", "sizes": [5, 0, 7, 3], "reduction": "sum", "dedup": True}]
+    cases += [{**BASE, "optimizer": o, "sizes": [3, 3, 3, 3]} for o in ("sgd", "adam")]
+    cases += [
+        {**BASE, "optimizer": "rowwise", "sizes": [3, 3, 3, 3], "plan": kind}
+        for kind in ("table_wise", "row_wise", "table_row_wise", "data_parallel")
+    ]
+    cases.append({**BASE, "optimizer": "adagrad", "sizes": [3, 3, 3, 3], "plan": "column_wise"})
+    _check_all(cases, 4)
 
 
 def test_each_sharding_type_world2():

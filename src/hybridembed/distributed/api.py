@@ -49,6 +49,8 @@ def distribute(
     *,
     reduction: str = "mean",
     ddp: bool | Mapping[str, Any] = True,
+    dedup: bool = False,
+    memory_per_rank: int | None = None,
     **convert_args: Any,
 ) -> nn.Module:
     """Shard ``model``'s embedding tables over the job; returns the model to train, unchanged loop.
@@ -61,6 +63,10 @@ def distribute(
         process_group: the ranks to shard over and run data-parallel on (default: the job).
         reduction: ``"mean"`` (default, as DDP: world N equals world 1 on the concatenated
             batch) or ``"sum"`` of the ranks' embedding gradients.
+        dedup: send distinct ids and pool on the requester where that sends fewer rows (see
+            :class:`ShardedCollection`; off by default: measured slower on one machine).
+        memory_per_rank: refuse a plan that puts more rows and optimizer state on a rank (bytes),
+            naming the rank and the shortfall, before any shard is allocated.
         ddp: wrap the result in ``DistributedDataParallel`` (a dict: its keyword arguments);
             False leaves the dense part to you.
         **convert_args: ``tables``, ``seed``, ``dynamic``, ``copy_dynamic_rows`` as :func:`convert`.
@@ -95,7 +101,7 @@ def distribute(
     if not collections:
         raise ConfigError("distribute: the model has no embedding layers or hybridembed tables to shard")
     for path, ec in collections.items():
-        sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction)
+        sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank)
         _swap(model, ec, sharded)
     if ddp is False:
         return model
@@ -134,7 +140,7 @@ def _plan_for(plan, path: str, ec: EmbeddingCollection) -> Plan | None:
     return plan[path]
 
 
-def _shard(ec: EmbeddingCollection, plan: Plan | None, group, reduction: str) -> ShardedCollection:
+def _shard(ec: EmbeddingCollection, plan: Plan | None, group, reduction: str, dedup: bool, budget) -> ShardedCollection:
     for name, t in ec.tables.items():
         if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
             raise ConfigError(
@@ -154,6 +160,8 @@ def _shard(ec: EmbeddingCollection, plan: Plan | None, group, reduction: str) ->
         pad=ec.pad,
         reduction=reduction,
         weights=weights,
+        dedup=dedup,
+        memory_per_rank=budget,
     )
     sharded.train(ec.training)
     return sharded

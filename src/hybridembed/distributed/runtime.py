@@ -52,6 +52,7 @@ __all__ = ["ShardedCollection", "REDUCTIONS", "hash_residue"]
 REDUCTIONS = ("mean", "sum")
 _HASH_MASK = (1 << 62) - 1
 _HEAD = 3  # header fields before the per-pair sizes: error flag, weights flag, request digest
+_PER_PAIR = 3  # header fields per pair: bags, ids, one id per bag (then no lengths are sent)
 
 
 def hash_residue(ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -152,6 +153,14 @@ class ShardedCollection(nn.Module):
         process_group: the ranks the tables are sharded over (default: the whole job).
         device: where this rank's shards live.
         reduction: ``"mean"`` or ``"sum"`` of the ranks' gradients (see the module docstring).
+        dedup: a (request, shard) with fewer distinct ids than bags sends its distinct ids and
+            pools their rows on the requester, so fewer rows cross each way. Off by default: on
+            one machine (loopback gloo) the sort it costs measured more CPU than the copies it
+            saves (26 one-hot power-law features, 4,096 per rank: 46% distinct); across
+            machines, where bytes cost more, turn it on.
+        memory_per_rank: bytes of rows and optimizer state (Adagrad's, or the tables' own
+            optimizers') a rank may hold: a plan that puts more on a rank is refused before
+            any row is allocated, naming the rank and the shortfall.
         weights: ``{table: (rows, dim) tensor}`` initial rows of dense tables (each rank
             copies its shards' slices); tables not given start from their row-keyed
             initializer (equal to the unsharded collection's).
@@ -177,6 +186,8 @@ class ShardedCollection(nn.Module):
         pad: int = -1,
         reduction: str = "mean",
         weights: Mapping[str, torch.Tensor] | None = None,
+        dedup: bool = False,
+        memory_per_rank: int | None = None,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -191,7 +202,10 @@ class ShardedCollection(nn.Module):
         _check_like_collection(tables, features, seed, pad, sequence_output)
         self.tables: dict[str, TableConfig] = {t.name: t for t in tables}
         self.features: dict[str, str] = dict(features) if features is not None else {n: n for n in self.tables}
+        if not isinstance(dedup, bool):
+            raise ConfigError(f"dedup must be True or False, got {dedup!r}")
         self.seed, self.pad, self.sequence_output, self.reduction = int(seed), int(pad), sequence_output, reduction
+        self.dedup = dedup
         group = process_group if process_group is not None else dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if plan is None:
@@ -205,6 +219,8 @@ class ShardedCollection(nn.Module):
                 f"the plan is for world size {plan.world_size}, this process group has {self.world_size} ranks"
             )
         plan.check(tables)
+        if memory_per_rank is not None:
+            _check_budget(plan, tables, memory_per_rank)
         self.plan = plan
         self._agree(group)
         # the exchange runs on a group of its own, so DDP's all-reduce of dense gradients never
@@ -255,6 +271,7 @@ class ShardedCollection(nn.Module):
             for st in self.replicated.storages:
                 st.grad_sync = _ReplicaSync(self, st)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._empty_ids = torch.zeros(0, dtype=torch.int64, device=self._device)
         wire = {t.compute_dtype for t in tables}
         self._wire = torch.float64 if torch.float64 in wire else torch.float32
         if weights:
@@ -415,7 +432,37 @@ class ShardedCollection(nn.Module):
         return self._as_input(feature, ids), self.tables[self.features[feature]].compute_dtype, self._device
 
     def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(n + 1, device=device)
+        """Offsets ``arange(n + 1)`` of n bags of one id, kept for later calls of the same size
+        (read-only): inputs with these offsets skip the offsets' checks (the lookup queue's)."""
+        cache = self.__dict__.setdefault("_aranges", {})
+        cached = cache.get(n)
+        if cached is None or cached.device != device:
+            if len(cache) >= 16:
+                cache.clear()
+            cached = cache[n] = torch.arange(n + 1, device=device)
+        return cached
+
+    def _ones(self, n: int, device: torch.device) -> torch.Tensor:
+        """(n,) int64 ones (bag lengths of one id each), kept like :meth:`_one_per_bag` (read-only)."""
+        cache = self.__dict__.setdefault("_ones_cache", {})
+        cached = cache.get(n)
+        if cached is None or cached.device != device:
+            if len(cache) >= 16:
+                cache.clear()
+            cached = cache[n] = torch.ones(n, dtype=torch.int64, device=device)
+        return cached
+
+    def _trusted(self, j: Jagged) -> bool:
+        return j.offsets is self.__dict__.get("_aranges", {}).get(j.values.shape[0] if j.values.dim() else -1)
+
+    def _ok(self, j: Jagged, t: TableConfig) -> torch.Tensor:
+        """0-d bool: ``j`` is valid input of ``t`` (ids checked in global id space)."""
+        if self._trusted(j) and j.weights is None:  # one id per bag, offsets made here: the ids alone
+            if t.dynamic is not None or j.values.numel() == 0:
+                return torch.ones((), dtype=torch.bool)
+            lo, hi = (m.to(torch.int64) for m in torch.aminmax(j.values))
+            return (lo >= 0) & (hi < t.num_embeddings)
+        return j.ok(t.num_embeddings, allow_negative=t.dynamic is not None)
 
     # --- the exchange ------------------------------------------------------------------------
     def _run(self, reqs: list[tuple[str, Jagged]], train: bool) -> list[torch.Tensor | Jagged]:
@@ -424,7 +471,7 @@ class ShardedCollection(nn.Module):
         # 1. validation in global id space: one sync; the error travels in the header
         error: InvalidInputError | None = None
         if reqs:
-            oks = [j.ok(t.num_embeddings, allow_negative=t.dynamic is not None) for (_, j), t in zip(reqs, tabs)]
+            oks = [self._ok(j, t) for (_, j), t in zip(reqs, tabs)]
             if not bool(torch.stack(oks).all()):
                 for (f, j), t, ok in zip(reqs, tabs, oks):
                     if not bool(ok):
@@ -435,7 +482,7 @@ class ShardedCollection(nn.Module):
                             break
         # 2. routing: per (request, shard) the bag lengths, ids and per-id weights it sends
         pairs: list[_Pair] = []
-        sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = []  # lengths, ids, w, one
         unroute: dict[int, torch.Tensor] = {}  # row-wise sequence features: the ids' order by shard
         scales: list[torch.Tensor | None] = []
         for q, ((f, j), t) in enumerate(zip(reqs, tabs)):
@@ -453,13 +500,14 @@ class ShardedCollection(nn.Module):
                 pairs.append(_Pair(q, pos, s.rank, f"{f}@{pos}", s.width))
             if error is not None:
                 empty = torch.zeros(0, dtype=torch.int64, device=self._device)
-                sends.extend((empty, empty, None) for _ in route.shards)
+                sends.extend((empty, empty, None, True) for _ in route.shards)
                 continue
             ids = j.values.to(torch.int64)
             seq = t.combiner == "none"
-            lengths = torch.ones(n, dtype=torch.int64, device=ids.device) if seq else j.lengths().to(torch.int64)
+            one = seq or self._trusted(j)  # one id per bag
+            lengths = self._ones(n, ids.device) if one else j.lengths().to(torch.int64)
             if route.kind != "rows":
-                sends.extend((lengths, ids, psw) for _ in route.shards)
+                sends.extend((lengths, ids, psw, one) for _ in route.shards)
                 continue
             k = len(route.shards)
             where, local = route.split(ids)
@@ -474,10 +522,27 @@ class ShardedCollection(nn.Module):
                 b = j.batch_size
                 cell = where * b + bag_index(j.offsets, n)
                 len_s = torch.bincount(cell, minlength=k * b).view(k, b).unbind(0)
-            sends.extend(zip(len_s, ids_s, w_s))
+            sends.extend(zip(len_s, ids_s, w_s, [seq] * k))
+        # deduplicated per destination: a pair with fewer distinct ids than bags asks for the rows of
+        # its distinct ids (bags of one) and pools them here: fewer rows cross, each way
+        pooled_here: dict[int, tuple] = {}
+        if error is None and self.dedup:
+            distinct: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for i, (lengths, ids, w, _) in enumerate(sends):
+                n, b = ids.numel(), lengths.numel()
+                if n < 2 or n > 2 * b:  # (many ids per bag: pooling on the owner sends fewer rows)
+                    continue
+                if id(ids) not in distinct:  # (column slices share their request's ids)
+                    distinct[id(ids)] = torch.unique(ids, return_inverse=True)
+                uniq, inv = distinct[id(ids)]
+                if uniq.numel() < b:
+                    seq = tabs[pairs[i].request].combiner == "none"
+                    single = seq or n == b and bool((lengths == 1).all())  # one id per bag: no pooling
+                    pooled_here[i] = (inv, None if single else lengths, w)
+                    sends[i] = (self._ones(uniq.numel(), ids.device), uniq, None, True)
         # 3. header: sizes per pair, error and weights flags, and a digest of the requests
         digest = _digest([f for f, _ in reqs])
-        has_w = any(w is not None for _, _, w in sends)
+        has_w = any(x[2] is not None for x in sends)
         by_rank: list[list[int]] = [[] for _ in range(world)]
         for i, p in enumerate(pairs):
             by_rank[p.rank].append(i)
@@ -485,10 +550,12 @@ class ShardedCollection(nn.Module):
         for r in range(world):
             head += [int(error is not None), int(has_w), digest]
             for i in by_rank[r]:
-                head += [sends[i][0].numel(), sends[i][1].numel()]
-        send_h = torch.tensor(head, dtype=torch.int64)
+                head += [sends[i][0].numel(), sends[i][1].numel(), int(sends[i][3])]
+        send_h = torch.tensor(head, dtype=torch.int64, device=self._device)  # (NCCL sends device tensors only)
         mine = by_rank[self.rank]
-        recv_h = _exchange(send_h, [_HEAD + 2 * len(x) for x in by_rank], [_HEAD + 2 * len(mine)] * world, group)
+        recv_h = _exchange(
+            send_h, [_HEAD + _PER_PAIR * len(x) for x in by_rank], [_HEAD + _PER_PAIR * len(mine)] * world, group
+        )
         got = recv_h.view(world, -1).tolist()
         failed = [r for r in range(world) if got[r][0]]
         if failed:
@@ -505,43 +572,59 @@ class ShardedCollection(nn.Module):
             )
         any_w = any(got[r][1] for r in range(world))
         # 4. ids (and weights) to their owners
-        out_ids = [torch.cat([_EMPTY_I64, *(x for i in by_rank[r] for x in sends[i][:2])]) for r in range(world)]
+        out_ids = [
+            torch.cat(
+                [self._empty_ids, *(x for i in by_rank[r] for x in (sends[i][1:2] if sends[i][3] else sends[i][:2]))]
+            )
+            for r in range(world)
+        ]
         send_sizes = [int(x.numel()) for x in out_ids]
-        sizes = [row[_HEAD:] for row in got]  # per source: (bags, ids) per pair this rank owns
-        recv_sizes = [sum(s) for s in sizes]
-        recv_ids = _exchange(torch.cat(out_ids), send_sizes, recv_sizes, group)
+        per = [row[_HEAD:] for row in got]  # per source: (bags, ids, one per bag) of each pair this rank owns
+        bags = [r[0::_PER_PAIR] for r in per]
+        nids = [r[1::_PER_PAIR] for r in per]
+        ones = [r[2::_PER_PAIR] for r in per]
+        payload = [[x for b, n, o in zip(*z) for x in (0 if o else b, n)] for z in zip(bags, nids, ones)]
+        recv_ids = _exchange(torch.cat(out_ids), send_sizes, [sum(p) for p in payload], group)
         recv_w = None
         if any_w:
             cdt = self._wire
             ws = [
                 torch.cat(
                     [
-                        (sends[i][2] if sends[i][2] is not None else torch.ones(sends[i][1].numel(), dtype=cdt)).to(cdt)
+                        (
+                            sends[i][2]
+                            if sends[i][2] is not None
+                            else torch.ones(sends[i][1].numel(), dtype=cdt, device=self._device)
+                        ).to(cdt)
                         for i in by_rank[r]
                     ]
-                    or [torch.zeros(0, dtype=cdt)]
+                    or [torch.zeros(0, dtype=cdt, device=self._device)]
                 )
                 for r in range(world)
             ]
-            recv_w = _exchange(torch.cat(ws), [w.numel() for w in ws], [sum(s[1::2]) for s in sizes], group)
+            recv_w = _exchange(torch.cat(ws), [w.numel() for w in ws], [sum(n) for n in nids], group)
         # 5. the owner's lookups: one request per (source, pair), in the order the rows go back
         status = 1.0
         width = [pairs[i].width for i in mine]
         try:
-            flat_send = self._own_lookups(mine, pairs, sizes, recv_ids, recv_w, train)
+            flat_send = self._own_lookups(mine, pairs, (bags, nids, ones, payload), recv_ids, recv_w, train)
         except Exception as e:  # the others get zero rows and a failed status, then everyone raises
             status, failure = 0.0, e
-            total = sum(s[2 * k] * w for s in sizes for k, w in enumerate(width))
+            total = sum(b[k] * w for b in bags for k, w in enumerate(width))
             flat_send = torch.zeros(total, dtype=self._wire, device=self._device)
         # 6. rows back: per source, its bags of every pair this rank owns (the kernels' outputs as
         # they are), then the owners' status (a lookup that failed on one rank fails on every rank)
-        send_splits = [sum(s[2 * k] * w for k, w in enumerate(width)) for s in sizes]
+        send_splits = [sum(b[k] * w for k, w in enumerate(width)) for b in bags]
         recv_pieces = [sends[i][0].numel() * pairs[i].width for r in range(world) for i in by_rank[r]]
         recv_splits = [sum(sends[i][0].numel() * pairs[i].width for i in by_rank[r]) for r in range(world)]
         if torch.is_grad_enabled() and not flat_send.requires_grad:  # (every rank joins the backward exchange)
             flat_send = flat_send + torch.zeros((), dtype=flat_send.dtype, device=flat_send.device, requires_grad=True)
-        flat = _Exchange.apply(flat_send, send_splits, recv_splits, group, self._scale)
-        statuses = _exchange(torch.full((world,), status, dtype=torch.float32), [1] * world, [1] * world, group)
+        if world == 1:  # (nothing to exchange: the rows are this rank's own)
+            flat, statuses = flat_send, torch.full((1,), status)
+        else:
+            flat = _Exchange.apply(flat_send, send_splits, recv_splits, group, self._scale)
+            mine_ok = torch.full((world,), status, dtype=torch.float32, device=self._device)
+            statuses = _exchange(mine_ok, [1] * world, [1] * world, group)
         if status == 0.0:
             raise failure
         bad = [r for r, x in enumerate(statuses.tolist()) if x != 1.0]
@@ -552,6 +635,18 @@ class ShardedCollection(nn.Module):
         # 7. per request: its rows, summed over row shards or joined over column slices
         order = [i for r in range(world) for i in by_rank[r]]
         rows_of = {i: piece.view(-1, pairs[i].width) for i, piece in zip(order, flat.split(recv_pieces))}
+        for i, (inv, lengths, w) in pooled_here.items():  # rows of distinct ids -> the pair's bags
+            # (gather and index_add: their backwards measured ~10x faster here than embedding_bag's
+            # dense backward)
+            x = rows_of[i].index_select(0, inv)  # (N, w)
+            if w is not None:
+                x = x * w.unsqueeze(1)
+            if lengths is not None:  # bags: summed
+                bag = torch.repeat_interleave(
+                    torch.arange(lengths.numel(), device=x.device), lengths, output_size=x.shape[0]
+                )
+                x = x.new_zeros(lengths.numel(), x.shape[1]).index_add(0, bag, x)
+            rows_of[i] = x
         outputs: list[Any] = []
         local_reqs = [
             (q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].kind == "local"
@@ -561,7 +656,7 @@ class ShardedCollection(nn.Module):
             res = self.replicated._lookup_many([(f, j) for _, f, j in local_reqs], train, checked=True)
             local_out = {q: x for (q, _, _), x in zip(local_reqs, res)}
         first = 0
-        for q, ((f, j), t) in enumerate(zip(reqs, tabs)):
+        for q, ((_, j), t) in enumerate(zip(reqs, tabs)):
             route = self._routes[t.name]
             if route.kind == "local":
                 outputs.append(local_out[q])
@@ -590,18 +685,24 @@ class ShardedCollection(nn.Module):
     def _own_lookups(self, mine, pairs, sizes, recv_ids, recv_w, train) -> torch.Tensor:
         """The pooled rows of every pair this rank owns, flat, source by source and pair by pair
         (the order they are sent back in): one request per (source, pair), so with one group of
-        shards the kernel call's output is the send buffer, uncopied."""
+        shards the kernel call's output is the send buffer, uncopied. ``sizes``: per source,
+        the bags, ids and one-id-per-bag flags of each pair, and the payload's piece sizes."""
         if not mine:
             return torch.zeros(0, dtype=self._wire, device=self._device)
+        bags, nids, ones, payload = sizes
         requests = []
-        per_source = recv_ids.split([sum(s) for s in sizes])
-        w_source = recv_w.split([sum(s[1::2]) for s in sizes]) if recv_w is not None else None
+        per_source = recv_ids.split([sum(p) for p in payload])
+        w_source = recv_w.split([sum(n) for n in nids]) if recv_w is not None else None
         for src, chunk in enumerate(per_source):
-            parts = chunk.split(sizes[src])
-            ws = w_source[src].split(sizes[src][1::2]) if w_source is not None else None
+            parts = chunk.split(payload[src])
+            ws = w_source[src].split(nids[src]) if w_source is not None else None
             for k, i in enumerate(mine):
-                w = ws[k] if ws is not None else None
-                requests.append((pairs[i].local, Jagged(parts[2 * k + 1], offsets_from_lengths(parts[2 * k]), w)))
+                ids = parts[2 * k + 1]
+                if ones[src][k]:  # the local collection's own offsets: its checks are skipped
+                    offsets = self.local._one_per_bag(ids.numel(), ids.device)
+                else:
+                    offsets = offsets_from_lengths(parts[2 * k])
+                requests.append((pairs[i].local, Jagged(ids, offsets, ws[k] if ws is not None else None)))
         groups = self.local._pooled_groups(requests, train)
         if len(groups) == 1:  # (its bags are in request order)
             return groups[0][1].reshape(-1).to(self._wire)
@@ -618,9 +719,6 @@ class ShardedCollection(nn.Module):
             kinds[r.plan.sharding] = kinds.get(r.plan.sharding, 0) + 1
         shown = ", ".join(f"{k}: {v}" for k, v in kinds.items())
         return f"rank={self.rank}/{self.world_size}, tables={len(self.tables)} ({shown}), reduction={self.reduction}"
-
-
-_EMPTY_I64 = torch.zeros(0, dtype=torch.int64)
 
 
 class _ReplicaSync:
@@ -667,6 +765,23 @@ def _shard_config(t: TableConfig, s: Shard, name: str, shards: int) -> TableConf
         dynamic=dynamic,
         shard=shard,
     )
+
+
+def _check_budget(plan: Plan, tables: list[TableConfig], memory_per_rank: int) -> None:
+    from .planner import format_bytes, plan_costs
+
+    if isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, int) or memory_per_rank <= 0:
+        raise ConfigError(f"memory_per_rank must be a positive int (bytes), got {memory_per_rank!r}")
+    costs = plan_costs(plan, tables)
+    worst = max(costs, key=lambda c: c.memory_bytes)
+    if worst.memory_bytes > memory_per_rank:
+        over = sum(c.memory_bytes > memory_per_rank for c in costs)
+        raise ConfigError(
+            f"the plan puts {format_bytes(worst.memory_bytes)} of rows and optimizer state on rank {worst.rank}, "
+            f"{format_bytes(worst.memory_bytes - memory_per_rank)} over memory_per_rank="
+            f"{format_bytes(memory_per_rank)} ({over} rank(s) over); nothing was allocated. Plan with "
+            "make_plan(..., memory_per_rank=...) or shard the largest tables row_wise"
+        )
 
 
 def _check_like_collection(tables, features, seed, pad, sequence_output) -> None:

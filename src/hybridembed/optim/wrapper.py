@@ -259,6 +259,12 @@ def clip_grad_norm_(
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not 0 <= max_norm < float("inf"):
         raise ConfigError(f"clip_grad_norm_: max_norm must be a finite number >= 0, got {max_norm!r}")
     if isinstance(parameters, nn.Module):
+        if any(getattr(m, "sharded", False) for m in parameters.modules()):
+            raise ConfigError(
+                "clip_grad_norm_: this model's tables are sharded over a job, and a norm taken here would be this "
+                "rank's alone (not the job's); clip the dense part with torch.nn.utils.clip_grad_norm_ over the "
+                "dense parameters, or train the tables without clipping"
+            )
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
         parameters = [parameters]

@@ -1,0 +1,121 @@
+"""Bad plans and misuse: clear errors before any allocation. A world-1 gloo group in this
+process (no spawn) is enough for every check made before the exchange."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hybridembed as he
+from hybridembed.distributed import Plan, Shard, ShardedCollection, TablePlan, make_plan, shard_table
+from hybridembed.distributed.launch import free_port
+
+
+@pytest.fixture
+def world1():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+T = [he.TableConfig("a", 100, 8), he.TableConfig("b", 50, 4, combiner="mean")]
+
+
+def test_default_plan_comes_from_the_planner_and_matches_the_collection(world1):
+    sc = ShardedCollection(T, seed=5)
+    assert sc.plan == make_plan(T, 1)
+    ec = he.EmbeddingCollection(T, seed=5)
+    x = {"a": torch.tensor([[1, 2], [3, -1]]), "b": he.Jagged.from_lists([[4], []])}
+    for f, y in sc(x).items():
+        torch.testing.assert_close(y, ec(x)[f])
+
+
+def test_a_plan_for_another_world_size_is_refused(world1):
+    with pytest.raises(he.ConfigError, match="world size 2, this process group has 1"):
+        ShardedCollection(T, plan=make_plan(T, 2))
+
+
+@pytest.mark.parametrize(
+    "plan, match",
+    [
+        (Plan(1, (shard_table(T[0], "table_wise", (0,)),)), "does not place table 'b'"),
+        (
+            Plan(1, (shard_table(T[0], "table_wise", (0,)), shard_table(T[1], "table_wise", (3,)))),
+            "rank 3 is out of range",
+        ),
+        (
+            Plan(
+                1,
+                (
+                    TablePlan("a", "row_wise", (Shard(0, 0, 60, 1, 0, 8),), "block"),
+                    shard_table(T[1], "table_wise", (0,)),
+                ),
+            ),
+            "cover rows 0..60",
+        ),
+        (
+            Plan(
+                1,
+                (
+                    shard_table(T[0], "table_wise", (0,)),
+                    shard_table(T[1], "table_wise", (0,)),
+                    shard_table(he.TableConfig("zzz", 5, 4), "table_wise", (0,)),
+                ),
+            ),
+            "unknown table 'zzz'",
+        ),
+    ],
+)
+def test_bad_plans_are_refused_before_any_allocation(world1, plan, match):
+    with pytest.raises(he.ConfigError, match=match):
+        ShardedCollection(T, plan=plan)
+
+
+def test_memory_over_budget_names_the_rank_and_the_shortfall(world1):
+    with pytest.raises(he.ConfigError, match=r"on rank 0, .* over memory_per_rank"):
+        ShardedCollection(T, memory_per_rank=1000)
+
+
+def test_distribute_misuse(world1):
+    with pytest.raises(he.ConfigError, match="no embedding layers"):
+        he.distribute(nn.Linear(2, 2))
+    with pytest.raises(he.ConfigError, match="unknown argument 'grouped'"):
+        he.distribute(nn.Embedding(4, 2), grouped=False)
+    with pytest.raises(he.ConfigError, match="reduction"):
+        he.distribute(nn.Embedding(4, 2), reduction="max")
+    model = he.distribute(nn.ModuleDict({"e": nn.EmbeddingBag(10, 4), "l": nn.Linear(4, 1)}))
+    with pytest.raises(he.ConfigError, match="not a DistributedDataParallel|distributed already|wrapper"):
+        he.distribute(model)
+
+
+def test_distribute_without_a_process_group_is_refused():
+    with pytest.raises(he.ConfigError, match="init_process_group"):
+        he.distribute(nn.Embedding(4, 2))
+
+
+def test_sharded_weight_attribute_points_to_gather(world1):
+    model = he.distribute(nn.ModuleDict({"e": nn.Embedding(10, 4)}), ddp=False)
+    with pytest.raises(AttributeError, match="gather_table"):
+        model["e"].weight  # noqa: B018
+
+
+def test_wrong_ids_are_refused_and_change_nothing(world1):
+    sc = ShardedCollection(T)
+    before = sc.gather_table("a").clone()
+    with pytest.raises(he.InvalidInputError, match="feature 'a'.*out of range"):
+        sc({"a": torch.tensor([1, 100]), "b": torch.tensor([1, 2])})
+    with pytest.raises(he.InvalidInputError, match="unknown feature 'c'"):
+        sc({"a": torch.tensor([1]), "b": torch.tensor([1]), "c": torch.tensor([1])})
+    with pytest.raises(he.InvalidInputError, match="must be integers"):
+        sc({"a": torch.tensor([1.0]), "b": torch.tensor([1])})
+    assert torch.equal(sc.gather_table("a"), before)
+
+
+def test_clip_grad_norm_of_a_distributed_model_is_refused(world1):
+    model = he.distribute(nn.ModuleDict({"e": nn.EmbeddingBag(10, 4)}), ddp=False)
+    with pytest.raises(he.ConfigError, match="this rank's alone"):
+        he.clip_grad_norm_(model, 1.0)
