@@ -3,6 +3,7 @@
     hybridembed bench --model tiny --quick     # see hybridembed bench --help
     hybridembed train                          # see hybridembed train --help
     hybridembed plan --model jumbo --world-size 128   # see hybridembed plan --help
+    hybridembed launch --nproc 2 train.py      # see hybridembed launch --help
     hybridembed --version
 
 Each subcommand lives beside the code it drives and is imported only when called, so
@@ -23,6 +24,12 @@ def _bench(argv: list[str]) -> int:
     return main(argv, prog="hybridembed bench")
 
 
+def _launch(argv: list[str]) -> int:
+    from .distributed.launcher_cli import main
+
+    return main(argv, prog="hybridembed launch")
+
+
 def _plan(argv: list[str]) -> int:
     from .bench.models import WORKLOADS  # --model: the synthetic models, at full size
     from .distributed.cli import main
@@ -41,6 +48,7 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "bench": ("time NVIDIA's synthetic models against PyTorch, TorchRec and a measured floor", _bench),
     "plan": ("place tables on the ranks of a distributed job; memory and traffic per rank", _plan),
     "train": ("train DLRM, Wide & Deep, DeepFM or DCNv2 on Criteo-format data or UCI Adult", _train),
+    "launch": ("run a script on N processes per machine as one torch.distributed job (torchrun)", _launch),
 }
 PLANNED: tuple[str, ...] = ()  # named in the design, not built yet
 

@@ -32,7 +32,15 @@ __all__ = ["spawn", "free_port", "SpawnError"]
 
 
 class SpawnError(HybridEmbedError):
-    """A rank of a spawned job failed (its traceback is in the message) or the job timed out."""
+    """A rank of a spawned job failed (its traceback is in the message) or the job timed out.
+
+    ``rank``: the failing rank (-1: the job as a whole, e.g. a timeout); ``error``: the
+    exception that rank raised, when it could be pickled back (None otherwise).
+    """
+
+    def __init__(self, message: str, rank: int = -1, error: BaseException | None = None):
+        super().__init__(message)
+        self.rank, self.error = rank, error
 
 
 def free_port() -> int:
@@ -63,7 +71,11 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads):
         # that dies with this process before the parent has read it
         results.put((rank, True, pickle.dumps(out)))
     except BaseException as e:  # reported, then this rank leaves (the others stop)
-        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        try:  # the exception itself, for callers that tell usage errors from bugs
+            exc = pickle.dumps(e)
+        except Exception:
+            exc = None
+        results.put((rank, False, (f"{type(e).__name__}: {e}\n{traceback.format_exc()}", exc)))
     finally:
         if dist.is_initialized():
             try:
@@ -104,7 +116,7 @@ def spawn(
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
-    failure: tuple[int, str] | None = None
+    failure: tuple[int, str, bytes | None] | None = None
     deadline = time.monotonic() + timeout
     stop_at = None
     reported: set[int] = set()
@@ -112,7 +124,7 @@ def spawn(
         while len(reported) < nprocs:
             now = time.monotonic()
             if now > deadline:
-                failure = failure or (-1, f"the job did not finish within {timeout:.0f} s")
+                failure = failure or (-1, f"the job did not finish within {timeout:.0f} s", None)
                 break
             if stop_at is not None and now > stop_at:
                 break
@@ -121,14 +133,14 @@ def spawn(
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
                 if dead and failure is None:
-                    failure = (dead[0], f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})")
+                    failure = (dead[0], f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})", None)
                     stop_at = time.monotonic() + grace
                 continue
             reported.add(rank)
             if ok:
                 out[rank] = pickle.loads(value)
             elif failure is None:
-                failure = (rank, value)
+                failure = (rank, *value)
                 stop_at = time.monotonic() + grace  # the others may fail too (and say why) or wait on it
     finally:
         for p in procs:
@@ -138,7 +150,13 @@ def spawn(
                 p.kill()
                 p.join(timeout=5.0)
     if failure is not None:
-        rank, text = failure
+        rank, text, exc = failure
         where = f"rank {rank}" if rank >= 0 else "the job"
-        raise SpawnError(f"{where} failed: {text}")
+        error = None
+        if exc is not None:
+            try:
+                error = pickle.loads(exc)
+            except Exception:  # an exception class whose arguments do not round-trip
+                error = None
+        raise SpawnError(f"{where} failed: {text}", rank, error)
     return [out[r] for r in range(nprocs)]

@@ -4,6 +4,8 @@
     hybridembed train --data day_0.gz --max-rows 10000000 --epochs 1 --checkpoint-every 1000
     hybridembed train --resume runs/train/checkpoint --epochs 3
     hybridembed train --dataset adult --data ../shared/data/adult.parquet --model wdl
+    hybridembed train --nproc 2                                  # 2 processes (gloo), tables sharded
+    hybridembed launch --nproc 2 -m hybridembed.cli train        # the same job under torchrun
 
 Every categorical feature gets its own dynamic table (``he.Dynamic(capacity=...)``): any id
 gets a row on first sight, so there is no vocabulary pass. Without ``--data`` a Criteo-format
@@ -11,12 +13,16 @@ file with power-law ids is generated (once; reused while it exists). Each epoch 
 training loss, the held-out loss and AUC, and the throughput; a checkpoint is written with
 ``he.save`` after every epoch (and every ``--checkpoint-every`` steps), ``--resume`` continues
 from one with ``he.load``, and the model is exported with ``he.export`` at the end.
+``--nproc N`` trains on N processes of one gloo job (spawned here, or joined under torchrun):
+the tables sharded with ``he.distribute``, each rank on its slice of every global batch (see
+:mod:`.parallel`); rank 0 prints.
 Bad flags, missing files and malformed rows end the run with one ``error:`` line and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import math
 import os
@@ -27,13 +33,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import __version__, _env
+from ..distributed.launch import SpawnError
 from ..errors import HybridEmbedError
 from ..utils import get_logger
 from . import data as D
 from . import models as M
 from .loop import EpochStats, EvalStats, evaluate, train_epoch
+from .parallel import ONE, Job, plan_for, sharded_io
 
 __all__ = ["main", "build_parser", "UsageError"]
 
@@ -61,6 +70,7 @@ DATA_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 LR_DEFAULTS = {"adagrad": 0.02, "adam": 1e-3}
 ADULT_SPLIT_SEED = 0  # the Adult train/test split is fixed, whatever --seed says
+JOB_PG_TIMEOUT = 1800  # seconds a collective of --nproc N waits for a rank that hangs
 
 
 class UsageError(Exception):
@@ -214,10 +224,19 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="seed of the initial weights, the generated data and the shuffling (default 0)",
     )
     t.add_argument(
+        "--nproc",
+        type=_number(int, 0, False),
+        metavar="N",
+        help="train on N processes of one gloo job: tables sharded with he.distribute, dense layers "
+        "data-parallel, each rank on B/N rows of every batch of --batch-size B (default 1; under torchrun: "
+        "its WORLD_SIZE, joined; `hybridembed launch` runs torchrun)",
+    )
+    t.add_argument(
         "--threads",
         type=_number(int, 0, False),
         metavar="N",
-        help="torch threads (default: cores - 1, at least 1; the reader thread parses the next block meanwhile)",
+        help="torch threads per process (default: (cores - 1) / processes, at least 1; the reader thread parses "
+        "the next block meanwhile)",
     )
     t.add_argument(
         "--no-progress", action="store_true", help="no progress bar (none is shown when stderr is not a terminal)"
@@ -323,7 +342,12 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.lr is None:
         args.lr = LR_DEFAULTS[args.optimizer]
     if args.threads is None:
-        args.threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1))
+        args.threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1) // _local_procs(args))
+    world = args.nproc or 1
+    if args.batch_size < world:
+        raise UsageError(
+            f"--batch-size {args.batch_size} is smaller than --nproc {world}; give at least one row per rank"
+        )
     if args.dataset == "adult":
         if not args.data:
             raise UsageError("--dataset adult needs --data PATH (the UCI Adult parquet file)")
@@ -395,6 +419,16 @@ def _criteo_eval(paths: list[str], split: str, holdout: float, max_rows: int | N
     return D.TensorSource(torch.cat(dense), torch.cat(sparse), torch.cat(label), D.CRITEO_SPARSE, shuffle=False)
 
 
+def generate_if_needed(args: argparse.Namespace) -> str:
+    """The generated Criteo-format file of ``--rows`` and ``--seed`` (written, and said so, if absent)."""
+    path = D.default_generated_path(args.workdir, args.rows, args.seed)
+    if not os.path.isfile(path):
+        t0 = time.perf_counter()
+        D.generate_criteo(path, args.rows, seed=args.seed)
+        print(f"generated {args.rows:,} Criteo-format rows in {time.perf_counter() - t0:.1f} s: {path}")
+    return path
+
+
 def load_data(args: argparse.Namespace) -> tuple[Any, D.TensorSource, str]:
     """(training source, evaluation source, a line describing both)."""
     if args.dataset == "adult":
@@ -411,12 +445,7 @@ def load_data(args: argparse.Namespace) -> tuple[Any, D.TensorSource, str]:
     D.check_files(paths + list(args.val_data or []))
     generated = not paths
     if generated:
-        path = D.default_generated_path(args.workdir, args.rows, args.seed)
-        if not os.path.isfile(path):
-            t0 = time.perf_counter()
-            D.generate_criteo(path, args.rows, seed=args.seed)
-            print(f"generated {args.rows:,} Criteo-format rows in {time.perf_counter() - t0:.1f} s: {path}")
-        paths = [path]
+        paths = [generate_if_needed(args)]
     if args.val_data:
         train = D.CriteoSource(paths, split="all", max_rows=args.max_rows)
         test = _criteo_eval(list(args.val_data), "all", 0.0, None, args.eval_rows)
@@ -440,9 +469,9 @@ class Checkpointer:
     """``he.save(DIR/model, model, optimizer, extra=...)``: the run's state (model flags, epoch,
     steps done in it) is stored in the checkpoint's manifest, committed atomically with the rows."""
 
-    def __init__(self, directory: str | None, arch: dict[str, Any]):
+    def __init__(self, directory: str | None, arch: dict[str, Any], unavailable: str | None = None):
         self.dir, self.arch = directory, arch
-        self.unavailable: str | None = None
+        self.unavailable: str | None = unavailable  # why no checkpoint is written
         self.last: str | None = None
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, position: dict[str, Any]) -> bool:
@@ -492,19 +521,26 @@ def _progress(total: int | None, initial: int, desc: str, disable: bool):
     )  # fmt: skip
 
 
-def _table_stats(model: nn.Module) -> tuple[int, int, int]:
-    """(rows held, rows evicted, tables) over every dynamic table of ``model``."""
+def _table_stats(model: nn.Module, job: Job = ONE) -> tuple[int, int, int]:
+    """(rows held, rows evicted, tables) over every dynamic table of ``model``: of all ranks'
+    shards in a job (every rank calls it)."""
     rows = evicted = tables = 0
     for m in model.modules():
         if isinstance(m, M.DynamicEmbeddings):
-            for s in m.collection.dynamic_stats().values():
+            c = m.collection
+            tables += len(c.tables)
+            local = c.local if getattr(c, "sharded", False) else c
+            for s in local.dynamic_stats().values() if local is not None else ():
                 rows += int(s["size"])
                 evicted += int(s["evicted"])
-                tables += 1
+    if job.parallel:
+        rows, evicted = (int(v) for v in job.sum(rows, evicted))
     return rows, evicted, tables
 
 
-def _epoch_line(epoch: int, epochs: int, tr: EpochStats | None, ev: EvalStats | None, model: nn.Module) -> str:
+def _epoch_line(
+    epoch: int, epochs: int, tr: EpochStats | None, ev: EvalStats | None, model: nn.Module, job: Job = ONE
+) -> str:
     parts = [f"epoch {epoch}/{epochs}"]
     if tr is not None:
         parts.append(f"train loss {tr.loss:.4f}")
@@ -512,55 +548,112 @@ def _epoch_line(epoch: int, epochs: int, tr: EpochStats | None, ev: EvalStats | 
         parts.append(f"test loss {ev.loss:.4f}  AUC {ev.auc:.4f}")
     if tr is not None:
         parts.append(f"{tr.rows:,} samples in {tr.seconds:.1f} s = {tr.samples_per_s:,.0f} samples/s")
-    rows, evicted, _ = _table_stats(model)
+    rows, evicted, _ = _table_stats(model, job)
     parts.append(f"table rows {rows:,}" + (f" ({evicted:,} evicted)" if evicted else ""))
     return "  ".join(parts)
 
 
-def _describe_model(args: argparse.Namespace, model: nn.Module, features: int) -> str:
+def _describe_model(args: argparse.Namespace, model: nn.Module, features: int, job: Job = ONE) -> str:
     dense = sum(p.numel() for n, p in model.named_parameters() if "storages" not in n)
     cap = "unbounded" if not args.capacity else f"<= {args.capacity:,} rows each"
     opt = {"adagrad": "Adagrad", "adam": "Adam"}[args.optimizer]
-    _, _, tables = _table_stats(model)
+    _, _, tables = _table_stats(model, job)
+    threads = f"{args.threads} thread{'s' if args.threads > 1 else ''}"
+    if job.parallel:
+        return (
+            f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
+            f"sharded over {job.world} processes), {dense:,} dense parameters (data-parallel); {opt} lr {args.lr:g} "
+            f"via he.wrap_optimizer, batch {args.batch_size:,} (~{args.batch_size // job.world:,} per process, gloo), "
+            f"{threads} per process"
+        )
     return (
         f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}), "
         f"{dense:,} dense parameters; {opt} lr {args.lr:g} via he.wrap_optimizer, batch {args.batch_size:,}, "
-        f"{args.threads} thread{'s' if args.threads > 1 else ''}"
+        f"{threads}"
     )
 
 
-def _export(args: argparse.Namespace, model: nn.Module, example: D.Batch | None) -> str:
+def _export(
+    args: argparse.Namespace, model: nn.Module, example: D.Batch | None, job: Job = ONE, unavailable: str | None = None
+) -> str:
+    """``he.export`` of ``model`` (on every rank of a job: a collective); the line to print."""
     from ..api import export
 
     if example is None:
         return "export: skipped (no example batch)"
+    if unavailable:
+        return f"export: skipped, {unavailable}"
     os.makedirs(os.path.dirname(os.path.abspath(args.export)), exist_ok=True)
     model.eval()
+    failure = None
     try:
         export(model, args.export, (example.dense[:8], example.sparse[:8]), format=args.export_format)
     except NotImplementedError as e:
-        return f"export: skipped, he.export is not available in this build ({e})"
+        failure = f"he.export is not available in this build ({e})"
+    except Exception as e:
+        if not job.parallel:
+            raise
+        failure = f"not yet supported at world {job.world} (he.export: {type(e).__name__}: {_one_line(e)[:200]})"
+    if job.parallel and job.sum(failure is not None)[0] and failure is None:
+        failure = f"not yet supported at world {job.world} (he.export failed on another rank)"
+    if failure:
+        return f"export: skipped, {failure}"
     return f"export: {args.export} ({args.export_format}; inputs dense (B, {example.dense.shape[1]}) float32, sparse (B, {example.sparse.shape[1]}) int64 ids)"
 
 
 # --- the run --------------------------------------------------------------------------------------
-def run(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
-    """Trains, evaluates, checkpoints and exports as ``args`` say; prints the results."""
+def run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE) -> int:
+    """Trains, evaluates, checkpoints and exports as ``args`` say; prints the results (rank 0)."""
     log = get_logger("hybridembed")
     level = log.level
     if not _env.text("LOG_LEVEL"):  # the command prints what happens; library INFO lines would repeat it
         log.setLevel(logging.WARNING)
     try:
-        return _run(args, state)
+        return _run(args, state, job)
     finally:
         log.setLevel(level)
 
 
-def _run(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
+# DistributedDataParallel's argument for "no buffer broadcast before each forward" (renamed in torch 2.13)
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+def _distribute(args: argparse.Namespace, model: nn.Module, job: Job) -> tuple[nn.Module, str | None]:
+    """``he.distribute(model)`` over the job; (the model to train, why checkpoints are not written or None)."""
+    from ..distributed import distribute, unwrap
+
+    # the models' only buffer (DLRM's pair indices) is a constant: DDP's default broadcast of the
+    # buffers before every forward cost ~7 ms of a ~25 ms step on Adult at world 2
+    model = distribute(model, plan=plan_for(model, job.world), ddp=_NO_BUFFER_SYNC)
+    problem = sharded_io(unwrap(model), job) if (args.checkpoint or args.export or args.resume) else None
+    if problem is None:
+        return model, None
+    if args.resume:
+        raise UsageError(
+            f"--resume {args.resume} at --nproc {job.world}: not yet supported ({problem}); resume with --nproc 1"
+        )
+    return model, problem
+
+
+def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE) -> int:
     import hybridembed as he
+
+    from ..distributed.api import unwrap
+
+    def say(*parts: Any, **kwargs: Any) -> None:
+        if job.main:
+            print(*parts, **kwargs)
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
+    if job.parallel and args.dataset == "criteo" and not args.data:
+        if job.main:  # one writer; the others wait for the file
+            generate_if_needed(args)
+        job.barrier()
     train, test, desc = load_data(args)
     features = train.features
     model = M.build(
@@ -575,24 +668,31 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
         seed=args.seed,
         min_count=args.min_count,
     )
+    io_problem = None
+    if job.parallel:
+        model, io_problem = _distribute(args, model, job)
+    inner = unwrap(model)  # the model itself (distributed: inside DistributedDataParallel)
     cls = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[args.optimizer]
     optimizer = he.wrap_optimizer(cls(model.parameters(), lr=args.lr), model)
     epoch0, skip, step = 0, 0, 0
     if state is not None:
-        _resume(args, model, optimizer)
+        _resume(args, inner, optimizer)
         epoch0, skip, step = int(state["epoch"]), int(state["batches_done"]), int(state["step"])
         if state["complete"]:  # the saved epoch was finished: start the next one
             epoch0, skip = epoch0 + 1, 0
-    print(f"hybridembed train: {desc}")
-    print(_describe_model(args, model, len(features)))
+    say(f"hybridembed train: {desc}")
+    say(_describe_model(args, inner, len(features), job))
     if state is not None:
         where = f"epoch {epoch0 + 1}" + (f", step {skip} of it" if skip else "")
-        print(f"resumed from {args.resume}: continuing at {where} (step {step} overall)")
-    ckpt = Checkpointer(args.checkpoint, _arch(args))
+        say(f"resumed from {args.resume}: continuing at {where} (step {step} overall)")
+    ckpt = Checkpointer(
+        args.checkpoint, _arch(args), io_problem and f"not yet supported at world {job.world} ({io_problem})"
+    )
     example = next(iter(test.batches(8))) if test is not None and len(test) else None
     estimate = train.estimate_rows()
     for epoch in range(epoch0, args.epochs):
-        bar = _progress(estimate, skip * args.batch_size, f"epoch {epoch + 1}/{args.epochs}", args.no_progress)
+        label = f"epoch {epoch + 1}/{args.epochs}"
+        bar = _progress(estimate, skip * args.batch_size, label, args.no_progress or not job.main)
         done = [skip]
 
         def on_step(rows: int, loss: float, epoch: int = epoch, bar=bar, done=done) -> None:
@@ -604,33 +704,85 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
                 if done[0] % 10 == 0:
                     bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                ckpt.save(model, optimizer, {"epoch": epoch, "batches_done": done[0], "step": step, "complete": False})
+                ckpt.save(inner, optimizer, {"epoch": epoch, "batches_done": done[0], "step": step, "complete": False})
 
         batches = D.batches_with_skip(train, args.batch_size, epoch, skip)
         try:
-            tr = train_epoch(model, optimizer, D.prefetch(batches), on_step)
+            tr = train_epoch(model, optimizer, D.prefetch(batches), on_step, job)
         finally:
             if bar is not None:
                 bar.close()
         if example is None:
             example = next(iter(train.batches(8)), None)
         skip = 0
-        ev = evaluate(model, test.batches(8192)) if test is not None else None
-        print(_epoch_line(epoch + 1, args.epochs, tr if tr.rows else None, ev, model), flush=True)
-        ckpt.save(model, optimizer, {"epoch": epoch, "batches_done": 0, "step": step, "complete": True,
+        ev = evaluate(model, test.batches(8192), job) if test is not None else None
+        say(_epoch_line(epoch + 1, args.epochs, tr if tr.rows else None, ev, inner, job), flush=True)
+        ckpt.save(inner, optimizer, {"epoch": epoch, "batches_done": 0, "step": step, "complete": True,
                                      "test_auc": None if ev is None else ev.auc})  # fmt: skip
     if epoch0 >= args.epochs:
-        ev = evaluate(model, test.batches(8192)) if test is not None else None
-        print(f"nothing to train: the checkpoint has done {epoch0} of --epochs {args.epochs}")
-        print(_epoch_line(epoch0, args.epochs, None, ev, model))
+        ev = evaluate(model, test.batches(8192), job) if test is not None else None
+        say(f"nothing to train: the checkpoint has done {epoch0} of --epochs {args.epochs}")
+        say(_epoch_line(epoch0, args.epochs, None, ev, inner, job))
     if args.checkpoint:
-        print(
+        say(
             f"checkpoint: {ckpt.last}" if ckpt.last else f"checkpoint: skipped, {ckpt.unavailable or 'nothing trained'}"
         )
     if args.export:
-        print(_export(args, model, example))
-    print(f"done in {time.perf_counter() - t_start:.1f} s")
+        unsupported = io_problem and f"not yet supported at world {job.world} (he.export of a sharded model)"
+        say(_export(args, inner, example, job, unsupported))
+    say(f"done in {time.perf_counter() - t_start:.1f} s", flush=True)
     return 0
+
+
+# --- processes ------------------------------------------------------------------------------------
+def _torchrun_world() -> tuple[int, int] | None:
+    """(rank, world size) when started by torchrun (RANK and WORLD_SIZE set), else None."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    try:
+        return int(rank), int(world)
+    except ValueError:
+        raise UsageError(f"RANK={rank!r} and WORLD_SIZE={world!r} must be ints (as torchrun sets them)") from None
+
+
+def _local_procs(args: argparse.Namespace) -> int:
+    """Processes of this job on this machine (they share its cores)."""
+    if _torchrun_world() is not None:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ["WORLD_SIZE"]))
+    return args.nproc or 1
+
+
+def _rank_main(rank: int, world: int, args: argparse.Namespace, state: dict[str, Any] | None) -> int:
+    """One rank of ``--nproc N`` (spawned): the command's run with this rank's :class:`Job`."""
+    return run(args, state, Job(rank, world))
+
+
+def _spawn(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
+    from ..distributed.launch import spawn
+
+    if args.dataset == "criteo" and not args.data:
+        generate_if_needed(args)  # here, before the job's collectives start their clocks
+    # no time limit on the job; a collective waits at most JOB_PG_TIMEOUT for a rank that hangs
+    # (a rank that fails or dies stops the others within seconds)
+    spawn(_rank_main, args.nproc, args, state, timeout=math.inf, pg_timeout=JOB_PG_TIMEOUT, threads=args.threads)
+    return 0
+
+
+def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, world: int) -> int:
+    """One rank of a torchrun job (``hybridembed launch`` or torchrun itself)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=JOB_PG_TIMEOUT))
+    try:
+        return run(args, state, Job(rank, world))
+    finally:
+        if ours:
+            dist.destroy_process_group()
 
 
 def _one_line(e: BaseException) -> str:
@@ -646,12 +798,37 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """``hybridembed train [flags]``; returns the exit code (2 for bad flags, files or rows)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
+    where = ""  # which rank says it, in a torchrun job
     try:
+        joined = _torchrun_world()
+        if joined is not None:
+            rank, world = joined
+            where = f" (rank {rank} of {world})" if world > 1 else ""
+            if args.nproc is not None and args.nproc != world:
+                raise UsageError(
+                    f"--nproc {args.nproc} differs from this torchrun job's WORLD_SIZE {world}; drop --nproc "
+                    "(the launcher sets the job's size)"
+                )
+            args.nproc = world
         state = resolve(args)
+        if joined is not None and joined[1] > 1:
+            return _join(args, state, *joined)
+        if (args.nproc or 1) > 1:
+            return _spawn(args, state)
         return run(args, state)
+    except SpawnError as e:
+        sys.stdout.flush()
+        if isinstance(e.error, KeyboardInterrupt):
+            print(f"{prog}: interrupted", file=sys.stderr)
+            return 130
+        if isinstance(e.error, (UsageError, D.DataError, HybridEmbedError)):
+            print(f"{prog}: error: {_one_line(e.error)} (rank {e.rank} of {args.nproc})", file=sys.stderr)
+            return 2
+        print(f"{prog}: error: {e}", file=sys.stderr)  # a bug: the rank's traceback
+        return 1
     except (UsageError, D.DataError, HybridEmbedError) as e:
         sys.stdout.flush()
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(e)}{where}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         sys.stdout.flush()

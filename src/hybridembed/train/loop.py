@@ -21,6 +21,7 @@ from torch import nn
 
 from .data import Batch
 from .metrics import auc, log_loss
+from .parallel import ONE, Job
 
 __all__ = ["EpochStats", "EvalStats", "train_epoch", "evaluate", "predict"]
 
@@ -50,24 +51,45 @@ def train_epoch(
     optimizer: torch.optim.Optimizer,
     batches: Iterable[Batch],
     on_step: Callable[[int, float], None] | None = None,
+    job: Job = ONE,
 ) -> EpochStats:
-    """One pass of ``model`` over ``batches``; ``on_step(rows, loss)`` after every step."""
+    """One pass of ``model`` over ``batches``; ``on_step(rows, loss)`` after every step.
+
+    In a job of N ranks every rank gets the same global batches and trains on its slice
+    (:meth:`Job.part`) with the loss ``sum over the slice * N / B``: averaged over the ranks
+    (DDP, the sharded tables), the step is world 1's on the whole batch. ``on_step`` then
+    gets the global rows and this rank's loss; the returned loss, rows and time are global.
+    """
     model.train()
     t0 = time.perf_counter()
     loss_sum, rows, steps = 0.0, 0, 0
     for b in batches:
-        logits = model(b.dense, b.sparse)  # (B,)
-        loss = F.binary_cross_entropy_with_logits(logits, b.label)
+        if not job.parallel:
+            logits = model(b.dense, b.sparse)  # (B,)
+            loss = F.binary_cross_entropy_with_logits(logits, b.label)
+            value = None
+        else:
+            mine = job.part(b)  # (B / N) rows
+            logits = model(mine.dense, mine.sparse)  # (B / N,)
+            total = F.binary_cross_entropy_with_logits(logits, mine.label, reduction="sum")
+            loss = total * (job.world / len(b))
+            value = total.item() / max(len(mine), 1)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        value = loss.item()
-        loss_sum += value * len(b)
+        if value is None:
+            value = loss.item()
+            loss_sum += value * len(b)
+        else:
+            loss_sum += value * len(mine)
         rows += len(b)
         steps += 1
         if on_step is not None:
             on_step(len(b), value)
     seconds = time.perf_counter() - t0
+    if job.parallel:
+        (loss_sum,) = job.sum(loss_sum)
+        (seconds,) = job.max(seconds)
     return EpochStats(loss_sum / rows if rows else float("nan"), rows, steps, seconds)
 
 
@@ -88,10 +110,16 @@ def predict(model: nn.Module, batches: Iterable[Batch]) -> tuple[torch.Tensor, t
     return torch.cat(logits), torch.cat(labels)
 
 
-def evaluate(model: nn.Module, batches: Iterable[Batch]) -> EvalStats:
-    """Log loss and AUC of ``model`` over ``batches`` (NaN when there are none)."""
+def evaluate(model: nn.Module, batches: Iterable[Batch], job: Job = ONE) -> EvalStats:
+    """Log loss and AUC of ``model`` over ``batches`` (NaN when there are none).
+
+    In a job of N ranks each predicts its slice of every batch and the predictions of all
+    ranks are gathered: the figures are those of the whole ``batches``, on every rank.
+    """
     t0 = time.perf_counter()
-    logits, labels = predict(model, batches)
+    logits, labels = predict(model, (job.part(b) for b in batches))  # (E_r,), (E_r,)
+    if job.parallel:
+        logits, labels = job.gather(logits.float(), labels.float())  # (E,), (E,)
     n = labels.numel()
     loss = log_loss(logits, labels) if n else float("nan")
     return EvalStats(loss, auc(logits, labels) if n else float("nan"), n, time.perf_counter() - t0)

@@ -1,0 +1,169 @@
+"""``hybridembed launch``: run a training script on N processes per machine, through torchrun.
+
+    hybridembed launch --nproc 2 train.py --epochs 3            # one machine, 2 processes
+    hybridembed launch --nproc 2 -m hybridembed.cli train       # hybridembed train as a torchrun job
+    hybridembed launch --nproc 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+
+A thin wrapper: the flags become ``torch.distributed.run``'s (``--nproc-per-node N
+--standalone`` on one machine; ``--nnodes``, ``--node-rank``, ``--master-addr``,
+``--master-port`` or ``--rdzv-endpoint`` across machines; ``--max-restarts``), and
+``python -m torch.distributed.run ...`` runs in a child process. Every process gets
+torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...), so
+the script calls ``torch.distributed.init_process_group("gloo" | "nccl")`` and
+``he.distribute(model)``. The exit code is torchrun's: 0 when every process exited 0, non-zero
+(after stopping the others) when one failed. Bad flags: one ``error:`` line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser", "torchrun_argv"]
+
+PROG = "hybridembed launch"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not the usage block
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return v
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1..65535, got {text!r}")
+    return v
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=prog,
+        description=(
+            "Run SCRIPT (or -m MODULE) on --nproc processes per machine as one torch.distributed job, through "
+            "torchrun (python -m torch.distributed.run). Each process reads RANK, WORLD_SIZE and the rendezvous "
+            "address from its environment: call torch.distributed.init_process_group() and he.distribute(model)."
+        ),
+        epilog="Several machines, examples: docs/train.md (Several processes).",
+        allow_abbrev=False,
+    )
+    p.add_argument("--nproc", type=_positive, default=1, metavar="N", help="processes on this machine (default 1)")
+    p.add_argument(
+        "--nnodes",
+        default=None,
+        metavar="N|MIN:MAX",
+        help="machines in the job (default 1: this one alone, torchrun --standalone); run the same command on each",
+    )
+    p.add_argument(
+        "--node-rank", type=_count, metavar="R", help="this machine's index 0..nnodes-1 (with --master-addr)"
+    )
+    p.add_argument(
+        "--master-addr", metavar="HOST", help="the address of the machine of --node-rank 0 (static rendezvous)"
+    )
+    p.add_argument(
+        "--master-port", type=_port, metavar="PORT", help="a free port on --master-addr (torchrun's default 29500)"
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST[:PORT]",
+        help="instead of --master-addr/--node-rank: torchrun's c10d rendezvous at HOST:PORT (ranks given by arrival)",
+    )
+    p.add_argument("--rdzv-id", metavar="ID", help="the job's id for --rdzv-endpoint (the same on every machine)")
+    p.add_argument(
+        "--max-restarts",
+        type=_count,
+        default=0,
+        metavar="K",
+        help="restart all processes up to K times when one fails (default 0: fail at once)",
+    )
+    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m MODULE")
+    p.add_argument("script", metavar="SCRIPT", help="the Python file to run (or the module, with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+    return p
+
+
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """``torch.distributed.run``'s arguments for the parsed ``hybridembed launch`` flags."""
+    multi = args.nnodes not in (None, "1") or args.master_addr or args.rdzv_endpoint
+    argv = ["--nproc-per-node", str(args.nproc)]
+    if not multi:
+        argv.append("--standalone")
+    else:
+        argv += ["--nnodes", str(args.nnodes or 1)]
+        if args.rdzv_endpoint:
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+            if args.rdzv_id:
+                argv += ["--rdzv-id", args.rdzv_id]
+        else:
+            argv += ["--node-rank", str(args.node_rank or 0), "--master-addr", args.master_addr]
+            if args.master_port is not None:
+                argv += ["--master-port", str(args.master_port)]
+    argv += ["--max-restarts", str(args.max_restarts)]
+    if args.module:
+        argv.append("--module")
+    return [*argv, args.script, *args.script_args]
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags (before any process starts), or None."""
+    if args.nnodes is not None and not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", args.nnodes):
+        return f"--nnodes: expected N or MIN:MAX (ints >= 1), got {args.nnodes!r}"
+    if args.rdzv_endpoint and (args.master_addr or args.node_rank is not None or args.master_port is not None):
+        return "--rdzv-endpoint replaces --master-addr, --master-port and --node-rank; give one or the other"
+    if args.rdzv_id and not args.rdzv_endpoint:
+        return "--rdzv-id goes with --rdzv-endpoint"
+    if args.master_port is not None and not args.master_addr:
+        return "--master-port goes with --master-addr (one machine alone picks a free port itself)"
+    if args.node_rank is not None and not args.master_addr:
+        return "--node-rank goes with --master-addr (the machine of --node-rank 0)"
+    if args.nnodes not in (None, "1") and not (args.master_addr or args.rdzv_endpoint):
+        return f"--nnodes {args.nnodes} needs --master-addr HOST with --node-rank R, or --rdzv-endpoint HOST:PORT"
+    if not args.module and not os.path.isfile(args.script):
+        return f"{args.script}: no such file (for a module, add -m)"
+    return None
+
+
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """``hybridembed launch [flags] SCRIPT [ARGS...]``; returns torchrun's exit code (2 for bad flags)."""
+    args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+    problem = _check(args)
+    if problem:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(args)]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:  # torchrun got the signal too and stops its processes
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""``hybridembed train --nproc N``: the rank-aware pieces of the command (one process: no-ops).
+
+    python -m pytest -q tests/train/test_train_nproc.py
+
+Shape legend: ``B`` global batch, ``N`` world size, ``E`` evaluated examples.
+
+Every rank reads the same batches and trains on its slice of each: rank ``r`` takes rows
+``[r B / N, (r + 1) B / N)``, so world N sees the same data per step as world 1 with the same
+``--batch-size``. Its loss is the slice's summed loss times ``N / B``: DDP's (and the sharded
+tables') mean over the ranks then equals world 1's mean over the whole batch, also when the
+slices differ in size. Predictions are gathered for AUC; counters are summed. A :class:`Job`
+of one rank does none of this, so ``--nproc 1`` is the one-process command unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..utils import get_logger
+from .data import Batch
+
+__all__ = ["ONE", "Job", "sharded_io", "plan_for"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """This process's place in the job: ``rank`` of ``world`` (1: one process, no collectives)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that prints."""
+        return self.rank == 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.world > 1
+
+    def part(self, b: Batch) -> Batch:
+        """This rank's rows ``[r B / N, (r + 1) B / N)`` of a global batch ``b`` (all of it at world 1)."""
+        if self.world == 1:
+            return b
+        n = len(b)
+        lo, hi = self.rank * n // self.world, (self.rank + 1) * n // self.world
+        return Batch(b.dense[lo:hi], b.sparse[lo:hi], b.label[lo:hi])
+
+    def sum(self, *values: float) -> list[float]:
+        """``values`` summed over the ranks (float64; the values themselves at world 1)."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def max(self, *values: float) -> list[float]:
+        if self.world == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Each (E_r,) tensor of this rank -> (sum E_r,) of every rank, in rank order, on every rank.
+
+        One all_gather of the lengths, then one per tensor padded to the longest.
+        """
+        if self.world == 1:
+            return list(tensors)
+        n = torch.tensor([tensors[0].shape[0]], dtype=torch.int64)
+        sizes = [torch.zeros_like(n) for _ in range(self.world)]
+        dist.all_gather(sizes, n)
+        lengths = [int(s) for s in sizes]
+        longest = max(lengths)
+        out = []
+        for t in tensors:
+            padded = t.new_zeros(longest)  # (max E_r,)
+            padded[: t.shape[0]] = t
+            parts = [torch.zeros_like(padded) for _ in range(self.world)]
+            dist.all_gather(parts, padded)
+            out.append(torch.cat([p[:k] for p, k in zip(parts, lengths)]))
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+_log = get_logger("hybridembed.train")
+ONE = Job()  # one process: every method a no-op
+
+
+def plan_for(model: nn.Module, world: int):
+    """The plan of ``he.distribute``: the planner's default where this build has one, else
+    every (dynamic) table row-wise over all ranks by a hash of the id."""
+    try:
+        from ..distributed import planner  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return None
+    from ..distributed import Plan, shard_table
+    from ..modules import EmbeddingCollection
+
+    ranks = tuple(range(world))
+    tables = [t for m in model.modules() if isinstance(m, EmbeddingCollection) for t in m.tables.values()]
+    return Plan(world, tuple(shard_table(t, "row_wise", ranks) for t in tables))
+
+
+def sharded_io(model: nn.Module, job: Job) -> str | None:
+    """None when ``he.save`` writes a distributed model's whole tables (called on every rank),
+    else why not. Probed once, before training (no rows yet): ``model`` is saved to a
+    temporary directory of rank 0's, and its manifest must list the whole tables (as many as
+    the model has, no shard names ``table@i``). Every rank calls it; the checkpoints and the
+    export of ``--nproc N`` wait on it."""
+    from ..api import save
+    from ..api.checkpoint import read_manifest
+
+    expected = sorted(
+        f"{path}.{name}" if path else name
+        for path, m in model.named_modules()
+        if getattr(m, "sharded", False)
+        for name in m.tables
+    )
+    where = [tempfile.mkdtemp(prefix="hybridembed-probe-") if job.main else None]
+    dist.broadcast_object_list(where)
+    path = os.path.join(where[0], "checkpoint")
+    problem = None
+    try:
+        try:
+            save(path, model)
+        except Exception as e:  # any failure means: not supported yet
+            problem = f"he.save of a sharded model raised {type(e).__name__}"
+            _log.debug("he.save of a sharded model: %s", e)
+        failed = job.sum(problem is not None)[0]
+        if job.main and not failed:
+            try:
+                saved = sorted(read_manifest(path)["tables"])
+            except Exception as e:
+                saved, problem = [], f"he.save's checkpoint of a sharded model does not read back ({type(e).__name__})"
+            if problem is None and (len(saved) != len(expected) or any("@" in q for q in saved)):
+                problem = "he.save wrote each rank's shards, not the whole tables"
+        elif failed and problem is None:
+            problem = "he.save of a sharded model failed on another rank"
+        verdict = [problem]
+        dist.broadcast_object_list(verdict)  # rank 0's reading decides
+        dist.barrier()  # every rank is done with the directory
+    finally:
+        if job.main:
+            shutil.rmtree(where[0], ignore_errors=True)
+    return verdict[0]
