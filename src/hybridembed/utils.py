@@ -6,6 +6,8 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -124,3 +126,15 @@ def get_logger(name: str = "hybridembed") -> logging.Logger:
 
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # HYBRIDEMBED_LOG_LEVEL, any case
+
+
+def kept_tensor(owner: Any, name: str, n: int, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()`` for size ``n`` on ``device``, kept in ``owner.__dict__[name]`` for later calls of the
+    same size (at most 16 sizes): read-only tensors a hot path would otherwise rebuild every call."""
+    cache = owner.__dict__.setdefault(name, {})
+    cached = cache.get(n)
+    if cached is None or cached.device != device:
+        if len(cache) >= 16:
+            cache.clear()
+        cached = cache[n] = make()
+    return cached

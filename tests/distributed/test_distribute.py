@@ -78,7 +78,7 @@ def _plan(world: int) -> Plan:
         (
             shard_table(t["user"], "row_wise", ranks, placement="mod"),
             shard_table(t["items"], "table_wise", (world - 1,)),
-            shard_table(t["city"], "data_parallel", ranks),
+            shard_table(t["city"], "row_wise", ranks, placement="mod"),  # (nn.Embedding: one id per bag)
             shard_table(t["tags"], "column_wise", ranks),
         ),
     )

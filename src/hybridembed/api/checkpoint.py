@@ -449,43 +449,13 @@ def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
         if t.keyed:
             table_entries[q]["dynamic"] = _jsonable(vars(t.config.dynamic))
 
-    dense = _dense_state(model)
-    write("dense.pt", dense)
-    dense_entry = {
-        "file": "dense.pt",
-        "tensors": {
-            k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in dense.items() if torch.is_tensor(v)
-        },
-        "other": sorted(k for k, v in dense.items() if not torch.is_tensor(v)),
-    }
-
-    opt_entry = None
+    dense_entry = _write_dense(write, model)
+    meta = None
     if opt_state is not None:
         meta = {
             q: {k: e[k] for k in ("optimizer", "hparams", "step", "shape")} for q, e in sparse.items()
         }  # exact python types here; a JSON copy in the manifest
-        write("optimizer.pt", {"kind": "hybrid", "dense": opt_state["dense"], "sparse": meta})
-        opt_entry = {
-            "file": "optimizer.pt",
-            "kind": "hybrid",
-            "dense": type(optimizer.dense).__name__,
-            "dense_param_groups": _param_groups_json(opt_state["dense"]),
-            "sparse": {
-                q: {"optimizer": e["optimizer"], "hparams": _jsonable(e["hparams"]), "step": e["step"]}
-                for q, e in meta.items()
-            },
-        }
-    elif optimizer is not None:
-        sd = optimizer.state_dict()
-        write("optimizer.pt", {"kind": "torch", "state_dict": sd})
-        opt_entry = {
-            "file": "optimizer.pt",
-            "kind": "torch",
-            "dense": type(optimizer).__name__,
-            "dense_param_groups": _param_groups_json(sd),
-            "sparse": {},
-        }
-
+    opt_entry = _write_optimizer(write, optimizer, None if opt_state is None else opt_state["dense"], meta)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -498,6 +468,47 @@ def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
         "optimizer": opt_entry,
         "extra": extra,
         "files": {rel: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for rel, p in sorted(files.items())},
+    }
+
+
+def _write_dense(write, model: nn.Module) -> dict[str, Any]:
+    """Writes ``dense.pt`` (every parameter and buffer outside the tables); its manifest entry."""
+    dense = _dense_state(model)
+    write("dense.pt", dense)
+    return {
+        "file": "dense.pt",
+        "tensors": {
+            k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in dense.items() if torch.is_tensor(v)
+        },
+        "other": sorted(k for k, v in dense.items() if not torch.is_tensor(v)),
+    }
+
+
+def _write_optimizer(write, optimizer, dense_sd: dict | None, sparse: dict | None) -> dict[str, Any] | None:
+    """Writes ``optimizer.pt``: a hybrid optimizer's dense state and per-table ``sparse`` entries
+    (exact Python types; a JSON copy goes in the manifest), or a plain torch optimizer's state."""
+    if sparse is not None:
+        write("optimizer.pt", {"kind": "hybrid", "dense": dense_sd, "sparse": sparse})
+        return {
+            "file": "optimizer.pt",
+            "kind": "hybrid",
+            "dense": type(optimizer.dense).__name__,
+            "dense_param_groups": _param_groups_json(dense_sd),
+            "sparse": {
+                q: {"optimizer": e["optimizer"], "hparams": _jsonable(e["hparams"]), "step": e["step"]}
+                for q, e in sparse.items()
+            },
+        }
+    if optimizer is None:
+        return None
+    sd = optimizer.state_dict()
+    write("optimizer.pt", {"kind": "torch", "state_dict": sd})
+    return {
+        "file": "optimizer.pt",
+        "kind": "torch",
+        "dense": type(optimizer).__name__,
+        "dense_param_groups": _param_groups_json(sd),
+        "sparse": {},
     }
 
 
@@ -1470,43 +1481,14 @@ def _sharded_manifest(tmp: Path, model, colls: dict, optimizer, extra: dict, par
         _write_file(tmp / rel, obj)
         files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
 
-    dense = _dense_state(model)
-    write("dense.pt", dense)
-    dense_entry = {
-        "file": "dense.pt",
-        "tensors": {
-            k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype)} for k, v in dense.items() if torch.is_tensor(v)
-        },
-        "other": sorted(k for k, v in dense.items() if not torch.is_tensor(v)),
-    }
-    opt_entry = None
+    dense_entry = _write_dense(write, model)
+    sparse = None
     if isinstance(optimizer, HybridOptimizer):
-        sd = optimizer.dense.state_dict()
         sparse = {}
         for q, m in meta.items():  # a shard's step counts its own updates: each shard entry has its own
             steps = [e["step"] for e in table_entries[q]["shards"] if "step" in e]
             sparse[q] = {**m, "step": max(steps), "shape": table_entries[q]["shape"]}
-        write("optimizer.pt", {"kind": "hybrid", "dense": sd, "sparse": sparse})
-        opt_entry = {
-            "file": "optimizer.pt",
-            "kind": "hybrid",
-            "dense": type(optimizer.dense).__name__,
-            "dense_param_groups": _param_groups_json(sd),
-            "sparse": {
-                q: {"optimizer": e["optimizer"], "hparams": _jsonable(e["hparams"]), "step": e["step"]}
-                for q, e in sparse.items()
-            },
-        }
-    elif optimizer is not None:
-        sd = optimizer.state_dict()
-        write("optimizer.pt", {"kind": "torch", "state_dict": sd})
-        opt_entry = {
-            "file": "optimizer.pt",
-            "kind": "torch",
-            "dense": type(optimizer).__name__,
-            "dense_param_groups": _param_groups_json(sd),
-            "sparse": {},
-        }
+    opt_entry = _write_optimizer(write, optimizer, optimizer.dense.state_dict() if sparse is not None else None, sparse)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

@@ -45,6 +45,7 @@ from ..input import Jagged, as_jagged, offsets_from_lengths
 from ..input.jagged import bag_index
 from ..kernels import bag_scale
 from ..modules import EmbeddingCollection
+from ..utils import kept_tensor
 from .plan import Plan, Shard, TablePlan
 
 __all__ = ["ShardedCollection", "REDUCTIONS", "hash_residue"]
@@ -432,23 +433,11 @@ class ShardedCollection(nn.Module):
     def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
         """Offsets ``arange(n + 1)`` of n bags of one id, kept for later calls of the same size
         (read-only): inputs with these offsets skip the offsets' checks (the lookup queue's)."""
-        cache = self.__dict__.setdefault("_aranges", {})
-        cached = cache.get(n)
-        if cached is None or cached.device != device:
-            if len(cache) >= 16:
-                cache.clear()
-            cached = cache[n] = torch.arange(n + 1, device=device)
-        return cached
+        return kept_tensor(self, "_aranges", n, device, lambda: torch.arange(n + 1, device=device))
 
     def _ones(self, n: int, device: torch.device) -> torch.Tensor:
         """(n,) int64 ones (bag lengths of one id each), kept like :meth:`_one_per_bag` (read-only)."""
-        cache = self.__dict__.setdefault("_ones_cache", {})
-        cached = cache.get(n)
-        if cached is None or cached.device != device:
-            if len(cache) >= 16:
-                cache.clear()
-            cached = cache[n] = torch.ones(n, dtype=torch.int64, device=device)
-        return cached
+        return kept_tensor(self, "_ones_cache", n, device, lambda: torch.ones(n, dtype=torch.int64, device=device))
 
     def _trusted(self, j: Jagged) -> bool:
         return j.offsets is self.__dict__.get("_aranges", {}).get(j.values.shape[0] if j.values.dim() else -1)

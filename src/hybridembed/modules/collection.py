@@ -32,6 +32,7 @@ from ..input import Jagged, as_jagged
 from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
+from ..utils import kept_tensor
 
 __all__ = ["EmbeddingCollection"]
 
@@ -300,13 +301,7 @@ class EmbeddingCollection(nn.Module):
         """Offsets (n+1,) of n bags of one id, ``arange(n + 1)``, kept for later calls of the same
         size (read-only: offsets are never written). Offsets that are one of these tensors are
         known to be well formed (:meth:`_trusted`), so their checks are skipped."""
-        cache = self.__dict__.setdefault("_aranges", {})
-        cached = cache.get(n)
-        if cached is None or cached.device != device:
-            if len(cache) >= 16:
-                cache.clear()
-            cached = cache[n] = torch.arange(n + 1, device=device)
-        return cached
+        return kept_tensor(self, "_aranges", n, device, lambda: torch.arange(n + 1, device=device))
 
     def _trusted(self, j: Jagged) -> bool:
         """Whether ``j``'s offsets are this collection's own one-id-per-bag offsets."""
