@@ -17,8 +17,9 @@ rank; tables trained by row-wise Adagrad (``he.optim.RowWiseAdagrad``; TorchRec:
 Contenders (``--contenders``):
 
 - ``default``: ``he.distribute(model)``: the planner's default plan;
-- ``table_wise`` / ``row_wise``: every table placed so by an explicit ``Plan`` (``shard_table``;
-  table-wise: table i on rank i mod W; row-wise: blocks over every rank);
+- ``table_wise`` / ``row_wise`` / ``row_wise_mod``: every table placed so by an explicit
+  ``Plan`` (``shard_table``; table-wise: table i on rank i mod W; row-wise: blocks of rows
+  over every rank, as TorchRec places them; ``row_wise_mod``: row r on rank r mod W);
 - ``data_parallel``: small tables (``--small-rows``, 1,000) all ``data_parallel``;
 - ``single`` / ``single_small``: ``he.convert`` of the same model in one process (world 1 only):
   the references of the large and the small tables;
@@ -65,7 +66,7 @@ from hybridembed.synthetic import powerlaw_ids
 
 TABLES = 26
 LR = 0.01
-HYBRID = ("default", "table_wise", "row_wise", "data_parallel")
+HYBRID = ("default", "table_wise", "row_wise", "row_wise_mod", "data_parallel")
 SINGLE = ("single", "single_small", "dlrm_single")  # one process: world 1 only
 TORCHREC = ("torchrec_tw", "torchrec_rw")
 CONTENDERS = (*HYBRID, "single", "single_small", *TORCHREC, "dlrm", "dlrm_single")
@@ -108,6 +109,8 @@ def explicit_plan(kind: str, rows: int, dim: int, world: int) -> Plan:
         tps = [shard_table(t, "table_wise", (i % world,)) for i, t in enumerate(table_configs(rows, dim))]
     elif kind == "row_wise":
         tps = [shard_table(t, "row_wise", ranks) for t in table_configs(rows, dim)]
+    elif kind == "row_wise_mod":
+        tps = [shard_table(t, "row_wise", ranks, placement="mod") for t in table_configs(rows, dim)]
     else:
         tps = [shard_table(t, "data_parallel", ranks) for t in table_configs(rows, dim)]
     return Plan(world, tuple(tps))
