@@ -9,10 +9,12 @@ process and against TorchRec's DistributedModelParallel, plus the bytes each ran
 Each contender at each world size is its own job (``hybridembed.distributed.launch.spawn``:
 fresh processes, gloo, one intra-op thread per rank). The model, as users write it: 26
 separate ``nn.EmbeddingBag(rows, 64, mode="sum")`` layers called one by one, their pooled
-rows concatenated into a small MLP (``26*64 -> 128 -> 1``, BCE loss on random labels);
-one-hot power-law ids (``hybridembed.synthetic.powerlaw_ids``, alpha 1.05), batch 4,096 per
-rank; tables trained by row-wise Adagrad (``he.optim.RowWiseAdagrad``; TorchRec:
-``EXACT_ROWWISE_ADAGRAD`` fused into backward), the MLP by SGD (DDP).
+rows concatenated (B, 26 * 64); by default no MLP: the backward of a fixed upstream gradient
+of those rows, so that only the embeddings' work is timed (``--hidden N``: an MLP
+``26*64 -> N -> 1``, BCE loss on random labels, SGD under DDP). One-hot power-law ids
+(``hybridembed.synthetic.powerlaw_ids``, alpha 1.05), batch 4,096 per rank; tables trained by
+row-wise Adagrad (``he.optim.RowWiseAdagrad``; TorchRec: ``EXACT_ROWWISE_ADAGRAD`` fused
+into backward).
 
 Contenders (``--contenders``):
 
@@ -25,15 +27,18 @@ Contenders (``--contenders``):
   the references of the large and the small tables;
 - ``torchrec_tw`` / ``torchrec_rw``: TorchRec's ``DistributedModelParallel`` of an
   ``EmbeddingBagCollection`` of the same tables, planner constrained to table-wise / row-wise,
-  fused kernel (skipped with a message when TorchRec does not import);
+  fused kernel (skipped with a message when TorchRec does not import; ``torchrec_rw`` fails
+  on the CPU: TorchRec 1.8's sharder offers no row-wise sharding for compute device ``cpu``,
+  and the job's failure is reported as such);
 - ``dlrm`` / ``dlrm_single``: the DLRM of ``hybridembed train`` (dynamic tables of
   ``hybridembed.train.models.build``, dim 16, capacity 100k, Adagrad) on synthetic
   Criteo-like batches (13 dense N(0,1) features, 26 power-law ids over ``--rows``),
   distributed with the default plan / in one process.
 
-Timing: rank 0's wall time of a whole step (forward, loss, zero_grad, backward, optimizer
-step) after a barrier; warm-up steps excluded; medians (and over ``--rounds`` the median of
-the rounds' medians and their range). Bytes: ``all_to_all_single`` (and ``all_reduce``)
+Timing: rank 0's wall time of a whole step (forward, zero_grad, backward, optimizer step)
+after a barrier, and its CPU time (``time.process_time``: less sensitive to other processes
+holding the cores); warm-up steps excluded; medians (and over ``--rounds`` the median of the
+rounds' medians and their range). Bytes: ``all_to_all_single`` (and ``all_reduce``)
 counted by wrapping ``torch.distributed`` in the benchmark's processes during one step,
 against the minimum the plan implies for that batch. ``--profile``: after timing, rank 0's
 phases (lookup exchanges, owner lookups, routing, backward, optimizer) and torch.profiler's
@@ -485,9 +490,9 @@ def run_rank(rank: int, world: int, name: str, cfg: dict) -> dict[str, Any]:
 
 
 def profile(step: Callable, batches: list, cfg: dict, rank: int, ours: bool = True) -> dict[str, Any]:
-    """Rank 0's time per phase (wrapped runtime methods and collectives, and the step's
-    forward / backward / optimizer split by torch.profiler's top-level events) and the top
-    operators by self CPU time."""
+    """Rank 0's time per phase (the step's forward / backward / optimizer split by its marks,
+    wrapped runtime methods and collectives) over ``profile_steps`` steps, then the top
+    operators by self CPU time (torch.profiler) over as many more."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
