@@ -225,13 +225,19 @@ def _bad_input(rank: int, world: int) -> str:
     after = {t.name: ec.gather_table(t.name) for t in tables}
     assert all(torch.equal(before[n], after[n]) for n in before)
     ec(_batch(1, 4, features, False))  # the job goes on
+    small = he.TableConfig("small", 10, 4)  # only replicated tables: nothing is exchanged but the verdict
+    dp = ShardedCollection([small], plan=Plan(world, (shard_table(small, "data_parallel", tuple(range(world))),)))
+    try:
+        dp({"small": torch.tensor([1, 10 if rank == 1 else 2])})
+    except he.InvalidInputError as e:
+        msg += " | " + str(e)
     return msg
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank_and_changes_nothing():
     msgs = spawn(_bad_input, 2, timeout=120)
-    assert "out of range" in msgs[1] and "'c'" in msgs[1]
-    assert "rank(s) 1" in msgs[0]
+    assert "out of range" in msgs[1] and "'c'" in msgs[1] and "'small'" in msgs[1].split(" | ")[1]
+    assert "rank(s) 1" in msgs[0] and "rank(s) 1" in msgs[0].split(" | ")[1]
 
 
 def _disagree(rank: int, world: int) -> None:

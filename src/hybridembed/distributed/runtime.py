@@ -98,25 +98,25 @@ class _Pair:
 
 
 class _Exchange(torch.autograd.Function):
-    """``all_to_all_single`` of a flat tensor whose backward is the reverse exchange
-    (optionally scaled): rows go out to requesters, gradients come back to owners."""
+    """``all_to_all_single`` of a flat tensor whose backward is the reverse exchange: rows go
+    out to requesters, gradients come back to owners (summed over requesters; the ``mean``
+    reduction's 1/W is applied to the owner's reduced rows at the optimizer step, fewer than
+    the pooled rows that cross)."""
 
     @staticmethod
-    def forward(ctx, send, send_splits, recv_splits, group, scale):  # (sum send_splits,) -> (sum recv_splits,)
+    def forward(ctx, send, send_splits, recv_splits, group):  # (sum send_splits,) -> (sum recv_splits,)
         recv = send.new_empty(sum(recv_splits))
         dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=group)
-        ctx.splits, ctx.group, ctx.scale = (send_splits, recv_splits), group, scale
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
         return recv
 
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
         g = grad.contiguous()
-        if ctx.scale != 1.0:
-            g = g * ctx.scale
         out = g.new_empty(sum(send_splits))
         dist.all_to_all_single(out, g, send_splits, recv_splits, group=ctx.group)
-        return out, None, None, None, None
+        return out, None, None, None
 
 
 def _exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
@@ -453,7 +453,6 @@ class ShardedCollection(nn.Module):
 
     # --- the exchange ------------------------------------------------------------------------
     def _run(self, reqs: list[tuple[str, Jagged]], train: bool) -> list[torch.Tensor | Jagged]:
-        group, world = self._group, self.world_size
         tabs = [self.tables[self.features[f]] for f, _ in reqs]
         # 1. validation in global id space: one sync; the error travels in the header
         error: InvalidInputError | None = None
@@ -470,7 +469,7 @@ class ShardedCollection(nn.Module):
         # 2. routing: per (request, shard) the bag lengths, ids and per-id weights it sends
         pairs: list[_Pair] = []
         sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = []  # lengths, ids, w, one
-        unroute: dict[int, torch.Tensor] = {}  # row-wise sequence features: the ids' order by shard
+        unroute: dict[int, tuple] = {}  # row-wise: where each shard's rows go back
         scales: list[torch.Tensor | None] = []
         for q, ((f, j), t) in enumerate(zip(reqs, tabs)):
             route = self._routes[t.name]
@@ -502,14 +501,20 @@ class ShardedCollection(nn.Module):
             per_shard = torch.bincount(where, minlength=k).tolist()
             ids_s = local.index_select(0, order).split(per_shard)
             w_s = psw.index_select(0, order).split(per_shard) if psw is not None else [None] * k
-            if seq:
-                unroute[q] = order
-                len_s = [torch.ones(c, dtype=torch.int64, device=ids.device) for c in per_shard]
+            # each shard is sent only the bags that have ids on it, and returns one row for each
+            if seq or one:  # one id per bag: each id's row, from its shard, goes back to its position
+                unroute[q] = (order, per_shard, n)
+                sends.extend((self._ones(c, ids.device), x, w, True) for c, x, w in zip(per_shard, ids_s, w_s))
             else:
                 b = j.batch_size
                 cell = where * b + bag_index(j.offsets, n)
-                len_s = torch.bincount(cell, minlength=k * b).view(k, b).unbind(0)
-            sends.extend(zip(len_s, ids_s, w_s, [seq] * k))
+                counts = torch.bincount(cell, minlength=k * b).view(k, b)  # (k, B) ids per shard and bag
+                full = counts.ne(0)
+                bags_s = [m.nonzero().squeeze(1) for m in full.unbind(0)]  # the bags each shard sees
+                unroute[q] = (bags_s, None, b)
+                sends.extend(
+                    (c.index_select(0, bs), x, w, False) for c, bs, x, w in zip(counts.unbind(0), bags_s, ids_s, w_s)
+                )
         # deduplicated per destination: a pair with fewer distinct ids than bags asks for the rows of
         # its distinct ids (bags of one) and pools them here: fewer rows cross, each way
         pooled_here: dict[int, tuple] = {}
@@ -527,6 +532,68 @@ class ShardedCollection(nn.Module):
                     single = seq or n == b and bool((lengths == 1).all())  # one id per bag: no pooling
                     pooled_here[i] = (inv, None if single else lengths, w)
                     sends[i] = (self._ones(uniq.numel(), ids.device), uniq, None, True)
+        if pairs:
+            rows_of = self._exchange_rows(reqs, pairs, sends, pooled_here, error, train)
+        else:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
+            rows_of = {}
+            if self.world_size > 1:
+                flag = torch.full((self.world_size,), int(error is not None), dtype=torch.int64, device=self._device)
+                self._raise_failed(
+                    _exchange(flag, [1] * self.world_size, [1] * self.world_size, self._group).tolist(), error
+                )
+        outputs: list[Any] = []
+        local_reqs = [
+            (q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].kind == "local"
+        ]
+        local_out = {}
+        if local_reqs:
+            res = self.replicated._lookup_many([(f, j) for _, f, j in local_reqs], train, checked=True)
+            local_out = {q: x for (q, _, _), x in zip(local_reqs, res)}
+        first = 0
+        for q, ((_, j), t) in enumerate(zip(reqs, tabs)):
+            route = self._routes[t.name]
+            if route.kind == "local":
+                outputs.append(local_out[q])
+                continue
+            k = len(route.shards)
+            parts = [rows_of[first + pos] for pos in range(k)]
+            first += k
+            if route.kind == "whole":
+                x = parts[0]
+            elif route.kind == "columns":
+                x = torch.cat(parts, 1)
+            else:  # row-wise: each shard's rows back to the positions (one id per bag) or bags they pool
+                where, per_shard, size = unroute[q]
+                width = parts[0].shape[1]
+                x = torch.zeros(size, width, dtype=parts[0].dtype, device=parts[0].device)
+                if per_shard is not None:  # ids sorted by shard: the rows in that order, scattered back
+                    x = x.index_copy(0, where, torch.cat(parts))
+                else:  # bags seen by several shards get each one's partial sum
+                    for bags, p in zip(where, parts):
+                        x.index_add_(0, bags, p)
+            x = x.to(t.compute_dtype)
+            if t.combiner == "none":
+                jx = Jagged(x, j.offsets.to(torch.int64))
+                x = jx if self.sequence_output == "jagged" else jx.to_padded(0)
+            outputs.append(x)
+        return outputs
+
+    def _raise_failed(self, flags: list[int], error: InvalidInputError | None) -> None:
+        """Every rank's input-error flag -> raises on every rank when one is set (this rank's own
+        error, or one naming the ranks at fault), so no rank waits for a peer that gave up."""
+        failed = [r for r, f in enumerate(flags) if f]
+        if error is not None:
+            raise error
+        if failed:
+            raise InvalidInputError(
+                f"rank(s) {', '.join(map(str, failed))} got invalid input in this step (their error names it); "
+                "nothing was looked up or changed on any rank"
+            )
+
+    def _exchange_rows(self, reqs, pairs, sends, pooled_here, error, train) -> dict[int, torch.Tensor]:
+        """Phases 3 to 6 of :meth:`_run`: header, ids (and weights) to the owners, their lookups,
+        rows back. Returns each pair's rows (its bags', or pooled here from distinct ids' rows)."""
+        group, world = self._group, self.world_size
         # 3. header: sizes per pair, error and weights flags, and a digest of the requests
         digest = _digest([f for f, _ in reqs])
         has_w = any(x[2] is not None for x in sends)
@@ -544,14 +611,7 @@ class ShardedCollection(nn.Module):
             send_h, [_HEAD + _PER_PAIR * len(x) for x in by_rank], [_HEAD + _PER_PAIR * len(mine)] * world, group
         )
         got = recv_h.view(world, -1).tolist()
-        failed = [r for r in range(world) if got[r][0]]
-        if failed:
-            if error is not None:
-                raise error
-            raise InvalidInputError(
-                f"rank(s) {', '.join(map(str, failed))} got invalid input in this step (their error names it); "
-                "nothing was looked up or changed on any rank"
-            )
+        self._raise_failed([row[0] for row in got], error)
         if any(got[r][2] != digest for r in range(world)):
             raise HybridEmbedError(
                 f"rank {self.rank}: the ranks looked up different features in this step (every rank must make the "
@@ -609,7 +669,7 @@ class ShardedCollection(nn.Module):
         if world == 1:  # (nothing to exchange: the rows are this rank's own)
             flat, statuses = flat_send, torch.full((1,), status)
         else:
-            flat = _Exchange.apply(flat_send, send_splits, recv_splits, group, self._scale)
+            flat = _Exchange.apply(flat_send, send_splits, recv_splits, group)
             mine_ok = torch.full((world,), status, dtype=torch.float32, device=self._device)
             statuses = _exchange(mine_ok, [1] * world, [1] * world, group)
         if status == 0.0:
@@ -634,40 +694,7 @@ class ShardedCollection(nn.Module):
                 )
                 x = x.new_zeros(lengths.numel(), x.shape[1]).index_add(0, bag, x)
             rows_of[i] = x
-        outputs: list[Any] = []
-        local_reqs = [
-            (q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].kind == "local"
-        ]
-        local_out = {}
-        if local_reqs:
-            res = self.replicated._lookup_many([(f, j) for _, f, j in local_reqs], train, checked=True)
-            local_out = {q: x for (q, _, _), x in zip(local_reqs, res)}
-        first = 0
-        for q, ((_, j), t) in enumerate(zip(reqs, tabs)):
-            route = self._routes[t.name]
-            if route.kind == "local":
-                outputs.append(local_out[q])
-                continue
-            k = len(route.shards)
-            parts = [rows_of[first + pos] for pos in range(k)]
-            first += k
-            if route.kind == "whole":
-                x = parts[0]
-            elif route.kind == "columns":
-                x = torch.cat(parts, 1)
-            elif q in unroute:  # row-wise sequence: each id's row from its shard, back in place
-                cat = torch.cat(parts)
-                x = torch.empty_like(cat).index_copy(0, unroute[q], cat)
-            else:
-                x = parts[0]
-                for p in parts[1:]:
-                    x = x + p
-            x = x.to(t.compute_dtype)
-            if t.combiner == "none":
-                jx = Jagged(x, j.offsets.to(torch.int64))
-                x = jx if self.sequence_output == "jagged" else jx.to_padded(0)
-            outputs.append(x)
-        return outputs
+        return rows_of
 
     def _own_lookups(self, mine, pairs, sizes, recv_ids, recv_w, train) -> torch.Tensor:
         """The pooled rows of every pair this rank owns, flat, source by source and pair by pair
@@ -709,6 +736,11 @@ class ShardedCollection(nn.Module):
         ``(ids, rows, row_mean_square)``. Collective: every rank calls it each step."""
         rows = list(rows)
         where = {id(st): k for k, st in enumerate(storages)}
+        if self._scale != 1.0 and self.local is not None:  # the mean over ranks of the shards' gradients
+            for st in self.local.storages:
+                k = where.get(id(st))
+                if k is not None and rows[k] is not None:
+                    rows[k] = (rows[k][0], rows[k][1] * self._scale)
         if self.replicated is not None:
             for st in self.replicated.storages:
                 k = where.get(id(st))
