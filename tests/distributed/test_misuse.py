@@ -119,3 +119,22 @@ def test_clip_grad_norm_of_a_distributed_model_is_refused(world1):
     model = he.distribute(nn.ModuleDict({"e": nn.EmbeddingBag(10, 4)}), ddp=False)
     with pytest.raises(he.ConfigError, match="this rank's alone"):
         he.clip_grad_norm_(model, 1.0)
+
+
+def test_distribute_a_model_holding_an_embedding_collection(world1):
+    tables = [he.TableConfig("v", 30, 4, combiner="mean"), he.TableConfig("u", None, 4, dynamic=he.Dynamic())]
+    ref = he.EmbeddingCollection(tables, {"a": "v", "b": "v", "u": "u"}, seed=2)
+    with torch.no_grad():
+        ref.weight("v").mul_(3.0)  # weights the collection holds (not its initializer's) are what get sharded
+    model = nn.ModuleDict({"ec": he.EmbeddingCollection(tables, {"a": "v", "b": "v", "u": "u"}, seed=2)})
+    model["ec"].load_state_dict(ref.state_dict())
+    model = he.distribute(model, ddp=False)
+    sc = model["ec"]
+    assert isinstance(sc, ShardedCollection)
+    # the default plan at world 1: the small table replicated, the dynamic one hash-sharded (one shard)
+    assert [(t, s.rank) for t, _, s, _ in sc.shards_here()] == [("u", 0)] and list(sc.replicated.tables) == ["v"]
+    x = {"a": torch.tensor([[1, 2], [3, -1]]), "b": [[4], []], "u": torch.tensor([10**12, -5])}
+    ref.train()
+    want = ref(x)
+    for f, y in sc(x).items():
+        torch.testing.assert_close(y, want[f])

@@ -343,8 +343,23 @@ class ShardedCollection(nn.Module):
         """This rank's storages: its shards' and the replicated tables'."""
         return [*(self.local.storages if self.local else []), *(self.replicated.storages if self.replicated else [])]
 
-    def device_of(self, feature: str) -> torch.device:
-        return self._device
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The process group of this collection's exchanges (its own; the same ranks as the
+        group it was built over)."""
+        return self._group
+
+    def shards_here(self) -> list[tuple[str, int, Shard, str]]:
+        """This rank's shards: (table, shard index in its plan, :class:`Shard`, the local table's
+        name in ``self.local``); replicated tables are in ``self.replicated``."""
+        out = []
+        for name, route in self._routes.items():
+            if route.kind == "local":
+                continue
+            for pos, (i, s) in enumerate(route.shards):
+                if s.rank == self.rank:
+                    out.append((name, i, s, self._local_names[(name, pos)]))
+        return out
 
     def gather_table(self, name: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The whole table ``name`` on every rank (a collective: every rank calls it): dense
@@ -751,6 +766,8 @@ class ShardedCollection(nn.Module):
         return rows
 
     def _sync_replica(self, st, pending: tuple[torch.Tensor, torch.Tensor] | None):
+        if self.world_size == 1:  # (the only replica)
+            return pending
         nrows, dim = st.weight.shape
         buf = torch.zeros(nrows, dim + 1, dtype=st.compute_dtype, device=st.weight.device)  # rows | touched
         if pending is not None:
