@@ -138,3 +138,11 @@ def test_distribute_a_model_holding_an_embedding_collection(world1):
     want = ref(x)
     for f, y in sc(x).items():
         torch.testing.assert_close(y, want[f])
+
+
+def test_to_moves_the_exchange_device_with_the_shards(world1):
+    sc = ShardedCollection([he.TableConfig("a", 100, 8)], plan=Plan(1, (shard_table(T[0], "table_wise", (0,)),)))
+    sc.to("meta")  # (no second device here: meta stands in for one)
+    assert sc._device == torch.device("meta")
+    with pytest.raises(he.InvalidInputError, match="is on cpu but its table is on meta"):
+        sc({"a": torch.tensor([1])})

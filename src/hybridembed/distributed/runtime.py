@@ -343,6 +343,13 @@ class ShardedCollection(nn.Module):
         """This rank's storages: its shards' and the replicated tables'."""
         return [*(self.local.storages if self.local else []), *(self.replicated.storages if self.replicated else [])]
 
+    def _apply(self, fn, recurse=True):  # .to(device): the exchange's buffers follow the shards
+        out = super()._apply(fn, recurse)
+        if self.storages:
+            self._device = self.storages[0].weight.device
+            self._empty_ids = self._empty_ids.to(self._device)
+        return out
+
     @property
     def process_group(self) -> dist.ProcessGroup:
         """The process group of this collection's exchanges (its own; the same ranks as the
