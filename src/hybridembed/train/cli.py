@@ -42,7 +42,7 @@ from ..utils import get_logger
 from . import data as D
 from . import models as M
 from .loop import EpochStats, EvalStats, evaluate, train_epoch
-from .parallel import ONE, Job, plan_for, sharded_io
+from .parallel import ONE, Job, plan_for
 
 __all__ = ["main", "build_parser", "UsageError"]
 
@@ -623,20 +623,13 @@ _NO_BUFFER_SYNC = (
 
 
 def _distribute(args: argparse.Namespace, model: nn.Module, job: Job) -> tuple[nn.Module, str | None]:
-    """``he.distribute(model)`` over the job; (the model to train, why checkpoints are not written or None)."""
-    from ..distributed import distribute, unwrap
+    """``he.distribute(model)`` over the job; (the model to train, why checkpoints are not written or None:
+    never, now that he.save/he.load/he.export take a sharded model on every rank)."""
+    from ..distributed import distribute
 
     # the models' only buffer (DLRM's pair indices) is a constant: DDP's default broadcast of the
     # buffers before every forward cost ~7 ms of a ~25 ms step on Adult at world 2
-    model = distribute(model, plan=plan_for(model, job.world), ddp=_NO_BUFFER_SYNC)
-    problem = sharded_io(unwrap(model), job) if (args.checkpoint or args.export or args.resume) else None
-    if problem is None:
-        return model, None
-    if args.resume:
-        raise UsageError(
-            f"--resume {args.resume} at --nproc {job.world}: not yet supported ({problem}); resume with --nproc 1"
-        )
-    return model, problem
+    return distribute(model, plan=plan_for(model, job.world), ddp=_NO_BUFFER_SYNC), None
 
 
 def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE) -> int:

@@ -14,9 +14,6 @@ of one rank does none of this, so ``--nproc 1`` is the one-process command uncha
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +23,7 @@ from torch import nn
 from ..utils import get_logger
 from .data import Batch
 
-__all__ = ["ONE", "Job", "sharded_io", "plan_for"]
+__all__ = ["ONE", "Job", "plan_for"]
 
 
 @dataclass(frozen=True)
@@ -113,47 +110,3 @@ def plan_for(model: nn.Module, world: int):
     ranks = tuple(range(world))
     tables = [t for m in model.modules() if isinstance(m, EmbeddingCollection) for t in m.tables.values()]
     return Plan(world, tuple(shard_table(t, "row_wise", ranks) for t in tables))
-
-
-def sharded_io(model: nn.Module, job: Job) -> str | None:
-    """None when ``he.save`` writes a distributed model's whole tables (called on every rank),
-    else why not. Probed once, before training (no rows yet): ``model`` is saved to a
-    temporary directory of rank 0's, and its manifest must list the whole tables (as many as
-    the model has, no shard names ``table@i``). Every rank calls it; the checkpoints and the
-    export of ``--nproc N`` wait on it."""
-    from ..api import save
-    from ..api.checkpoint import read_manifest
-
-    expected = sorted(
-        f"{path}.{name}" if path else name
-        for path, m in model.named_modules()
-        if getattr(m, "sharded", False)
-        for name in m.tables
-    )
-    where = [tempfile.mkdtemp(prefix="hybridembed-probe-") if job.main else None]
-    dist.broadcast_object_list(where)
-    path = os.path.join(where[0], "checkpoint")
-    problem = None
-    try:
-        try:
-            save(path, model)
-        except Exception as e:  # any failure means: not supported yet
-            problem = f"he.save of a sharded model raised {type(e).__name__}"
-            _log.debug("he.save of a sharded model: %s", e)
-        failed = job.sum(problem is not None)[0]
-        if job.main and not failed:
-            try:
-                saved = sorted(read_manifest(path)["tables"])
-            except Exception as e:
-                saved, problem = [], f"he.save's checkpoint of a sharded model does not read back ({type(e).__name__})"
-            if problem is None and (len(saved) != len(expected) or any("@" in q for q in saved)):
-                problem = "he.save wrote each rank's shards, not the whole tables"
-        elif failed and problem is None:
-            problem = "he.save of a sharded model failed on another rank"
-        verdict = [problem]
-        dist.broadcast_object_list(verdict)  # rank 0's reading decides
-        dist.barrier()  # every rank is done with the directory
-    finally:
-        if job.main:
-            shutil.rmtree(where[0], ignore_errors=True)
-    return verdict[0]
