@@ -589,3 +589,16 @@ def test_cli_parses_sizes_and_overrides():
     for bad in ("t0", "=row_wise", "t0=row_wise:zigzag", "t0=row_wise@x", "t0=row_wise@1-", "t0=row_wise@5-3"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_override(bad)
+
+
+def test_cli_reads_tables_from_yaml(tmp_path, capsys):
+    pytest.importorskip("yaml")
+    path = tmp_path / "tables.yaml"
+    path.write_text(
+        "- {name: user, num_embeddings: 1000000, embedding_dim: 64, hotness: 2}\n"
+        "- name: item\n  num_embeddings: 500000\n  embedding_dim: 32\n"
+    )
+    out = tmp_path / "plan.json"
+    assert top.main(["plan", "--tables", str(path), "--world-size", "2", "--json", str(out)]) == 0
+    assert "tables.yaml: 2 tables on 2 ranks" in capsys.readouterr().out
+    assert {t.table for t in Plan.from_json(out.read_text()).tables} == {"user", "item"}
