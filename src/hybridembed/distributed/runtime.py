@@ -45,6 +45,7 @@ from ..input import Jagged, as_jagged, offsets_from_lengths
 from ..input.jagged import bag_index
 from ..kernels import bag_scale
 from ..modules import EmbeddingCollection
+from ..modules.collection import check_arguments
 from ..utils import kept_tensor
 from .plan import Plan, Shard, TablePlan
 
@@ -884,31 +885,12 @@ def _check_budget(plan: Plan, tables: list[TableConfig], memory_per_rank: int) -
 
 
 def _check_like_collection(tables, features, seed, pad, sequence_output) -> None:
-    """The checks :class:`EmbeddingCollection` makes of its arguments, without its storages."""
-    if not tables or not all(isinstance(t, TableConfig) for t in tables):
-        raise ConfigError("tables must be a non-empty sequence of hybridembed.TableConfig")
-    names = [t.name for t in tables]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ConfigError(f"table names must be unique; repeated: {', '.join(dup)}")
-    bad = [n for n in names if "@" in n]
-    if bad:
-        raise ConfigError(f"table name {bad[0]!r}: '@' is reserved for shard names in a sharded collection")
-    for arg, v in (("seed", seed), ("pad", pad)):
-        if isinstance(v, bool) or not isinstance(v, int) or not -(1 << 63) <= v < 1 << 63:
-            raise ConfigError(f"{arg} must be an int in [-2**63, 2**63) (int64), got {v!r}")
-    if sequence_output not in ("jagged", "padded"):
-        raise ConfigError(f"sequence_output must be 'jagged' or 'padded', got {sequence_output!r}")
-    if features is not None:
-        if not isinstance(features, Mapping) or not features:
-            raise ConfigError("features must be a non-empty mapping {feature name: table name}")
-        for f, t in features.items():
-            if not isinstance(f, str) or t not in names:
-                raise ConfigError(
-                    f"feature {f!r} reads table {t!r}, which is not among the tables ({', '.join(names)})"
-                )
-            if "@" in f:
-                raise ConfigError(f"feature {f!r}: '@' is reserved for shard names in a sharded collection")
+    """The checks :class:`EmbeddingCollection` makes of its arguments, and '@' kept for shard names."""
+    features = check_arguments(tables, features, seed, pad, sequence_output)
+    for what, names in (("table name", [t.name for t in tables]), ("feature", list(features))):
+        bad = [n for n in names if "@" in n]
+        if bad:
+            raise ConfigError(f"{what} {bad[0]!r}: '@' is reserved for shard names in a sharded collection")
 
 
 def _first_difference(a: Any, b: Any, rank: int, path: str = "") -> str:

@@ -113,6 +113,32 @@ def _check_group_size(ts: list[TableConfig]) -> None:
         )
 
 
+def check_arguments(
+    tables: list, features: Mapping[str, str] | None, seed: Any, pad: Any, sequence_output: Any
+) -> dict:
+    """The checks of a collection's arguments (tables, features, seed, pad, sequence output), made
+    before anything is allocated; returns the features (one per table when None)."""
+    if not tables or not all(isinstance(t, TableConfig) for t in tables):
+        raise ConfigError("tables must be a non-empty sequence of hybridembed.TableConfig")
+    names = [t.name for t in tables]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"table names must be unique; repeated: {', '.join(dup)}")
+    for arg, v in (("seed", seed), ("pad", pad)):
+        if isinstance(v, bool) or not isinstance(v, int) or not -(1 << 63) <= v < 1 << 63:
+            raise ConfigError(f"{arg} must be an int in [-2**63, 2**63) (int64), got {v!r}")
+    if sequence_output not in _SEQUENCE_OUTPUTS:
+        raise ConfigError(f"sequence_output must be one of {_SEQUENCE_OUTPUTS}, got {sequence_output!r}")
+    if features is None:
+        features = {n: n for n in names}
+    if not isinstance(features, Mapping) or not features:
+        raise ConfigError("features must be a non-empty mapping {feature name: table name}")
+    for f, t in features.items():
+        if not isinstance(f, str) or t not in names:
+            raise ConfigError(f"feature {f!r} reads table {t!r}, which is not among the tables ({', '.join(names)})")
+    return dict(features)
+
+
 class EmbeddingCollection(nn.Module):
     """Embedding tables looked up by named features, grouped into fused storages.
 
@@ -142,29 +168,10 @@ class EmbeddingCollection(nn.Module):
     ):
         super().__init__()
         tables = list(tables)
-        if not tables or not all(isinstance(t, TableConfig) for t in tables):
-            raise ConfigError("tables must be a non-empty sequence of hybridembed.TableConfig")
-        names = [t.name for t in tables]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ConfigError(f"table names must be unique; repeated: {', '.join(dup)}")
-        if "storages" in names:
+        features = check_arguments(tables, features, seed, pad, sequence_output)
+        if any(t.name == "storages" for t in tables):
             raise ConfigError("'storages' is reserved; rename that table")
-        for arg, v in (("seed", seed), ("pad", pad)):
-            if isinstance(v, bool) or not isinstance(v, int) or not -(1 << 63) <= v < 1 << 63:
-                raise ConfigError(f"{arg} must be an int in [-2**63, 2**63) (int64), got {v!r}")
-        if sequence_output not in _SEQUENCE_OUTPUTS:
-            raise ConfigError(f"sequence_output must be one of {_SEQUENCE_OUTPUTS}, got {sequence_output!r}")
-        if features is None:
-            features = {n: n for n in names}
-        if not isinstance(features, Mapping) or not features:
-            raise ConfigError("features must be a non-empty mapping {feature name: table name}")
         by_name = {t.name: t for t in tables}
-        for f, t in features.items():
-            if not isinstance(f, str) or t not in by_name:
-                raise ConfigError(
-                    f"feature {f!r} reads table {t!r}, which is not among the tables ({', '.join(names)})"
-                )
         self.tables: dict[str, TableConfig] = by_name
         self.features: dict[str, str] = dict(features)
         self.seed = int(seed)
