@@ -29,6 +29,7 @@ ranks' gradients (SOK's convention; equal to world 1 on a summed loss).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -91,8 +92,6 @@ class _Route:
 class _Pair:
     """One (request, shard) of a lookup: what one rank asks one owner for."""
 
-    request: int
-    position: int  # the shard's position among its table's active shards
     rank: int  # the owner
     local: str  # the owner's feature name for it
     width: int
@@ -462,8 +461,7 @@ class ShardedCollection(nn.Module):
         """(n,) int64 ones (bag lengths of one id each), kept like :meth:`_one_per_bag` (read-only)."""
         return kept_tensor(self, "_ones_cache", n, device, lambda: torch.ones(n, dtype=torch.int64, device=device))
 
-    def _trusted(self, j: Jagged) -> bool:
-        return j.offsets is self.__dict__.get("_aranges", {}).get(j.values.shape[0] if j.values.dim() else -1)
+    _trusted = EmbeddingCollection._trusted  # (offsets that are one of _one_per_bag's: the same test)
 
     def _ok(self, j: Jagged, t: TableConfig) -> torch.Tensor:
         """0-d bool: ``j`` is valid input of ``t`` (ids checked in global id space)."""
@@ -493,20 +491,17 @@ class ShardedCollection(nn.Module):
         pairs: list[_Pair] = []
         sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = []  # lengths, ids, w, one
         unroute: dict[int, tuple] = {}  # row-wise: where each shard's rows go back
-        scales: list[torch.Tensor | None] = []
         for q, ((f, j), t) in enumerate(zip(reqs, tabs)):
             route = self._routes[t.name]
             if route.kind == "local":
-                scales.append(None)
                 continue
             psw = None
             if error is None:
                 n = j.values.numel()
                 psw = bag_scale(t.combiner, j.offsets, j.weights, n, t.compute_dtype)
                 psw = None if psw is None else psw.detach()
-            scales.append(psw)
             for pos, (_, s) in enumerate(route.shards):
-                pairs.append(_Pair(q, pos, s.rank, f"{f}@{pos}", s.width))
+                pairs.append(_Pair(s.rank, f"{f}@{pos}", s.width))
             if error is not None:
                 empty = torch.zeros(0, dtype=torch.int64, device=self._device)
                 sends.extend((empty, empty, None, True) for _ in route.shards)
@@ -525,7 +520,7 @@ class ShardedCollection(nn.Module):
             ids_s = local.index_select(0, order).split(per_shard)
             w_s = psw.index_select(0, order).split(per_shard) if psw is not None else [None] * k
             # each shard is sent only the bags that have ids on it, and returns one row for each
-            if seq or one:  # one id per bag: each id's row, from its shard, goes back to its position
+            if one:  # one id per bag: each id's row, from its shard, goes back to its position
                 unroute[q] = (order, per_shard, n)
                 sends.extend((self._ones(c, ids.device), x, w, True) for c, x, w in zip(per_shard, ids_s, w_s))
             else:
@@ -543,7 +538,7 @@ class ShardedCollection(nn.Module):
         pooled_here: dict[int, tuple] = {}
         if error is None and self.dedup:
             distinct: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for i, (lengths, ids, w, _) in enumerate(sends):
+            for i, (lengths, ids, w, single) in enumerate(sends):
                 n, b = ids.numel(), lengths.numel()
                 if n < 2 or n > 2 * b:  # (many ids per bag: pooling on the owner sends fewer rows)
                     continue
@@ -551,9 +546,7 @@ class ShardedCollection(nn.Module):
                     distinct[id(ids)] = torch.unique(ids, return_inverse=True)
                 uniq, inv = distinct[id(ids)]
                 if uniq.numel() < b:
-                    seq = tabs[pairs[i].request].combiner == "none"
-                    single = seq or n == b and bool((lengths == 1).all())  # one id per bag: no pooling
-                    pooled_here[i] = (inv, None if single else lengths, w)
+                    pooled_here[i] = (inv, None if single else lengths, w)  # (one id per bag: no pooling)
                     sends[i] = (self._ones(uniq.numel(), ids.device), uniq, None, True)
         if pairs:
             rows_of = self._exchange_rows(reqs, pairs, sends, pooled_here, error, train)
@@ -795,7 +788,7 @@ class ShardedCollection(nn.Module):
         """Column slices under a row-wise optimizer: each slice's per-row sum of squares, summed
         over the slices (ranks) of its table, divided by the table's width. Two all-reduces over
         every rank: the rows each table touched (the same for all its slices), then the sums."""
-        slices = []  # (table index, storage index, selection of its pending rows)
+        slices = []  # (table index, storage index, its pending rows of that table, by ascending id)
         counts = torch.zeros(len(self._column_tables), dtype=torch.int64, device=self._device)
         for ti, name in enumerate(self._column_tables):
             route = self._routes[name]
@@ -810,31 +803,27 @@ class ShardedCollection(nn.Module):
                 ids = rows[k][0]
                 start = st.row_offset[local]
                 sel = ((ids >= start) & (ids < start + self.local.tables[local].num_embeddings)).nonzero().squeeze(1)
+                sel = sel.index_select(0, torch.argsort(ids.index_select(0, sel)))  # ascending ids: slices agree
                 slices.append((ti, k, sel))
                 counts[ti] = sel.numel()
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self._group)
         sizes = counts.tolist()
         if not any(sizes):
             return
-        starts = [0]
-        for c in sizes:
-            starts.append(starts[-1] + c)
+        starts = [0, *itertools.accumulate(sizes)]
         sums = torch.zeros(starts[-1], dtype=torch.float64, device=self._device)
         for ti, k, sel in slices:
-            ids, grad = rows[k][0], rows[k][1]
-            order = torch.argsort(ids.index_select(0, sel))  # (the slices of a table agree on ascending ids)
-            part = storages[k].optimizer.row_stat(grad.index_select(0, sel).to(torch.float64))
-            sums[starts[ti] : starts[ti + 1]] = part.index_select(0, order)
+            sums[starts[ti] : starts[ti + 1]] = storages[k].optimizer.row_stat(
+                rows[k][1].index_select(0, sel).to(torch.float64)
+            )
         dist.all_reduce(sums, group=self._group)
         stats: dict[int, torch.Tensor] = {}
         for ti, k, sel in slices:
-            st = storages[k]
-            ids, grad = rows[k][0], rows[k][1]
+            grad = rows[k][1]
             if k not in stats:  # rows of other tables in this storage: their own mean square
-                stats[k] = st.optimizer.row_stat(grad.to(torch.float64)).div_(grad.shape[1])
-            order = torch.argsort(ids.index_select(0, sel))
+                stats[k] = storages[k].optimizer.row_stat(grad.to(torch.float64)).div_(grad.shape[1])
             width = self.tables[self._column_tables[ti]].embedding_dim
-            stats[k][sel.index_select(0, order)] = sums[starts[ti] : starts[ti + 1]] / width
+            stats[k][sel] = sums[starts[ti] : starts[ti + 1]] / width
         for k, stat in stats.items():
             rows[k] = (rows[k][0], rows[k][1], stat.to(storages[k].compute_dtype))
 
