@@ -146,3 +146,33 @@ def test_to_moves_the_exchange_device_with_the_shards(world1):
     assert sc._device == torch.device("meta")
     with pytest.raises(he.InvalidInputError, match="is on cpu but its table is on meta"):
         sc({"a": torch.tensor([1])})
+
+
+def test_distribute_refuses_bad_options_before_changing_the_model(world1):
+    model = nn.ModuleDict({"e": nn.Embedding(10, 4)})
+    for kwargs, match in (
+        ({"ddp": "yes"}, "ddp must be"),
+        ({"memory_per_rank": -1}, "memory_per_rank"),
+        ({"dedup": 1}, "dedup"),
+    ):
+        with pytest.raises(he.ConfigError, match=match):
+            he.distribute(model, **kwargs)
+        assert isinstance(model["e"], nn.Embedding)  # not converted
+
+
+def test_spawn_refuses_a_timeout_that_would_never_fire():
+    from hybridembed.distributed.launch import spawn
+
+    with pytest.raises(he.HybridEmbedError, match="timeout must be"):
+        spawn(print, 2, timeout=float("nan"))
+
+
+def test_save_and_load_refuse_bad_arguments(tmp_path):
+    model = nn.ModuleDict({"ec": he.EmbeddingCollection([he.TableConfig("a", 10, 4)])})
+    with pytest.raises(he.CheckpointError, match="extra must be a dict"):
+        he.save(str(tmp_path / "c"), model, extra=[("epoch", 3)])
+    he.save(str(tmp_path / "c"), model)
+    with pytest.raises(he.CheckpointError, match="load needs the model"):
+        he.load(str(tmp_path / "c"), "model")
+    with pytest.raises(he.CheckpointError, match="verify must be"):
+        he.load(str(tmp_path / "c"), model, verify="no")

@@ -343,6 +343,8 @@ def save(
         raise CheckpointError(f"save needs an nn.Module, got {type(model).__name__}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep must be an int >= 1, got {keep!r}")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise CheckpointError(f"extra must be a dict of JSON values, got {type(extra).__name__}")
     try:
         extra_json = json.loads(json.dumps(dict(extra or {})))
     except (TypeError, ValueError) as e:
@@ -350,9 +352,10 @@ def save(
     root = Path(path)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory")
-    colls = _sharded_collections(_unwrap(model))
+    inner = _unwrap(model)
+    colls = _sharded_collections(inner)
     if colls:  # every rank of the job: its shards, then one commit by rank 0
-        return _save_sharded(root, _unwrap(model), colls, optimizer, extra_json, keep)
+        return _save_sharded(root, inner, colls, optimizer, extra_json, keep)
     try:
         return _save(root, model, optimizer, extra_json, keep)
     except OSError as e:  # the disk, permissions, a file in the way: say which file and why
@@ -1138,9 +1141,14 @@ def load(
     A distributed model is loaded by every rank calling ``load``, at the saved world size and
     plan; a problem found by any rank raises on every rank and no rank changes anything.
     """
-    colls = _sharded_collections(_unwrap(model))
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(f"load needs the model (an nn.Module) to load into, got {type(model).__name__}")
+    if not isinstance(verify, bool):
+        raise CheckpointError(f"verify must be True or False, got {verify!r}")
+    inner = _unwrap(model)
+    colls = _sharded_collections(inner)
     if colls:  # every rank of the job: its shards, all ranks or none
-        return _load_sharded(path, _unwrap(model), colls, optimizer, verify)
+        return _load_sharded(path, inner, colls, optimizer, verify)
     manifest = read_manifest(path)
     vdir = Path(manifest["path"])
     tables = _model_tables(model)
@@ -1222,12 +1230,6 @@ def load(
 # A shard's file holds its rows in the shard's own order with the manifest entry saying which
 # global rows and columns they are: rows ``range(row_start, row_end, row_step)`` (a block has
 # step 1, modulo placement over k shards step k) and columns ``col_start .. col_end - 1``.
-def _unwrap(model: nn.Module) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def _sharded_collections(model: nn.Module) -> dict[str, nn.Module]:
     """``{path: ShardedCollection}`` of ``model`` (empty for a model of one process)."""
     if not any(getattr(type(m), "sharded", False) is True for m in model.modules()):
@@ -1724,3 +1726,9 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
         optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
     log.info("loaded checkpoint %s (rank %d)", manifest["path"], next(iter(colls.values())).rank)
     return manifest
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    from ..distributed.api import unwrap  # (lazy: distributed.api imports this package)
+
+    return unwrap(model)

@@ -672,7 +672,9 @@ def export(
             f"export path {str(path)!r}: directory {str(path.parent)!r} does not exist; create it first "
             "(os.makedirs(..., exist_ok=True))"
         )
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    from ..distributed.api import unwrap  # (lazy: distributed.api imports this package)
+
+    inner = unwrap(model)
     sharded = _sharded(inner)
     pads = {ec.pad for ec in _collections(inner)}
     if len(pads) > 1:

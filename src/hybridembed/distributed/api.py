@@ -93,7 +93,15 @@ def distribute(
         )
     if plan is not None and not isinstance(plan, (Plan, Mapping)):
         raise ConfigError(f"plan must be a Plan or {{collection path: Plan}}, got {type(plan).__name__}")
-    if any(isinstance(m, ShardedCollection) for m in model.modules()):
+    if not isinstance(ddp, (bool, Mapping)):
+        raise ConfigError(f"ddp must be True, False or a dict of DistributedDataParallel arguments, got {ddp!r}")
+    if not isinstance(dedup, bool):
+        raise ConfigError(f"dedup must be True or False, got {dedup!r}")
+    if memory_per_rank is not None and (
+        isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, int) or memory_per_rank <= 0
+    ):
+        raise ConfigError(f"memory_per_rank must be a positive int (bytes) or None, got {memory_per_rank!r}")
+    if any(isinstance(m, ShardedCollection) for m in model.modules()):  # (all checked before the model changes)
         raise ConfigError("this model is distributed already")
     if any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules()):
         model = convert(model, grouped=True, **convert_args)
@@ -105,8 +113,6 @@ def distribute(
         _swap(model, ec, sharded)
     if ddp is False:
         return model
-    if not isinstance(ddp, (bool, Mapping)):
-        raise ConfigError(f"ddp must be True, False or a dict of DistributedDataParallel arguments, got {ddp!r}")
     ours = {id(t) for m in model.modules() if isinstance(m, ShardedCollection) for t in (*m.parameters(), *m.buffers())}
     ignore = [n for n, p in model.named_parameters() if id(p) in ours]
     ignore += [n for n, b in model.named_buffers() if id(b) in ours]

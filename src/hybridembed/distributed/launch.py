@@ -104,6 +104,9 @@ def spawn(
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise HybridEmbedError(f"nprocs must be a positive int, got {nprocs!r}")
+    for name, v in (("timeout", timeout), ("pg_timeout", pg_timeout), ("grace", grace)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= (0 if name == "grace" else 1e-9):
+            raise HybridEmbedError(f"spawn: {name} must be a number of seconds > 0 (inf allowed), got {v!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

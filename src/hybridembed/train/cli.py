@@ -42,7 +42,7 @@ from ..utils import get_logger
 from . import data as D
 from . import models as M
 from .loop import EpochStats, EvalStats, evaluate, train_epoch
-from .parallel import ONE, Job, plan_for
+from .parallel import ONE, Job
 
 __all__ = ["main", "build_parser", "UsageError"]
 
@@ -629,7 +629,7 @@ def _distribute(args: argparse.Namespace, model: nn.Module, job: Job) -> tuple[n
 
     # the models' only buffer (DLRM's pair indices) is a constant: DDP's default broadcast of the
     # buffers before every forward cost ~7 ms of a ~25 ms step on Adult at world 2
-    return distribute(model, plan=plan_for(model, job.world), ddp=_NO_BUFFER_SYNC), None
+    return distribute(model, ddp=_NO_BUFFER_SYNC), None
 
 
 def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE) -> int:

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..utils import get_logger
 from .data import Batch
 
-__all__ = ["ONE", "Job", "plan_for"]
+__all__ = ["ONE", "Job"]
 
 
 @dataclass(frozen=True)
@@ -52,17 +51,16 @@ class Job:
 
     def sum(self, *values: float) -> list[float]:
         """``values`` summed over the ranks (float64; the values themselves at world 1)."""
-        if self.world == 1:
-            return [float(v) for v in values]
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.tolist()
+        return self._reduce(values, dist.ReduceOp.SUM)
 
     def max(self, *values: float) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values: tuple[float, ...], op) -> list[float]:
         if self.world == 1:
             return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=op)
         return t.tolist()
 
     def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -93,20 +91,3 @@ class Job:
 
 _log = get_logger("hybridembed.train")
 ONE = Job()  # one process: every method a no-op
-
-
-def plan_for(model: nn.Module, world: int):
-    """The plan of ``he.distribute``: the planner's default where this build has one, else
-    every (dynamic) table row-wise over all ranks by a hash of the id."""
-    try:
-        from ..distributed import planner  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        return None
-    from ..distributed import Plan, shard_table
-    from ..modules import EmbeddingCollection
-
-    ranks = tuple(range(world))
-    tables = [t for m in model.modules() if isinstance(m, EmbeddingCollection) for t in m.tables.values()]
-    return Plan(world, tuple(shard_table(t, "row_wise", ranks) for t in tables))
