@@ -433,12 +433,12 @@ INCONSISTENT = {
     "optimizer-state-rows": (
         "tables/ec.tag.00000.pt",
         _bad_state,
-        r"table 'ec.tag': optimizer state 'sum' is \(9, 4\)",
+        r"table 'ec.tag': file '.*': optimizer state 'sum' is \(9, 4\)",
     ),
     "dynamic-optimizer-state": (
         "tables/ec.query.00000.pt",
         _bad_state,
-        r"table 'ec.query': optimizer state 'sum' is",
+        r"table 'ec.query': file '.*': optimizer state 'sum' is",
     ),
     "dense-tensor-shape": (
         "dense.pt",
@@ -448,7 +448,7 @@ INCONSISTENT = {
     "dynamic-counters": (
         "tables/hybridembed.user.00000.pt",
         lambda d: {**d, "freq": d["freq"][:-1]},
-        r"hybridembed.user.freq: expected \(\d+,\) integers",
+        r"hybridembed.user.*'freq' of shape \(\d+,\)",
     ),
     "row-dtype": (
         "tables/hybridembed.items.00000.pt",

@@ -98,6 +98,9 @@ from ..optim.wrapper import HybridOptimizer
 from ..storage import RowStorage, serial
 from ..utils import get_logger
 from .convert import _TableLayer
+from .shards import Target, assemble, files_for
+from .shards import span as _span
+from .shards import torch_load as _torch_load
 
 __all__ = ["save", "load", "read_manifest", "checkpoint_tables", "FORMAT_VERSION"]
 
@@ -799,18 +802,6 @@ def _check_dense_names(manifest: dict, model: nn.Module) -> list[str]:
     return problems
 
 
-def _span(x: dict, dim: int) -> tuple[int, int, int, int, int]:
-    """A dense shard entry's (row_start, row_end, row_step, col_start, col_end): rows
-    ``range(row_start, row_end, row_step)``, columns ``col_start .. col_end - 1``."""
-    return (
-        int(x["row_start"]),
-        int(x["row_end"]),
-        int(x.get("row_step", 1)),
-        int(x.get("col_start", 0)),
-        int(x.get("col_end", dim)),
-    )
-
-
 def _check_shards(q: str, s: dict) -> list[str]:
     shards = s.get("shards")
     if not isinstance(shards, list) or not shards:
@@ -916,12 +907,15 @@ def _check_optimizer_kind(manifest: dict, optimizer) -> list[str]:
 
 
 def _check_files(vdir: Path, manifest: dict, verify: bool) -> list[str]:
+    """The files ``manifest["files"]`` lists, checked (and, for a whole manifest, every file it uses listed)."""
     problems = []
     listed = manifest["files"]
-    needed = {s["file"] for t in manifest["tables"].values() for s in t.get("shards", []) if isinstance(s, dict)}
-    needed.add(manifest["dense"].get("file", "dense.pt"))
-    if manifest.get("optimizer"):
-        needed.add(manifest["optimizer"].get("file", "optimizer.pt"))
+    needed = set()
+    if "tables" in manifest:
+        needed = {s["file"] for t in manifest["tables"].values() for s in t.get("shards", []) if isinstance(s, dict)}
+        needed.add(manifest["dense"].get("file", "dense.pt"))
+        if manifest.get("optimizer"):
+            needed.add(manifest["optimizer"].get("file", "optimizer.pt"))
     for rel in sorted(needed - set(listed)):
         problems.append(f"file {rel!r} is used but not listed (with size and checksum) in the manifest")
     for rel, spec in sorted(listed.items()):
@@ -946,112 +940,6 @@ def _raise(vdir: Path, problems: list[str], what: str) -> None:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise CheckpointError(f"checkpoint {vdir} {what}; nothing was loaded:\n{lines}")
-
-
-def _torch_load(vdir: Path, rel: str, mmap: bool = False) -> Any:
-    """``mmap`` for table shards only: their rows are copied into the tables, never kept (a
-    torch optimizer would keep its loaded state tensors, which must not map a checkpoint file)."""
-    try:
-        return torch.load(vdir / rel, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # noqa: BLE001 - any failure to read is a damaged checkpoint
-        raise CheckpointError(f"checkpoint {vdir}: file {rel!r} cannot be read ({type(e).__name__}: {e})") from None
-
-
-def _gather(vdir: Path, q: str, spec: dict, t: _Table) -> tuple[dict[str, Any], list[str]]:
-    """A table's shards, put together: (entry with rows and optimizer state, problems)."""
-    parts = [(s, _torch_load(vdir, s["file"], mmap=True)) for s in spec["shards"]]
-    d = t.config.embedding_dim
-    problems = []
-    if not t.keyed and any(_span(s, d)[2:] != (1, 0, d) for s, _ in parts):
-        return _gather_pieces(q, spec, t, parts)  # residues or column slices of a distributed save
-    if not t.keyed:
-        parts.sort(key=lambda x: int(x[0]["row_start"]))
-        for s, p in parts:
-            n = int(s["row_end"]) - int(s["row_start"])
-            w = p.get("weight") if isinstance(p, dict) else None
-            if not torch.is_tensor(w) or tuple(w.shape) != (n, d):
-                problems.append(f"table {q!r}: file {s['file']!r} does not hold ({n}, {d}) rows")
-        if problems:
-            return {}, problems
-        entry = {"weight": torch.cat([p["weight"] for _, p in parts]) if len(parts) > 1 else parts[0][1]["weight"]}
-    else:
-        for s, p in parts:
-            ok = isinstance(p, dict) and all(torch.is_tensor(p.get(k)) for k in serial.DYNAMIC_KEYS)
-            if not ok or tuple(p["weight"].shape) != (p["ids"].numel(), d):
-                problems.append(f"table {q!r}: file {s['file']!r} does not hold ids and (K, {d}) rows")
-        if problems:
-            return {}, problems
-        if any(int(s.get("col_start", 0)) != 0 or int(s.get("col_end", d)) != d for s, _ in parts):
-            return {}, [
-                f"table {q!r}: the dynamic table was saved in column slices, which one process cannot load yet; "
-                f"{_RESHARD}"
-            ]
-        ps = [{k: v for k, v in p.items() if k != "state"} for _, p in parts]
-        entry = dict(ps[0])  # what the storage saved (serial.table_entry), passed back as is
-        if len(ps) > 1:  # per-row entries concatenate; counters of disjoint shards add up; time is the latest
-            entry.update({k: torch.cat([p[k] for p in ps]) for k in serial.PER_ROW_KEYS})
-            entry["stats"] = torch.stack([p["stats"] for p in ps]).sum(0)
-            entry["clock"] = torch.stack([p["clock"] for p in ps]).max()
-            if all("sketch" in p for p in ps):
-                entry["sketch"] = torch.stack([p["sketch"] for p in ps]).sum(0)
-            if entry["ids"].unique().numel() != entry["ids"].numel():
-                problems.append(f"table {q!r}: an id appears in more than one shard")
-            order = torch.argsort(entry["ids"])
-            entry.update({k: entry[k][order] for k in serial.PER_ROW_KEYS})
-            entry["_order"] = order
-    names = sorted(spec.get("optimizer_state", []))
-    state = {}
-    for k in names:
-        pieces = [p.get("state", {}).get(k) for _, p in parts]
-        if not all(torch.is_tensor(x) for x in pieces):
-            problems.append(f"table {q!r}: optimizer state {k!r} is missing from a shard")
-            continue
-        v = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        state[k] = v[entry["_order"]] if "_order" in entry else v
-    entry.pop("_order", None)
-    entry["state"] = state
-    return entry, problems
-
-
-def _gather_pieces(q: str, spec: dict, t: _Table, parts: list) -> tuple[dict[str, Any], list[str]]:
-    """A dense table put together from shards holding rows ``row_start::row_step`` and columns
-    ``col_start:col_end`` (as a distributed job saves them): (entry, problems)."""
-    rows, d = t.config.num_embeddings, t.config.embedding_dim
-    problems = []
-    for s, p in parts:
-        a, b, step, c0, c1 = _span(s, d)
-        want = (len(range(a, b, step)), c1 - c0)
-        w = p.get("weight") if isinstance(p, dict) else None
-        if not torch.is_tensor(w) or tuple(w.shape) != want:
-            problems.append(f"table {q!r}: file {s['file']!r} does not hold {want} rows")
-    if problems:
-        return {}, problems
-    weight = torch.empty(rows, d, dtype=parts[0][1]["weight"].dtype)
-    for s, p in parts:
-        a, b, step, c0, c1 = _span(s, d)
-        weight[a:b:step, c0:c1] = p["weight"]
-    split = any(_span(s, d)[3:] != (0, d) for s, _ in parts)
-    state = {}
-    for k in sorted(spec.get("optimizer_state", [])):
-        pieces = [p.get("state", {}).get(k) for _, p in parts]
-        if not all(torch.is_tensor(x) for x in pieces):
-            problems.append(f"table {q!r}: optimizer state {k!r} is missing from a shard")
-            continue
-        if pieces[0].dim() == 1 and split:
-            problems.append(
-                f"table {q!r}: optimizer state {k!r} is kept per row of each column slice and cannot be put "
-                "together into the whole table's; load with optimizer=None, or in a job of the saved world size"
-            )
-            continue
-        full = torch.empty((rows, d) if pieces[0].dim() == 2 else (rows,), dtype=pieces[0].dtype)
-        for (s, _), x in zip(parts, pieces):
-            a, b, step, c0, c1 = _span(s, d)
-            if x.dim() == 2:
-                full[a:b:step, c0:c1] = x
-            else:
-                full[a:b:step] = x
-        state[k] = full
-    return {"weight": weight, "state": state}, problems
 
 
 def _check_dense_file(rel: str, dense: dict, model: nn.Module) -> list[str]:
@@ -1122,6 +1010,104 @@ def _check_optimizer_file(opt_file: dict, optimizer, tables: dict[str, _Table], 
     return problems
 
 
+# --- versions of a chain: a full base, then the incremental versions saved on top of it ------
+def _chain(manifest: dict) -> list[tuple[Path, dict]]:
+    """``[(version directory, manifest)]`` from the full base to ``manifest`` (itself last):
+    an incremental version names its parent, which must be in the same checkpoint directory."""
+    vdir = Path(manifest["path"])
+    out = [(vdir, manifest)]
+    seen = {vdir.name}
+    while (inc := out[0][1].get("incremental")) is not None:
+        parent = inc["parent"]
+        pdir = vdir.parent / parent["version"]
+        child = out[0][0].name
+        if parent["version"] in seen or not _VERSION_RE.match(parent["version"]):
+            raise CheckpointError(f"checkpoint {vdir}: version {child} names a bad parent {parent['version']!r}")
+        if not (pdir / MANIFEST).is_file():
+            raise CheckpointError(
+                f"checkpoint {vdir} is incremental: version {child} holds only the rows changed since version "
+                f"{parent['version']}, which is missing from {vdir.parent}; nothing was loaded. Load a full "
+                "version (or one whose chain is complete) instead"
+            )
+        m = read_manifest(pdir)
+        if m.get("id") != parent["id"]:
+            raise CheckpointError(
+                f"checkpoint {vdir} is incremental: version {child} was saved on top of version "
+                f"{parent['version']} with id {parent['id']}, but {pdir} holds id {m.get('id')} (another save "
+                "replaced it); nothing was loaded"
+            )
+        seen.add(parent["version"])
+        out.insert(0, (pdir, m))
+    return out
+
+
+def _check_chain(chain: list[tuple[Path, dict]]) -> list[str]:
+    """Every version of the chain lists the final version's tables, each tiling its rows, with the
+    same optimizer state names."""
+    final = chain[-1][1]
+    problems = []
+    for vdir, m in chain[:-1]:
+        for q, t in final["tables"].items():
+            s = m["tables"].get(q)
+            if s is None:
+                problems.append(f"table {q!r} is missing from version {vdir.name} of the chain")
+            elif (s.get("kind"), s.get("shape"), s.get("dtype")) != (t.get("kind"), t.get("shape"), t.get("dtype")):
+                problems.append(f"table {q!r} changed kind, shape or dtype in version {vdir.name} of the chain")
+            elif sorted(s.get("optimizer_state", [])) != sorted(t.get("optimizer_state", [])):
+                problems.append(f"table {q!r}: version {vdir.name} of the chain has other optimizer state")
+            else:
+                problems.extend(f"version {vdir.name}: {p}" for p in _check_shards(q, s))
+    return problems
+
+
+def _versions_of(chain: list[tuple[Path, dict]], q: str) -> list[tuple[Path, dict]]:
+    return [(vdir, m["tables"][q]) for vdir, m in chain]
+
+
+def _whole(t, keyed: bool) -> Target:
+    """A whole table (``t`` its TableConfig): one process's, or a replicated one."""
+    if keyed:
+        return Target(None, (0, t.embedding_dim))
+    return Target((0, t.num_embeddings, 1), (0, t.embedding_dim))
+
+
+def _state_names(manifest: dict, q: str, optimizer) -> list[str]:
+    """The optimizer state to read for table ``q``: none without an optimizer to load it into."""
+    if not isinstance(optimizer, HybridOptimizer):
+        return []
+    return sorted(manifest["tables"].get(q, {}).get("optimizer_state", []))
+
+
+def _check_chain_files(chain, wanted: dict, optimizer, verify: bool) -> list[str]:
+    """The files this process reads of every version of the chain: present, sizes, checksums."""
+    needed: dict[Path, set[str]] = {vdir: set() for vdir, _ in chain}
+    for q, (target, keyed, _) in wanted.items():
+        dim = chain[-1][1]["tables"][q]["shape"][1]
+        for vdir, rel in files_for(_versions_of(chain, q), target, dim, keyed):
+            needed[vdir].add(rel)
+    final_dir, final = chain[-1]
+    needed[final_dir].add(final["dense"]["file"])
+    if optimizer is not None and final.get("optimizer"):
+        needed[final_dir].add(final["optimizer"]["file"])
+    problems = []
+    for vdir, m in chain:
+        listed = m["files"]
+        missing = sorted(needed[vdir] - set(listed))
+        problems += [f"file {rel!r} is used but not listed (with size and checksum) in the manifest" for rel in missing]
+        mine = {rel: spec for rel, spec in listed.items() if rel in needed[vdir]}
+        where = "" if vdir == final_dir else f"version {vdir.name}: "
+        problems += [where + p for p in _check_files(vdir, {"files": mine}, verify)]
+    return problems
+
+
+def _loaded_from(manifest: dict, storages) -> None:
+    """The model now holds version ``manifest``: its tables' changes are counted from it."""
+    for st in storages:
+        st.track_changes()
+        st.checkpoint_base = manifest.get("id")
+
+
+
 def load(
     path: str | os.PathLike,
     model: nn.Module,
@@ -1151,14 +1137,16 @@ def load(
         return _load_sharded(path, inner, colls, optimizer, verify)
     manifest = read_manifest(path)
     vdir = Path(manifest["path"])
+    chain = _chain(manifest)
     tables = _model_tables(model)
-    _raise(vdir, _check_model(manifest, model, optimizer, tables), "does not match the model")
-    _raise(vdir, _check_files(vdir, manifest, verify), "is damaged")
+    _raise(vdir, _check_model(manifest, model, optimizer, tables) + _check_chain(chain), "does not match the model")
+    wanted = {q: (_whole(t.config, t.keyed), t.keyed, _state_names(manifest, q, optimizer)) for q, t in tables.items()}
+    _raise(vdir, _check_chain_files(chain, wanted, optimizer, verify), "is damaged")
 
     problems: list[str] = []
     entries = {}
-    for q, t in tables.items():
-        entries[q], p = _gather(vdir, q, manifest["tables"][q], t)
+    for q, (target, keyed, names) in wanted.items():
+        entries[q], p = assemble(q, _versions_of(chain, q), target, tables[q].config.embedding_dim, keyed, names)
         problems.extend(p)
     dense = _torch_load(vdir, manifest["dense"]["file"])
     if not isinstance(dense, dict):
@@ -1216,6 +1204,7 @@ def load(
                     "state": e["state"],
                 }
             optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
+    _loaded_from(manifest, {id(t.storage): t.storage for t in tables.values()}.values())
     log.info("loaded checkpoint %s (%d tables)", vdir, len(tables))
     return manifest
 

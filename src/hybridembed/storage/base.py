@@ -50,6 +50,42 @@ class RowStorage(nn.Module):
         self.state: dict[str, torch.Tensor] = {}
         self.optimizer = None
         self.step = 0
+        # Changes since the last checkpoint (he.save(incremental=True) writes only these):
+        # ``_changed`` (slots,) bool marks rows (and their optimizer state or counters) written
+        # since; ``_removed`` lists (2, E) (id, table index) of rows a dynamic table dropped
+        # since. Kept only once a checkpoint started them (``track_changes``): None before.
+        self._changed: torch.Tensor | None = None
+        self._removed: list[torch.Tensor] = []
+        self.checkpoint_base: str | None = None  # the checkpoint version the changes are counted from
+
+    # --- changes since the last checkpoint -------------------------------------------------
+    def track_changes(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Start counting changes afresh (a checkpoint's snapshot): returns the changes counted
+        so far (``(changed (slots,) bool or None, removed)``) and clears them."""
+        old = (self._changed, self._removed)
+        self._changed = torch.zeros(self.weight.shape[0], dtype=torch.bool, device=self.weight.device)
+        self._removed = []
+        return old
+
+    def restore_changes(self, changed: torch.Tensor | None, removed: list[torch.Tensor]) -> None:
+        """Add back changes taken by :meth:`track_changes` (a checkpoint that was not committed)."""
+        if self._changed is None:
+            return
+        if changed is None:  # changes were not counted before: nothing is known to be unchanged
+            self._changed.fill_(True)
+        else:
+            n = min(changed.numel(), self._changed.numel())
+            self._changed[:n] |= changed[:n].to(self._changed.device)
+        self._removed = list(removed) + self._removed
+
+    def _mark(self, slots: torch.Tensor) -> None:
+        """Rows ``slots`` (any shape of row numbers) changed since the last checkpoint."""
+        if self._changed is not None and slots.numel():
+            self._changed.index_fill_(0, slots.reshape(-1).long(), True)
+
+    def _mark_span(self, start: int, stop: int) -> None:
+        if self._changed is not None:
+            self._changed[start:stop] = True
 
     def _new_state(self, rows: int, per_element: bool, fill: float) -> torch.Tensor:
         shape = (rows, self.dim) if per_element else (rows,)
@@ -71,6 +107,7 @@ class RowStorage(nn.Module):
         """Optimizer state of ``slots`` back to its initial value (rows given to new ids)."""
         if self.optimizer is None or slots.numel() == 0:
             return
+        self._mark(slots)
         for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
             self.state[name].index_fill_(0, slots, fill)
 
@@ -116,6 +153,7 @@ class RowStorage(nn.Module):
             row_stat = None if row_stat is None else row_stat[mask]
         if ids.numel() == 0:
             return
+        self._mark(ids)
         w, opt, g = self.weight, self.optimizer, grad.to(self.compute_dtype)
         state = {k: v.index_select(0, ids) for k, v in self.state.items()}  # gathered copies
         if opt.additive(hparams):  # row += scale * t: one scatter-add, the rows are never gathered
@@ -218,6 +256,8 @@ class RowStorage(nn.Module):
     def _apply(self, fn, recurse=True):  # .to(device) moves the optimizer state with the rows
         out = super()._apply(fn, recurse)
         self.state = {k: v.to(self.weight.device) for k, v in self.state.items()}
+        if self._changed is not None:
+            self._changed = self._changed.to(self.weight.device)
         return out
 
     @property

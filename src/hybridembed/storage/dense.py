@@ -70,6 +70,11 @@ class DenseStorage(RowStorage):
         t = self._table(name)
         return self.row_offset[t.name], t.num_embeddings
 
+    def _rows_of(self, name: str) -> tuple[int, int]:
+        """(first, last + 1) row of table ``name`` in ``weight``."""
+        start, n = self._span(name)
+        return start, start + n
+
     def table_ids(self, name: str) -> None:
         """None: a dense table's row r is id r."""
         self._table(name)
@@ -86,6 +91,7 @@ class DenseStorage(RowStorage):
         optimizer state; ``ids`` is unused (a dense table's state covers all its rows)."""
         for k, v in self.table_state(name).items():
             v.copy_(state[k])
+        self._mark_span(*self._rows_of(name))
 
     def table_rows(self, name: str) -> torch.Tensor:
         """(num_embeddings, D) view of table ``name``'s rows (shares memory)."""
@@ -131,6 +137,7 @@ class DenseStorage(RowStorage):
             dst = self.weight.detach() if name == "weight" else self.state[name]
             dst = dst[a : a + k, col_start : col_start + cols] if dst.dim() > 1 else dst[a : a + k]
             dst.copy_(v)
+        self._mark_span(a, a + k)
 
     def read_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(ids ``0..R-1`` (R,), rows (R, D), ``{state: (R, D) or (R,)}``) of ``table``, copies."""
@@ -157,6 +164,7 @@ class DenseStorage(RowStorage):
         for name, v in data.items():
             dst = self.weight.detach() if name == "weight" else self.state[name]
             dst.index_copy_(0, slots, v.to(dst))
+        self._mark(slots)
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """``{"rows", "memory_bytes"}`` of ``table`` or (None) of the whole storage."""

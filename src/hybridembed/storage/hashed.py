@@ -270,6 +270,7 @@ class HashStorage(RowStorage):
                     self.weight.index_copy_(0, slots if sel is None else slots.index_select(0, sel), new)
         self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
         self.last_seen[slots], self.freq[slots] = self.clock, 0
+        self._mark(slots)
         self.size += torch.bincount(tabs.long(), minlength=len(self.tables))
         self.reset_state_rows(slots)
 
@@ -278,6 +279,8 @@ class HashStorage(RowStorage):
         if victims.numel() == 0:
             return
         per_table = torch.bincount(self.slot_table[victims].long(), minlength=len(self.tables))
+        if self._changed is not None:  # (id, table) of each row dropped, for an incremental checkpoint
+            self._removed.append(torch.stack([self.slot_key[victims], self.slot_table[victims].long()]))
         if count:
             self.counters[:, 1] += per_table
         self.size -= per_table
@@ -357,6 +360,8 @@ class HashStorage(RowStorage):
             for name, (per_element, fill) in self.optimizer.state_spec(self.hparams).items():
                 self.state[name] = torch.cat([self.state[name], self._new_state(extra, per_element, fill)])
         self.free = torch.cat([torch.arange(new, old, -1, device=dev), self.free])
+        if self._changed is not None:
+            self._changed = torch.cat([self._changed, torch.zeros(extra, dtype=torch.bool, device=dev)])
         self._build_index(new)
 
     def _allocate(self, n: int) -> torch.Tensor:
@@ -484,6 +489,7 @@ class HashStorage(RowStorage):
             s, c = found.index_select(0, seen), counts.index_select(0, seen)
         self.last_seen.index_fill_(0, s, self.clock)
         self.freq.index_add_(0, s, c)
+        self._mark(s)
         if self.config.eviction == "ttl":  # unseen for ttl_steps lookups, and no pending gradient
             expired = (self.slot_table >= 0) & (self.clock - self.last_seen >= self.config.ttl_steps)
             expired &= ~self._protected(s)
@@ -559,6 +565,7 @@ class HashStorage(RowStorage):
             )
         for k, v in state.items():
             self.state[k].index_copy_(0, slots, v.to(self.state[k]))
+        self._mark(slots)
 
     def table_stats(self, name: str) -> dict[str, float]:
         i = self.table_index[name]
@@ -629,6 +636,7 @@ class HashStorage(RowStorage):
         for name, v in data.items():
             dst = self.weight.detach() if name == "weight" else self.state[name]
             dst.index_copy_(0, slots, v.to(dst))
+        self._mark(slots)
 
     def save_table(self, name: str) -> dict[str, torch.Tensor]:
         """Table ``name`` as a checkpoint entry (see :mod:`hybridembed.storage.serial`): ids, rows,

@@ -160,3 +160,4 @@ def load_entry(storage: RowStorage, name: str, entry: dict[str, Any]) -> None:
         return
     with torch.no_grad():
         storage.table_rows(name).copy_(entry["weight"])
+    storage._mark_span(*storage._rows_of(name))
