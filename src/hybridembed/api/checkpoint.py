@@ -1107,7 +1107,6 @@ def _loaded_from(manifest: dict, storages) -> None:
         st.checkpoint_base = manifest.get("id")
 
 
-
 def load(
     path: str | os.PathLike,
     model: nn.Module,
@@ -1263,6 +1262,8 @@ def _shard_pieces(path: str, sc) -> list[_Piece]:
             spec = {"shard": i, "rank": s.rank, "col_start": s.col_start, "col_end": s.col_stop}
             if t.dynamic is None:
                 spec.update(row_start=s.row_start, row_end=s.row_stop, row_step=s.row_step)
+            elif route.kind == "rows":  # hash placement: the ids whose hash residue of row_step is row_start
+                spec.update(residue=s.row_start, residues=s.row_step)
             out.append(_Piece(q, sc.local, sc._local_names[(name, pos)], spec, t))
     return out
 
@@ -1496,58 +1497,12 @@ def _sharded_manifest(tmp: Path, model, colls: dict, optimizer, extra: dict, par
     }
 
 
-_RESHARD = 'resharding is not supported yet (issue "Checkpoints at any world size")'
-_SPAN_KEYS = ("rank", "row_start", "row_end", "row_step", "col_start", "col_end")
-
-
-def _plan_difference(a: Any, b: Any, where: str = "") -> str | None:
-    """The first place where two plans (as JSON) differ, or None."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in [*a, *(k for k in b if k not in a)]:
-            if k == "notes" and not where:
-                continue
-            d = _plan_difference(a.get(k), b.get(k), f"{where}.{k}" if where else k)
-            if d:
-                return d
-        return None
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _plan_difference(x, y, f"{where}[{i}]"))), None)
-    return None if a == b else f"{where}: {json.dumps(a)} in the checkpoint, {json.dumps(b)} here"
-
-
 def _check_sharded_model(manifest: dict, model: nn.Module, colls: dict, optimizer) -> list[str]:
-    """The distributed model (world size, plans, tables, dense state, optimizer) against the manifest."""
-    world = next(iter(colls.values())).world_size
-    saved_world = manifest["world_size"]
-    plans = manifest.get("plans")
-    if not isinstance(plans, dict):
-        return [
-            f"the checkpoint was written by {saved_world} process(es) without a sharding plan, this job shards its "
-            f"tables over {world} ranks; {_RESHARD}: load it into the model in one process, then he.distribute it"
-        ]
-    if saved_world != world:
-        return [
-            f"the checkpoint was written by a job of world size {saved_world}, this job has {world} ranks; "
-            f"{_RESHARD}: load it in a job of {saved_world} processes with the same plan"
-        ]
-    problems = []
-    for path in sorted(set(plans) | set(colls)):
-        if path not in colls:
-            problems.append(f"the checkpoint has a sharded collection at {path!r}, the model does not")
-        elif path not in plans:
-            problems.append(f"the model's sharded collection at {path!r} is not in the checkpoint")
-        else:
-            d = _plan_difference(plans[path], json.loads(colls[path].plan.to_json()))
-            if d:
-                problems.append(
-                    f"the collection at {path!r} was saved with another plan ({d}); {_RESHARD}: load it with the "
-                    "plan of the checkpoint (manifest 'plans')"
-                )
-    if problems:
-        return problems
+    """The distributed model (tables, dense state, optimizer) against the manifest. Any world
+    size and plan loads: each rank reads the rows and columns its shards hold now."""
     saved = manifest["tables"]
     mine = _global_tables(colls)
-    problems += [f"table {q!r} is in the model but missing from the checkpoint" for q in mine if q not in saved]
+    problems = [f"table {q!r} is in the model but missing from the checkpoint" for q in mine if q not in saved]
     problems += [
         f"unexpected table {q!r} in the checkpoint: the model has no such table" for q in saved if q not in mine
     ]
@@ -1565,66 +1520,72 @@ def _check_sharded_model(manifest: dict, model: nn.Module, colls: dict, optimize
                 f"table {q!r}: {s.get('kind')} {s.get('shape')} {s.get('dtype')} in the checkpoint, {kind} "
                 f"{[t.num_embeddings, t.embedding_dim]} {_dtype_name(t.dtype)} in the model"
             )
+        else:
+            problems += _check_shards(q, s)
     problems += _check_dense_names(manifest, model)
     if optimizer is not None:
         problems += _check_optimizer_kind(manifest, optimizer)
     return problems
 
 
-def _piece_shard(manifest: dict, piece: _Piece) -> tuple[dict | None, str | None]:
-    """The manifest's shard entry for ``piece`` (same shard index, rank, rows and columns), or a problem."""
-    entries = [s for s in manifest["tables"][piece.qualified]["shards"] if s.get("shard", 0) == piece.spec["shard"]]
-    want = {k: piece.spec[k] for k in _SPAN_KEYS if k in piece.spec}
-    if len(entries) != 1:
-        return None, f"table {piece.qualified!r}: shard {piece.spec['shard']} ({want}) is not in the checkpoint"
-    got = {k: entries[0].get(k) for k in want}
-    if got != want:
-        return None, (
-            f"table {piece.qualified!r}: shard {piece.spec['shard']} holds {got} in the checkpoint, {want} here; "
-            f"{_RESHARD}"
-        )
-    return entries[0], None
+def _target(piece: _Piece) -> Target:
+    """The rows and columns of the whole table that ``piece`` holds."""
+    sp = piece.spec
+    cols = (sp["col_start"], sp["col_end"])
+    if not piece.keyed:
+        return Target((sp["row_start"], sp["row_end"], sp["row_step"]), cols)
+    if "residue" in sp:
+        return Target(None, cols, (sp["residue"], sp["residues"]), first=sp["residue"] == 0)
+    return Target(None, cols)
+
+
+def _managed(piece: _Piece, optimizer) -> bool:
+    return isinstance(optimizer, HybridOptimizer) and any(st is piece.storage for st in optimizer._storages)
 
 
 def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) -> dict:
     """Read and check everything this rank loads; raise a CheckpointError listing its problems."""
     manifest = read_manifest(path)
     vdir = Path(manifest["path"])
-    _raise(vdir, _check_sharded_model(manifest, model, colls, optimizer), "does not match the model")
+    chain = _chain(manifest)
+    problems = _check_sharded_model(manifest, model, colls, optimizer)
+    _raise(vdir, problems + (_check_chain(chain) if not problems else []), "does not match the model")
     pieces = [p for path_, sc in colls.items() for p in _shard_pieces(path_, sc)]
-    problems: list[str] = []
-    shards = {}
+    names = {id(p): _state_names(manifest, p.qualified, optimizer) if _managed(p, optimizer) else [] for p in pieces}
+    needed: dict[Path, set[str]] = {d: set() for d, _ in chain}
     for piece in pieces:
-        s, problem = _piece_shard(manifest, piece)
-        if problem:
-            problems.append(problem)
-        shards[id(piece)] = s
-    _raise(vdir, problems, "does not match the model")
-    needed = {s["file"] for s in shards.values()} | {manifest["dense"]["file"]}
+        dim = piece.whole.embedding_dim
+        for d, rel in files_for(_versions_of(chain, piece.qualified), _target(piece), dim, piece.keyed):
+            needed[d].add(rel)
     opt_entry = manifest["optimizer"] if optimizer is not None else None
+    needed[vdir].add(manifest["dense"]["file"])
     if opt_entry:
-        needed.add(opt_entry["file"])
-    listed = {rel: spec for rel, spec in manifest["files"].items() if rel in needed}
-    mine = {"tables": {}, "dense": manifest["dense"], "optimizer": opt_entry, "files": listed}
-    problems = [f"file {rel!r} is used but not listed in the manifest" for rel in sorted(needed - set(listed))]
-    _raise(vdir, problems + _check_files(vdir, mine, verify), "is damaged")
+        needed[vdir].add(opt_entry["file"])
+    for d, m in chain:
+        listed = {rel: spec for rel, spec in m["files"].items() if rel in needed[d]}
+        where = "" if d == vdir else f"version {d.name}: "
+        problems += [
+            f"{where}file {rel!r} is used but not listed in the manifest" for rel in sorted(needed[d] - set(listed))
+        ]
+        problems += [where + p for p in _check_files(d, {"files": listed}, verify)]
+    _raise(vdir, problems, "is damaged")
 
     hybrid = isinstance(optimizer, HybridOptimizer)
     sparse_meta = (opt_entry or {}).get("sparse", {})
     loaded = []
     for piece in pieces:
-        s, q = shards[id(piece)], piece.qualified
-        where = f"table {q!r} shard {piece.spec['shard']} (file {s['file']!r})"
-        p = _torch_load(vdir, s["file"], mmap=True)
-        if not isinstance(p, dict):
-            problems.append(f"{where}: not a table shard")
+        q = piece.qualified
+        where = f"table {q!r} shard {piece.spec['shard']}"
+        target = _target(piece)
+        versions = _versions_of(chain, q)
+        entry, probs = assemble(q, versions, target, piece.whole.embedding_dim, piece.keyed, names[id(piece)])
+        if probs:
+            problems += probs
             continue
-        entry = {k: v for k, v in p.items() if k != "state"}
+        state = entry.pop("state")
         missing, errors = serial.check_entry(piece.storage, piece.name, entry, f"{where}: ", strict_dtype=True)
         problems += [f"{k}: missing" for k in missing] + errors
-        state = p.get("state") if isinstance(p.get("state"), dict) else {}
-        managed = hybrid and any(st is piece.storage for st in optimizer._storages)
-        if managed and not missing and not errors:
+        if _managed(piece, optimizer) and not missing and not errors:
             have = piece.storage.table_state(piece.name)
             rows = entry["ids"].numel() if piece.keyed else piece.config.num_embeddings
             if set(state) != set(have):
@@ -1637,7 +1598,8 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
             if not isinstance(meta, dict) or meta.get("optimizer") != piece.storage.optimizer.name:
                 got = meta.get("optimizer") if isinstance(meta, dict) else "none"
                 problems.append(f"table {q!r}: optimizer {got} in the checkpoint, {piece.storage.optimizer.name} here")
-        loaded.append((piece, entry, state, s.get("step", (sparse_meta.get(q) or {}).get("step", 0))))
+        steps = [sh["step"] for sh in versions[-1][1]["shards"] if "step" in sh]
+        loaded.append((piece, entry, state, max(steps) if steps else (sparse_meta.get(q) or {}).get("step", 0)))
     dense = _torch_load(vdir, manifest["dense"]["file"])
     if not isinstance(dense, dict):
         problems.append(f"file {manifest['dense']['file']!r} does not hold a state_dict")
@@ -1713,6 +1675,7 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
                 "state": state,
             }
         optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
+    _loaded_from(manifest, {id(st): st for sc in colls.values() for st in sc.storages}.values())
     log.info("loaded checkpoint %s (rank %d)", manifest["path"], next(iter(colls.values())).rank)
     return manifest
 
