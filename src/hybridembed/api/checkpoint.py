@@ -84,8 +84,11 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
+import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +105,7 @@ from .shards import Target, assemble, files_for
 from .shards import span as _span
 from .shards import torch_load as _torch_load
 
-__all__ = ["save", "load", "read_manifest", "checkpoint_tables", "FORMAT_VERSION"]
+__all__ = ["save", "load", "read_manifest", "checkpoint_tables", "SaveHandle", "FORMAT_VERSION"]
 
 log = get_logger(__name__)
 
@@ -295,8 +298,18 @@ def _current(root: Path) -> str | None:
     return name if name is not None and _VERSION_RE.match(name) else None
 
 
+def _parent_of(vdir: Path) -> str | None:
+    """The version an incremental version was saved on top of (None: a full version, or unreadable)."""
+    try:
+        inc = json.loads((vdir / MANIFEST).read_bytes()).get("incremental")
+        return inc["parent"]["version"] if isinstance(inc, dict) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def _clean(root: Path, keep: int) -> None:
-    """Remove leftovers of dead saves, versions never committed, and versions beyond ``keep``."""
+    """Remove leftovers of dead saves, versions never committed, and versions beyond ``keep``
+    (never a version that a kept incremental version is saved on top of)."""
     for p in root.iterdir():
         m = _TMP_RE.match(p.name)
         if m and not _pid_alive(int(m.group(1))):
@@ -311,7 +324,12 @@ def _clean(root: Path, keep: int) -> None:
     n = int(current[2:])
     versions = _versions(root)
     older = [v for v in versions if int(v[2:]) < n]
-    drop = [v for v in versions if int(v[2:]) > n] + older[: max(0, len(older) - (keep - 1))]
+    kept = {current, *older[len(older) - (keep - 1) :]} if keep > 1 else {current}
+    needed = set(kept)
+    for v in kept:  # the chains of the kept versions
+        while (v := _parent_of(root / v)) is not None and v not in needed:
+            needed.add(v)
+    drop = [v for v in versions if int(v[2:]) > n or v not in needed]
     for v in drop:
         shutil.rmtree(root / v, ignore_errors=True)
 
@@ -324,7 +342,10 @@ def save(
     *,
     extra: Mapping[str, Any] | None = None,
     keep: int = 1,
-) -> str:
+    incremental: bool = False,
+    max_chain: int = 8,
+    background: bool = False,
+) -> str | SaveHandle:
     """Write a checkpoint of ``model`` (and ``optimizer``) to the directory ``path``, atomically.
 
     Args:
@@ -335,53 +356,285 @@ def save(
             row state by id, hyper-parameters, steps) or a plain torch optimizer.
         extra: JSON-serialisable metadata stored in the manifest (e.g. the epoch); returned
             by :func:`load` under ``"extra"``.
-        keep: how many committed versions to keep (>= 1); older ones are deleted after the commit.
+        keep: how many committed versions to keep (>= 1); older ones are deleted after the
+            commit, except those a kept incremental version is saved on top of.
+        incremental: write only the table rows changed (or dropped) since the version this
+            model last saved to or loaded from ``path``, when that version is still the current
+            one there; otherwise (and every ``max_chain`` versions) a full version. The dense
+            state and the optimizer's dense state are written in full every time.
+        max_chain: the most incremental versions on top of one full version (>= 1).
+        background: return once the model's state is copied (the training step is blocked only
+            for that); the files are written and committed by a thread. Returns a
+            :class:`SaveHandle`: ``handle.wait()`` returns the version's directory or raises.
+            The next ``save`` or ``load`` of the model waits for it first.
 
     A distributed model is saved by every rank calling ``save`` with the same arguments (see
     the module docstring); ``model`` may be the ``DistributedDataParallel`` wrapper.
 
-    Returns the directory of the version written.
+    Returns the directory of the version written (a :class:`SaveHandle` with ``background``).
     """
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"save needs an nn.Module, got {type(model).__name__}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep must be an int >= 1, got {keep!r}")
+    if isinstance(max_chain, bool) or not isinstance(max_chain, int) or max_chain < 1:
+        raise CheckpointError(f"max_chain must be an int >= 1, got {max_chain!r}")
+    for name, flag in (("incremental", incremental), ("background", background)):
+        if not isinstance(flag, bool):
+            raise CheckpointError(f"{name} must be True or False, got {flag!r}")
     if extra is not None and not isinstance(extra, Mapping):
         raise CheckpointError(f"extra must be a dict of JSON values, got {type(extra).__name__}")
     try:
         extra_json = json.loads(json.dumps(dict(extra or {})))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     root = Path(path)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory")
     inner = _unwrap(model)
+    wait_pending(inner)
+    how = _How(keep, incremental, max_chain, background)
     colls = _sharded_collections(inner)
     if colls:  # every rank of the job: its shards, then one commit by rank 0
-        return _save_sharded(root, inner, colls, optimizer, extra_json, keep)
+        return _save_sharded(root, inner, colls, optimizer, extra_json, how)
     try:
-        return _save(root, model, optimizer, extra_json, keep)
+        return _save(root, model, optimizer, extra_json, how)
     except OSError as e:  # the disk, permissions, a file in the way: say which file and why
-        what = str(e) if isinstance(e, _WriteError) else f"{e.filename or root}: {_os_reason(e)}"
-        raise CheckpointError(
-            f"cannot write the checkpoint {root} ({what}); the previous version, if any, is intact; "
-            "check that the directory is writable and has free space"
-        ) from e
+        raise _cannot_write(root, e) from e
 
 
-def _save(root: Path, model: nn.Module, optimizer, extra_json: dict, keep: int) -> str:
-    root.mkdir(parents=True, exist_ok=True)
-    _clean(root, keep)
+def _cannot_write(root: Path, e: OSError) -> CheckpointError:
+    what = str(e) if isinstance(e, _WriteError) else f"{e.filename or root}: {_os_reason(e)}"
+    return CheckpointError(
+        f"cannot write the checkpoint {root} ({what}); the previous version, if any, is intact; "
+        "check that the directory is writable and has free space"
+    )
+
+
+@dataclass(frozen=True)
+class _How:
+    keep: int
+    incremental: bool
+    max_chain: int
+    background: bool
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def _next_version(root: Path) -> str:
     existing = _versions(root)
-    version = f"v-{(int(existing[-1][2:]) + 1 if existing else 1):06d}"
-    tmp = root / f".tmp-{version}-{os.getpid()}"
+    return f"v-{(int(existing[-1][2:]) + 1 if existing else 1):06d}"
+
+
+def _storages(model: nn.Module) -> list:
+    """Every row storage of ``model``, once each."""
+    return list({id(m): m for m in model.modules() if isinstance(m, RowStorage)}.values())
+
+
+def _parent_candidate(root: Path, how: _How) -> dict | None:
+    """The current version of ``root``, when an incremental save may go on top of it:
+    ``{version, id, length, base, state}`` (``state``: each table's optimizer state names)."""
+    if not how.incremental:
+        return None
+    current = _current(root)
+    if current is None:
+        return None
+    try:
+        m = read_manifest(root / current)
+    except CheckpointError as e:
+        log.warning("incremental save: the current version %s cannot be read (%s); writing a full one", current, e)
+        return None
+    inc = m.get("incremental") or {}
+    length = inc.get("length", 0) + 1
+    if m.get("id") is None or length > how.max_chain:
+        return None
+    me = {"version": current, "id": m["id"]}
+    state = {q: sorted(t.get("optimizer_state", [])) for q, t in m["tables"].items()}
+    return {"version": current, "id": m["id"], "length": length, "base": inc.get("base", me), "state": state}
+
+
+def _incremental_entry(parent: dict) -> dict:
+    return {
+        "parent": {"version": parent["version"], "id": parent["id"]},
+        "base": parent["base"],
+        "length": parent["length"],
+    }
+
+
+class _Snapshot:
+    """One save's copy of the model: files (relative path -> object for ``torch.save``), the
+    manifest without its file list, and the changes it took from each storage."""
+
+    def __init__(self, storages: list, taken: dict, version_id: str) -> None:
+        self.files: dict[str, Any] = {}
+        self.manifest: dict[str, Any] = {}
+        self.storages = storages
+        self.taken = taken  # id(storage) -> changes since the last checkpoint (to put back on failure)
+        self.id = version_id
+
+    def finish(self, committed: bool) -> None:
+        """After the commit (or its failure): count changes from this version, or put them back."""
+        for st in self.storages:
+            if committed:
+                st.checkpoint_base = self.id
+            else:
+                st.restore_changes(*self.taken[id(st)])
+
+
+def _take_changes(storages: list) -> dict:
+    return {id(st): st.track_changes() for st in storages}
+
+
+def _table_files(storage, name: str, rel: str, changes, state_names, rows_to_global=None) -> tuple[dict, dict]:
+    """(file object, shard entry) of table ``name`` of ``storage``: all its rows (``changes`` None)
+    or those changed since the last checkpoint; optimizer state ``state_names`` of those rows."""
+    state_all = storage.table_state(name) if state_names else {}
+    if changes is None:
+        entry = serial.table_entry(storage, name)
+        if not storage.keyed:
+            weight = entry["weight"].clone()  # its own storage: a view would save the whole group
+            return {"weight": weight, "state": {k: v.clone() for k, v in state_all.items()}}, {}
+        return {**entry, "state": state_all}, {"rows": int(entry["ids"].numel())}  # (dynamic: copies)
+    changed, removed = changes
+    if not storage.keyed:
+        rows = storage.changed_rows(name, changed)
+        obj = {
+            "rows": rows if rows_to_global is None else rows_to_global(rows),
+            "weight": storage.table_rows(name).index_select(0, rows),
+            "state": {k: v.index_select(0, rows) for k, v in state_all.items()},
+        }
+        return obj, {"changed": int(rows.numel())}
+    entry, slots = storage.save_changes(name, changed, removed)
+    state = {k: storage.state[k].index_select(0, slots) for k in state_names}
+    live = int(storage.stats(name)["rows"])
+    return {**entry, "state": state}, {
+        "rows": live,
+        "changed": int(slots.numel()),
+        "removed": int(entry["removed"].numel()),
+    }
+
+
+def _sparse_meta(optimizer) -> dict[str, dict]:
+    """``{table: {optimizer, hparams, step, shape}}`` of a hybrid optimizer's tables (exact types)."""
+    out = {}
+    for storage, group in zip(optimizer._storages, optimizer._sparse_groups):
+        hp = {k: v for k, v in group.items() if k not in ("params", "storage")}
+        for t in storage.tables:
+            out[t.name] = {
+                "optimizer": storage.optimizer.name,
+                "hparams": copy.deepcopy(hp),
+                "step": int(storage.step),
+                "shape": [t.num_embeddings, t.embedding_dim],
+            }
+    return out
+
+
+def _cloned(obj: Any) -> Any:
+    """``obj`` with every tensor copied (a state_dict the training goes on changing)."""
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _snapshot_dense(snap: _Snapshot, model: nn.Module, optimizer, sparse: dict | None) -> None:
+    """Adds ``dense.pt`` and ``optimizer.pt`` (copies) to ``snap``, their entries to its manifest."""
+
+    def write(rel: str, obj: Any) -> str:
+        snap.files[rel] = _cloned(obj)
+        return rel
+
+    snap.manifest["dense"] = _write_dense(write, model)
+    dense_sd = optimizer.dense.state_dict() if sparse is not None else None
+    snap.manifest["optimizer"] = _write_optimizer(write, optimizer, dense_sd, sparse)
+
+
+def _header(world: int, version_id: str) -> dict:
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "id": version_id,
+        "hybridembed_version": _version(),
+        "torch_version": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": world,
+    }
+
+
+def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None) -> _Snapshot:
+    """Everything a save of a one-process model writes, copied now (the foreground part of a save)."""
+    tables = _model_tables(model)
+    hybrid = isinstance(optimizer, HybridOptimizer)
+    meta: dict[str, dict] = {}
+    if hybrid:
+        by_name = _table_of_storage(tables)
+        meta = {by_name[n]: m for n, m in _sparse_meta(optimizer).items() if n in by_name}
+        unknown = sorted(set(_sparse_meta(optimizer)) - set(by_name))
+        if unknown:
+            raise CheckpointError(f"the optimizer updates tables {unknown} that this model does not hold")
+    names = {q: sorted(t.storage.table_state(t.name)) if q in meta else [] for q, t in tables.items()}
+    if parent is not None and any(parent["state"].get(q) != names[q] for q in tables):
+        parent = None  # the optimizer state changed since: a full version
+    storages = _storages(model)
+    snap = _Snapshot(storages, _take_changes(storages), uuid.uuid4().hex)
+    table_entries: dict[str, Any] = {}
+    for q, stem in _stems(list(tables)).items():
+        t = tables[q]
+        rel = f"tables/{stem}.00000.pt"
+        changes = snap.taken[id(t.storage)] if parent is not None else None
+        obj, shard = _table_files(t.storage, t.name, rel, changes, names[q])
+        snap.files[rel] = obj
+        if t.keyed:
+            n = shard["rows"]
+            shards = [{"file": rel, **shard}]
+        else:
+            n = t.config.num_embeddings
+            shards = [{"file": rel, "row_start": 0, "row_end": n, **shard}]
+        table_entries[q] = {
+            "kind": t.kind,
+            "collection": q[: -len(t.name) - 1] if q != t.name else "",
+            "table": t.name,
+            "shape": t.shape,
+            "dtype": t.dtype,
+            "rows": n,
+            "optimizer_state": names[q],
+            "shards": shards,
+        }
+        if t.keyed:
+            table_entries[q]["dynamic"] = _jsonable(vars(t.config.dynamic))
+    snap.manifest.update(_header(1, snap.id))
+    if parent is not None:
+        snap.manifest["incremental"] = _incremental_entry(parent)
+    snap.manifest["tables"] = table_entries
+    _snapshot_dense(snap, model, optimizer, meta if hybrid else None)
+    snap.manifest["extra"] = extra
+    return snap
+
+
+def _write_snapshot(tmp: Path, snap: _Snapshot, files: dict | None = None) -> dict:
+    """Writes ``snap``'s files and its manifest into ``tmp``, every file and directory fsynced."""
+    files = dict(files or {})
+    for rel, obj in snap.files.items():
+        _write_file(tmp / rel, obj)
+        files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+    manifest = {**snap.manifest, "files": dict(sorted(files.items()))}
+    _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1) + "\n").encode())
+    for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
+        _fsync_dir(d)
+    return manifest
+
+
+def _publish(root: Path, tmp: Path, version: str) -> Path:
+    """Rename the written ``tmp`` to its version and commit it (``LATEST``); on failure nothing stays."""
     final = root / version
     try:
-        tmp.mkdir()
-        manifest = _write_version(tmp, model, optimizer, extra_json)
-        _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1, sort_keys=False) + "\n").encode())
-        for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
-            _fsync_dir(d)
         os.rename(tmp, final)
         _fsync_dir(root)
         _commit(root, version)
@@ -390,91 +643,105 @@ def _save(root: Path, model: nn.Module, optimizer, extra_json: dict, keep: int) 
         if _current(root) != version:
             shutil.rmtree(final, ignore_errors=True)
         raise
-    _clean(root, keep)
-    log.info("saved checkpoint %s (%d tables)", final, len(manifest["tables"]))
-    return str(final)
+    return final
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+def _save(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _How) -> str | SaveHandle:
+    root.mkdir(parents=True, exist_ok=True)
+    _clean(root, how.keep)
+    version = _next_version(root)
+    parent = _parent_candidate(root, how)
+    storages = _storages(model)
+    if parent is not None and any(st.checkpoint_base != parent["id"] for st in storages):
+        parent = None  # the model was not saved to or loaded from the current version: a full one
+    snap = _snapshot(model, optimizer, extra_json, parent)
+
+    def run() -> str:
+        tmp = root / f".tmp-{version}-{os.getpid()}"
+        try:
+            tmp.mkdir()
+            manifest = _write_snapshot(tmp, snap)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        final = _publish(root, tmp, version)
+        _clean(root, how.keep)
+        kind = f"incremental, {manifest['incremental']['length']} on top of a full one" if parent else "full"
+        log.info("saved checkpoint %s (%d tables, %s)", final, len(manifest["tables"]), kind)
+        return str(final)
+
+    if how.background:
+        return SaveHandle(_unwrap(model), snap, run, lambda e: _cannot_write(root, e))
+    try:
+        out = run()
+    except BaseException:
+        snap.finish(False)
+        raise
+    snap.finish(True)
+    return out
 
 
-def _write_version(tmp: Path, model: nn.Module, optimizer, extra: dict) -> dict:
-    tables = _model_tables(model)
-    files: dict[str, Path] = {}
+# --- background saves -------------------------------------------------------------------------------
+_PENDING: dict[int, SaveHandle] = {}  # id(model) -> its save in progress
 
-    def write(rel: str, obj: Any) -> str:
-        _write_file(tmp / rel, obj)
-        files[rel] = tmp / rel
-        return rel
 
-    opt_state = None
-    if isinstance(optimizer, HybridOptimizer):
-        opt_state = optimizer.state_dict()
-        by_name = _table_of_storage(tables)
-        unknown = sorted(set(opt_state["sparse"]) - set(by_name))
-        if unknown:
-            raise CheckpointError(f"the optimizer updates tables {unknown} that this model does not hold")
-        sparse = {by_name[n]: e for n, e in opt_state["sparse"].items()}
-    elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise CheckpointError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+class SaveHandle:
+    """A save writing in the background (``he.save(..., background=True)``).
 
-    table_entries: dict[str, Any] = {}
-    used: set[str] = set()
-    for q, t in tables.items():
-        stem = _safe(q)
-        while stem in used:
-            stem += "_"
-        used.add(stem)
-        rel = f"tables/{stem}.00000.pt"
-        state = sparse[q]["state"] if opt_state is not None and q in sparse else {}
-        entry = serial.table_entry(t.storage, t.name)
-        if not t.keyed:
-            rows = entry["weight"].clone()  # its own storage: a view would save the whole group
-            n = rows.shape[0]
-            write(rel, {"weight": rows, "state": state})  # state: already copies (optimizer.state_dict())
-            shards = [{"file": rel, "row_start": 0, "row_end": n}]
-        else:
-            n = entry["ids"].numel()
-            if state and not torch.equal(sparse[q]["ids"].to(entry["ids"].device), entry["ids"]):
-                raise CheckpointError(
-                    f"table {q!r}: optimizer state ids differ from the table's ids"
-                )  # pragma: no cover
-            write(rel, {**entry, "state": state})
-            shards = [{"file": rel, "rows": n}]
-        table_entries[q] = {
-            "kind": t.kind,
-            "collection": q[: -len(t.name) - 1] if q != t.name else "",
-            "table": t.name,
-            "shape": t.shape,
-            "dtype": t.dtype,
-            "rows": n,
-            "optimizer_state": sorted(state),
-            "shards": shards,
-        }
-        if t.keyed:
-            table_entries[q]["dynamic"] = _jsonable(vars(t.config.dynamic))
+    ``wait()`` blocks until the version is committed and returns its directory, or raises the
+    save's :class:`~hybridembed.CheckpointError` (then the previous version is still the
+    current one, and the rows this save would have written are counted as changed again).
+    ``done()`` says whether the writing finished. The next ``he.save`` or ``he.load`` of the
+    same model waits for it first."""
 
-    dense_entry = _write_dense(write, model)
-    meta = None
-    if opt_state is not None:
-        meta = {
-            q: {k: e[k] for k in ("optimizer", "hparams", "step", "shape")} for q, e in sparse.items()
-        }  # exact python types here; a JSON copy in the manifest
-    opt_entry = _write_optimizer(write, optimizer, None if opt_state is None else opt_state["dense"], meta)
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "hybridembed_version": _version(),
-        "torch_version": torch.__version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "world_size": 1,
-        "tables": table_entries,
-        "dense": dense_entry,
-        "optimizer": opt_entry,
-        "extra": extra,
-        "files": {rel: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for rel, p in sorted(files.items())},
-    }
+    def __init__(self, model: nn.Module, snap: _Snapshot, run, wrap_error) -> None:
+        self._snap, self._run, self._wrap = snap, run, wrap_error
+        self._result: str | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+        self._key = id(model)
+        _PENDING[self._key] = self
+        self._thread = threading.Thread(target=self._work, name="hybridembed-save", daemon=False)
+        self._thread.start()
+
+    def _work(self) -> None:
+        try:
+            self._result = self._run()
+        except BaseException as e:  # noqa: BLE001 - raised by wait()
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """The committed version's directory (blocks up to ``timeout`` seconds; None: until done)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the background save is still writing after {timeout} s")
+        if not self._finished:
+            self._finished = True
+            if _PENDING.get(self._key) is self:
+                del _PENDING[self._key]
+            self._snap.finish(self._error is None)
+        if self._error is not None:
+            e = self._error
+            if isinstance(e, OSError):
+                raise self._wrap(e) from e
+            raise e
+        return self._result
+
+    result = wait
+
+    def __repr__(self) -> str:
+        state = "writing" if not self.done() else ("failed" if self._error else f"committed {self._result}")
+        return f"SaveHandle({state})"
+
+
+def wait_pending(model: nn.Module) -> None:
+    """Wait for ``model``'s background save, if any (its error, if it failed, is raised here)."""
+    pending = _PENDING.get(id(model))
+    if pending is not None:
+        pending.wait()
 
 
 def _write_dense(write, model: nn.Module) -> dict[str, Any]:
@@ -490,7 +757,9 @@ def _write_dense(write, model: nn.Module) -> dict[str, Any]:
     }
 
 
-def _write_optimizer(write, optimizer, dense_sd: dict | None, sparse: dict | None) -> dict[str, Any] | None:
+def _write_optimizer(
+    write, optimizer, dense_sd: dict | None, sparse: dict | None, torch_sd: dict | None = None
+) -> dict[str, Any] | None:
     """Writes ``optimizer.pt``: a hybrid optimizer's dense state and per-table ``sparse`` entries
     (exact Python types; a JSON copy goes in the manifest), or a plain torch optimizer's state."""
     if sparse is not None:
@@ -507,7 +776,7 @@ def _write_optimizer(write, optimizer, dense_sd: dict | None, sparse: dict | Non
         }
     if optimizer is None:
         return None
-    sd = optimizer.state_dict()
+    sd = torch_sd if torch_sd is not None else optimizer.state_dict()
     write("optimizer.pt", {"kind": "torch", "state_dict": sd})
     return {
         "file": "optimizer.pt",
@@ -673,11 +942,30 @@ def _manifest_problems(m: dict[str, Any]) -> list[str]:
                 s.need(sh, "row_end", ws, _is_int, "an int >= 0")
             elif "rows" in sh:
                 s.need(sh, "rows", ws, _is_int, "an int >= 0")
-            for key in ("row_step", "col_start", "col_end", "shard", "step"):  # a distributed save's
+            for key in ("row_step", "col_start", "col_end", "shard", "step", "changed", "removed", "residue"):
                 if key in sh:
                     s.need(sh, key, ws, lambda v, key=key: _is_int(v, 1 if key == "row_step" else 0), "an int")
+            if "residue" in sh:  # a dynamic table's hash shard: ids whose hash residue of residues is residue
+                s.need(
+                    sh,
+                    "residues",
+                    ws,
+                    lambda v, r=sh["residue"]: _is_int(v, 1) and (not _is_int(r) or r < v),
+                    "an int > residue",
+                )
             if sh.get("rank") is not None:
                 s.need(sh, "rank", ws, _is_int, "an int >= 0 or null")
+    if "id" in m:
+        s.need(m, "id", "", _str, "a string")
+    if "incremental" in m:
+        inc = s.need(m, "incremental", "", _dict, "an object {parent, base, length}") or {}
+        for key in ("parent", "base"):
+            ref = s.need(inc, key, "incremental", _dict, "an object {version, id}") if inc else None
+            if ref:
+                s.need(ref, "version", f"incremental.{key}", _str, "a string")
+                s.need(ref, "id", f"incremental.{key}", _str, "a string")
+        if inc:
+            s.need(inc, "length", "incremental", lambda v: _is_int(v, 1), "an int >= 1")
     if "plans" in m:
         plans = s.need(m, "plans", "", _dict, "an object {collection path: plan}") or {}
         for path, plan in plans.items():
@@ -1131,6 +1419,7 @@ def load(
     if not isinstance(verify, bool):
         raise CheckpointError(f"verify must be True or False, got {verify!r}")
     inner = _unwrap(model)
+    wait_pending(inner)
     colls = _sharded_collections(inner)
     if colls:  # every rank of the job: its shards, all ranks or none
         return _load_sharded(path, inner, colls, optimizer, verify)
@@ -1328,103 +1617,169 @@ def _failures(reports: list[Any]) -> list[str]:
     return [f"rank {r}: {rep[0]}" for r, rep in enumerate(reports) if rep[0] is not None]
 
 
-def _piece_state(piece: _Piece, optimizer) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """(optimizer state of the piece's rows (copies), {optimizer, hparams, step} or None)."""
-    if not isinstance(optimizer, HybridOptimizer) or not any(s is piece.storage for s in optimizer._storages):
-        return {}, None
-    st = piece.storage
-    state = {k: v.clone() for k, v in st.table_state(piece.name).items()}
-    hp = {k: v for k, v in st.hparams.items() if k not in ("params", "storage")}
-    return state, {"optimizer": st.optimizer.name, "hparams": copy.deepcopy(hp), "step": int(st.step)}
-
-
-def _write_pieces(tmp: Path, pieces: list[_Piece], stems: dict[str, str], optimizer, rank: int) -> dict:
-    """Write this rank's pieces (rank 0 also the data-parallel ones); what the manifest needs of them."""
+def _snapshot_pieces(snap: _Snapshot, pieces: list[_Piece], stems: dict[str, str], optimizer, rank: int, delta: bool):
+    """This rank's pieces (rank 0 also the data-parallel ones), copied into ``snap.files``;
+    returns what the manifest needs of them: ``{tables: {q: [shard entries]}, meta: {q: ...}}``."""
     tables: dict[str, list[dict]] = {}
-    files: dict[str, dict] = {}
     meta: dict[str, dict] = {}
+    opt_meta = _sparse_meta(optimizer) if isinstance(optimizer, HybridOptimizer) else {}
     for piece in pieces:
         if piece.replicated and rank != 0:
             continue
         q = piece.qualified
         rel = f"tables/{stems[q]}.{piece.spec['shard']:05d}.pt"
-        state, opt = _piece_state(piece, optimizer)
-        entry = serial.table_entry(piece.storage, piece.name)
+        managed = _managed(piece, optimizer)
+        names = sorted(piece.storage.table_state(piece.name)) if managed else []
+        changes = snap.taken[id(piece.storage)] if delta else None
+        sp = piece.spec
+        to_global = None
         if not piece.keyed:
-            obj = {"weight": entry["weight"].clone(), "state": state}
-            shard = {"file": rel, **piece.spec}
-        else:
-            obj = {**entry, "state": state}
-            shard = {"file": rel, "rows": int(entry["ids"].numel()), **piece.spec}
-        shard.pop("replicated", None)
-        if opt is not None:
+            to_global = lambda r, sp=sp: r.mul(sp["row_step"]).add_(sp["row_start"])  # noqa: E731
+        obj, extra = _table_files(piece.storage, piece.name, rel, changes, names, to_global)
+        snap.files[rel] = obj
+        shard = {"file": rel, **{k: v for k, v in sp.items() if k != "replicated"}, **extra}
+        if managed:
+            opt = opt_meta[piece.name]
             shard["step"] = opt["step"]
-            meta[q] = opt
-        _write_file(tmp / rel, obj)
-        files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
-        tables.setdefault(q, []).append({**shard, "optimizer_state": sorted(state)})
-    return {"tables": tables, "files": files, "meta": meta}
+            meta[q] = {k: opt[k] for k in ("optimizer", "hparams", "step")}
+        tables.setdefault(q, []).append({**shard, "optimizer_state": names})
+    return {"tables": tables, "meta": meta}
 
 
-def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: dict, keep: int) -> str:
+def _checkpoint_group(group):
+    """A second (gloo) process group over ``group``'s ranks for background saves: their
+    collectives run beside the training's. Made once per group (collectively, the first time)."""
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(group))
+    made = _CHECKPOINT_GROUPS.get(ranks)
+    if made is None:
+        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        _CHECKPOINT_GROUPS[ranks] = made
+    return made
+
+
+_CHECKPOINT_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: dict, how: _How):
     group = _group_of(colls, model)
     sc0 = next(iter(colls.values()))
     rank, world = sc0.rank, sc0.world_size
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise CheckpointError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    # 1. rank 0 makes the temporary version directory
-    version = tmp = error = None
+    storages = _storages(model)
+    # 1. rank 0 makes the temporary version directory and says what an incremental save goes on
+    version = tmp = error = parent = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            _clean(root, keep)
-            existing = _versions(root)
-            version = f"v-{(int(existing[-1][2:]) + 1 if existing else 1):06d}"
+            _clean(root, how.keep)
+            version = _next_version(root)
             tmp = root / f".tmp-{version}-{os.getpid()}"
             tmp.mkdir()
+            parent = _parent_candidate(root, how)
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             error = _failure(e)
-    reports = _all_report(group, (error, version, str(tmp) if tmp else None))
-    _raise_save(root, _failures(reports))
-    version, tmp = reports[0][1], Path(reports[0][2])
-    final = root / version
-    # 2. every rank writes its shards into it
     pieces = [p for path, sc in colls.items() for p in _shard_pieces(path, sc)]
+    names = {p.qualified: sorted(p.storage.table_state(p.name)) if _managed(p, optimizer) else [] for p in pieces}
+    bases = sorted({str(st.checkpoint_base) for st in storages})
+    new_id = uuid.uuid4().hex if rank == 0 else None
+    reports = _all_report(group, (error, version, str(tmp) if tmp else None, parent, bases, names, new_id))
+    _raise_save(root, _failures(reports))
+    version, tmp, parent = reports[0][1], Path(reports[0][2]), reports[0][3]
+    if parent is not None:  # every rank's tables counted their changes from it, with the same state
+        same_base = all(r[4] == [parent["id"]] for r in reports)
+        same_state = all(parent["state"].get(q) == n for r in reports for q, n in r[5].items())
+        parent = parent if same_base and same_state else None
+    final = root / version
+    # 2. every rank copies its shards (rank 0 also the dense state and the optimizer's)
+    version_id = reports[0][6]
+    snap = _Snapshot(storages, _take_changes(storages), version_id)
     stems = _stems(list(_global_tables(colls)))
-    part = None
-    try:
-        part = _write_pieces(tmp, pieces, stems, optimizer, rank)
-        error = None
-    except Exception as e:  # noqa: BLE001
-        error = _failure(e)
-    reports = _all_report(group, (error, part))
-    failed = _failures(reports)
-    # 3. rank 0 writes the rest and commits; every rank learns how that went
-    error = None
+    part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None)
+    hybrid = isinstance(optimizer, HybridOptimizer)
+    dense_files: dict[str, Any] = {}
+    dense_entry = dense_sd = torch_sd = None
     if rank == 0:
+
+        def copy_of(rel: str, obj: Any) -> str:
+            dense_files[rel] = _cloned(obj)
+            return rel
+
+        dense_entry = _write_dense(copy_of, model)
+        dense_sd = _cloned(optimizer.dense.state_dict()) if hybrid else None
+        torch_sd = _cloned(optimizer.state_dict()) if optimizer is not None and not hybrid else None
+    plans = {path: json.loads(sc.plan.to_json()) for path, sc in colls.items()}
+
+    def run(grp) -> str:
+        # 3. every rank writes its shards into the temporary directory
+        files, error = {}, None
         try:
-            if failed:
-                raise CheckpointError("")  # (the failures are reported by every rank below)
-            manifest = _sharded_manifest(tmp, model, colls, optimizer, extra, [r[1] for r in reports], world)
-            _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1) + "\n").encode())
-            for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
-                _fsync_dir(d)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            _commit(root, version)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if _current(root) != version:
-                shutil.rmtree(final, ignore_errors=True)
-            error = _failure(e) if not failed else None
-            if not isinstance(e, Exception):
-                raise
-    reports = _all_report(group, (error,))  # every rank returns after the commit
-    _raise_save(root, failed + _failures(reports))
-    if rank == 0:
-        _clean(root, keep)
-        log.info("saved checkpoint %s (%d ranks)", final, world)
-    return str(final)
+            for rel, obj in snap.files.items():
+                _write_file(tmp / rel, obj)
+                files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+        except Exception as e:  # noqa: BLE001
+            error = _failure(e)
+        reports = _all_report(grp, (error, {**part, "files": files}))
+        failed = _failures(reports)
+        # 4. rank 0 writes the rest and commits; every rank learns how that went
+        error = None
+        if rank == 0:
+            try:
+                if failed:
+                    raise CheckpointError("")  # (the failures are reported by every rank below)
+                parts = [r[1] for r in reports]
+                manifest = _sharded_manifest(colls, extra, parts, world, version_id, parent, plans)
+                all_files: dict[str, Any] = {}
+                for p in parts:
+                    all_files.update(p["files"])
+                meta = {}
+                for p in parts:
+                    meta.update({q: m for q, m in p["meta"].items() if q not in meta})
+                sparse = None
+                if hybrid:
+                    sparse = {}
+                    for q, m in meta.items():  # a shard's step counts its own updates: each shard has its own
+                        steps = [e["step"] for e in manifest["tables"][q]["shards"] if "step" in e]
+                        sparse[q] = {**m, "step": max(steps), "shape": manifest["tables"][q]["shape"]}
+
+                def write(rel: str, obj: Any) -> str:
+                    _write_file(tmp / rel, obj)
+                    all_files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+                    return rel
+
+                for rel, obj in dense_files.items():
+                    write(rel, obj)
+                manifest["dense"] = dense_entry
+                manifest["optimizer"] = _write_optimizer(write, optimizer, dense_sd, sparse, torch_sd)
+                manifest["extra"] = extra
+                manifest["files"] = dict(sorted(all_files.items()))
+                _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1) + "\n").encode())
+                for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
+                    _fsync_dir(d)
+                _publish(root, tmp, version)
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = _failure(e) if not failed else None
+                if not isinstance(e, Exception):
+                    raise
+        reports = _all_report(grp, (error,))  # every rank returns after the commit
+        _raise_save(root, failed + _failures(reports))
+        if rank == 0:
+            _clean(root, how.keep)
+            kind = f"incremental, {parent['length']} on top of a full one" if parent else "full"
+            log.info("saved checkpoint %s (%d ranks, %s)", final, world, kind)
+        return str(final)
+
+    if how.background:
+        grp = _checkpoint_group(group)
+        return SaveHandle(model, snap, lambda: run(grp), lambda e: _cannot_write(root, e))
+    try:
+        out = run(group)
+    except BaseException:
+        snap.finish(False)
+        raise
+    snap.finish(True)
+    return out
 
 
 def _raise_save(root: Path, failed: list[str]) -> None:
@@ -1436,14 +1791,11 @@ def _raise_save(root: Path, failed: list[str]) -> None:
         )
 
 
-def _sharded_manifest(tmp: Path, model, colls: dict, optimizer, extra: dict, parts: list[dict], world: int) -> dict:
-    """The manifest of a distributed save (rank 0), from every rank's report of its shards."""
-    files: dict[str, dict] = {}
+def _sharded_manifest(colls: dict, extra: dict, parts: list[dict], world: int, version_id, parent, plans) -> dict:
+    """The manifest of a distributed save (rank 0), from every rank's report of its shards
+    (without dense, optimizer, extra and files: the caller adds them)."""
     shards: dict[str, list[dict]] = {}
-    meta: dict[str, dict] = {}
     for part in parts:
-        files.update(part["files"])
-        meta.update({q: m for q, m in part["meta"].items() if q not in meta})
         for q, entries in part["tables"].items():
             shards.setdefault(q, []).extend(entries)
     table_entries = {}
@@ -1468,33 +1820,12 @@ def _sharded_manifest(tmp: Path, model, colls: dict, optimizer, extra: dict, par
         }
         if dynamic:
             table_entries[q]["dynamic"] = _jsonable(vars(t.dynamic))
-
-    def write(rel: str, obj: Any) -> None:
-        _write_file(tmp / rel, obj)
-        files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
-
-    dense_entry = _write_dense(write, model)
-    sparse = None
-    if isinstance(optimizer, HybridOptimizer):
-        sparse = {}
-        for q, m in meta.items():  # a shard's step counts its own updates: each shard entry has its own
-            steps = [e["step"] for e in table_entries[q]["shards"] if "step" in e]
-            sparse[q] = {**m, "step": max(steps), "shape": table_entries[q]["shape"]}
-    opt_entry = _write_optimizer(write, optimizer, optimizer.dense.state_dict() if sparse is not None else None, sparse)
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "hybridembed_version": _version(),
-        "torch_version": torch.__version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "world_size": world,
-        "plans": {path: json.loads(sc.plan.to_json()) for path, sc in colls.items()},
-        "tables": table_entries,
-        "dense": dense_entry,
-        "optimizer": opt_entry,
-        "extra": extra,
-        "files": dict(sorted(files.items())),
-    }
+    manifest = _header(world, version_id)
+    if parent is not None:
+        manifest["incremental"] = _incremental_entry(parent)
+    manifest["plans"] = plans
+    manifest["tables"] = table_entries
+    return manifest
 
 
 def _check_sharded_model(manifest: dict, model: nn.Module, colls: dict, optimizer) -> list[str]:

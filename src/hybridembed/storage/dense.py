@@ -93,6 +93,12 @@ class DenseStorage(RowStorage):
             v.copy_(state[k])
         self._mark_span(*self._rows_of(name))
 
+    def changed_rows(self, name: str, changed: torch.Tensor) -> torch.Tensor:
+        """Rows (K,) of table ``name`` (its own row numbers, ascending) marked in ``changed``
+        (the storage's (R,) mask of rows changed since a checkpoint, see :meth:`track_changes`)."""
+        start, n = self._span(name)
+        return changed[start : start + n].nonzero().squeeze(1)
+
     def table_rows(self, name: str) -> torch.Tensor:
         """(num_embeddings, D) view of table ``name``'s rows (shares memory)."""
         start, n = self._span(name)

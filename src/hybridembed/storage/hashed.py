@@ -656,6 +656,33 @@ class HashStorage(RowStorage):
             out["sketch"] = self.sketch[i].clone()
         return out
 
+    def save_changes(
+        self, name: str, changed: torch.Tensor, removed: list[torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Table ``name``'s rows marked in ``changed`` (the storage's slot mask of rows changed since
+        a checkpoint, see :meth:`track_changes`) as a :meth:`save_table` entry of those rows,
+        plus ``removed``: the ids it dropped since (of ``removed``, those it does not hold now).
+        -> (entry, their slots)."""
+        i = self.table_index[name]
+        ids, slots = self.table_slots(name)
+        sel = changed.index_select(0, slots).nonzero().squeeze(1)
+        s = slots.index_select(0, sel)
+        gone = [r[0][r[1] == i] for r in removed]
+        gone = torch.cat(gone).unique() if gone else ids[:0]
+        out = {
+            "ids": ids.index_select(0, sel),
+            "weight": self.weight.detach().index_select(0, s),
+            "last_seen": self.last_seen.index_select(0, s),
+            "freq": self.freq.index_select(0, s),
+            "stats": self.counters[i].clone(),
+            "clock": torch.tensor(self.clock),
+            "generator": self._gen.get_state(),
+            "removed": gone[~torch.isin(gone, ids)],
+        }
+        if self.sketch.numel():
+            out["sketch"] = self.sketch[i].clone()
+        return out, s
+
     def load_table(self, name: str, entry: dict[str, torch.Tensor]) -> None:
         """Replace table ``name``'s rows with ``entry`` (as from :meth:`save_table`; checked first with
         :func:`hybridembed.storage.serial.check_entry`)."""
