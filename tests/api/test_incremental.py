@@ -1,0 +1,211 @@
+"""Incremental and background checkpoints of a one-process model: a chain of deltas loads bit
+for bit like a full save at the same step; a delta alone or a chain with a gap is refused,
+naming the missing version; a failed save counts its rows as changed again; a background save
+commits what the model held when it was called."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import hybridembed as he
+from hybridembed.api import checkpoint as ckpt
+from tests.api.test_checkpoint import assert_identical, batch, build, snapshot, train
+
+EVICTING = {"query_dynamic": he.Dynamic(capacity=6, eviction="lru")}  # rows dropped between saves too
+
+
+def _manifest(path, version):
+    return json.loads((path / version / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("opt_name", ["adagrad", "adam"])
+def test_a_chain_of_five_deltas_loads_like_a_full_save(tmp_path, opt_name):
+    model, opt = build(opt_name, **EVICTING)
+    train(model, opt, range(2))
+    chain = tmp_path / "chain"
+    he.save(chain, model, opt, incremental=True)  # no version yet: a full one
+    for i in range(5):
+        train(model, opt, range(2 + i, 3 + i))
+        with torch.no_grad():  # looked up, not updated: recency and counts change, and rows are admitted
+            model(batch(100 + i))
+        he.save(chain, model, opt, incremental=True, extra={"i": i})
+    full = tmp_path / "full"
+    he.save(full, model, opt)
+    m = _manifest(chain, "v-000006")
+    assert m["incremental"]["length"] == 5 and m["incremental"]["parent"]["version"] == "v-000005"
+    assert m["incremental"]["base"]["version"] == "v-000001" and "incremental" not in _manifest(chain, "v-000001")
+    assert sorted(p.name for p in chain.iterdir()) == ["LATEST", *(f"v-00000{i}" for i in range(1, 7))]  # keep=1
+    shards = m["tables"]["hybridembed.user"]["shards"][0]
+    assert 0 < shards["changed"] < shards["rows"]  # only the rows the last step touched
+
+    results = []
+    for path in (chain, full):
+        fresh, fresh_opt = build(opt_name, **EVICTING)
+        he.load(path, fresh, fresh_opt)
+        results.append(snapshot(fresh, fresh_opt))
+    assert_identical(results[0], results[1])
+    assert_identical(results[0], snapshot(model, opt))
+    # ...and the loaded chain trains on like the model that saved it
+    fresh, fresh_opt = build(opt_name, **EVICTING)
+    he.load(chain, fresh, fresh_opt)
+    train(fresh, fresh_opt, range(7, 9))
+    train(model, opt, range(7, 9))
+    assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
+
+
+def test_a_delta_is_smaller_than_a_full_version(tmp_path):
+    ec = he.EmbeddingCollection(
+        [he.TableConfig("big", 20_000, 16), he.TableConfig("dyn", None, 16, dynamic=he.Dynamic())]
+    )
+    opt = he.wrap_optimizer(torch.optim.Adagrad(ec.parameters(), lr=0.1), ec)
+
+    def step(seed):
+        g = torch.Generator().manual_seed(seed)
+        out = ec(
+            {
+                "big": torch.randint(0, 20_000, (64, 2), generator=g),
+                "dyn": torch.randint(0, 10**9, (64, 2), generator=g),
+            }
+        )
+        opt.zero_grad()
+        (out["big"].sum() + out["dyn"].sum()).backward()
+        opt.step()
+
+    for s in range(50):
+        step(s)
+    he.save(tmp_path / "c", ec, opt, incremental=True)
+    step(99)
+    he.save(tmp_path / "c", ec, opt, incremental=True)
+    sizes = [sum(f["bytes"] for rel, f in _manifest(tmp_path / "c", v)["files"].items() if rel.startswith("tables/"))
+             for v in ("v-000001", "v-000002")]  # fmt: skip
+    assert sizes[1] < sizes[0] / 20, sizes
+
+
+def test_a_delta_alone_or_a_chain_with_a_gap_is_refused_naming_the_missing_version(tmp_path):
+    model, opt = build("adagrad")
+    path = tmp_path / "c"
+    for i in range(4):
+        train(model, opt, range(i, i + 1))
+        he.save(path, model, opt, incremental=True)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copytree(path / "v-000004", alone / "v-000004")
+    (alone / "LATEST").write_text("v-000004\n")
+    fresh, fresh_opt = build("adagrad")
+    before = snapshot(fresh, fresh_opt)
+    with pytest.raises(he.CheckpointError, match=r"changed since version v-000003, which is missing"):
+        he.load(alone, fresh, fresh_opt)
+    shutil.rmtree(path / "v-000002")  # a gap in the middle of the chain
+    with pytest.raises(
+        he.CheckpointError, match=r"version v-000003 holds only the rows changed since version v-000002"
+    ):
+        he.load(path, fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), before)  # nothing changed
+    # a parent replaced by another save (same name, another id) is refused too
+    other = tmp_path / "other"
+    he.save(other, model, opt)
+    shutil.rmtree(path / "v-000003")
+    shutil.copytree(other / "v-000001", path / "v-000003")
+    with pytest.raises(he.CheckpointError, match=r"saved on top of version v-000003 with id"):
+        he.load(path, fresh, fresh_opt)
+
+
+def test_max_chain_and_a_model_not_saved_there_start_a_full_version(tmp_path):
+    model, opt = build("adagrad")
+    path = tmp_path / "c"
+    kinds = []
+    for i in range(5):
+        train(model, opt, range(i, i + 1))
+        v = he.save(path, model, opt, incremental=True, max_chain=2)
+        kinds.append(json.loads((ckpt.Path(v) / "manifest.json").read_text()).get("incremental", {}).get("length", 0))
+    assert kinds == [0, 1, 2, 0, 1]
+    # a model that was never saved to or loaded from this checkpoint: its next save is full
+    other, other_opt = build("adagrad")
+    v = he.save(path, other, other_opt, incremental=True)
+    assert "incremental" not in json.loads((ckpt.Path(v) / "manifest.json").read_text())
+    # loading the current version makes the next save incremental on top of it
+    he.load(path, model, opt)
+    train(model, opt, range(9, 10))
+    v = he.save(path, model, opt, incremental=True)
+    assert json.loads((ckpt.Path(v) / "manifest.json").read_text())["incremental"]["length"] == 1
+    with pytest.raises(he.CheckpointError, match="max_chain must be an int >= 1"):
+        he.save(path, model, opt, incremental=True, max_chain=0)
+    with pytest.raises(he.CheckpointError, match="incremental must be True or False"):
+        he.save(path, model, opt, incremental="yes")
+
+
+def test_a_failed_incremental_save_counts_its_rows_as_changed_again(tmp_path, monkeypatch):
+    model, opt = build("adagrad", **EVICTING)
+    path = tmp_path / "c"
+    train(model, opt, range(2))
+    he.save(path, model, opt, incremental=True)
+    train(model, opt, range(2, 4))
+    real = ckpt._write_file
+
+    def failing(p, obj):
+        if p.parent.name == "tables":
+            raise ckpt._WriteError(p, OSError(28, "No space left on device"))
+        real(p, obj)
+
+    monkeypatch.setattr(ckpt, "_write_file", failing)
+    with pytest.raises(he.CheckpointError, match="No space left on device"):
+        he.save(path, model, opt, incremental=True)
+    monkeypatch.setattr(ckpt, "_write_file", real)
+    assert (path / "LATEST").read_text().strip() == "v-000001"
+    train(model, opt, range(4, 5))
+    he.save(path, model, opt, incremental=True)  # holds the rows of steps 2..4, not only step 4's
+    fresh, fresh_opt = build("adagrad", **EVICTING)
+    he.load(path, fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
+
+
+def test_a_background_save_commits_the_state_it_was_called_with(tmp_path):
+    model, opt = build("adam", **EVICTING)
+    train(model, opt, range(3))
+    path = tmp_path / "c"
+    handle = he.save(path, model, opt, background=True, extra={"step": 3})
+    at_save = snapshot(model, opt)
+    train(model, opt, range(3, 5))  # training goes on while the files are written
+    assert handle.wait().endswith("v-000001") and handle.done()
+    handle2 = he.save(path, model, opt, incremental=True, background=True)
+    at_save2 = snapshot(model, opt)
+    train(model, opt, range(5, 6))
+    fresh, fresh_opt = build("adam", **EVICTING)
+    assert he.load(path, fresh, fresh_opt)  # waits for nothing: another model
+    handle2.wait()
+    for path_, want in ((path / "v-000001", at_save), (path, at_save2)):
+        fresh, fresh_opt = build("adam", **EVICTING)
+        he.load(path_, fresh, fresh_opt)
+        assert_identical(snapshot(fresh, fresh_opt), want)
+    assert json.loads((path / "v-000002" / "manifest.json").read_text())["incremental"]["length"] == 1
+
+
+def test_a_failed_background_save_raises_at_wait_and_keeps_the_previous_version(tmp_path, monkeypatch):
+    model, opt = build("adagrad")
+    path = tmp_path / "c"
+    train(model, opt, range(2))
+    he.save(path, model, opt)
+    real = ckpt._write_file
+
+    def failing(p, obj):
+        if p.name == "dense.pt":
+            raise ckpt._WriteError(p, OSError(28, "No space left on device"))
+        real(p, obj)
+
+    monkeypatch.setattr(ckpt, "_write_file", failing)
+    handle = he.save(path, model, opt, background=True, incremental=True)
+    with pytest.raises(he.CheckpointError, match="No space left on device"):
+        handle.wait()
+    monkeypatch.setattr(ckpt, "_write_file", real)
+    assert (path / "LATEST").read_text().strip() == "v-000001"
+    assert sorted(p.name for p in path.iterdir()) == ["LATEST", "v-000001"]
+    # the next save of the model does not hang on the failed one and writes every change since v-000001
+    train(model, opt, range(2, 3))
+    he.save(path, model, opt, incremental=True)
+    fresh, fresh_opt = build("adagrad")
+    he.load(path, fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
