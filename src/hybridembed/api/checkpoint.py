@@ -35,11 +35,24 @@ row_end, row_step)`` (``row_step`` k for modulo placement over k shards), column
 optimizer state. Rank 0 writes the data-parallel tables, the dense state, the optimizer file
 and the manifest (with ``world_size`` and each collection's plan under ``plans``) and makes
 the one commit below; every rank returns after it, or every rank raises (a rank that could
-not write is named). :func:`load` needs the same world size and plan (anything else is a
-CheckpointError: resharding is not supported yet); each rank reads and checks only its own
-shards' files, the ranks exchange their verdicts, and every rank loads or none does. The
-model of one process loads such a checkpoint too: the shards are put back by row and column
-(except a per-row optimizer state of column slices, and dynamic tables split by columns).
+not write is named). :func:`load` works at any world size and plan: each rank reads, from the
+shards that overlap them, only the rows and columns its shards hold now (see
+:mod:`hybridembed.api.shards`), checks them, the ranks exchange their verdicts, and every rank
+loads or none does. The model of one process loads such a checkpoint too, and a distributed
+model loads the checkpoint of one process.
+
+Incremental versions (``save(..., incremental=True)``): a version holding, per shard, only the
+table rows changed (dense: with their row numbers; dynamic: the ids changed and the ids dropped)
+since the version before it, which it names in ``incremental.parent`` (by name and ``id``, a
+random id every manifest has); the dense state and the optimizer's dense state are whole.
+:func:`load` reads the chain from its full base (``incremental.base``) and refuses one with a
+version missing or replaced, naming it. Storages count changed rows from the version they were
+last saved to or loaded from; a save that fails puts its rows back into the count. ``keep``
+never deletes a version a kept version is saved on top of.
+
+Background saves (``save(..., background=True)``): the model's state (or, incremental, its
+changed rows) is copied in the call; a thread writes the files and commits (a distributed save
+exchanges its reports over a second gloo process group) and :class:`SaveHandle` reports it.
 
 Atomicity (:func:`save`): the new version is written under ``path/.tmp-v-000008-<pid>``,
 every file and directory fsynced, renamed to ``path/v-000008``, then ``LATEST`` is
