@@ -210,3 +210,20 @@ def test_a_failed_background_save_raises_at_wait_and_keeps_the_previous_version(
     fresh, fresh_opt = build("adagrad")
     he.load(path, fresh, fresh_opt)
     assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
+
+
+def test_an_incremental_manifest_is_format_3_and_its_chain_fields_are_checked(tmp_path):
+    model, opt = build("adagrad")
+    path = tmp_path / "c"
+    for i in range(2):
+        train(model, opt, range(i, i + 1))
+        he.save(path, model, opt, incremental=True)
+    assert _manifest(path, "v-000001")["format_version"] == 2  # a full version: readable by older readers
+    m = _manifest(path, "v-000002")
+    assert m["format_version"] == 3 and isinstance(m["id"], str) and m["id"] != _manifest(path, "v-000001")["id"]
+    m.pop("manifest_sha256")
+    m["incremental"]["parent"]["version"] = 7
+    (path / "v-000002" / "manifest.json").write_text(json.dumps(ckpt._sealed(m)))
+    fresh, fresh_opt = build("adagrad")
+    with pytest.raises(he.CheckpointError, match=r"field 'incremental.parent.version': expected a string, got 7"):
+        he.load(path, fresh, fresh_opt)

@@ -1,6 +1,6 @@
 """A checkpoint saved by N ranks under one plan loads at M ranks under another (2 -> 3, 4 -> 1,
 1 -> 4; row-wise -> table-wise, column-wise -> row-wise, data-parallel <-> sharded, dynamic
-hash shards -> one table), optimizer state included (Adam, Adagrad, row-wise Adagrad, SGD with
+hash shards <-> column slices), optimizer state included (Adam, Adagrad, row-wise Adagrad, SGD with
 momentum): K steps, save, load elsewhere, K more steps equal an uninterrupted one-process run
 within 1e-5. A distributed chain of incremental versions (one written in the background) loads
 at another world size like the full state."""
@@ -31,8 +31,8 @@ def _tables() -> list[he.TableConfig]:
 
 
 def _plan(world: int, which: str) -> Plan:
-    """``A``: a row-wise, b column-wise, c data-parallel, d row-wise by residues, e hash shards,
-    f table-wise; ``B`` moves every table to another kind."""
+    """``A``: a row-wise, b column-wise, c data-parallel, d row-wise by residues, e (dynamic) hash
+    shards, f table-wise; ``B`` moves every table to another kind."""
     t = {x.name: x for x in _tables()}
     ranks = tuple(range(world))
     if which == "A":
@@ -50,7 +50,7 @@ def _plan(world: int, which: str) -> Plan:
             "b": ("row_wise", ranks, "block"),
             "c": ("row_wise", ranks, "mod"),
             "d": ("data_parallel", ranks, None),
-            "e": ("table_wise", (world - 1,), None),
+            "e": ("column_wise", ranks, None),
             "f": ("column_wise", ranks, None),
         }
     out = []

@@ -123,7 +123,8 @@ __all__ = ["save", "load", "read_manifest", "checkpoint_tables", "SaveHandle", "
 log = get_logger(__name__)
 
 FORMAT = "hybridembed-checkpoint"
-FORMAT_VERSION = 2  # 2: the manifest is checksummed (version 1, without, is still read)
+FORMAT_VERSION = 3  # 3: incremental versions; 2: the manifest is checksummed (1, without, is still read)
+_FULL_FORMAT = 2  # a full version is written as 2 (readable by the hybridembed before incremental ones)
 POINTER = "LATEST"
 MANIFEST = "manifest.json"
 CHECKSUM_KEY = "manifest_sha256"  # sha256 of the manifest's canonical JSON without this key
@@ -471,6 +472,8 @@ def _parent_candidate(root: Path, how: _How) -> dict | None:
 
 
 def _incremental_entry(parent: dict) -> dict:
+    """The manifest's ``incremental`` field (the caller also sets ``format_version`` 3: a reader of
+    version 2 would take the delta's rows for the whole table)."""
     return {
         "parent": {"version": parent["version"], "id": parent["id"]},
         "base": parent["base"],
@@ -572,7 +575,7 @@ def _snapshot_dense(snap: _Snapshot, model: nn.Module, optimizer, sparse: dict |
 def _header(world: int, version_id: str) -> dict:
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": _FULL_FORMAT,
         "id": version_id,
         "hybridembed_version": _version(),
         "torch_version": torch.__version__,
@@ -625,6 +628,7 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None) -> 
     snap.manifest.update(_header(1, snap.id))
     if parent is not None:
         snap.manifest["incremental"] = _incremental_entry(parent)
+        snap.manifest["format_version"] = FORMAT_VERSION
     snap.manifest["tables"] = table_entries
     _snapshot_dense(snap, model, optimizer, meta if hybrid else None)
     snap.manifest["extra"] = extra
@@ -840,7 +844,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath} is not a hybridembed checkpoint manifest (format != {FORMAT!r})")
     version = manifest.get("format_version")
-    if isinstance(version, bool) or version not in (1, FORMAT_VERSION):
+    if isinstance(version, bool) or version not in (1, 2, FORMAT_VERSION):
         raise CheckpointError(
             f"{mpath}: checkpoint format version {version!r} is unknown; this hybridembed "
             f"({_version()}) reads versions 1 to {FORMAT_VERSION}"
@@ -1836,6 +1840,7 @@ def _sharded_manifest(colls: dict, extra: dict, parts: list[dict], world: int, v
     manifest = _header(world, version_id)
     if parent is not None:
         manifest["incremental"] = _incremental_entry(parent)
+        manifest["format_version"] = FORMAT_VERSION
     manifest["plans"] = plans
     manifest["tables"] = table_entries
     return manifest
