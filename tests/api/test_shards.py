@@ -116,3 +116,16 @@ def test_a_file_that_does_not_hold_its_rows_is_a_problem_not_a_crash(tmp_path):
     torch.save({"weight": whole[:-1]}, tmp_path / "c.0.pt")
     entry, problems = assemble("t", [(tmp_path, saved)], Target((0, ROWS, 1), (0, DIM)), DIM, False, ["sum"])
     assert entry == {} and "'c.0.pt' does not hold 'weight' of shape (37, 6) (got (36, 6))" in problems[0]
+
+
+def test_dynamic_shards_must_tile_columns_and_hash_residues():
+    from hybridembed.api.checkpoint import _check_shards
+
+    def table(*shards):
+        return {"kind": "dynamic", "shape": [None, 4], "shards": [{"file": f"{i}", **s} for i, s in enumerate(shards)]}
+
+    hashed = [{"residue": 0, "residues": 2}, {"residue": 1, "residues": 2}]
+    assert _check_shards("t", table(*hashed)) == []
+    assert "residues [0, 0], not 0..k-1 once" in _check_shards("t", table(hashed[0], hashed[0]))[0]
+    assert _check_shards("t", table({"col_end": 2}, {"col_start": 2})) == []
+    assert "do not tile 0..4" in _check_shards("t", table({"col_end": 2}, {"col_start": 3}))[0]

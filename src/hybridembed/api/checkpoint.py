@@ -1112,7 +1112,9 @@ def _check_shards(q: str, s: dict) -> list[str]:
     if not isinstance(shards, list) or not shards:
         return [f"table {q!r}: the manifest lists no shards"]
     if s["kind"] == "dynamic":
-        return [] if all(isinstance(x, dict) and "file" in x for x in shards) else [f"table {q!r}: malformed shards"]
+        if not all(isinstance(x, dict) and "file" in x for x in shards):
+            return [f"table {q!r}: malformed shards"]
+        return _check_dynamic_shards(q, shards, s["shape"][1])
     rows, dim = s["shape"]
     try:
         spans = [_span(x, dim) for x in shards]
@@ -1141,6 +1143,24 @@ def _check_shards(q: str, s: dict) -> list[str]:
         if rows and not bool((count == 1).all()):
             row = int((count != 1).nonzero()[0])
             return [f"table {q!r}: shards do not tile rows 0..{rows} of columns {c[0]}..{c[1]} (row {row})"]
+    return []
+
+
+def _check_dynamic_shards(q: str, shards: list[dict], dim: int) -> list[str]:
+    """A dynamic table's shards: column slices tiling 0..dim, each split into hash residues
+    0..k-1 (every id in exactly one) or whole."""
+    groups: dict[tuple[int, int], list] = {}
+    for x in shards:
+        groups.setdefault((int(x.get("col_start", 0)), int(x.get("col_end", dim))), []).append(x.get("residue"))
+    cols = sorted(groups)
+    if [c0 for c0, _ in cols] != [0, *(c1 for _, c1 in cols[:-1])] or cols[-1][1] != dim:
+        return [f"table {q!r}: the shards' columns {cols} do not tile 0..{dim}"]
+    for c, residues in groups.items():
+        if all(r is None for r in residues):  # whole, or split without saying how (ids are unique anyway)
+            continue
+        ks = {x.get("residues") for x in shards if (int(x.get("col_start", 0)), int(x.get("col_end", dim))) == c}
+        if None in residues or len(ks) != 1 or sorted(residues) != list(range(next(iter(ks)))):
+            return [f"table {q!r}: the hash shards of columns {c[0]}..{c[1]} hold residues {residues}, not 0..k-1 once"]
     return []
 
 
