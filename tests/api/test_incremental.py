@@ -227,3 +227,27 @@ def test_an_incremental_manifest_is_format_3_and_its_chain_fields_are_checked(tm
     fresh, fresh_opt = build("adagrad")
     with pytest.raises(he.CheckpointError, match=r"field 'incremental.parent.version': expected a string, got 7"):
         he.load(path, fresh, fresh_opt)
+
+
+def test_compact_writes_a_chain_again_as_one_full_version(tmp_path):
+    model, opt = build("adam", **EVICTING)
+    path = tmp_path / "c"
+    for i in range(4):
+        train(model, opt, range(i, i + 1))
+        he.save(path, model, opt, incremental=True, extra={"i": i})
+    written = ckpt.compact(path)
+    assert written.endswith("v-000005") and (path / "LATEST").read_text().strip() == "v-000005"
+    m = _manifest(path, "v-000005")
+    assert "incremental" not in m and m["format_version"] == 2 and m["extra"] == {"i": 3}
+    assert sorted(p.name for p in path.iterdir()) == ["LATEST", "v-000005"]  # keep=1: the chain is gone
+    assert ckpt.compact(path) == written  # already full: nothing to do
+    fresh, fresh_opt = build("adam", **EVICTING)
+    he.load(path, fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
+    # the model's next incremental save: a full one (it did not save or load the compacted version)
+    train(model, opt, range(5, 6))
+    assert "incremental" not in json.loads(
+        (ckpt.Path(he.save(path, model, opt, incremental=True)) / "manifest.json").read_text()
+    )
+    with pytest.raises(he.CheckpointError, match="keep must be an int >= 1"):
+        ckpt.compact(path, keep=0)

@@ -166,7 +166,7 @@ def test_an_incremental_chain_of_three_ranks_loads_at_two_under_another_plan(tmp
     path = str(tmp_path / "ckpt")
     results = spawn(_train_save, 3, path, "B", True, timeout=240)
     assert results[0]["written"].endswith("v-000003")
-    from hybridembed.api.checkpoint import read_manifest
+    from hybridembed.api.checkpoint import compact, read_manifest
 
     m = read_manifest(path)
     assert m["incremental"]["length"] == 2 and m["world_size"] == 3
@@ -174,3 +174,9 @@ def test_an_incremental_chain_of_three_ranks_loads_at_two_under_another_plan(tmp
     for r in spawn(_load_train, 2, path, "A", timeout=240):
         _close(r["loaded"], saved, 1e-5)
         _close(r["final"], final, 1e-5)
+    # the chain written again as one full version (no job needed) loads the same rows
+    compact(path)
+    assert "incremental" not in read_manifest(path)
+    model, opt = _model(1, "one")
+    he.load(path, model, opt)
+    _close(_snapshot(model), saved, 1e-5)

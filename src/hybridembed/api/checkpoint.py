@@ -118,7 +118,7 @@ from .shards import Target, assemble, files_for
 from .shards import span as _span
 from .shards import torch_load as _torch_load
 
-__all__ = ["save", "load", "read_manifest", "checkpoint_tables", "SaveHandle", "FORMAT_VERSION"]
+__all__ = ["save", "load", "compact", "read_manifest", "checkpoint_tables", "SaveHandle", "FORMAT_VERSION"]
 
 log = get_logger(__name__)
 
@@ -696,6 +696,87 @@ def _save(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _How) 
         raise
     snap.finish(True)
     return out
+
+
+# --- compaction: a chain written again as one full version, without the model -----------------------
+def compact(path: str | os.PathLike, *, keep: int = 1, verify: bool = True) -> str:
+    """Write the current version of the checkpoint at ``path`` again as a full version (the
+    chain of incremental versions it builds on put together, shard by shard, in the current
+    version's layout) and commit it; no model is needed. Returns the new version's directory
+    (the current one, unchanged, when it is already full). Loading it equals loading the chain,
+    bit for bit. One writer per path: not while a job saves there."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise CheckpointError(f"keep must be an int >= 1, got {keep!r}")
+    root = Path(path)
+    manifest = read_manifest(root)
+    vdir = Path(manifest["path"])
+    if vdir.parent != root or _current(root) != vdir.name:
+        raise CheckpointError(f"compact takes a checkpoint directory (with {POINTER}), got {path}")
+    if "incremental" not in manifest:
+        return str(vdir)
+    chain = _chain(manifest)
+    problems = _check_chain(chain)
+    wanted = {}
+    for q, t in manifest["tables"].items():
+        keyed, dim = t["kind"] == "dynamic", t["shape"][1]
+        for sh in t["shards"]:
+            wanted[(q, sh["file"])] = (_shard_target(sh, keyed, dim), keyed, sorted(t.get("optimizer_state", [])))
+    needed: dict[Path, set[str]] = {d: set() for d, _ in chain}
+    for (q, _), (target, keyed, _) in wanted.items():
+        for d, rel in files_for(_versions_of(chain, q), target, manifest["tables"][q]["shape"][1], keyed):
+            needed[d].add(rel)
+    for rel in (manifest["dense"]["file"], *([manifest["optimizer"]["file"]] if manifest.get("optimizer") else [])):
+        needed[vdir].add(rel)
+    for d, m in chain:
+        listed = {rel: spec for rel, spec in m["files"].items() if rel in needed[d]}
+        problems += [f"version {d.name}: file {rel!r} is not listed" for rel in sorted(needed[d] - set(listed))]
+        problems += [f"version {d.name}: {p}" for p in _check_files(d, {"files": listed}, verify)]
+    _raise(vdir, problems, "cannot be compacted")
+    _clean(root, keep)
+    version = _next_version(root)
+    tmp = root / f".tmp-{version}-{os.getpid()}"
+    tables = copy.deepcopy(manifest["tables"])
+    try:
+        tmp.mkdir()
+        files = {}
+        for q, t in tables.items():
+            for sh in t["shards"]:
+                target, keyed, names = wanted[(q, sh["file"])]
+                entry, probs = assemble(q, _versions_of(chain, q), target, t["shape"][1], keyed, names)
+                _raise(vdir, probs, "cannot be compacted")
+                _write_file(tmp / sh["file"], entry)
+                files[sh["file"]] = {"bytes": (tmp / sh["file"]).stat().st_size, "sha256": _sha256(tmp / sh["file"])}
+                sh.pop("changed", None)
+                sh.pop("removed", None)
+                if keyed:
+                    sh["rows"] = int(entry["ids"].numel())
+        for rel in needed[vdir] - set(files):  # the dense state and the optimizer's, as they are
+            shutil.copyfile(vdir / rel, tmp / rel)
+            files[rel] = manifest["files"][rel]
+        body = {k: v for k, v in manifest.items() if k not in ("path", "incremental", "files")}
+        body.update(_header(manifest["world_size"], uuid.uuid4().hex), created=body["created"], tables=tables)
+        body["files"] = dict(sorted(files.items()))
+        _write_file(tmp / MANIFEST, (json.dumps(_sealed(body), indent=1) + "\n").encode())
+        for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
+            _fsync_dir(d)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = _publish(root, tmp, version)
+    _clean(root, keep)
+    log.info("compacted checkpoint %s (%d versions) into %s", vdir, len(chain), final)
+    return str(final)
+
+
+def _shard_target(sh: dict, keyed: bool, dim: int) -> Target:
+    """The rows and columns a saved shard entry holds, as a target to put together again."""
+    cols = (int(sh.get("col_start", 0)), int(sh.get("col_end", dim)))
+    if not keyed:
+        a, b, step, *_ = _span(sh, dim)
+        return Target((a, b, step), cols)
+    if sh.get("residue") is not None:
+        return Target(None, cols, (sh["residue"], sh["residues"]), first=sh["residue"] == 0)
+    return Target(None, cols)
 
 
 # --- background saves -------------------------------------------------------------------------------
