@@ -20,9 +20,7 @@ import signal
 import sys
 import threading
 
-LOG, KILLS, SEED = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-START = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-RANK = int(os.environ["RANK"])
+LOG, START, RANK = "", 0, 0  # set by main() (importing this module, as pytest's doctests do, runs nothing)
 
 
 def note(line: str) -> None:
@@ -102,11 +100,14 @@ def plant_in_saves(ckpt, rng: random.Random) -> None:
 
 
 def main() -> int:
+    global LOG, START, RANK
     from hybridembed.api import checkpoint as ckpt
     from hybridembed.train import cli
 
-    if START < 2 * KILLS:
-        rng = random.Random(f"{SEED}-{START}")
+    LOG, kills, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    START, RANK = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+    if START < 2 * kills:
+        rng = random.Random(f"{seed}-{START}")
         (plant_in_training(cli, rng) if START % 2 == 0 else plant_in_saves(ckpt, rng))
     save = cli.Checkpointer.save
 

@@ -319,3 +319,30 @@ def test_a_restarted_rank_of_a_complete_run_has_nothing_to_train(generated, tmp_
     assert cli.main([*flags, "--max-restarts", "2"]) == 0
     out = capsys.readouterr().out
     assert f"resumed from {ckpt} (epoch 1, step 4) (its last committed checkpoint)" in out, out
+
+
+AGENT = """
+import sys
+err = sys.stderr.write
+err("*****\\nSetting OMP_NUM_THREADS environment variable for each process to be 1 in default\\n*****\\n")
+err("hybridembed train: error: bad row 7 (rank 1 of 2)\\n")  # the processes' own lines pass
+for start in range(2):
+    err("W1122 22:26:43.736000 13627 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1 "
+        "closing signal SIGTERM\\n")
+    err(f"E1122 22:26:43.769000 13627 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) "
+        f"local_rank: 1 (pid: {4242 + start}) of binary: python\\n")
+err("Traceback (most recent call last):\\n  File run.py\\nChildFailedError:\\n=====\\nFailures:\\n  rank : 1\\n")
+sys.exit(1)
+"""
+
+
+def test_the_agent_s_output_is_summarised_and_the_command_s_own_errors_exit_2(capfd):
+    cmd = [sys.executable, "-c", AGENT]
+    code = elastic.run_elastic(cmd, prog="hybridembed train", nproc=2, max_restarts=1, checkpoint=None, threads=1,
+                               model_dir=cli.MODEL_DIR)  # fmt: skip
+    assert code == 2  # the last start failed as bad data does: a restart would not mend it
+    assert capfd.readouterr().err.splitlines() == [
+        "hybridembed train: error: bad row 7 (rank 1 of 2)",
+        "hybridembed train: rank 1 (pid 4242) exited with code 2; restarting all 2 processes (restart 1 of 1)",
+        "hybridembed train: error: rank 1 (pid 4243) exited with code 2; no restart left (1 of --max-restarts 1 used)",
+    ]

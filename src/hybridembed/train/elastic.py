@@ -93,12 +93,10 @@ def run_elastic(
     env.setdefault("OMP_NUM_THREADS", str(threads))  # (torchrun prints a banner when it sets it itself)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env, text=True, errors="replace", bufsize=1)
     failures: list[tuple[int, int, int]] = []  # (exit code, rank, pid) of each start that failed
-    agent: list[str] = []  # what the agent said after its last start failed (its traceback, its table)
     try:
         assert proc.stderr is not None
         for line in proc.stderr:
-            if len(failures) > max_restarts:  # the agent is giving up: the rest is its own report
-                agent.append(line)
+            if len(failures) > max_restarts:  # the agent gives up: the rest is its traceback and failure table
                 continue
             m = _AGENT_LINE.match(line)
             if m is None:
@@ -136,9 +134,8 @@ def run_elastic(
             f"{prog}: error: {what}; no restart left ({used} of --max-restarts {max_restarts} used)",
             file=sys.stderr,
         )
-    else:  # the agent itself failed (rendezvous, ...): its last words
-        said = [ln.strip() for ln in agent if ln.strip()]
-        print(f"{prog}: error: torchrun failed (exit code {code}){': ' + said[-1] if said else ''}", file=sys.stderr)
+    else:  # the agent itself failed (rendezvous, ...): its output went through, above
+        print(f"{prog}: error: torchrun failed (exit code {code})", file=sys.stderr)
     if checkpoint_to_resume(checkpoint, model_dir):
         print(
             f"{prog}: the last committed checkpoint is in {checkpoint}; the same command continues from it",
