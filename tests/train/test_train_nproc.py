@@ -161,9 +161,9 @@ def _launch(tmp_path, *argv: str) -> subprocess.CompletedProcess:
 
 
 def test_launch_runs_every_rank_of_the_job(tmp_path):
-    r = _launch(tmp_path, "a", "--b")
+    r = _launch(tmp_path, "a", "--b", "--nproc", "3")  # the script's flags, whatever torchrun's are named
     assert r.returncode == 0, r.stderr
-    assert [(tmp_path / f"rank{i}").read_text() for i in range(2)] == ["2 3 a --b"] * 2  # both ranks, all_reduce
+    assert [(tmp_path / f"rank{i}").read_text() for i in range(2)] == ["2 3 a --b --nproc 3"] * 2  # all_reduce
 
 
 def test_launch_fails_when_a_rank_fails(tmp_path):
@@ -175,17 +175,17 @@ def test_launch_fails_when_a_rank_fails(tmp_path):
 @pytest.mark.parametrize(
     "argv, torchrun",
     [
-        (["--nproc", "4", "t.py", "--lr", "1"], ["--nproc-per-node", "4", "--standalone", "--max-restarts", "0", "t.py", "--lr", "1"]),
+        (["--nproc", "4", "t.py", "--lr", "1"], ["--nproc-per-node", "4", "--standalone", "--max-restarts", "0", "--", "t.py", "--lr", "1"]),
         (
             ["--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port", "29400",
              "--max-restarts", "3", "t.py"],
             ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port",
-             "29400", "--max-restarts", "3", "t.py"],
+             "29400", "--max-restarts", "3", "--", "t.py"],
         ),
         (
             ["--nproc", "8", "--nnodes", "1:4", "--rdzv-endpoint", "h0:29400", "--rdzv-id", "job7", "-m", "pkg.train"],
             ["--nproc-per-node", "8", "--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:29400",
-             "--rdzv-id", "job7", "--max-restarts", "0", "--module", "pkg.train"],
+             "--rdzv-id", "job7", "--max-restarts", "0", "--module", "--", "pkg.train"],
         ),
     ],
 )  # fmt: skip

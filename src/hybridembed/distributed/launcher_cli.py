@@ -23,7 +23,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser", "torchrun_argv"]
+__all__ = ["main", "build_parser", "torchrun_argv", "restart_env"]
 
 PROG = "hybridembed launch"
 
@@ -128,7 +128,20 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--max-restarts", str(args.max_restarts)]
     if args.module:
         argv.append("--module")
-    return [*argv, args.script, *args.script_args]
+    # "--": the script's own flags are never read as torchrun's (argparse reads "--nproc 2" as an
+    # ambiguous abbreviation of --nproc-per-node wherever it stands)
+    return [*argv, "--", args.script, *args.script_args]
+
+
+def restart_env(max_restarts: int = 1) -> dict[str, str]:
+    """This process's environment for torchrun, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` when it
+    may restart (unless set): the rendezvous store shared with the processes (torchrun's default) keeps
+    the keys of the previous start, whose process groups the restarted ones then try to reach
+    (gloo: "connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712)."""
+    env = dict(os.environ)
+    if max_restarts > 0:
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return env
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -159,7 +172,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         return 2
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(args)]
     try:
-        return subprocess.call(cmd)
+        return subprocess.call(cmd, env=restart_env(args.max_restarts))
     except KeyboardInterrupt:  # torchrun got the signal too and stops its processes
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

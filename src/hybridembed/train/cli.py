@@ -6,6 +6,7 @@
     hybridembed train --dataset adult --data ../shared/data/adult.parquet --model wdl
     hybridembed train --nproc 2                                  # 2 processes (gloo), tables sharded
     hybridembed launch --nproc 2 -m hybridembed.cli train        # the same job under torchrun
+    hybridembed train --nproc 2 --max-restarts 3 --checkpoint-every 500   # restarted from the last commit
 
 Every categorical feature gets its own dynamic table (``he.Dynamic(capacity=...)``): any id
 gets a row on first sight, so there is no vocabulary pass. Without ``--data`` a Criteo-format
@@ -15,7 +16,8 @@ training loss, the held-out loss and AUC, and the throughput; a checkpoint is wr
 from one with ``he.load``, and the model is exported with ``he.export`` at the end.
 ``--nproc N`` trains on N processes of one gloo job (spawned here, or joined under torchrun):
 the tables sharded with ``he.distribute``, each rank on its slice of every global batch (see
-:mod:`.parallel`); rank 0 prints.
+:mod:`.parallel`); rank 0 prints. ``--max-restarts K`` runs them under torchrun's elastic agent,
+each start resuming from the last committed checkpoint (see :mod:`.elastic`).
 Bad flags, missing files and malformed rows end the run with one ``error:`` line and exit code 2.
 """
 
@@ -40,6 +42,7 @@ from ..distributed.launch import SpawnError
 from ..errors import HybridEmbedError
 from ..utils import get_logger
 from . import data as D
+from . import elastic
 from . import models as M
 from .loop import EpochStats, EvalStats, evaluate, train_epoch
 from .parallel import ONE, Job
@@ -232,6 +235,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "its WORLD_SIZE, joined; `hybridembed launch` runs torchrun)",
     )
     t.add_argument(
+        "--max-restarts",
+        type=_number(int, 0, True),
+        metavar="K",
+        help="run the processes under torchrun's elastic agent, which restarts them all up to K times when one "
+        "fails or dies; every start resumes from the last committed checkpoint in --checkpoint DIR, if it holds "
+        "one (needs checkpoints; --checkpoint-every STEPS bounds the steps redone)",
+    )
+    t.add_argument(
         "--threads",
         type=_number(int, 0, False),
         metavar="N",
@@ -274,22 +285,22 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 
 # --- resolving the flags ------------------------------------------------------------------------
-def _read_state(ckpt: str) -> dict[str, Any]:
+def _read_state(ckpt: str, flag: str = "--resume") -> dict[str, Any]:
     """The run's state (model flags, position) stored in the checkpoint's manifest by :class:`Checkpointer`."""
     from ..api.checkpoint import read_manifest
 
     if not os.path.isdir(ckpt):
-        raise UsageError(f"--resume {ckpt}: no such checkpoint directory")
+        raise UsageError(f"{flag} {ckpt}: no such checkpoint directory")
     try:
         manifest = read_manifest(os.path.join(ckpt, MODEL_DIR))
     except HybridEmbedError as e:
-        raise UsageError(f"--resume {ckpt}: not a hybridembed train checkpoint ({_one_line(e)})") from None
+        raise UsageError(f"{flag} {ckpt}: not a hybridembed train checkpoint ({_one_line(e)})") from None
     state = (manifest.get("extra") or {}).get(STATE_KEY)
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or "arch" not in state:
-        raise UsageError(f"--resume {ckpt}: a hybridembed checkpoint, but not one written by hybridembed train")
+        raise UsageError(f"{flag} {ckpt}: a hybridembed checkpoint, but not one written by hybridembed train")
     problems = _state_problems(state)
     if problems:
-        raise UsageError(f"--resume {ckpt}: the run's state in its manifest is malformed: {'; '.join(problems)}")
+        raise UsageError(f"{flag} {ckpt}: the run's state in its manifest is malformed: {'; '.join(problems)}")
     return state
 
 
@@ -321,7 +332,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
     """Fills defaults in place (from the checkpoint with --resume); returns its state, if any."""
     state = None
     if args.resume:
-        state = _read_state(args.resume)
+        state = _read_state(args.resume, "--checkpoint" if getattr(args, "restart", None) is not None else "--resume")
         for k, saved in state["arch"].items():
             given = getattr(args, k, None)
             if given is not None and given != saved:
@@ -360,6 +371,11 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
         args.checkpoint = None
     elif args.checkpoint is None:
         args.checkpoint = args.resume or os.path.join(args.workdir, "checkpoint")
+    if args.max_restarts and not args.checkpoint:
+        raise UsageError(
+            f"--max-restarts {args.max_restarts} restarts from checkpoints, and --no-checkpoint writes none; drop "
+            "--no-checkpoint (checkpoints go to --checkpoint DIR, default WORKDIR/checkpoint)"
+        )
     if args.no_export:
         args.export = None
     elif args.export is None:
@@ -675,7 +691,11 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
             epoch0, skip = epoch0 + 1, 0
     say(f"hybridembed train: {desc}")
     say(_describe_model(args, inner, len(features), job))
-    if state is not None:
+    restart = getattr(args, "restart", None)
+    if state is not None and restart is not None:  # under --max-restarts: the last committed checkpoint
+        after = f" after restart {restart}" if restart else " (its last committed checkpoint)"
+        say(f"resumed from {args.resume} (epoch {int(state['epoch']) + 1}, step {step}){after}")
+    elif state is not None:
         where = f"epoch {epoch0 + 1}" + (f", step {skip} of it" if skip else "")
         say(f"resumed from {args.resume}: continuing at {where} (step {step} overall)")
     ckpt = Checkpointer(
@@ -717,9 +737,12 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
         say(f"nothing to train: the checkpoint has done {epoch0} of --epochs {args.epochs}")
         say(_epoch_line(epoch0, args.epochs, None, ev, inner, job))
     if args.checkpoint:
-        say(
-            f"checkpoint: {ckpt.last}" if ckpt.last else f"checkpoint: skipped, {ckpt.unavailable or 'nothing trained'}"
-        )
+        if ckpt.last:
+            say(f"checkpoint: {ckpt.last}")
+        elif state is not None and os.path.abspath(args.checkpoint) == os.path.abspath(args.resume):
+            say(f"checkpoint: {args.checkpoint} (unchanged: nothing was left to train)")
+        else:
+            say(f"checkpoint: skipped, {ckpt.unavailable or 'nothing trained'}")
     if args.export:
         unsupported = io_problem and f"not yet supported at world {job.world} (he.export of a sharded model)"
         say(_export(args, inner, example, job, unsupported))
@@ -762,6 +785,44 @@ def _spawn(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
     return 0
 
 
+def _elastic(args: argparse.Namespace, argv: list[str], prog: str) -> int:
+    """``--max-restarts K`` (not yet under torchrun): the same command as N processes under
+    torchrun's elastic agent (see :mod:`.elastic`)."""
+    if args.dataset == "criteo" and not args.data:
+        generate_if_needed(args)  # once, here: not by every start of the job
+    cmd = elastic.torchrun_command(args.nproc or 1, args.max_restarts, argv)
+    return elastic.run_elastic(
+        cmd,
+        prog=prog,
+        nproc=args.nproc or 1,
+        max_restarts=args.max_restarts,
+        checkpoint=args.checkpoint,
+        threads=args.threads,
+        model_dir=MODEL_DIR,
+    )
+
+
+def _resume_last_commit(args: argparse.Namespace, restart: int) -> None:
+    """A start of the job under the elastic agent: continue from the last committed checkpoint
+    in --checkpoint DIR when it holds one (then it wins over --resume), as --resume would."""
+    if args.no_checkpoint:
+        return
+    found = elastic.checkpoint_to_resume(
+        args.checkpoint or args.resume or os.path.join(args.workdir, "checkpoint"), MODEL_DIR
+    )
+    if found is not None:
+        args.resume, args.restart = found, restart
+
+
+class _LostRank(Exception):
+    """A collective failed because another rank of the job is gone (it prints its own error)."""
+
+
+# gloo's errors when the peer of a collective died: "[.../gloo/transport/tcp/pair.cc:537] Read error ...:
+# Connection reset by peer", "Connection closed by peer", "Broken pipe"
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, world: int) -> int:
     """One rank of a torchrun job (``hybridembed launch`` or torchrun itself)."""
     from datetime import timedelta
@@ -773,9 +834,18 @@ def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, wor
         dist.init_process_group("gloo", timeout=timedelta(seconds=JOB_PG_TIMEOUT))
     try:
         return run(args, state, Job(rank, world))
+    except RuntimeError as e:
+        text = str(e)
+        if "gloo" in text and any(k in text for k in _LOST_PEER):
+            reason = _one_line(e).split("] ", 1)[-1].split(". ", 1)[0]  # "Read error [addr]: Connection reset by peer"
+            raise _LostRank(f"lost another rank of the job ({reason})") from None
+        raise
     finally:
         if ours:
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:  # a broken group: the process ends anyway
+                pass
 
 
 def _one_line(e: BaseException) -> str:
@@ -803,7 +873,12 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
                     "(the launcher sets the job's size)"
                 )
             args.nproc = world
+        restart = elastic.restart_count() if joined is not None else None
+        if args.max_restarts is not None or restart:  # a start of an elastic job (checked before it): the last commit
+            _resume_last_commit(args, restart or 0)
         state = resolve(args)
+        if joined is None and args.max_restarts is not None:
+            return _elastic(args, argv, prog)
         if joined is not None and joined[1] > 1:
             return _join(args, state, *joined)
         if (args.nproc or 1) > 1:
@@ -823,6 +898,10 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         sys.stdout.flush()
         print(f"{prog}: error: {_one_line(e)}{where}", file=sys.stderr)
         return 2
+    except _LostRank as e:
+        sys.stdout.flush()
+        print(f"{prog}: error: {e}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         sys.stdout.flush()
         print(f"{prog}: interrupted", file=sys.stderr)
