@@ -100,6 +100,35 @@ def test_resume_mid_epoch(generated, tmp_path, capsys, monkeypatch):
     assert resumed[0][3:] == straight[0][3:]  # same test loss and AUC as the uninterrupted run
 
 
+def test_incremental_background_checkpoints_resume_mid_epoch(generated, tmp_path, capsys, monkeypatch):
+    import threading
+
+    _, _, straight = _train(tmp_path, generated, capsys, "--epochs", "1", "--no-checkpoint", "--no-export")
+    real = D.prefetch
+
+    def interrupted(it, depth=4):  # a run killed after 13 steps
+        for i, b in enumerate(real(it, depth)):
+            if i == 13:
+                raise KeyboardInterrupt
+            yield b
+
+    monkeypatch.setattr(D, "prefetch", interrupted)
+    ckpt = tmp_path / "c"
+    flags = ["--checkpoint-every", "5", "--checkpoint-incremental", "--checkpoint-background"]
+    code, _, _ = _train(tmp_path, generated, capsys, "--epochs", "1", "--checkpoint", str(ckpt), *flags, "--no-export")
+    assert code == 130
+    for t in threading.enumerate():  # the save of step 10 may still be writing
+        if t.name == "hybridembed-save":
+            t.join(60)
+    m = read_manifest(ckpt / "model")
+    assert m["incremental"]["length"] == 1 and m["incremental"]["parent"]["version"] == "v-000001"
+    assert m["extra"]["hybridembed_train"]["step"] == 10
+    monkeypatch.setattr(D, "prefetch", real)
+    code, out, resumed = _train(tmp_path, generated, capsys, "--resume", str(ckpt), "--epochs", "1", "--no-export")
+    assert code == 0 and "continuing at epoch 1, step 10 of it" in out
+    assert resumed[0][3:] == straight[0][3:]  # same test loss and AUC as the uninterrupted run
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit is deprecated since torch 2.10; it works
 def test_torchscript_export_serves_the_trained_model(generated, tmp_path, capsys):
     _require("export", tmp_path=tmp_path)

@@ -267,6 +267,17 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="also checkpoint every STEPS training steps, for long epochs (default 0: at epoch ends only)",
     )
     o.add_argument(
+        "--checkpoint-incremental",
+        action="store_true",
+        help="checkpoints hold only the rows changed since the one before (a full one every 8; he.save "
+        "incremental=True)",
+    )
+    o.add_argument(
+        "--checkpoint-background",
+        action="store_true",
+        help="write checkpoints while training goes on (the step pauses only to copy; he.save background=True)",
+    )
+    o.add_argument(
         "--resume",
         metavar="DIR",
         help="continue from this checkpoint (he.load): its model flags, weights, optimizer state and position "
@@ -485,10 +496,25 @@ class Checkpointer:
     """``he.save(DIR/model, model, optimizer, extra=...)``: the run's state (model flags, epoch,
     steps done in it) is stored in the checkpoint's manifest, committed atomically with the rows."""
 
-    def __init__(self, directory: str | None, arch: dict[str, Any], unavailable: str | None = None):
+    def __init__(
+        self,
+        directory: str | None,
+        arch: dict[str, Any],
+        unavailable: str | None = None,
+        incremental: bool = False,
+        background: bool = False,
+    ):
         self.dir, self.arch = directory, arch
         self.unavailable: str | None = unavailable  # why no checkpoint is written
         self.last: str | None = None
+        self.incremental, self.background = incremental, background
+        self.pending = None  # a background save still writing
+
+    def wait(self) -> None:
+        """Until the background save (if any) is committed; its error, if it failed, is raised."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, position: dict[str, Any]) -> bool:
         if self.dir is None or self.unavailable:
@@ -498,7 +524,15 @@ class Checkpointer:
         state = {"format": STATE_FORMAT, "arch": self.arch, **position}
         os.makedirs(self.dir, exist_ok=True)
         try:
-            save(os.path.join(self.dir, MODEL_DIR), model, optimizer, extra={STATE_KEY: state})
+            out = save(
+                os.path.join(self.dir, MODEL_DIR),
+                model,
+                optimizer,
+                extra={STATE_KEY: state},
+                incremental=self.incremental,
+                background=self.background,
+            )
+            self.pending = out if self.background else None
         except NotImplementedError as e:
             self.unavailable = f"he.save is not available in this build ({e})"
             return False
@@ -699,7 +733,11 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
         where = f"epoch {epoch0 + 1}" + (f", step {skip} of it" if skip else "")
         say(f"resumed from {args.resume}: continuing at {where} (step {step} overall)")
     ckpt = Checkpointer(
-        args.checkpoint, _arch(args), io_problem and f"not yet supported at world {job.world} ({io_problem})"
+        args.checkpoint,
+        _arch(args),
+        io_problem and f"not yet supported at world {job.world} ({io_problem})",
+        incremental=args.checkpoint_incremental,
+        background=args.checkpoint_background,
     )
     example = next(iter(test.batches(8))) if test is not None and len(test) else None
     estimate = train.estimate_rows()
@@ -736,6 +774,7 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
         ev = evaluate(model, test.batches(8192), job) if test is not None else None
         say(f"nothing to train: the checkpoint has done {epoch0} of --epochs {args.epochs}")
         say(_epoch_line(epoch0, args.epochs, None, ev, inner, job))
+    ckpt.wait()
     if args.checkpoint:
         if ckpt.last:
             say(f"checkpoint: {ckpt.last}")
