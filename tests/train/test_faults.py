@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("pyarrow", reason="the train tests need pyarrow (pip install 'hybridembed[train]')")
 
 import hybridembed  # noqa: E402
-from hybridembed.api.checkpoint import read_manifest  # noqa: E402
+from hybridembed.api.checkpoint import compact, read_manifest  # noqa: E402
 from hybridembed.distributed import launcher_cli as launch  # noqa: E402
 from hybridembed.errors import CheckpointError  # noqa: E402
 from hybridembed.train import cli, elastic  # noqa: E402
@@ -40,7 +40,9 @@ FLAGS = [
     "--capacity", "20000", "--batch-size", "8", "--max-rows", str(8 * STEPS_PER_EPOCH), "--epochs", "2",
     "--holdout", "0", "--no-export",
 ]  # fmt: skip
-EVERY = ["--checkpoint-every", "4"]  # the killed jobs' saves (the reference saves at its end only)
+# the killed jobs' saves (the reference saves at its end only): chains of incremental versions, so a
+# kill lands in a delta's write or commit too, and every resume loads a chain
+EVERY = ["--checkpoint-every", "4", "--checkpoint-incremental"]
 RESUMED = re.compile(
     r"^resumed from (\S+) \(epoch (\d+), step (\d+)\)(?: after restart (\d+)| \(its last committed)", re.M
 )
@@ -107,9 +109,10 @@ def _train(*argv: str) -> list[str]:
 
 
 def _final(ckpt: Path) -> dict[str, object]:
-    """Every file of the checkpoint's committed version but its manifest, loaded (rows, optimizer state, dense)."""
+    """Every file of the checkpoint's committed version but its manifest, loaded (rows, optimizer state, dense);
+    a chain of incremental versions is first written again as one full version (``compact``)."""
     root = ckpt / cli.MODEL_DIR
-    version = root / (root / "LATEST").read_text().strip()
+    version = Path(compact(root))
     files = sorted(p for p in version.rglob("*.pt"))
     return {str(p.relative_to(version)): torch.load(p, weights_only=False) for p in files}
 

@@ -136,6 +136,12 @@ def files_for(versions: Sequence[Version], target: Target, dim: int, keyed: bool
     return out
 
 
+def _same_shard(sh: dict, target: Target, dim: int) -> bool:
+    """Whether saved dynamic shard ``sh`` holds exactly ``target``'s ids and columns."""
+    hashed = (sh["residue"], sh["residues"]) if sh.get("residue") is not None else None
+    return _cols(sh, dim) == target.cols and hashed == target.hashed
+
+
 def _table_level(sh: dict, spec: dict, dim: int) -> bool:
     """A dynamic table's counters are read from the shards of its first column slice."""
     first = min(_cols(x, dim)[0] for x in spec["shards"])
@@ -261,7 +267,7 @@ def _dynamic(q, versions, target, dim, state_names, load):
         groups: dict[tuple[int, int], list[tuple[dict, dict]]] = {}
         parts = []
         for sh in spec["shards"]:
-            top = _table_level(sh, spec, dim)
+            top = _table_level(sh, spec, dim) or _same_shard(sh, target, dim)
             if not (overlaps(sh, target, dim, True) or top):
                 continue
             where = f"table {q!r}: file {sh['file']!r}"
@@ -354,9 +360,16 @@ def _dynamic(q, versions, target, dim, state_names, load):
             "freq": torch.zeros(0, dtype=torch.int64),
             "state": {},
         }
-    # the table's counters, clock, admission sketch and generator: of the newest version
-    _need(bool(last_parts), f"table {q!r}: no shard of its first column slice")
-    ps = [p for _, p in last_parts]
+    # the table's counters, clock, admission sketch and generator: of the newest version; those
+    # of the saved shard that is the target itself (a resume in the same layout) when there is one
+    same = [p for sh, p in last_parts if _same_shard(sh, target, dim)]
+    if len(same) == 1:  # (several: a table split without saying how, as before hash residues were recorded)
+        for key in ("stats", "clock", "sketch", "generator"):
+            if torch.is_tensor(same[0].get(key)):
+                cur[key] = same[0][key]
+        return cur, []
+    ps = [p for sh, p in last_parts if _table_level(sh, versions[-1][1], dim)]
+    _need(bool(ps), f"table {q!r}: no shard of its first column slice")
     stats = torch.stack([p["stats"] for p in ps]).sum(0)
     cur["stats"] = stats if target.first else torch.zeros_like(stats)
     cur["clock"] = torch.stack([p["clock"].reshape(()) for p in ps]).max()
