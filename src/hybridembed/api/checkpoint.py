@@ -1813,26 +1813,30 @@ def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: d
     version_id = reports[0][6]
     snap = _Snapshot(storages, _take_changes(storages), version_id)
     stems = _stems(list(_global_tables(colls)))
-    part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None)
     hybrid = isinstance(optimizer, HybridOptimizer)
     dense_files: dict[str, Any] = {}
-    dense_entry = dense_sd = torch_sd = None
-    if rank == 0:
+    dense_entry = dense_sd = torch_sd = snap_error = None
+    part: dict[str, Any] = {"tables": {}, "meta": {}}
+    try:  # (a failure here is reported with the writes below: every rank raises, none hangs)
+        part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None)
+        if rank == 0:
 
-        def copy_of(rel: str, obj: Any) -> str:
-            dense_files[rel] = _cloned(obj)
-            return rel
+            def copy_of(rel: str, obj: Any) -> str:
+                dense_files[rel] = _cloned(obj)
+                return rel
 
-        dense_entry = _write_dense(copy_of, model)
-        dense_sd = _cloned(optimizer.dense.state_dict()) if hybrid else None
-        torch_sd = _cloned(optimizer.state_dict()) if optimizer is not None and not hybrid else None
+            dense_entry = _write_dense(copy_of, model)
+            dense_sd = _cloned(optimizer.dense.state_dict()) if hybrid else None
+            torch_sd = _cloned(optimizer.state_dict()) if optimizer is not None and not hybrid else None
+    except Exception as e:  # noqa: BLE001
+        snap_error = _failure(e)
     plans = {path: json.loads(sc.plan.to_json()) for path, sc in colls.items()}
 
     def run(grp) -> str:
         # 3. every rank writes its shards into the temporary directory
-        files, error = {}, None
+        files, error = {}, snap_error
         try:
-            for rel, obj in snap.files.items():
+            for rel, obj in snap.files.items() if snap_error is None else ():
                 _write_file(tmp / rel, obj)
                 files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
         except Exception as e:  # noqa: BLE001
