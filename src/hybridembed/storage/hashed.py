@@ -254,10 +254,12 @@ class HashStorage(RowStorage):
             pending, pos = pending.index_select(0, keep), nxt.index_select(0, keep)
 
     # --- rows: make, evict, grow ---------------------------------------------------------
-    def _init_rows(self, slots: torch.Tensor, keys: torch.Tensor, tabs: torch.Tensor) -> None:
+    def _init_rows(self, slots: torch.Tensor, keys: torch.Tensor, tabs: torch.Tensor, fill: bool = True) -> None:
+        """New rows ``slots`` for (id, table) pairs: initial values (``fill``; a load writes its
+        own), fresh counters and optimizer state."""
         with torch.no_grad():
             # tables of one initializer in one pass: each row keyed by its table (bit-identical to per table)
-            for (spec, col_start), members in self._inits:
+            for (spec, col_start), members in self._inits if fill else ():
                 if len(members) == len(self.tables):
                     sel, k = None, self._table_keys.index_select(0, tabs.long())
                 else:
@@ -686,25 +688,38 @@ class HashStorage(RowStorage):
     def load_table(self, name: str, entry: dict[str, torch.Tensor]) -> None:
         """Replace table ``name``'s rows with ``entry`` (as from :meth:`save_table`; checked first with
         :func:`hybridembed.storage.serial.check_entry`)."""
-        i, ids = self.table_index[name], entry["ids"].to(self.weight.device, torch.int64)
-        if self.capacity is not None and ids.numel() > self.capacity:  # checked before any change
-            raise HybridEmbedError(f"table {name!r}: {ids.numel()} rows do not fit the capacity {self.capacity}")
-        old = (self.slot_table == i).nonzero().squeeze(1)
+        self.load_tables({name: entry})
+
+    def load_tables(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace the rows of several tables (``{name: entry}``) at once: their old rows are freed
+        together (one rebuild of the index, not one per table) and the new ones are not
+        initialised before they are written."""
+        for name, entry in entries.items():  # checked before any change
+            n = entry["ids"].numel()
+            if self.capacity is not None and n > self.capacity:
+                raise HybridEmbedError(f"table {name!r}: {n} rows do not fit the capacity {self.capacity}")
+        which = torch.tensor(
+            [self.table_index[n] for n in entries], dtype=self.slot_table.dtype, device=self.weight.device
+        )
+        old = torch.isin(self.slot_table, which).nonzero().squeeze(1)
         self._evict(old, count=False)  # a reload is not an eviction
-        tabs = torch.full_like(ids, i, dtype=torch.int32)
-        slots = self._allocate(ids.numel())
-        self._insert(ids, tabs, slots)
-        self._init_rows(slots, ids, tabs)
-        with torch.no_grad():
-            self.weight.index_copy_(0, slots, entry["weight"].to(self.weight))
-        self.last_seen[slots], self.freq[slots] = entry["last_seen"].to(self.last_seen), entry["freq"].to(self.freq)
-        self.counters[i] = entry["stats"].to(self.counters)
-        self.clock = max(self.clock, int(entry["clock"]))
+        for name, entry in entries.items():
+            i, ids = self.table_index[name], entry["ids"].to(self.weight.device, torch.int64)
+            tabs = torch.full_like(ids, i, dtype=torch.int32)
+            slots = self._allocate(ids.numel())
+            self._insert(ids, tabs, slots)
+            self._init_rows(slots, ids, tabs, fill=False)
+            with torch.no_grad():
+                self.weight.index_copy_(0, slots, entry["weight"].to(self.weight))
+            self.last_seen[slots] = entry["last_seen"].to(self.last_seen)
+            self.freq[slots] = entry["freq"].to(self.freq)
+            self.counters[i] = entry["stats"].to(self.counters)
+            self.clock = max(self.clock, int(entry["clock"]))
+            if "generator" in entry:
+                self._gen.set_state(entry["generator"].cpu() if self._gen.device.type == "cpu" else entry["generator"])
+            if "sketch" in entry and self.sketch.numel():
+                self.sketch[i] = entry["sketch"].to(self.sketch)
         self._applied_clock = self.clock
-        if "generator" in entry:
-            self._gen.set_state(entry["generator"].cpu() if self._gen.device.type == "cpu" else entry["generator"])
-        if "sketch" in entry and self.sketch.numel():
-            self.sketch[i] = entry["sketch"].to(self.sketch)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)

@@ -31,7 +31,15 @@ import torch
 
 from .base import RowStorage
 
-__all__ = ["DYNAMIC_KEYS", "PER_ROW_KEYS", "table_entry", "check_entry", "load_entry", "dense_as_dynamic"]
+__all__ = [
+    "DYNAMIC_KEYS",
+    "PER_ROW_KEYS",
+    "table_entry",
+    "check_entry",
+    "load_entry",
+    "load_entries",
+    "dense_as_dynamic",
+]
 
 DYNAMIC_KEYS = ("ids", "weight", "last_seen", "freq", "stats", "clock")  # required in a dynamic entry
 PER_ROW_KEYS = ("ids", "weight", "last_seen", "freq")  # one element (or row) per id
@@ -161,3 +169,14 @@ def load_entry(storage: RowStorage, name: str, entry: dict[str, Any]) -> None:
     with torch.no_grad():
         storage.table_rows(name).copy_(entry["weight"])
     storage._mark_span(*storage._rows_of(name))
+
+
+def load_entries(storage: RowStorage, entries: dict[str, dict[str, Any]]) -> None:
+    """:func:`load_entry` of several tables of ``storage`` (``{name: entry}``, each checked): a
+    dynamic storage replaces them all at once."""
+    if storage.keyed:
+        keys = DYNAMIC_KEYS + OPTIONAL_KEYS
+        storage.load_tables({n: {k: v for k, v in e.items() if k in keys} for n, e in entries.items()})
+        return
+    for name, entry in entries.items():
+        load_entry(storage, name, entry)
