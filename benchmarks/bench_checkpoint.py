@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import statistics
 import sys
@@ -277,6 +278,7 @@ def run_world(world: int, cfg: dict) -> dict[str, Any]:
             "step_during_median_s": _med(p["step_during_s"]),
         },
         "deltas": r["deltas"],
+        "loadavg_after": os.getloadavg()[0],  # other jobs on the machine: 1-minute load average
     }
 
 
@@ -380,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"world {world}: save {rec['save_s']:.2f} s, load {rec['load_s']:.2f} s, "
                 f"{_mb(rec['full_bytes'])} MB ({' / '.join(_mb(b) for b in rec['full_bytes_per_rank'])} per rank); "
                 f"delta {_mb(rec['deltas'][0]['bytes'])} MB; pause {p_['blocking_median_s']:.2f} s blocking, "
-                f"{p_['background_return_median_s']:.3f} s background; job {rec['job_s']:.0f} s",
+                f"{p_['background_return_median_s']:.3f} s background; job {rec['job_s']:.0f} s; "
+                f"load average {rec['loadavg_after']:.1f}",
                 flush=True,
             )
     finally:
