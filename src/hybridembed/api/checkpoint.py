@@ -515,13 +515,13 @@ def _take_changes(storages: list) -> dict:
 def _table_files(storage, name: str, rel: str, changes, state_names, rows_to_global=None) -> tuple[dict, dict]:
     """(file object, shard entry) of table ``name`` of ``storage``: all its rows (``changes`` None)
     or those changed since the last checkpoint; optimizer state ``state_names`` of those rows."""
-    state_all = storage.table_state(name) if state_names else {}
+    if storage.keyed and changes is None:  # (copies)
+        entry = {"state": {}, **storage.save_table(name, state_names)}
+        return entry, {"rows": int(entry["ids"].numel())}
+    state_all = storage.table_state(name) if state_names and not storage.keyed else {}  # (dense: views)
     if changes is None:
-        entry = serial.table_entry(storage, name)
-        if not storage.keyed:
-            weight = entry["weight"].clone()  # its own storage: a view would save the whole group
-            return {"weight": weight, "state": {k: v.clone() for k, v in state_all.items()}}, {}
-        return {**entry, "state": state_all}, {"rows": int(entry["ids"].numel())}  # (dynamic: copies)
+        weight = serial.table_entry(storage, name)["weight"].clone()  # its own: a view would save the group
+        return {"weight": weight, "state": {k: v.clone() for k, v in state_all.items()}}, {}
     changed, removed = changes
     if not storage.keyed:
         rows = storage.changed_rows(name, changed)

@@ -640,9 +640,10 @@ class HashStorage(RowStorage):
             dst.index_copy_(0, slots, v.to(dst))
         self._mark(slots)
 
-    def save_table(self, name: str) -> dict[str, torch.Tensor]:
+    def save_table(self, name: str, state: Sequence[str] = ()) -> dict[str, Any]:
         """Table ``name`` as a checkpoint entry (see :mod:`hybridembed.storage.serial`): ids, rows,
-        counters, clock and, where kept, the admission generator state and sketch."""
+        counters, clock and, where kept, the admission generator state and sketch; with ``state``
+        (optimizer state names), ``"state"``: those of the same rows (one scan of the slots)."""
         i = self.table_index[name]
         ids, slots = self.table_slots(name)
         out = {
@@ -656,6 +657,8 @@ class HashStorage(RowStorage):
         }
         if self.sketch.numel():
             out["sketch"] = self.sketch[i].clone()
+        if state:
+            out["state"] = {k: self.state[k].index_select(0, slots) for k in state}
         return out
 
     def save_changes(
