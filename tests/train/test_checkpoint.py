@@ -75,18 +75,25 @@ def test_resume_after_an_epoch_continues_exactly(generated, tmp_path, capsys):
     assert resumed == [straight[1]]
 
 
-def test_resume_mid_epoch(generated, tmp_path, capsys, monkeypatch):
-    _require("save", "load", tmp_path=tmp_path)
-    _, _, straight = _train(tmp_path, generated, capsys, "--epochs", "1", "--no-checkpoint", "--no-export")
+def _interrupt_after(steps: int, monkeypatch):
+    """The command's batches stop with a KeyboardInterrupt after ``steps`` (a killed run); returns
+    the real ``prefetch`` to put back."""
     real = D.prefetch
 
-    def interrupted(it, depth=4):  # a run killed after 13 steps
+    def interrupted(it, depth=4):
         for i, b in enumerate(real(it, depth)):
-            if i == 13:
+            if i == steps:
                 raise KeyboardInterrupt
             yield b
 
     monkeypatch.setattr(D, "prefetch", interrupted)
+    return real
+
+
+def test_resume_mid_epoch(generated, tmp_path, capsys, monkeypatch):
+    _require("save", "load", tmp_path=tmp_path)
+    _, _, straight = _train(tmp_path, generated, capsys, "--epochs", "1", "--no-checkpoint", "--no-export")
+    real = _interrupt_after(13, monkeypatch)
     args = ["--epochs", "1", "--checkpoint", str(tmp_path / "c"), "--checkpoint-every", "5", "--no-export"]
     code, _, _ = _train(tmp_path, generated, capsys, *args)
     assert code == 130
@@ -104,15 +111,7 @@ def test_incremental_background_checkpoints_resume_mid_epoch(generated, tmp_path
     import threading
 
     _, _, straight = _train(tmp_path, generated, capsys, "--epochs", "1", "--no-checkpoint", "--no-export")
-    real = D.prefetch
-
-    def interrupted(it, depth=4):  # a run killed after 13 steps
-        for i, b in enumerate(real(it, depth)):
-            if i == 13:
-                raise KeyboardInterrupt
-            yield b
-
-    monkeypatch.setattr(D, "prefetch", interrupted)
+    real = _interrupt_after(13, monkeypatch)
     ckpt = tmp_path / "c"
     flags = ["--checkpoint-every", "5", "--checkpoint-incremental", "--checkpoint-background"]
     code, _, _ = _train(tmp_path, generated, capsys, "--epochs", "1", "--checkpoint", str(ckpt), *flags, "--no-export")
