@@ -8,12 +8,15 @@ at a moment drawn from ``random.Random((SEED, g))``: even starts while training 
 ``hybridembed.api.checkpoint``: before the k-th file written, between the rename of the
 version and its commit, right after ``os.replace`` of ``LATEST``, or right after the commit
 returned). Start ``2K`` runs to the end. LOG gets one line per event, appended and fsynced:
-``kill G RANK WHERE`` before each kill and ``commit G STEP`` by rank 0 after each save returned.
+``kill G RANK WHERE`` before each kill and ``commit G STEP`` by rank 0 once a version is
+committed (the saves are incremental and written in the background: the save call returns
+before its commit).
 Test code only: the library has no hook for this.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -109,15 +112,15 @@ def main() -> int:
     if START < 2 * kills:
         rng = random.Random(f"{seed}-{START}")
         (plant_in_training(cli, rng) if START % 2 == 0 else plant_in_saves(ckpt, rng))
-    save = cli.Checkpointer.save
+    if RANK == 0:  # each commit logged when LATEST names it (saves run in the background)
+        commit = ckpt._commit
 
-    def logged_save(self, model, optimizer, position):
-        done = save(self, model, optimizer, position)
-        if done and RANK == 0:
-            note(f"commit {START} {position['step']}")
-        return done
+        def logged_commit(root, version):
+            commit(root, version)
+            manifest = json.loads((root / version / "manifest.json").read_text())
+            note(f"commit {START} {manifest['extra']['hybridembed_train']['step']}")
 
-    cli.Checkpointer.save = logged_save
+        ckpt._commit = logged_commit
     return cli.main(sys.argv[4:])
 
 

@@ -40,9 +40,10 @@ FLAGS = [
     "--capacity", "20000", "--batch-size", "8", "--max-rows", str(8 * STEPS_PER_EPOCH), "--epochs", "2",
     "--holdout", "0", "--no-export",
 ]  # fmt: skip
-# the killed jobs' saves (the reference saves at its end only): chains of incremental versions, so a
-# kill lands in a delta's write or commit too, and every resume loads a chain
-EVERY = ["--checkpoint-every", "4", "--checkpoint-incremental"]
+# the killed jobs' saves (the reference saves at its end only): chains of incremental versions
+# written in the background, so a kill lands in a delta's write or commit too, training goes on
+# while a save writes, and every resume loads a chain
+EVERY = ["--checkpoint-every", "4", "--checkpoint-incremental", "--checkpoint-background"]
 RESUMED = re.compile(
     r"^resumed from (\S+) \(epoch (\d+), step (\d+)\)(?: after restart (\d+)| \(its last committed)", re.M
 )
