@@ -1811,7 +1811,7 @@ def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: d
     _raise_save(root, _failures(reports))
     version, tmp, parent = reports[0][1], Path(reports[0][2]), reports[0][3]
     if parent is not None:  # every rank's tables counted their changes from it, with the same state
-        same_base = all(r[4] == [parent["id"]] for r in reports)
+        same_base = all(r[4] in ([parent["id"]], []) for r in reports)  # ([]: a rank holding no table)
         same_state = all(parent["state"].get(q) == n for r in reports for q, n in r[5].items())
         parent = parent if same_base and same_state else None
     final = root / version
