@@ -251,3 +251,56 @@ def test_compact_writes_a_chain_again_as_one_full_version(tmp_path):
     )
     with pytest.raises(he.CheckpointError, match="keep must be an int >= 1"):
         ckpt.compact(path, keep=0)
+
+
+def _chain_equals_model(path, model, opt):
+    fresh, fresh_opt = build("adagrad")
+    he.load(path, fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
+
+
+def test_a_save_whose_copy_fails_counts_its_rows_as_changed_again(tmp_path, monkeypatch):
+    model, opt = build("adagrad")
+    train(model, opt, range(2))
+    he.save(tmp_path / "c", model, opt, incremental=True)
+    train(model, opt, range(2, 3))
+
+    def boom(*a, **k):
+        raise RuntimeError("out of memory (simulated)")
+
+    real = ckpt._snapshot_dense
+    monkeypatch.setattr(ckpt, "_snapshot_dense", boom)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        he.save(tmp_path / "c", model, opt, incremental=True)
+    monkeypatch.setattr(ckpt, "_snapshot_dense", real)
+    train(model, opt, range(3, 4))
+    he.save(tmp_path / "c", model, opt, incremental=True)
+    _chain_equals_model(tmp_path / "c", model, opt)
+
+
+def test_state_the_model_did_not_load_or_a_new_optimizer_makes_the_next_delta_whole(tmp_path):
+    model, opt = build("adagrad")
+    train(model, opt, range(2))
+    he.save(tmp_path / "c", model, opt)
+    # loaded without the optimizer: the rows' state is not the version's, the next save is full
+    fresh, fresh_opt = build("adagrad")
+    he.load(tmp_path / "c", fresh)
+    train(fresh, fresh_opt, range(2, 3))
+    v = he.save(tmp_path / "c", fresh, fresh_opt, incremental=True)
+    assert "incremental" not in json.loads((ckpt.Path(v) / "manifest.json").read_text())
+    _chain_equals_model(tmp_path / "c", fresh, fresh_opt)
+    # a new optimizer after a save: every row's state is new, the next delta holds every row
+    new_opt = he.wrap_optimizer(torch.optim.Adagrad(fresh.parameters(), lr=0.1, lr_decay=0.01), fresh)
+    train(fresh, new_opt, range(3, 4))
+    he.save(tmp_path / "c", fresh, new_opt, incremental=True)
+    _chain_equals_model(tmp_path / "c", fresh, new_opt)
+
+
+def test_a_save_without_then_with_the_optimizer_commits_a_full_version_and_says_so(tmp_path):
+    model, opt = build("adagrad")
+    train(model, opt, range(2))
+    he.save(tmp_path / "c", model, incremental=True)  # no optimizer state
+    train(model, opt, range(2, 3))
+    v = he.save(tmp_path / "c", model, opt, incremental=True)  # the state changed: a full version
+    assert v.endswith("v-000002") and "incremental" not in json.loads((ckpt.Path(v) / "manifest.json").read_text())
+    _chain_equals_model(tmp_path / "c", model, opt)

@@ -100,6 +100,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,13 +320,16 @@ def _current(root: Path) -> str | None:
     return name if name is not None and _VERSION_RE.match(name) else None
 
 
+_UNREADABLE = "?"  # _parent_of: the manifest could not be read (its chain is unknown)
+
+
 def _parent_of(vdir: Path) -> str | None:
-    """The version an incremental version was saved on top of (None: a full version, or unreadable)."""
+    """The version an incremental version was saved on top of (None: a full version)."""
     try:
         inc = json.loads((vdir / MANIFEST).read_bytes()).get("incremental")
         return inc["parent"]["version"] if isinstance(inc, dict) else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        return _UNREADABLE
 
 
 def _clean(root: Path, keep: int) -> None:
@@ -349,6 +353,9 @@ def _clean(root: Path, keep: int) -> None:
     needed = set(kept)
     for v in kept:  # the chains of the kept versions
         while (v := _parent_of(root / v)) is not None and v not in needed:
+            if v == _UNREADABLE:  # a chain not known: delete no older version
+                needed.update(older)
+                break
             needed.add(v)
     drop = [v for v in versions if int(v[2:]) > n or v not in needed]
     for v in drop:
@@ -498,6 +505,7 @@ class _Snapshot:
         self.storages = storages
         self.taken = taken  # id(storage) -> changes since the last checkpoint (to put back on failure)
         self.id = version_id
+        self.parent: dict | None = None  # the version it is incremental on (None: a full one)
 
     def finish(self, committed: bool) -> None:
         """After the commit (or its failure): count changes from this version, or put them back."""
@@ -607,38 +615,43 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None) -> 
         parent = None  # the optimizer state changed since: a full version
     storages = _storages(model)
     snap = _Snapshot(storages, _take_changes(storages), uuid.uuid4().hex)
-    table_entries: dict[str, Any] = {}
-    for q, stem in _stems(list(tables)).items():
-        t = tables[q]
-        rel = f"tables/{stem}.00000.pt"
-        changes = snap.taken[id(t.storage)] if parent is not None else None
-        obj, shard = _table_files(t.storage, t.name, rel, changes, names[q])
-        snap.files[rel] = obj
-        if t.keyed:
-            n = shard["rows"]
-            shards = [{"file": rel, **shard}]
-        else:
-            n = t.config.num_embeddings
-            shards = [{"file": rel, "row_start": 0, "row_end": n, **shard}]
-        table_entries[q] = {
-            "kind": t.kind,
-            "collection": q[: -len(t.name) - 1] if q != t.name else "",
-            "table": t.name,
-            "shape": t.shape,
-            "dtype": t.dtype,
-            "rows": n,
-            "optimizer_state": names[q],
-            "shards": shards,
-        }
-        if t.keyed:
-            table_entries[q]["dynamic"] = _jsonable(vars(t.config.dynamic))
-    snap.manifest.update(_header(1, snap.id))
-    if parent is not None:
-        snap.manifest["incremental"] = _incremental_entry(parent)
-        snap.manifest["format_version"] = FORMAT_VERSION
-    snap.manifest["tables"] = table_entries
-    _snapshot_dense(snap, model, optimizer, meta if hybrid else None)
-    snap.manifest["extra"] = extra
+    try:  # (changes taken: a failure below puts them back)
+        table_entries: dict[str, Any] = {}
+        for q, stem in _stems(list(tables)).items():
+            t = tables[q]
+            rel = f"tables/{stem}.00000.pt"
+            changes = snap.taken[id(t.storage)] if parent is not None else None
+            obj, shard = _table_files(t.storage, t.name, rel, changes, names[q])
+            snap.files[rel] = obj
+            if t.keyed:
+                n = shard["rows"]
+                shards = [{"file": rel, **shard}]
+            else:
+                n = t.config.num_embeddings
+                shards = [{"file": rel, "row_start": 0, "row_end": n, **shard}]
+            table_entries[q] = {
+                "kind": t.kind,
+                "collection": q[: -len(t.name) - 1] if q != t.name else "",
+                "table": t.name,
+                "shape": t.shape,
+                "dtype": t.dtype,
+                "rows": n,
+                "optimizer_state": names[q],
+                "shards": shards,
+            }
+            if t.keyed:
+                table_entries[q]["dynamic"] = _jsonable(vars(t.config.dynamic))
+        snap.manifest.update(_header(1, snap.id))
+        if parent is not None:
+            snap.manifest["incremental"] = _incremental_entry(parent)
+            snap.manifest["format_version"] = FORMAT_VERSION
+        snap.manifest["tables"] = table_entries
+        _snapshot_dense(snap, model, optimizer, meta if hybrid else None)
+        snap.manifest["extra"] = extra
+    except BaseException:
+        snap.finish(False)
+        raise
+    snap.parent = parent
     return snap
 
 
@@ -690,7 +703,8 @@ def _save(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _How) 
             raise
         final = _publish(root, tmp, version)
         _clean(root, how.keep)
-        kind = f"incremental, {manifest['incremental']['length']} on top of a full one" if parent else "full"
+        inc = manifest.get("incremental")
+        kind = f"incremental, {inc['length']} on top of a full one" if inc else "full"
         log.info("saved checkpoint %s (%d tables, %s)", final, len(manifest["tables"]), kind)
         return str(final)
 
@@ -787,7 +801,7 @@ def _shard_target(sh: dict, keyed: bool, dim: int) -> Target:
 
 
 # --- background saves -------------------------------------------------------------------------------
-_PENDING: dict[int, SaveHandle] = {}  # id(model) -> its save in progress
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its save in progress
 
 
 class SaveHandle:
@@ -804,8 +818,8 @@ class SaveHandle:
         self._result: str | None = None
         self._error: BaseException | None = None
         self._finished = False
-        self._key = id(model)
-        _PENDING[self._key] = self
+        self._model = weakref.ref(model)
+        _PENDING[model] = self
         self._thread = threading.Thread(target=self._work, name="hybridembed-save", daemon=False)
         self._thread.start()
 
@@ -825,8 +839,9 @@ class SaveHandle:
             raise TimeoutError(f"the background save is still writing after {timeout} s")
         if not self._finished:
             self._finished = True
-            if _PENDING.get(self._key) is self:
-                del _PENDING[self._key]
+            model = self._model()
+            if model is not None and _PENDING.get(model) is self:
+                del _PENDING[model]
             self._snap.finish(self._error is None)
         if self._error is not None:
             e = self._error
@@ -844,7 +859,7 @@ class SaveHandle:
 
 def wait_pending(model: nn.Module) -> None:
     """Wait for ``model``'s background save, if any (its error, if it failed, is raised here)."""
-    pending = _PENDING.get(id(model))
+    pending = _PENDING.get(model)
     if pending is not None:
         pending.wait()
 
@@ -1526,11 +1541,15 @@ def _load_tables(items: list) -> None:
             storage.clock = max(int(e["clock"]) for e in entries.values())
 
 
-def _loaded_from(manifest: dict, storages) -> None:
-    """The model now holds version ``manifest``: its tables' changes are counted from it."""
+def _loaded_from(manifest: dict, storages, optimizer) -> None:
+    """The model now holds version ``manifest``: its tables' changes are counted from it (not
+    for a storage whose optimizer state was not loaded: it differs from the version's)."""
     for st in storages:
         st.track_changes()
-        st.checkpoint_base = manifest.get("id")
+        loaded_state = not st.state or (
+            isinstance(optimizer, HybridOptimizer) and any(x is st for x in optimizer._storages)
+        )
+        st.checkpoint_base = manifest.get("id") if loaded_state else None
 
 
 def load(
@@ -1616,7 +1635,7 @@ def load(
                     "state": e["state"],
                 }
             optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
-    _loaded_from(manifest, {id(t.storage): t.storage for t in tables.values()}.values())
+    _loaded_from(manifest, {id(t.storage): t.storage for t in tables.values()}.values(), optimizer)
     log.info("loaded checkpoint %s (%d tables)", vdir, len(tables))
     return manifest
 
@@ -1817,13 +1836,14 @@ def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: d
     final = root / version
     # 2. every rank copies its shards (rank 0 also the dense state and the optimizer's)
     version_id = reports[0][6]
-    snap = _Snapshot(storages, _take_changes(storages), version_id)
+    snap = _Snapshot(storages, {}, version_id)
     stems = _stems(list(_global_tables(colls)))
     hybrid = isinstance(optimizer, HybridOptimizer)
     dense_files: dict[str, Any] = {}
     dense_entry = dense_sd = torch_sd = snap_error = None
     part: dict[str, Any] = {"tables": {}, "meta": {}}
     try:  # (a failure here is reported with the writes below: every rank raises, none hangs)
+        snap.taken = _take_changes(storages)
         part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None)
         if rank == 0:
 
@@ -2123,7 +2143,7 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
                 "state": state,
             }
         optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
-    _loaded_from(manifest, {id(st): st for sc in colls.values() for st in sc.storages}.values())
+    _loaded_from(manifest, {id(st): st for sc in colls.values() for st in sc.storages}.values(), optimizer)
     log.info("loaded checkpoint %s (rank %d)", manifest["path"], next(iter(colls.values())).rank)
     return manifest
 

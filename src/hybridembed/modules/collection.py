@@ -205,7 +205,9 @@ class EmbeddingCollection(nn.Module):
         return [[t.name for t in s.tables] for s in self.storages]
 
     def weight(self, table: str) -> torch.Tensor:
-        """(num_embeddings, D) rows of a dense table; a view sharing memory with the storage."""
+        """(num_embeddings, D) rows of a dense table; a view sharing memory with the storage.
+        Rows written through it are not counted as changed by ``he.save(incremental=True)``: save
+        once without ``incremental`` after such an edit."""
         st = self.storage_of(table)
         if st.keyed:
             raise ConfigError(f"table {table!r} is dynamic; read its rows with ec.dynamic_rows({table!r})")

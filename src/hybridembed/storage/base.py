@@ -98,6 +98,8 @@ class RowStorage(nn.Module):
         self.optimizer = optimizer
         self.hparams = hparams
         self.step = 0
+        if self._changed is not None:  # every row's state is new: a checkpoint's next delta holds them all
+            self._changed.fill_(True)
         self.state = {
             name: self._new_state(self.weight.shape[0], per_element, fill)
             for name, (per_element, fill) in optimizer.state_spec(hparams).items()
@@ -258,6 +260,7 @@ class RowStorage(nn.Module):
         self.state = {k: v.to(self.weight.device) for k, v in self.state.items()}
         if self._changed is not None:
             self._changed = self._changed.to(self.weight.device)
+            self._removed = [r.to(self.weight.device) for r in self._removed]
         return out
 
     @property
