@@ -251,6 +251,8 @@ def test_compact_writes_a_chain_again_as_one_full_version(tmp_path):
     )
     with pytest.raises(he.CheckpointError, match="keep must be an int >= 1"):
         ckpt.compact(path, keep=0)
+    with pytest.raises(he.CheckpointError, match="verify must be True or False"):
+        ckpt.compact(path, verify="no")
 
 
 def _chain_equals_model(path, model, opt):

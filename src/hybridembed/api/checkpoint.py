@@ -520,7 +520,7 @@ def _take_changes(storages: list) -> dict:
     return {id(st): st.track_changes() for st in storages}
 
 
-def _table_files(storage, name: str, rel: str, changes, state_names, rows_to_global=None) -> tuple[dict, dict]:
+def _table_files(storage, name: str, changes, state_names, rows_to_global=None) -> tuple[dict, dict]:
     """(file object, shard entry) of table ``name`` of ``storage``: all its rows (``changes`` None)
     or those changed since the last checkpoint; optimizer state ``state_names`` of those rows."""
     if storage.keyed and changes is None:  # (copies)
@@ -621,7 +621,7 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None) -> 
             t = tables[q]
             rel = f"tables/{stem}.00000.pt"
             changes = snap.taken[id(t.storage)] if parent is not None else None
-            obj, shard = _table_files(t.storage, t.name, rel, changes, names[q])
+            obj, shard = _table_files(t.storage, t.name, changes, names[q])
             snap.files[rel] = obj
             if t.keyed:
                 n = shard["rows"]
@@ -728,6 +728,8 @@ def compact(path: str | os.PathLike, *, keep: int = 1, verify: bool = True) -> s
     bit for bit. One writer per path: not while a job saves there."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep must be an int >= 1, got {keep!r}")
+    if not isinstance(verify, bool):
+        raise CheckpointError(f"verify must be True or False, got {verify!r}")
     root = Path(path)
     manifest = read_manifest(root)
     vdir = Path(manifest["path"])
@@ -742,17 +744,9 @@ def compact(path: str | os.PathLike, *, keep: int = 1, verify: bool = True) -> s
         keyed, dim = t["kind"] == "dynamic", t["shape"][1]
         for sh in t["shards"]:
             wanted[(q, sh["file"])] = (_shard_target(sh, keyed, dim), keyed, sorted(t.get("optimizer_state", [])))
-    needed: dict[Path, set[str]] = {d: set() for d, _ in chain}
-    for (q, _), (target, keyed, _) in wanted.items():
-        for d, rel in files_for(_versions_of(chain, q), target, manifest["tables"][q]["shape"][1], keyed):
-            needed[d].add(rel)
-    for rel in (manifest["dense"]["file"], *([manifest["optimizer"]["file"]] if manifest.get("optimizer") else [])):
-        needed[vdir].add(rel)
-    for d, m in chain:
-        listed = {rel: spec for rel, spec in m["files"].items() if rel in needed[d]}
-        problems += [f"version {d.name}: file {rel!r} is not listed" for rel in sorted(needed[d] - set(listed))]
-        problems += [f"version {d.name}: {p}" for p in _check_files(d, {"files": listed}, verify)]
-    _raise(vdir, problems, "cannot be compacted")
+    reads = [(q, target, keyed) for (q, _), (target, keyed, _) in wanted.items()]
+    found, needed = _check_chain_files(chain, reads, True, verify)
+    _raise(vdir, problems + found, "cannot be compacted")
     _clean(root, keep)
     version = _next_version(root)
     tmp = root / f".tmp-{version}-{os.getpid()}"
@@ -1506,26 +1500,29 @@ def _state_names(manifest: dict, q: str, optimizer) -> list[str]:
     return sorted(manifest["tables"].get(q, {}).get("optimizer_state", []))
 
 
-def _check_chain_files(chain, wanted: dict, optimizer, verify: bool) -> list[str]:
-    """The files this process reads of every version of the chain: present, sizes, checksums."""
+def _check_chain_files(chain, reads, with_optimizer: bool, verify: bool) -> tuple[list[str], dict[Path, set[str]]]:
+    """The files this process reads of every version of the chain (``reads``: (table, Target,
+    keyed) it assembles; the final version's dense state and, ``with_optimizer``, its optimizer
+    file): listed, present, sizes, checksums. -> (problems, {version directory: files})."""
     needed: dict[Path, set[str]] = {vdir: set() for vdir, _ in chain}
-    for q, (target, keyed, _) in wanted.items():
+    for q, target, keyed in reads:
         dim = chain[-1][1]["tables"][q]["shape"][1]
         for vdir, rel in files_for(_versions_of(chain, q), target, dim, keyed):
             needed[vdir].add(rel)
     final_dir, final = chain[-1]
     needed[final_dir].add(final["dense"]["file"])
-    if optimizer is not None and final.get("optimizer"):
+    if with_optimizer and final.get("optimizer"):
         needed[final_dir].add(final["optimizer"]["file"])
     problems = []
     for vdir, m in chain:
-        listed = m["files"]
-        missing = sorted(needed[vdir] - set(listed))
-        problems += [f"file {rel!r} is used but not listed (with size and checksum) in the manifest" for rel in missing]
-        mine = {rel: spec for rel, spec in listed.items() if rel in needed[vdir]}
         where = "" if vdir == final_dir else f"version {vdir.name}: "
+        missing = sorted(needed[vdir] - set(m["files"]))
+        problems += [
+            f"{where}file {rel!r} is used but not listed (with size and checksum) in the manifest" for rel in missing
+        ]
+        mine = {rel: spec for rel, spec in m["files"].items() if rel in needed[vdir]}
         problems += [where + p for p in _check_files(vdir, {"files": mine}, verify)]
-    return problems
+    return problems, needed
 
 
 @torch.no_grad()
@@ -1586,7 +1583,8 @@ def load(
     tables = _model_tables(model)
     _raise(vdir, _check_model(manifest, model, optimizer, tables) + _check_chain(chain), "does not match the model")
     wanted = {q: (_whole(t.config, t.keyed), t.keyed, _state_names(manifest, q, optimizer)) for q, t in tables.items()}
-    _raise(vdir, _check_chain_files(chain, wanted, optimizer, verify), "is damaged")
+    reads = [(q, target, keyed) for q, (target, keyed, _) in wanted.items()]
+    _raise(vdir, _check_chain_files(chain, reads, optimizer is not None, verify)[0], "is damaged")
 
     problems: list[str] = []
     entries = {}
@@ -1778,7 +1776,7 @@ def _snapshot_pieces(snap: _Snapshot, pieces: list[_Piece], stems: dict[str, str
         to_global = None
         if not piece.keyed:
             to_global = lambda r, sp=sp: r.mul(sp["row_step"]).add_(sp["row_start"])  # noqa: E731
-        obj, extra = _table_files(piece.storage, piece.name, rel, changes, names, to_global)
+        obj, extra = _table_files(piece.storage, piece.name, changes, names, to_global)
         snap.files[rel] = obj
         shard = {"file": rel, **{k: v for k, v in sp.items() if k != "replicated"}, **extra}
         if managed:
@@ -2032,23 +2030,9 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
     _raise(vdir, problems + (_check_chain(chain) if not problems else []), "does not match the model")
     pieces = [p for path_, sc in colls.items() for p in _shard_pieces(path_, sc)]
     names = {id(p): _state_names(manifest, p.qualified, optimizer) if _managed(p, optimizer) else [] for p in pieces}
-    needed: dict[Path, set[str]] = {d: set() for d, _ in chain}
-    for piece in pieces:
-        dim = piece.whole.embedding_dim
-        for d, rel in files_for(_versions_of(chain, piece.qualified), _target(piece), dim, piece.keyed):
-            needed[d].add(rel)
+    reads = [(p.qualified, _target(p), p.keyed) for p in pieces]
     opt_entry = manifest["optimizer"] if optimizer is not None else None
-    needed[vdir].add(manifest["dense"]["file"])
-    if opt_entry:
-        needed[vdir].add(opt_entry["file"])
-    for d, m in chain:
-        listed = {rel: spec for rel, spec in m["files"].items() if rel in needed[d]}
-        where = "" if d == vdir else f"version {d.name}: "
-        problems += [
-            f"{where}file {rel!r} is used but not listed in the manifest" for rel in sorted(needed[d] - set(listed))
-        ]
-        problems += [where + p for p in _check_files(d, {"files": listed}, verify)]
-    _raise(vdir, problems, "is damaged")
+    _raise(vdir, problems + _check_chain_files(chain, reads, optimizer is not None, verify)[0], "is damaged")
 
     hybrid = isinstance(optimizer, HybridOptimizer)
     sparse_meta = (opt_entry or {}).get("sparse", {})

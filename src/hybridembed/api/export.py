@@ -691,15 +691,7 @@ def export(
     # the model first: its validation refuses bad example ids (the served copy does not
     # validate); eval mode, no gradient, modes restored: no dynamic row made, nothing changed
     expected = _run_eval(model, args)
-    served = _served_model(model)
-    with torch.no_grad():
-        out = served(*served_args)
-    if check:
-        _compare(expected, out, "the served model")
-    if format == "torchscript":
-        _export_torchscript(served, served_args, out, path, check)
-    else:
-        _export_onnx(model, served, served_args, out, path, check, opset_version)
+    _write_served(model, _served_model(model), served_args, expected, path, format, check, opset_version)
     _log.info(
         "exported %s (%d embedding collections) to %s; inputs: %s",
         format,
@@ -708,6 +700,18 @@ def export(
         ", ".join(_input_names(model, served_args)),
     )
     return path
+
+
+def _write_served(model, served, served_args, expected, path, format, check, opset_version) -> None:
+    """Run the served copy, compare it with ``expected`` (the model's outputs) and write it."""
+    with torch.no_grad():
+        out = served(*served_args)
+    if check:
+        _compare(expected, out, "the served model")
+    if format == "torchscript":
+        _export_torchscript(served, served_args, out, path, check)
+    else:
+        _export_onnx(model, served, served_args, out, path, check, opset_version)
 
 
 def _export_distributed(model, inner, sharded, path, args, served_args, format, check, opset_version) -> Path:
@@ -727,14 +731,7 @@ def _export_distributed(model, inner, sharded, path, args, served_args, format, 
     if sharded[0].rank == 0:
         try:
             served = _served_model(inner, gathered)
-            with torch.no_grad():
-                out = served(*served_args)
-            if check:
-                _compare(expected, out, "the served model")
-            if format == "torchscript":
-                _export_torchscript(served, served_args, out, path, check)
-            else:
-                _export_onnx(inner, served, served_args, out, path, check, opset_version)
+            _write_served(inner, served, served_args, expected, path, format, check, opset_version)
         except Exception as e:  # noqa: BLE001 - raised below, after every rank heard of it
             error = e
     group = sharded[0]._group

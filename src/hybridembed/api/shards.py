@@ -16,7 +16,8 @@ order). Files are memory-mapped and only the target's rows and columns are copie
 them, so a process never reads the pages of rows it does not hold (except a dynamic table's
 ids, which every reader scans to find its own).
 
-    >>> t = Target.rows_of(0, 10, 2, 0, 4)      # rows 0, 2, .., 8 of columns 0..3
+    >>> Target((0, 10, 2), (0, 4)).num_rows     # rows 0, 2, .., 8 of columns 0..3
+    5
     >>> _progression((0, 10, 2), (0, 10, 3))   # rows both hold: 0 and 6
     (0, 3, 0, 2, 2)
 """
@@ -32,7 +33,6 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..storage import serial
 
 __all__ = ["Target", "assemble", "files_for", "torch_load"]
 
@@ -50,10 +50,6 @@ class Target:
     cols: tuple[int, int]
     hashed: tuple[int, int] | None = None
     first: bool = True
-
-    @staticmethod
-    def rows_of(row_start: int, row_end: int, row_step: int, col_start: int, col_end: int) -> Target:
-        return Target((row_start, row_end, row_step), (col_start, col_end))
 
     @property
     def num_rows(self) -> int:
@@ -379,11 +375,3 @@ def _dynamic(q, versions, target, dim, state_names, load):
     if gens:
         cur["generator"] = gens[target.hashed[0] % len(gens) if target.hashed else 0]
     return cur, []
-
-
-def check_piece_entry(storage, name: str, entry: dict, where: str) -> list[str]:
-    """:func:`serial.check_entry` of an assembled entry (the rows only), named ``where``."""
-    missing, errors = serial.check_entry(
-        storage, name, {k: v for k, v in entry.items() if k != "state"}, where, strict_dtype=True
-    )
-    return [f"{k}: missing" for k in missing] + errors
