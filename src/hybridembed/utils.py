@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import logging
@@ -14,7 +15,7 @@ import torch
 from . import _env
 from .errors import ConfigError
 
-__all__ = ["tune_cpu_allocator", "allocator_tuned", "advise_huge_pages", "get_logger"]
+__all__ = ["tune_cpu_allocator", "allocator_tuned", "advise_huge_pages", "get_logger", "OneLineParser"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -138,3 +139,10 @@ def kept_tensor(owner: Any, name: str, n: int, device: torch.device, make: Calla
             cache.clear()
         cached = cache[n] = make()
     return cached
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The commands' argument parser: a bad argument is one line on stderr (exit 2), not the usage block."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..utils import get_logger
+from ..utils import OneLineParser, get_logger
 from . import models as M
 from .system import cpu_busy, machine, meminfo, peak_rss, progress
 from .timing import Timing, add_allocator_option, apply_allocator_option, time_interleaved
@@ -55,11 +55,6 @@ MEMORY_FRACTION = 0.7  # refuse a run whose tables would need more of MemAvailab
 
 class UsageError(Exception):
     """A flag combination that cannot run; reported as one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not the usage block
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive(kind: type) -> Callable[[str], Any]:
@@ -94,7 +89,7 @@ def _anchor_list(text: str) -> list[str]:
 
 
 def build_parser(prog: str = "hybridembed bench") -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=prog,
         description="Time a training step of NVIDIA's synthetic recommendation models (scaled down) with "
         "hybridembed against one nn.EmbeddingBag per table, TorchRec and a measured floor.",

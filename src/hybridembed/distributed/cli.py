@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..utils import OneLineParser
 from .plan import PLACEMENTS, SHARDING_TYPES, Plan
 from .planner import (
     DATA_PARALLEL_BELOW,
@@ -42,11 +43,6 @@ _SIZES = {"": 1, "b": 1}  # k, kib: 2**10; kb: 10**3; ...
 for _i, _p in enumerate("kmgtp", 1):
     _SIZES.update({_p: 1 << (10 * _i), f"{_p}ib": 1 << (10 * _i), f"{_p}b": 10 ** (3 * _i)})
 _TABLE_KEYS = ("name", "num_embeddings", "embedding_dim", "dynamic", "hotness", "bags", "combiner", "dtype")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not the usage block
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def parse_bytes(text: str, minimum: int = 1) -> int:
@@ -126,7 +122,7 @@ def _by_name(workloads: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
 
 
 def build_parser(prog: str = "hybridembed plan") -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=prog,
         description="Place embedding tables on the ranks of a torch.distributed job and print each rank's memory "
         "(rows + optimizer state) and embedding traffic per step. Sizes only: nothing is allocated.",

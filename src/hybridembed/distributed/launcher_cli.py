@@ -23,14 +23,11 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from ..utils import OneLineParser
+
 __all__ = ["main", "build_parser", "torchrun_argv", "restart_env"]
 
 PROG = "hybridembed launch"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not the usage block
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive(text: str) -> int:
@@ -64,7 +61,7 @@ def _port(text: str) -> int:
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=prog,
         description=(
             "Run SCRIPT (or -m MODULE) on --nproc processes per machine as one torch.distributed job, through "

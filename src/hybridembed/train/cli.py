@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import __version__, _env
 from ..distributed.launch import SpawnError
 from ..errors import HybridEmbedError
-from ..utils import get_logger
+from ..utils import OneLineParser, get_logger
 from . import data as D
 from . import elastic
 from . import models as M
@@ -80,11 +80,6 @@ class UsageError(Exception):
     """A problem with the command line or its files; printed as one line, exit code 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not the usage block
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def _number(kind: type, low: float, low_ok: bool, high: float | None = None) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
@@ -111,7 +106,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=prog,
         description=(
             "Train a recommendation model (DLRM by default; Wide & Deep, DeepFM, DCNv2) with one dynamic "
