@@ -605,9 +605,9 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None) -> 
     hybrid = isinstance(optimizer, HybridOptimizer)
     meta: dict[str, dict] = {}
     if hybrid:
-        by_name = _table_of_storage(tables)
-        meta = {by_name[n]: m for n, m in _sparse_meta(optimizer).items() if n in by_name}
-        unknown = sorted(set(_sparse_meta(optimizer)) - set(by_name))
+        by_name, every = _table_of_storage(tables), _sparse_meta(optimizer)
+        meta = {by_name[n]: m for n, m in every.items() if n in by_name}
+        unknown = sorted(set(every) - set(by_name))
         if unknown:
             raise CheckpointError(f"the optimizer updates tables {unknown} that this model does not hold")
     names = {q: sorted(t.storage.state) if q in meta else [] for q, t in tables.items()}
