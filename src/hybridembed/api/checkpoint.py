@@ -426,6 +426,8 @@ def save(
     how = _How(keep, incremental, max_chain, background)
     colls = _sharded_collections(inner)
     if colls:  # every rank of the job: its shards, then one commit by rank 0
+        options = {"keep": keep, "incremental": incremental, "max_chain": max_chain, "background": background}
+        _tell_servers(colls, "save", root, options, optimizer)
         return _save_sharded(root, inner, colls, optimizer, extra_json, how)
     try:
         return _save(root, model, optimizer, extra_json, how)
@@ -459,8 +461,11 @@ def _next_version(root: Path) -> str:
 
 
 def _storages(model: nn.Module) -> list:
-    """Every row storage of ``model``, once each."""
-    return list({id(m): m for m in model.modules() if isinstance(m, RowStorage)}.values())
+    """Every row storage of ``model`` that holds rows here, once each (a parameter-server
+    trainer's remote storages hold none)."""
+    return list(
+        {id(m): m for m in model.modules() if isinstance(m, RowStorage) and not getattr(m, "remote", False)}.values()
+    )
 
 
 def _parent_candidate(root: Path, how: _How) -> dict | None:
@@ -1315,6 +1320,8 @@ def _check_optimizer_kind(manifest: dict, optimizer) -> list[str]:
             f"{'hybrid (he.wrap_optimizer)' if hybrid else 'plain torch'} here"
         ]
     problems: list[str] = []
+    if getattr(optimizer, "dense_elsewhere", False):  # a parameter server: the trainers check the dense part
+        return problems
     dense = optimizer.dense if hybrid else optimizer
     if entry.get("dense") != type(dense).__name__:
         problems.append(f"optimizer changed: {entry.get('dense')} in the checkpoint, {type(dense).__name__} here")
@@ -1576,7 +1583,13 @@ def load(
     wait_pending(inner)
     colls = _sharded_collections(inner)
     if colls:  # every rank of the job: its shards, all ranks or none
-        return _load_sharded(path, inner, colls, optimizer, verify)
+        _tell_servers(colls, "load", path, {"verify": verify}, optimizer)
+        try:
+            return _load_sharded(path, inner, colls, optimizer, verify)
+        finally:
+            for sc in colls.values():
+                if hasattr(sc, "after_load"):
+                    sc.after_load()
     manifest = read_manifest(path)
     vdir = Path(manifest["path"])
     chain = _chain(manifest)
@@ -1648,6 +1661,13 @@ def load(
 # A shard's file holds its rows in the shard's own order with the manifest entry saying which
 # global rows and columns they are: rows ``range(row_start, row_end, row_step)`` (a block has
 # step 1, modulo placement over k shards step k) and columns ``col_start .. col_end - 1``.
+def _tell_servers(colls: dict, action: str, path, options: dict, optimizer) -> None:
+    """A parameter-server trainer asks its servers to join the collective save or load."""
+    for sc in colls.values():
+        if hasattr(sc, "before_checkpoint"):
+            sc.before_checkpoint(action, str(path), {**options, "optimizer": optimizer is not None})
+
+
 def _sharded_collections(model: nn.Module) -> dict[str, nn.Module]:
     """``{path: ShardedCollection}`` of ``model`` (empty for a model of one process)."""
     if not any(getattr(type(m), "sharded", False) is True for m in model.modules()):
@@ -2078,7 +2098,7 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
         else:
             sizes = [len(g["params"]) for g in (optimizer.dense if hybrid else optimizer).param_groups]
             saved_sizes = [len(g.get("params", [])) for g in sd["param_groups"]]
-            if saved_sizes != sizes:
+            if saved_sizes != sizes and not getattr(optimizer, "dense_elsewhere", False):
                 problems.append(f"the optimizer file's parameter groups hold {saved_sizes} parameters, here {sizes}")
     _raise(vdir, problems, "does not match the model")
     return {"manifest": manifest, "loaded": loaded, "dense": dense, "opt_file": opt_file}

@@ -51,8 +51,15 @@ def distribute(
     ddp: bool | Mapping[str, Any] = True,
     dedup: bool = False,
     memory_per_rank: int | None = None,
+    servers: int | None = None,
+    mode: str = "sync",
+    staleness: int = 1,
+    cache_rows: int = 0,
+    ps_timeout: float = 300.0,
+    max_request_bytes: int = 1 << 30,
+    server_exit: bool = True,
     **convert_args: Any,
-) -> nn.Module:
+) -> nn.Module | None:
     """Shard ``model``'s embedding tables over the job; returns the model to train, unchanged loop.
 
     Args:
@@ -71,9 +78,33 @@ def distribute(
             False leaves the dense part to you.
         **convert_args: ``tables``, ``seed``, ``dynamic``, ``copy_dynamic_rows`` as :func:`convert`.
 
+    Parameter servers (``servers=S``, see docs/parameter_servers.md): the last S ranks of the
+    job hold the tables (the plan places them on those ranks: a plan for S ranks, or the
+    planner's) and apply the sparse optimizer; the other ranks train, pulling rows and pushing
+    row gradients, with the dense part data-parallel among them. On a server rank this call
+    serves until every trainer has left, then exits the process (``SystemExit(0)``;
+    ``server_exit=False``: returns None instead). Without an initialised process group it
+    returns :func:`convert`'s one-process model (the servers' tables in this process).
+
+        mode: ``"sync"`` (a step's pushes summed on the servers and applied once: equal to the
+            collective result) or ``"async"`` (applied as they arrive; a trainer runs at most
+            ``staleness`` steps ahead of the slowest trainer's pushes).
+        staleness: asynchronous mode's bound, in steps (>= 1).
+        cache_rows: asynchronous mode's hot-row cache per group of tables on each trainer
+            (rows; 0: none).
+        ps_timeout: seconds a trainer waits for a server's answer (a dead server fails at once).
+        max_request_bytes: the largest request a server accepts.
+
     Every rank must call it with the same model and plan (the table configurations and plans
     are compared across ranks: the first difference is named).
     """
+    if servers is not None:
+        _check_ps_args(servers, mode, staleness, cache_rows, ps_timeout, max_request_bytes, server_exit)
+        if not dist.is_available() or not dist.is_initialized():  # the embedded default
+            unknown = sorted(set(convert_args) - set(_CONVERT_ARGS))
+            if unknown:
+                raise ConfigError(f"distribute: unknown argument {unknown[0]!r}")
+            return convert(model, grouped=True, **convert_args)
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
             "he.distribute needs an initialised torch.distributed process group: call "
@@ -108,6 +139,23 @@ def distribute(
     collections = _collections(model)
     if not collections:
         raise ConfigError("distribute: the model has no embedding layers or hybridembed tables to shard")
+    if servers is not None:
+        return _distribute_ps(
+            model,
+            collections,
+            plan,
+            process_group,
+            reduction,
+            ddp,
+            memory_per_rank,
+            servers,
+            mode,
+            staleness,
+            cache_rows,
+            ps_timeout,
+            max_request_bytes,
+            server_exit,
+        )
     for path, ec in collections.items():
         sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank)
         _swap(model, ec, sharded)
@@ -121,6 +169,96 @@ def distribute(
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     kwargs = dict(ddp) if isinstance(ddp, Mapping) else {}
     return DistributedDataParallel(model, process_group=process_group, **kwargs)
+
+
+def _check_ps_args(servers, mode, staleness, cache_rows, timeout, limit, server_exit) -> None:
+    from ..ps import MODES
+
+    def count(v, low: int) -> bool:
+        return not isinstance(v, bool) and isinstance(v, int) and v >= low
+
+    if not count(servers, 0):
+        raise ConfigError(f"servers must be an int >= 0 (the last ranks of the job), got {servers!r}")
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    if not count(staleness, 1):
+        raise ConfigError(f"staleness must be an int >= 1 (steps), got {staleness!r}")
+    if not count(cache_rows, 0):
+        raise ConfigError(f"cache_rows must be an int >= 0, got {cache_rows!r}")
+    if cache_rows and mode != "async":
+        raise ConfigError(
+            "cache_rows needs mode='async': in synchronous mode every row a step reads was updated by the step "
+            "before, so a cache could only serve stale rows"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"ps_timeout must be a number of seconds > 0, got {timeout!r}")
+    if not count(limit, 1024):
+        raise ConfigError(f"max_request_bytes must be an int >= 1024, got {limit!r}")
+    if not isinstance(server_exit, bool):
+        raise ConfigError(f"server_exit must be True or False, got {server_exit!r}")
+
+
+def _distribute_ps(
+    model,
+    collections,
+    plan,
+    group,
+    reduction,
+    ddp,
+    budget,
+    servers,
+    mode,
+    staleness,
+    cache_rows,
+    timeout,
+    limit,
+    server_exit,
+):
+    from ..ps import setup
+
+    if servers == 0:
+        raise ConfigError(
+            "servers=0 keeps the tables in this process, which takes one process: call distribute(model, servers=0) "
+            "without a process group (or use he.convert), or give the job servers"
+        )
+    if len(collections) != 1:
+        raise ConfigError(
+            f"parameter servers serve one collection of tables per model; this model has {len(collections)} "
+            f"({', '.join(collections)}): put the tables in one EmbeddingCollection"
+        )
+    ((path, ec),) = collections.items()
+    for name, t in ec.tables.items():
+        if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
+            raise ConfigError(f"dynamic table {name!r} already holds rows; distribute the model before training it")
+    trainer_group, pc, server = setup(
+        model,
+        ec,
+        _plan_for(plan, path, ec),
+        group,
+        servers=servers,
+        mode=mode,
+        staleness=staleness,
+        cache_rows=cache_rows,
+        timeout=timeout,
+        limit=limit,
+        reduction=reduction,
+        budget=budget,
+        server_exit=server_exit,
+        shard=_shard,
+        swap=_swap,
+    )
+    if pc is None:
+        return None
+    if ddp is False:
+        return model
+    ours = {id(t) for t in (*pc.parameters(), *pc.buffers())}
+    ignore = [n for n, p in model.named_parameters() if id(p) in ours]
+    ignore += [n for n, b in model.named_buffers() if id(b) in ours]
+    if not any(p.requires_grad and id(p) not in ours for p in model.parameters()):
+        return model
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    kwargs = dict(ddp) if isinstance(ddp, Mapping) else {}
+    return DistributedDataParallel(model, process_group=trainer_group, **kwargs)
 
 
 def _collections(model: nn.Module) -> dict[str, EmbeddingCollection]:

@@ -78,6 +78,12 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads):
         results.put((rank, False, (f"{type(e).__name__}: {e}\n{traceback.format_exc()}", exc)))
     finally:
         if dist.is_initialized():
+            try:  # trainers of parameter servers leave first (the servers wait for them)
+                from ..ps.remote import close_all
+
+                close_all()
+            except Exception:
+                pass
             try:
                 dist.destroy_process_group()
             except Exception:

@@ -183,9 +183,7 @@ class EmbeddingCollection(nn.Module):
             keys.setdefault(_group_key(t), []).append(t)
         for ts in keys.values():
             _check_group_size(ts)
-        self.storages = nn.ModuleList(
-            (HashStorage if ts[0].dynamic else DenseStorage)(ts, seed=self.seed, device=device) for ts in keys.values()
-        )
+        self.storages = nn.ModuleList(self._make_storage(ts, device) for ts in keys.values())
         self._table_group = {t.name: g for g, ts in enumerate(keys.values()) for t in ts}
         self.__dict__["_storage_list"] = list(self.storages)  # (plain list: indexed on every lookup)
         self._features = {}
@@ -197,6 +195,10 @@ class EmbeddingCollection(nn.Module):
         for feat in self._features.values():
             pooled, seq = self._group_features[feat.group]
             (seq if feat.table.combiner == "none" else pooled).append(feat)
+
+    def _make_storage(self, tables: list[TableConfig], device) -> RowStorage:
+        """The storage of one group (a parameter-server trainer's collection makes remote ones)."""
+        return (HashStorage if tables[0].dynamic else DenseStorage)(tables, seed=self.seed, device=device)
 
     # --- inspection ----------------------------------------------------------------------
     @property

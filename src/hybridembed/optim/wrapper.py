@@ -144,6 +144,8 @@ class HybridOptimizer(torch.optim.Optimizer):
         """Dense optimizer state + per-table sparse state, keyed by table name and row id."""
         tables = {}
         for storage, group in zip(self._storages, self._sparse_groups):
+            if getattr(storage, "remote", False):  # (rows and state on parameter servers)
+                continue
             hp = {k: v for k, v in group.items() if k != "params"}
             for t in storage.tables:
                 tables[t.name] = {
@@ -161,7 +163,12 @@ class HybridOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "sparse" not in state_dict or "dense" not in state_dict:
             raise HybridEmbedError("not a hybridembed optimizer state_dict (needs 'dense' and 'sparse' entries)")
         sparse = state_dict["sparse"]
-        mine = {t.name: (s, g) for s, g in zip(self._storages, self._sparse_groups) for t in s.tables}
+        mine = {
+            t.name: (s, g)
+            for s, g in zip(self._storages, self._sparse_groups)
+            if not getattr(s, "remote", False)  # (rows and state on parameter servers)
+            for t in s.tables
+        }
         missing, extra = sorted(set(mine) - set(sparse)), sorted(set(sparse) - set(mine))
         if missing or extra:
             raise HybridEmbedError(f"optimizer state tables differ: missing {missing}, unexpected {extra}")

@@ -1,0 +1,229 @@
+"""Parameter servers: embedding tables on server ranks of the same ``torch.distributed`` job.
+
+    # every rank (torchrun --nproc-per-node 3 train.py): ranks 0, 1 train, rank 2 serves
+    dist.init_process_group("gloo")
+    model = he.distribute(model, servers=1)      # on rank 2: serves until the trainers leave, then exits
+    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.05), model)
+    for batch in my_shard_of_the_data:           # the training loop does not change
+        loss = loss_fn(model(batch), y); opt.zero_grad(); loss.backward(); opt.step()
+
+Servers hold the tables' shards (dense and dynamic) with their optimizer state in host
+memory and apply the sparse optimizer; trainers hold the dense part (data-parallel among
+trainers) and pull rows / push row gradients (:mod:`hybridembed.ps.remote`,
+:mod:`hybridembed.ps.server`). Transport is c10d point-to-point over gloo
+(:mod:`hybridembed.ps.transport`); ``torch.distributed.rpc`` is not used. Without an
+initialised process group ``distribute(model, servers=...)`` returns the one-process model
+(:func:`hybridembed.convert`): the servers' tables in the trainer's own process, so the
+same script runs on a laptop. See docs/parameter_servers.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError, HybridEmbedError
+from ..optim.wrapper import HybridOptimizer
+from ..utils import get_logger
+from .remote import MODES, PSCollection, RemoteStorage
+from .server import TableServer
+from .transport import ServerLink, ServerLost
+
+__all__ = ["PSCollection", "RemoteStorage", "TableServer", "ServerLost", "MODES", "serve", "ps_plan", "ServerOptimizer"]
+
+log = get_logger(__name__)
+
+
+class _NoDense:
+    """A server's stand-in for the trainers' dense optimizer (rank 0, a trainer, saves that)."""
+
+    param_groups: list = []
+    state: dict = {}
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+class ServerOptimizer(HybridOptimizer):
+    """The sparse half of the trainers' optimizer, as a server holds it: its shards' storages
+    with their param groups (attached by the trainers), for checkpoints."""
+
+    dense_elsewhere = True
+
+    def __init__(self, server: TableServer):  # (no torch.optim.Optimizer.__init__: nothing is attached again)
+        self._storages = [server.storages[i] for i in sorted(server.hparams)]
+        self._sparse_groups = [server.hparams[i] for i in sorted(server.hparams)]
+        self.dense = _NoDense()
+        self._hooks = []
+        self.param_groups = list(self._sparse_groups)
+        self.state = {}
+        self.defaults = {}
+
+
+def ps_plan(plan, tables: list, world: int, servers: list[int]):
+    """The plan of a parameter-server job: a plan for the ``len(servers)`` servers (or the
+    planner's, by default) with its ranks moved onto the server ranks; or a plan for the whole
+    job whose shards are all on server ranks. Tables must be table- or row-wise."""
+    from ..distributed.plan import Plan
+    from ..distributed.planner import make_plan
+
+    s = len(servers)
+    if plan is None:
+        plan = make_plan(tables, s, data_parallel_below=0, column_slice_threshold=1 << 62)
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan must be a hybridembed.distributed.Plan, got {type(plan).__name__}")
+    if plan.world_size == s and s != world:
+        from dataclasses import replace
+
+        moved = tuple(
+            replace(tp, shards=tuple(replace(sh, rank=servers[sh.rank]) for sh in tp.shards)) for tp in plan.tables
+        )
+        plan = Plan(world, moved, plan.strategy, dict(plan.notes))
+    if plan.world_size != world:
+        raise ConfigError(
+            f"the plan is for {plan.world_size} ranks; a parameter-server job takes a plan for its {s} server(s) "
+            f"or for all {world} ranks"
+        )
+    for tp in plan.tables:
+        if tp.sharding in ("data_parallel", "column_wise"):
+            raise ConfigError(
+                f"table {tp.table!r}: {tp.sharding} sharding is not supported on parameter servers; use table_wise "
+                "or row_wise"
+            )
+        bad = [sh.rank for sh in tp.shards if sh.rank not in servers]
+        if bad:
+            raise ConfigError(
+                f"table {tp.table!r}: a shard on rank {bad[0]}, which is a trainer; servers are ranks {servers}"
+            )
+    return plan
+
+
+def serve(model: nn.Module, server: TableServer, link: ServerLink) -> None:
+    """Answer the trainers until every one has said bye (a server rank's ``he.distribute``)."""
+    from ..api import checkpoint as ck
+
+    rank = server.rank
+    log.info("parameter server rank %d: serving %d shard(s) to trainers %s", rank, len(server.held), server.trainers)
+    while server.active:
+        try:
+            src, header, payload = link.recv()
+        except RuntimeError as e:
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise HybridEmbedError(
+                f"parameter server rank {rank}: lost a trainer ({text[:200]}); the job cannot go on, a restart "
+                "resumes from the last committed checkpoint"
+            ) from None
+        replies, checkpoint = server.handle(src, header, payload)
+        for dst, m in replies:
+            server.stats_["bytes_out"] += link.reply(dst, m)
+        if checkpoint is not None:
+            _checkpoint(ck, model, server, checkpoint)
+    try:
+        link.sends.wait()
+    except RuntimeError:  # (a trainer that left before reading a reply it no longer needed)
+        pass
+    ck.wait_pending(model)
+    log.info("parameter server rank %d: every trainer left; stopping", rank)
+
+
+def _checkpoint(ck, model: nn.Module, server: TableServer, meta: Mapping[str, Any]) -> None:
+    """Join the trainers' collective save or load (its errors reach every rank through it)."""
+    opt = ServerOptimizer(server) if meta.get("optimizer") else None
+    try:
+        if meta["action"] == "save":
+            handle = ck.save(
+                meta["path"],
+                model,
+                opt,
+                keep=int(meta.get("keep", 1)),
+                incremental=bool(meta.get("incremental", False)),
+                max_chain=int(meta.get("max_chain", 8)),
+                background=bool(meta.get("background", False)),
+            )
+            del handle  # (a background save is waited for by the next save, load or the end)
+        else:
+            ck.load(meta["path"], model, opt, verify=bool(meta.get("verify", True)))
+            server.after_load()
+    except Exception as e:  # noqa: BLE001 - the trainers got the same error from the collective
+        log.warning("parameter server rank %d: checkpoint %s failed: %s", server.rank, meta["path"], e)
+
+
+def setup(
+    model: nn.Module,
+    ec,
+    plan,
+    group,
+    *,
+    servers: int,
+    mode: str,
+    staleness: int,
+    cache_rows: int,
+    timeout: float,
+    limit: int,
+    reduction: str,
+    budget: int | None,
+    server_exit: bool,
+    shard,
+    swap,
+):
+    """``he.distribute(model, servers=S)`` on every rank: the last S ranks of ``group`` serve
+    (and return only when the trainers are done), the others get their :class:`PSCollection`.
+    Returns (the trainers' process group, this rank's collection or None on a server)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    world = len(ranks)
+    if servers >= world:
+        raise ConfigError(f"servers={servers} leaves no trainer in a job of {world} rank(s)")
+    trainers, server_ranks = ranks[: world - servers], ranks[world - servers :]
+    rank = dist.get_rank()
+    tables = list(ec.tables.values())
+    plan = ps_plan(plan, tables, world, list(range(world - servers, world)))
+    if budget is not None:
+        from ..distributed.runtime import _check_budget
+
+        _check_budget(plan, tables, budget)
+    # (collectives, in the same order on every rank)
+    ps_group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+    trainer_group = dist.new_group(trainers)
+    wire_dtype = torch.float64 if any(t.compute_dtype == torch.float64 for t in tables) else torch.float32
+    if rank in server_ranks:
+        sc = shard(ec, plan, group, reduction, False, None)
+        swap(model, ec, sc)
+        server = TableServer(
+            sc, trainers, mode=mode, staleness=staleness, reduction=reduction, limit=limit, wire_dtype=wire_dtype
+        )
+        serve(model, server, ServerLink(ps_group, limit))
+        if server_exit:
+            raise SystemExit(0)
+        return trainer_group, None, server
+    pc = PSCollection(
+        tables,
+        ec.features,
+        plan,
+        servers=server_ranks,
+        ps_group=ps_group,
+        mode=mode,
+        staleness=staleness,
+        cache_rows=cache_rows,
+        timeout=timeout,
+        limit=limit,
+        process_group=group,
+        seed=ec.seed,
+        device=ec.storages[0].weight.device,
+        sequence_output=ec.sequence_output,
+        pad=ec.pad,
+        reduction=reduction,
+    )
+    pc.train(ec.training)
+    swap(model, ec, pc)
+    return trainer_group, pc, None

@@ -1,0 +1,489 @@
+"""A parameter server: the shards of the tables placed on this rank, their optimizer state,
+and the loop that answers the trainers' pulls and applies their pushes.
+
+Shape legend: ``U`` distinct ids of a request, ``D`` a shard's width.
+
+The server's rows live in an ordinary :class:`~hybridembed.EmbeddingCollection` of shards
+(``sc.local`` of the server's :class:`~hybridembed.distributed.ShardedCollection`, built
+by the same plan as a collective job's), so the optimizer formulas, dynamic tables and
+checkpoints are the single-process ones. The trainers address a shard by its index in
+the plan (:func:`shard_index`) and send ids in the shard's local id space.
+
+Requests (see :mod:`hybridembed.ps.wire`):
+
+- ``attach``: a trainer group's sparse optimizer (name, hyper-parameters): its shards here
+  allocate their optimizer state.
+- ``pull``: rows of distinct ids (a dynamic table's with how often each was seen, so its
+  admission and frequency counts match one process). Synchronous mode answers a pull of step
+  ``s`` once steps ``< s`` are applied; asynchronous mode once every trainer has pushed step
+  ``s - staleness``.
+- ``push``: a step's row gradients. Synchronous mode keeps them until every trainer has
+  pushed that step, then sums them (``mean``: divided by the number of trainers) and applies
+  the optimizer once, as one process would on the concatenated batch. Asynchronous mode
+  applies each push on arrival.
+- ``checkpoint``: every trainer asks; then the server joins the collective ``he.save`` /
+  ``he.load`` with its model (the same checkpoint format as a collective job).
+- ``read`` (a table's rows, for tests and small tables), ``stats``, ``bye``.
+
+A request that does not parse or does not fit (an unknown op, table or shard, ids out of
+range, sizes that disagree, over ``limit`` bytes) gets an error reply and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import HybridEmbedError
+from ..modules.collection import _group_key
+from ..optim import sparse as so
+from ..utils import get_logger
+from . import wire
+from .wire import Message, WireError
+
+__all__ = ["TableServer", "ShardRef", "shard_index", "trainer_groups"]
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """One shard of the plan as both sides address it: ``index`` in :func:`shard_index`."""
+
+    index: int
+    table: str  # the whole table
+    pos: int  # its position among the table's active shards (the route's)
+    rank: int
+    local: str  # the local table's name on its server
+    rows: int | None  # rows it holds (dense), None (dynamic)
+    width: int
+
+
+def shard_index(sc) -> list[ShardRef]:
+    """Every shard of a sharded collection's plan, in plan order (the same on every rank)."""
+    out = []
+    for name, route in sc._routes.items():
+        if route.kind == "local":
+            continue
+        for pos, (_, s) in enumerate(route.shards):
+            out.append(ShardRef(len(out), name, pos, s.rank, sc._local_names[(name, pos)], s.num_rows, s.width))
+    return out
+
+
+def trainer_groups(tables) -> dict[str, int]:
+    """``{table: group index}`` of the whole tables as the trainers' collection groups them."""
+    keys: dict[tuple, int] = {}
+    out = {}
+    for t in tables:
+        out[t.name] = keys.setdefault(_group_key(t), len(keys))
+    return out
+
+
+@dataclass
+class _Held:
+    """A shard this server holds: where its rows are."""
+
+    ref: ShardRef
+    storage: Any
+    storage_pos: int  # the storage's index in the server's storage list
+    table_index: int  # the local table's index in its storage
+    offset: int  # its row offset in the storage
+    group: int  # the trainers' group of its whole table
+
+
+@dataclass
+class _Step:
+    """Pushes of one step (synchronous mode), per trainer: per storage (ids, tabs, grads)."""
+
+    by_trainer: dict[int, list] = field(default_factory=dict)
+    groups: set[int] = field(default_factory=set)  # trainer groups with a gradient this step
+    hparams: dict[int, dict] = field(default_factory=dict)
+
+
+class TableServer:
+    """The request handler of one server (transport-free: :meth:`handle` takes a message and
+    returns the replies; :func:`hybridembed.ps.serve` runs it over c10d).
+
+    Args:
+        sc: the server's :class:`~hybridembed.distributed.ShardedCollection` (its shards in
+            ``sc.local``; None if the plan put none here).
+        trainers: the trainer ranks.
+        mode: ``"sync"`` or ``"async"``; staleness: asynchronous mode's bound (steps).
+        reduction: ``"mean"`` (pushes summed then divided by the number of trainers) or ``"sum"``.
+        limit: the largest payload accepted, in bytes.
+    """
+
+    def __init__(
+        self,
+        sc,
+        trainers: Sequence[int],
+        *,
+        mode: str = "sync",
+        staleness: int = 1,
+        reduction: str = "mean",
+        limit: int = 1 << 30,
+        wire_dtype: torch.dtype = torch.float32,
+    ):
+        self.sc = sc
+        self.rank = sc.rank
+        self.trainers = list(trainers)
+        self.active = set(self.trainers)
+        self.mode, self.staleness, self.limit = mode, int(staleness), int(limit)
+        self.scale = 1.0 / len(self.trainers) if reduction == "mean" else 1.0
+        self.wire_dtype = wire_dtype
+        self.refs = shard_index(sc)
+        groups = trainer_groups(sc.tables.values())
+        local = sc.local
+        self.storages = list(local.storages) if local is not None else []
+        where = {id(st): i for i, st in enumerate(self.storages)}
+        self.held: dict[int, _Held] = {}
+        for ref in self.refs:
+            if ref.rank != self.rank:
+                continue
+            st = local.storage_of(ref.local)
+            self.held[ref.index] = _Held(
+                ref, st, where[id(st)], st.table_index[ref.local], st.row_offset[ref.local], groups[ref.table]
+            )
+        self.storage_groups = {i: {h.group for h in self.held.values() if h.storage_pos == i} for i in where.values()}
+        self.hparams: dict[int, dict] = {}  # storage index -> its param group (once attached)
+        self.specs: dict[int, tuple[str, dict]] = {}  # trainer group -> (optimizer, hparams) attached
+        self.applied = 0  # sync: steps applied
+        self.steps: dict[int, _Step] = {}
+        self.done = dict.fromkeys(self.trainers, 0)  # steps pushed per trainer
+        self.deferred: list[tuple[int, Message]] = []
+        self.checkpoint: dict[int, dict] = {}  # trainer -> its checkpoint request
+        self.stats_ = {"requests": 0, "errors": 0, "pulled_rows": 0, "pushed_rows": 0, "bytes_in": 0, "bytes_out": 0}
+        self.stats_["dropped_rows"] = 0  # gradients of dynamic rows no longer held (evicted)
+        self.lost: str | None = None  # sync: why the trainers' steps can no longer complete
+
+    # --- the handler ---------------------------------------------------------------------
+    def handle(self, src: int, header: torch.Tensor, payload: torch.Tensor | None) -> tuple[list, dict | None]:
+        """One request -> (replies ``[(trainer, Message)]``, a checkpoint to run or None).
+
+        Never raises for a bad request: it is answered with an error and nothing changes."""
+        self.stats_["requests"] += 1
+        self.stats_["bytes_in"] += 8 * wire.HEAD + (0 if payload is None else payload.numel())
+        req = int(header[2]) if header.numel() == wire.HEAD and header.dtype == torch.int64 else -1
+        try:
+            if src not in self.trainers:
+                raise WireError(f"rank {src} is not a trainer of this job")
+            if src not in self.active:
+                raise WireError(f"trainer {src} said bye already")
+            m = wire.unpack(header, payload, self.limit)
+            op = wire.OPS[m.op]
+            return getattr(self, f"_{op}")(src, m)
+        except Exception as e:  # noqa: BLE001 - a bad request is answered, the server goes on
+            self.stats_["errors"] += 1
+            text = e.args[0] if isinstance(e, HybridEmbedError) and e.args else f"{type(e).__name__}: {e}"
+            return [(src, self.error(req, f"server rank {self.rank}: {text}"))], None
+
+    def error(self, req: int, text: str) -> Message:
+        return Message(wire.ERROR, max(req, 0), 0, torch.zeros(0, dtype=torch.int64), None, {"error": text})
+
+    def _ok(self, req: int, ints=None, floats=None, meta=None) -> Message:
+        ints = torch.zeros(0, dtype=torch.int64) if ints is None else ints
+        return Message(wire.OK, req, 0, ints, floats, meta or {})
+
+    # --- attach ---------------------------------------------------------------------------
+    def _attach(self, src: int, m: Message) -> tuple[list, None]:
+        g, name, hp = m.meta.get("group"), m.meta.get("optimizer"), m.meta.get("hparams")
+        if not isinstance(g, int) or not isinstance(name, str) or not isinstance(hp, dict):
+            raise WireError("attach needs meta {group: int, optimizer: str, hparams: dict}")
+        if name not in so.OPTIMIZERS:
+            raise WireError(f"unknown optimizer {name!r}; known: {', '.join(so.OPTIMIZERS)}")
+        hp = {k: tuple(v) if isinstance(v, list) else v for k, v in hp.items()}
+        known = self.specs.get(g)
+        if known is not None:
+            if known != (name, hp):
+                raise WireError(f"group {g} is attached to {known[0]}{known[1]}; this trainer sent {name}{hp}")
+            return [(src, self._ok(m.req))], None
+        opt = so.OPTIMIZERS[name](**{k: v for k, v in hp.items() if k in so.OPTIMIZERS[name].DEFAULTS})
+        for i, st in enumerate(self.storages):
+            if g not in self.storage_groups[i]:
+                continue
+            others = {self.specs.get(x) for x in self.storage_groups[i] if x != g} - {None}
+            if others and others != {(name, hp)}:
+                raise WireError(f"shards of different optimizers share a storage on server {self.rank}")
+            if i not in self.hparams:
+                group = {**opt.hparams, "params": [st.weight]}
+                st.attach_optimizer(opt, group)
+                self.hparams[i] = group
+        self.specs[g] = (name, hp)
+        return [(src, self._ok(m.req))], None
+
+    # --- pull -------------------------------------------------------------------------------
+    def _pairs(self, m: Message, with_counts: bool) -> list[tuple[_Held, torch.Tensor, torch.Tensor | None]]:
+        """A pull's or push's ints ``[flags, n, (shard, count) * n, ids..., (per keyed id: seen)...]``
+        -> [(shard held here, local ids, times seen or None)], every part checked."""
+        ints = m.ints
+        if ints.numel() < 2:
+            raise WireError("a pull or push needs ints [flags, pairs, ...]")
+        n = int(ints[1])
+        if n < 0 or 2 + 2 * n > ints.numel():
+            raise WireError(f"{n} pairs do not fit in {ints.numel()} ints")
+        head = ints[2 : 2 + 2 * n].view(n, 2).tolist()
+        pos = 2 + 2 * n
+        out = []
+        for shard, count in head:
+            h = self.held.get(shard)
+            if h is None:
+                where = "no such shard" if not 0 <= shard < len(self.refs) else f"shard of rank {self.refs[shard].rank}"
+                raise WireError(f"shard {shard} is not held here ({where})")
+            if count < 0 or pos + count > ints.numel():
+                raise WireError(f"shard {shard}: {count} ids do not fit in the request")
+            ids = ints[pos : pos + count]
+            pos += count
+            if h.ref.rows is not None and count and (int(ids.min()) < 0 or int(ids.max()) >= h.ref.rows):
+                raise WireError(
+                    f"table {h.ref.table!r} shard {shard}: ids must be in [0, {h.ref.rows}), got "
+                    f"{int(ids.min())}..{int(ids.max())}"
+                )
+            out.append([h, ids, None])
+        if with_counts:
+            for p in out:
+                if p[0].storage.keyed:
+                    count = p[1].numel()
+                    if pos + count > ints.numel():
+                        raise WireError("a dynamic table's pull needs a count per id")
+                    seen = ints[pos : pos + count]
+                    pos += count
+                    if count and int(seen.min()) < 1:
+                        raise WireError("times seen must be >= 1")
+                    p[2] = seen
+        if pos != ints.numel():
+            raise WireError(f"{ints.numel() - pos} ints left over after {n} pairs")
+        return [tuple(p) for p in out]
+
+    def _ready(self, m: Message) -> bool:
+        if self.mode == "sync":
+            return self.applied >= m.step
+        live = [self.done[t] for t in self.active] or [m.step]
+        return min(live) >= m.step - self.staleness
+
+    def _pull(self, src: int, m: Message) -> tuple[list, None]:
+        pairs = self._pairs(m, with_counts=True)  # (checked now: a bad pull is refused at once)
+        if self.lost is not None and not self._ready(m):
+            raise HybridEmbedError(self.lost)
+        if not self._ready(m):
+            self.deferred.append((src, m))
+            return [], None
+        return [(src, self._answer_pull(m, pairs))], None
+
+    def _answer_pull(self, m: Message, pairs) -> Message:
+        train = bool(int(m.ints[0]) & 1)
+        by_storage: dict[int, list] = {}
+        for k, (h, ids, seen) in enumerate(pairs):
+            by_storage.setdefault(h.storage_pos, []).append((k, h, ids, seen))
+        plans, done = [], []
+        try:  # every storage's lookup planned first: one that refuses (over capacity) changes none
+            for i, items in by_storage.items():
+                st = self.storages[i]
+                if st.keyed:
+                    ids = torch.cat([x[2].repeat_interleave(x[3]) for x in items])
+                    counts = [int(x[3].sum()) for x in items]
+                else:
+                    ids = torch.cat([x[2] + x[1].offset for x in items])
+                    counts = [x[2].numel() for x in items]
+                plans.append((i, items, st.resolve(ids, [x[1].table_index for x in items], counts, train)))
+        except BaseException:
+            for _, _, plan in plans:
+                plan.rollback()
+            raise
+        rows: list[torch.Tensor | None] = [None] * len(pairs)
+        for i, items, plan in plans:
+            st = self.storages[i]
+            slots = plan.commit()[0].to(torch.int64)
+            if st.keyed:  # one slot per distinct id: at the first of its repeats
+                sizes = torch.cat([x[3] for x in items])
+                slots = slots.index_select(0, torch.cumsum(sizes, 0) - sizes)
+            got = st.read_rows(slots).to(self.wire_dtype)
+            for (k, *_), part in zip(items, got.split([x[2].numel() for x in items])):
+                rows[k] = part
+            done.append(i)
+        flat = torch.cat([r.reshape(-1) for r in rows]) if rows else torch.zeros(0, dtype=self.wire_dtype)
+        self.stats_["pulled_rows"] += sum(p[1].numel() for p in pairs)
+        self.stats_["bytes_out"] += flat.numel() * flat.element_size()
+        return self._ok(m.req, floats=flat)
+
+    def _release(self) -> list:
+        """Deferred pulls that are ready now -> their replies (errors for those that fail)."""
+        out, still = [], []
+        for src, m in self.deferred:
+            if src not in self.active:
+                continue
+            if not self._ready(m):
+                still.append((src, m))
+                continue
+            try:
+                if m.op == wire.READ:
+                    out.append((src, self._read_now(m)))
+                else:
+                    out.append((src, self._answer_pull(m, self._pairs(m, with_counts=True))))
+            except Exception as e:  # noqa: BLE001
+                self.stats_["errors"] += 1
+                out.append((src, self.error(m.req, f"server rank {self.rank}: {e}")))
+        self.deferred = still
+        return out
+
+    # --- push -------------------------------------------------------------------------------
+    def _push(self, src: int, m: Message) -> tuple[list, None]:
+        pairs = self._pairs(m, with_counts=False)
+        groups, hps = m.meta.get("had"), m.meta.get("hp", {})
+        if not isinstance(groups, list) or not all(isinstance(g, int) for g in groups) or not isinstance(hps, dict):
+            raise WireError("a push needs meta {had: [groups with a gradient], hp: {group: hparams}}")
+        flat = m.floats
+        width = [h.ref.width for h, _, _ in pairs]
+        need = sum(ids.numel() * w for (_, ids, _), w in zip(pairs, width))
+        if flat is None and need or flat is not None and flat.numel() != need:
+            raise WireError(
+                f"a push of these ids needs {need} gradient values, got {0 if flat is None else flat.numel()}"
+            )
+        if flat is not None and not bool(torch.isfinite(flat).all()):
+            raise WireError("a push holds non-finite gradients (nan or inf); nothing was applied")
+        for g in groups:
+            if g not in self.specs and any(g in s for s in self.storage_groups.values()):
+                raise WireError(f"group {g} pushed before its optimizer was attached")
+        if self.mode == "sync" and m.step != self.done[src]:
+            raise WireError(f"trainer {src} pushed step {m.step}, expected step {self.done[src]}")
+        grads = flat.split([ids.numel() * w for (_, ids, _), w in zip(pairs, width)]) if flat is not None else []
+        per_storage: dict[int, list] = {}
+        for (h, ids, _), g, w in zip(pairs, grads, width):
+            per_storage.setdefault(h.storage_pos, []).append((h, ids, g.view(-1, w)))
+        hparams = {int(k): v for k, v in hps.items() if str(k).lstrip("-").isdigit() and isinstance(v, dict)}
+        self.stats_["pushed_rows"] += sum(ids.numel() for _, ids, _ in pairs)
+        self.done[src] += 1
+        if self.mode == "async":
+            self._apply({src: per_storage}, set(groups), hparams)
+        else:
+            step = self.steps.setdefault(m.step, _Step())
+            step.by_trainer[src] = per_storage
+            step.groups |= set(groups)
+            step.hparams.update(hparams)
+            self._apply_complete()
+        return self._release(), None
+
+    def _apply_complete(self) -> None:
+        """Synchronous mode: every step all active trainers have pushed, applied in order."""
+        while self.applied in self.steps and set(self.steps[self.applied].by_trainer) >= self.active:
+            step = self.steps.pop(self.applied)
+            self._apply(step.by_trainer, step.groups, step.hparams)
+            self.applied += 1
+
+    @torch.no_grad()
+    def _apply(self, by_trainer: dict[int, dict], groups: set[int], hparams: dict[int, dict]) -> None:
+        """Sum the pushes per storage, then one optimizer step per storage, as one process."""
+        for i, st in enumerate(self.storages):
+            if i not in self.hparams:
+                continue
+            mine = self.storage_groups[i]
+            for g in mine & set(hparams):
+                hp = {k: tuple(v) if isinstance(v, list) else v for k, v in hparams[g].items()}
+                self.hparams[i].update({k: v for k, v in hp.items() if k in st.optimizer.hparams})
+            items = [x for per in by_trainer.values() for x in per.get(i, [])]
+            if items:
+                slots = self._slots(st, items)
+                grad = torch.cat([x[2] for x in items]).to(st.compute_dtype)
+                keep = slots >= 0
+                if not bool(keep.all()):
+                    self.stats_["dropped_rows"] += int((~keep).sum())
+                    slots, grad = slots[keep], grad[keep]
+                if self.scale != 1.0:
+                    grad = grad * self.scale
+                coo = torch.sparse_coo_tensor(
+                    slots.unsqueeze(0), grad, (st.weight.shape[0], grad.shape[1]), check_invariants=False
+                )
+                coo = coo.coalesce()
+                ids, rows = coo.indices()[0], coo.values()
+                st.apply_gradient(ids, rows.to(st.weight.dtype), self.hparams[i])
+            elif mine & groups:  # the group had a gradient on some rows, none here: its step still counts
+                st.apply_gradient(torch.zeros(0, dtype=torch.int64), st.weight.new_zeros(0, st.dim), self.hparams[i])
+            st.after_step()
+
+    def _slots(self, st, items) -> torch.Tensor:
+        """Pushed (shard, local ids) -> rows of ``st`` (-1 for a dynamic id no longer held)."""
+        if not st.keyed:
+            return torch.cat([ids + h.offset for h, ids, _ in items])
+        ids = torch.cat([x[1] for x in items])
+        tabs = torch.cat([torch.full((x[1].numel(),), x[0].table_index, dtype=torch.int32) for x in items])
+        slots = st.slots(ids, tabs, False).to(torch.int64)
+        return torch.where(slots == 0, -1, slots)  # (slot 0: the default row of ids without one)
+
+    # --- checkpoints, reads, stats, bye ------------------------------------------------------
+    def _checkpoint(self, src: int, m: Message) -> tuple[list, dict | None]:
+        if m.meta.get("action") not in ("save", "load") or not isinstance(m.meta.get("path"), str):
+            raise WireError("checkpoint needs meta {action: save|load, path: str, ...}")
+        self.checkpoint[src] = m.meta
+        if set(self.checkpoint) < self.active:
+            return [], None
+        first = self.checkpoint[min(self.checkpoint)]
+        self.checkpoint = {}
+        return [], first
+
+    def after_load(self) -> None:
+        """A checkpoint was loaded: steps count from 0 again, on every trainer too."""
+        self.applied = 0
+        self.steps.clear()
+        self.done = dict.fromkeys(self.trainers, 0)
+
+    def _read(self, src: int, m: Message) -> tuple[list, None]:
+        name = m.meta.get("table")
+        if name not in self.sc.tables:
+            raise WireError(f"unknown table {name!r}")
+        if not self._ready(m):  # (after the steps the trainer has pushed: as a pull)
+            self.deferred.append((src, m))
+            return [], None
+        return [(src, self._read_now(m))], None
+
+    def _read_now(self, m: Message) -> Message:
+        name = m.meta.get("table")
+        ints, floats = [], []
+        mine = [h for h in self.held.values() if h.ref.table == name]
+        head = [len(mine)]
+        for h in mine:
+            local = self.sc.local
+            if h.storage.keyed:
+                ids, rows = local.dynamic_rows(h.ref.local)
+            else:
+                rows, ids = local.weight(h.ref.local), torch.zeros(0, dtype=torch.int64)
+            head += [h.ref.index, ids.numel(), rows.shape[0]]
+            ints.append(ids)
+            floats.append(rows.detach().to(self.wire_dtype).reshape(-1))
+        all_ints = torch.cat([torch.tensor(head, dtype=torch.int64), *ints])
+        flat = torch.cat(floats) if floats else torch.zeros(0, dtype=self.wire_dtype)
+        return self._ok(m.req, all_ints, flat)
+
+    def stats(self) -> dict[str, Any]:
+        """Requests served, errors, rows pulled and pushed, bytes, and the storages' own stats."""
+        out: dict[str, Any] = dict(self.stats_)
+        out["rank"] = self.rank
+        out["applied_steps"] = self.applied if self.mode == "sync" else max(self.done.values(), default=0)
+        out["memory_bytes"] = sum(st.memory_bytes for st in self.storages)
+        out["tables"] = {}
+        for h in self.held.values():
+            s = h.storage.stats(h.ref.local)
+            out["tables"][h.ref.local] = {k: v for k, v in s.items() if isinstance(v, (int, float)) or v is None}
+        return out
+
+    def _stats(self, src: int, m: Message) -> tuple[list, None]:
+        return [(src, self._ok(m.req, meta=self.stats()))], None
+
+    def _bye(self, src: int, m: Message) -> tuple[list, None]:
+        self.active.discard(src)
+        self.checkpoint.pop(src, None)
+        out: list = []  # (no reply: the trainer is leaving)
+        failed = m.meta.get("failed")
+        if self.mode == "sync":
+            pending = [s for s, st in self.steps.items() if src not in st.by_trainer]
+            if failed or pending:  # the others cannot finish a step without it
+                why = f"trainer {src} left the job{' (' + str(failed) + ')' if failed else ''} at step {self.done[src]}"
+                for s2, q in self.deferred:
+                    if s2 in self.active:
+                        out.append((s2, self.error(q.req, f"server rank {self.rank}: {why}")))
+                self.deferred = []
+                self.lost = why
+        self._apply_complete()
+        out += self._release()
+        return out, None
