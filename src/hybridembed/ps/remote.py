@@ -268,6 +268,7 @@ class RemoteStorage(RowStorage):
         self._staged_ids = torch.zeros(0, dtype=torch.int64)  # per weight row: its id and table
         self._staged_tabs = torch.zeros(0, dtype=torch.int64)
         self._prefetched: _Pull | None = None
+        self._pending = False  # rows staged by a lookup with autograd since the last step
         self.cache: _Cache | None = None
         self.counters = {"lookups": 0, "pulled": 0, "cache_hits": 0, "prefetch_hits": 0, "prefetch_misses": 0}
 
@@ -329,12 +330,30 @@ class RemoteStorage(RowStorage):
     def _stage(self, pull: _Pull, inv: torch.Tensor) -> tuple[torch.Tensor, None]:
         rows = self.client.complete(pull)
         self.counters["pulled"] += pull.ids.numel()
+        base = self.append(rows, pull.ids, pull.tabs)
+        return (inv + base if base else inv), None
+
+    def append(self, rows: torch.Tensor, ids: torch.Tensor, tabs: torch.Tensor) -> int:
+        """Rows (K, D) of (``ids``, ``tabs``) after the cached and staged ones; returns their first
+        slot. Lookups without autograd (eval) replace the previous ones unless a gradient may
+        still come for those (a lookup with autograd since the last step)."""
+        keep = self.cache.size if self.cache is not None else 0
+        if not self._pending:
+            self._truncate(keep)
+        if torch.is_grad_enabled():
+            self._pending = True
         base = self.weight.shape[0]
         with torch.no_grad():
             self.weight.data = torch.cat([self.weight.data, rows.to(self.weight.device)]) if base else rows
-        self._staged_ids = torch.cat([self._staged_ids, pull.ids])
-        self._staged_tabs = torch.cat([self._staged_tabs, pull.tabs])
-        return (inv + base if base else inv), None
+        self._staged_ids = torch.cat([self._staged_ids, ids])
+        self._staged_tabs = torch.cat([self._staged_tabs, tabs])
+        return base
+
+    def _truncate(self, keep: int) -> None:
+        with torch.no_grad():
+            self.weight.data = self.weight.data[:keep]
+        self._staged_ids = self._staged_ids[:keep]
+        self._staged_tabs = self._staged_tabs[:keep]
 
     def prefetch(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> None:
         """Send the pull of the next step's lookup now; :meth:`resolve` takes its rows if the
@@ -369,21 +388,18 @@ class RemoteStorage(RowStorage):
 
     def after_step(self) -> None:
         """The step's pulled rows are dropped (the cache's stay)."""
-        keep = self.cache.size if self.cache is not None else 0
-        with torch.no_grad():
-            self.weight.data = self.weight.data[:keep]
+        self._truncate(self.cache.size if self.cache is not None else 0)
         self.weight.grad = None
-        self._staged_ids = self._staged_ids[:keep]
-        self._staged_tabs = self._staged_tabs[:keep]
+        self._pending = False
 
     def reset(self) -> None:
         """Forget every pulled and cached row (after a checkpoint is loaded)."""
         if self.cache is not None:
             self.cache.clear()
         self._prefetched = None
-        with torch.no_grad():
-            self.weight.data = self.weight.data[: self.cache.size if self.cache is not None else 0]
+        self._truncate(self.cache.size if self.cache is not None else 0)
         self.weight.grad = None
+        self._pending = False
 
     # --- the optimizer -----------------------------------------------------------------------
     def attach_optimizer(self, optimizer, hparams: dict) -> None:
@@ -511,6 +527,7 @@ class _Cache:
         expired = slot[held & ~fresh]
         if expired.numel():  # pulled again into the same slot; their gradients written back first
             self._take_out(expired)
+        self.used.index_fill_(0, slot[held], step)  # (this lookup's rows are no eviction victims)
         new = (~held).nonzero().squeeze(1)
         if new.numel():
             free = (self.fetched < 0) & (self.used < step)
@@ -533,10 +550,8 @@ class _Cache:
             self.id.index_copy_(0, s, uid.index_select(0, cached_miss))
             self.tab.index_copy_(0, s, utab.index_select(0, cached_miss))
             self.fetched.index_fill_(0, s, step)
-        hit_slots = slot.index_select(0, fresh.nonzero().squeeze(1))
         self.used.index_fill_(0, slot[slot >= 0], step)
         self._reindex()
-        del hit_slots
         pull = _Pull(
             st,
             uid.index_select(0, miss),
@@ -557,13 +572,11 @@ class _Cache:
                 in_cache = ms >= 0
                 with torch.no_grad():
                     st.weight.data.index_copy_(0, ms[in_cache], rows[in_cache])
-                    extra = (~in_cache).nonzero().squeeze(1)
-                    if extra.numel():  # beyond the cache: staged for this step
-                        base = st.weight.shape[0]
-                        st.weight.data = torch.cat([st.weight.data, rows.index_select(0, extra)])
-                        st._staged_ids = torch.cat([st._staged_ids, pull.ids.index_select(0, extra)])
-                        st._staged_tabs = torch.cat([st._staged_tabs, pull.tabs.index_select(0, extra)])
-                        out[miss.index_select(0, extra)] = torch.arange(base, base + extra.numel())
+                extra = (~in_cache).nonzero().squeeze(1)
+                if extra.numel():  # beyond the cache: staged for this step
+                    x = (rows.index_select(0, extra), pull.ids.index_select(0, extra), pull.tabs.index_select(0, extra))
+                    base = st.append(*x)
+                    out[miss.index_select(0, extra)] = torch.arange(base, base + extra.numel())
             return out.index_select(0, inv), None
 
         def rollback() -> None:
