@@ -311,6 +311,10 @@ class RemoteStorage(RowStorage):
     def resolve(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> LookupPlan:
         if self.client is None:
             raise HybridEmbedError("this RemoteStorage is not connected to parameter servers")
+        dev = self.weight.device
+        if ids.device.type != "cpu":  # (ids and rows cross in host memory; slots go back to the device)
+            plan = self.resolve(ids.cpu(), tables, counts, train)
+            return LookupPlan(lambda: (plan.commit()[0].to(dev), None), plan.rollback)
         keys, inv, uid, utab, seen = self._distinct(ids, tables, counts)
         self.counters["lookups"] += uid.numel()
         if self.cache is not None and train:
@@ -383,7 +387,7 @@ class RemoteStorage(RowStorage):
             return self.cache.take(rows)
         if rows is None:
             return empty
-        slots, grad = rows[0], rows[1]
+        slots, grad = rows[0].cpu(), rows[1].cpu()
         return self._staged_ids.index_select(0, slots), self._staged_tabs.index_select(0, slots), grad
 
     def after_step(self) -> None:
@@ -481,8 +485,8 @@ class _Cache:
         self.sorted_slots = torch.zeros(0, dtype=torch.int64)
         self.flush: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (ids, tabs, grads) to write back
         self.hits = self.lookups = 0
-        with torch.no_grad():
-            storage.weight.data = torch.zeros(c, d, dtype=storage.dtype)
+        with torch.no_grad():  # (the rows on the model's device; the index and gradients in host memory)
+            storage.weight.data = torch.zeros(c, d, dtype=storage.dtype, device=storage.weight.device)
         storage._staged_ids = torch.zeros(c, dtype=torch.int64)
         storage._staged_tabs = torch.zeros(c, dtype=torch.int64)
 
@@ -571,7 +575,8 @@ class _Cache:
                 ms = slot.index_select(0, miss)
                 in_cache = ms >= 0
                 with torch.no_grad():
-                    st.weight.data.index_copy_(0, ms[in_cache], rows[in_cache])
+                    dev = st.weight.device
+                    st.weight.data.index_copy_(0, ms[in_cache].to(dev), rows[in_cache].to(dev))
                 extra = (~in_cache).nonzero().squeeze(1)
                 if extra.numel():  # beyond the cache: staged for this step
                     x = (rows.index_select(0, extra), pull.ids.index_select(0, extra), pull.tabs.index_select(0, extra))
@@ -590,7 +595,7 @@ class _Cache:
         st, step = self.st, self.st.client.step
         ids, tabs, grads = [], [], []
         if rows is not None:
-            slots, g = rows[0], rows[1].to(self.grad.dtype)
+            slots, g = rows[0].cpu(), rows[1].to("cpu", self.grad.dtype)
             c = slots < self.size
             cs = slots[c]
             self.grad.index_add_(0, cs, g[c])
