@@ -133,7 +133,7 @@ def _shared_batch(step: int, lo: int, hi: int):
     return x, torch.rand(8, generator=g)[lo:hi]
 
 
-def _shared_job(rank: int, world: int, which: str) -> dict:
+def _shared_job(rank: int, world: int, which: str, path: str = "") -> dict:
     if which == "plain":  # nn.Embedding(Bag) layers, SGD, an LR scheduler
         model = he.distribute(Plain(), servers=world - T, server_exit=False)
         if model is None:
@@ -145,7 +145,9 @@ def _shared_job(rank: int, world: int, which: str) -> dict:
             _train(model, [_slice(*_plain_batch(s, 8), rank * per, (rank + 1) * per)], opt)
             sched.step()
         ec = unwrap(model).hybridembed
-        return {n: ec.gather_table(n) for n in ec.tables} | {"mlp": unwrap(model).mlp[0].weight.detach()}
+        out = {n: ec.gather_table(n) for n in ec.tables} | {"mlp": unwrap(model).mlp[0].weight.detach()}
+        he.export(model, path, (_plain_batch(9, 8)[0],))  # (trainers only: the servers are serving)
+        return out
     model = he.distribute(Shared(), servers=world - T, server_exit=False)
     if model is None:
         return {}
@@ -158,7 +160,7 @@ def _shared_job(rank: int, world: int, which: str) -> dict:
     return _snapshot(model)
 
 
-def test_shared_tables_and_a_plain_model_with_a_scheduler():
+def test_shared_tables_and_a_plain_model_with_a_scheduler_exported(tmp_path):
     model = Shared()
     opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
     for s in range(4):
@@ -175,10 +177,14 @@ def test_shared_tables_and_a_plain_model_with_a_scheduler():
     for s in range(4):
         _train(plain, [_plain_batch(s, 8)], opt)
         sched.step()
-    got = spawn(_shared_job, T + 2, "plain", timeout=240)[0]
+    served = str(tmp_path / "served.pt")
+    got = spawn(_shared_job, T + 2, "plain", served, timeout=240)[0]
     for n in ("user", "items", "city", "tags"):
         torch.testing.assert_close(got[n], getattr(plain, n).weight.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got["mlp"], plain.mlp[0].weight.detach(), atol=1e-5, rtol=1e-5)
+    x = _plain_batch(9, 8)[0]  # the exported plain model serves what one process computes
+    with torch.no_grad():
+        torch.testing.assert_close(torch.jit.load(served)(x), plain.eval()(x), atol=1e-5, rtol=1e-5)
 
 
 def test_without_a_process_group_the_servers_are_this_process():

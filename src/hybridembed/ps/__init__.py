@@ -225,5 +225,6 @@ def setup(
         reduction=reduction,
     )
     pc.train(ec.training)
+    pc.__dict__["trainer_group"] = trainer_group  # (export and reports gather over the trainers only)
     swap(model, ec, pc)
     return trainer_group, pc, None

@@ -53,8 +53,8 @@ _TRAIN = 1
 
 def _no_rows(what: str) -> HybridEmbedError:
     return HybridEmbedError(
-        f"{what}: this table's rows live on the parameter servers; read them with "
-        "model's PSCollection.gather_table(name), or save a checkpoint"
+        f"{what}: this table's rows live on the parameter servers; read one with "
+        "PSCollection.gather_table(name), or save a checkpoint (he.save; it loads in one process too)"
     )
 
 
