@@ -64,7 +64,6 @@ class _Pull:
     def __init__(self, storage: RemoteStorage, ids, tabs, seen, train: bool, step: int):
         self.storage, self.ids, self.tabs, self.seen, self.train, self.step = storage, ids, tabs, seen, train, step
         self.rows: torch.Tensor | None = None
-        self.parts: list[tuple[int, int, ShardRef, torch.Tensor]] = []  # (server, req, shard, positions)
         self.sent = False
         self.keys: torch.Tensor | None = None  # prefetch: the lookup keys it answers
 
@@ -80,7 +79,6 @@ class _Client:
         self._queued: list[_Pull] = []
         self._waiting: dict[tuple[int, int], list] = {}  # (server, req) -> [(pull, shard, positions)]
         self._stash: dict[tuple[int, int], Message] = {}
-        self._pushes: set[tuple[int, int]] = set()
         self.closed = False
         self.bytes_out = self.bytes_in = 0
 
@@ -101,11 +99,9 @@ class _Client:
         key = (server, req)
         while key not in self._stash:
             m = self.links[server].recv()
-            k = (server, m.req)
-            if k in self._pushes:
-                self._pushes.discard(k)
+            if m.op == wire.ERROR and m.meta.get("op") == "push":  # (a push has no other reply)
                 raise HybridEmbedError(m.meta.get("error", f"server rank {server} refused a push"))
-            self._stash[k] = m
+            self._stash[(server, m.req)] = m
         m = self._stash.pop(key)
         if m.op == wire.ERROR:
             raise HybridEmbedError(m.meta.get("error", f"server rank {server} answered with an error"))
@@ -212,7 +208,6 @@ class _Client:
                 wire.PUSH, self.req(), self.step, ints, floats, {"had": had, "hp": {str(k): v for k, v in hp.items()}}
             )
             link.send(m)
-            self._pushes.add((server, m.req))
         self.step += 1
 
     def bye(self, failed: str | None = None) -> None:

@@ -166,22 +166,25 @@ class TableServer:
         Never raises for a bad request: it is answered with an error and nothing changes."""
         self.stats_["requests"] += 1
         self.stats_["bytes_in"] += 8 * wire.HEAD + (0 if payload is None else payload.numel())
-        req = int(header[2]) if header.numel() == wire.HEAD and header.dtype == torch.int64 else -1
+        ok = header.numel() == wire.HEAD and header.dtype == torch.int64
+        req = int(header[2]) if ok else -1
+        op = wire.OPS.get(int(header[1])) if ok else None
         try:
             if src not in self.trainers:
                 raise WireError(f"rank {src} is not a trainer of this job")
             if src not in self.active:
                 raise WireError(f"trainer {src} said bye already")
             m = wire.unpack(header, payload, self.limit)
-            op = wire.OPS[m.op]
-            return getattr(self, f"_{op}")(src, m)
+            return getattr(self, f"_{wire.OPS[m.op]}")(src, m)
         except Exception as e:  # noqa: BLE001 - a bad request is answered, the server goes on
             self.stats_["errors"] += 1
             text = e.args[0] if isinstance(e, HybridEmbedError) and e.args else f"{type(e).__name__}: {e}"
-            return [(src, self.error(req, f"server rank {self.rank}: {text}"))], None
+            return [(src, self.error(req, f"server rank {self.rank}: {text}", op))], None
 
-    def error(self, req: int, text: str) -> Message:
-        return Message(wire.ERROR, max(req, 0), 0, torch.zeros(0, dtype=torch.int64), None, {"error": text})
+    def error(self, req: int, text: str, op: str | None = None) -> Message:
+        """An error reply to request ``req`` (``op``: the request's op, when its header said one)."""
+        meta = {"error": text, **({"op": op} if op else {})}
+        return Message(wire.ERROR, max(req, 0), 0, torch.zeros(0, dtype=torch.int64), None, meta)
 
     def _ok(self, req: int, ints=None, floats=None, meta=None) -> Message:
         ints = torch.zeros(0, dtype=torch.int64) if ints is None else ints
