@@ -160,7 +160,7 @@ def distribute(
             server_exit,
         )
     for path, ec in collections.items():
-        where = rows_device(model, ec)
+        where = _rows_device(model, ec)
         sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank, where)
         _swap(model, ec, sharded)
     if ddp is False:
@@ -288,7 +288,7 @@ def _plan_for(plan, path: str, ec: EmbeddingCollection) -> Plan | None:
     return plan[path]
 
 
-def rows_device(model: nn.Module, ec: EmbeddingCollection) -> torch.device:
+def _rows_device(model: nn.Module, ec: EmbeddingCollection) -> torch.device:
     """Where a rank keeps the rows of ``ec``'s tables (its shards, or a trainer's pulled rows):
     beside the tables, or, for tables built on the meta device (no rows allocated: each rank
     makes only its shards), beside the model's dense parameters (the CPU if it has none)."""
