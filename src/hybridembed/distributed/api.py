@@ -65,6 +65,9 @@ def distribute(
     Args:
         model: a plain model (``nn.Embedding`` / ``nn.EmbeddingBag`` layers), a converted one,
             or one holding :class:`~hybridembed.EmbeddingCollection` modules. Modified in place.
+            A collection built with ``device="meta"`` allocates no rows: each rank makes only its
+            shards (from the row-keyed init, so equal to the real table's rows) beside the model's
+            dense parameters, and parameter-server trainers make none.
         plan: a :class:`Plan` placing every table (of every collection), or ``{collection path:
             Plan}``; default: the planner's ``memory_balanced`` plan per collection.
         process_group: the ranks to shard over and run data-parallel on (default: the job).
@@ -157,7 +160,8 @@ def distribute(
             server_exit,
         )
     for path, ec in collections.items():
-        sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank)
+        where = _rows_device(model, ec)
+        sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank, where)
         _swap(model, ec, sharded)
     if ddp is False:
         return model
@@ -284,15 +288,37 @@ def _plan_for(plan, path: str, ec: EmbeddingCollection) -> Plan | None:
     return plan[path]
 
 
-def _shard(ec: EmbeddingCollection, plan: Plan | None, group, reduction: str, dedup: bool, budget) -> ShardedCollection:
+def _rows_device(model: nn.Module, ec: EmbeddingCollection) -> torch.device:
+    """Where a rank keeps the rows of ``ec``'s tables (its shards, or a trainer's pulled rows):
+    beside the tables, or, for tables built on the meta device (no rows allocated: each rank
+    makes only its shards), beside the model's dense parameters (the CPU if it has none)."""
+    device = ec.storages[0].weight.device
+    if device.type != "meta":
+        return device
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+def _shard(
+    ec: EmbeddingCollection,
+    plan: Plan | None,
+    group,
+    reduction: str,
+    dedup: bool,
+    budget,
+    where: torch.device | None = None,
+) -> ShardedCollection:
     for name, t in ec.tables.items():
         if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
             raise ConfigError(
                 f"dynamic table {name!r} already holds rows; distribute the model before training it "
                 "(or save it and load the checkpoint into the distributed model)"
             )
-    weights = {n: ec.weight(n) for n, t in ec.tables.items() if t.dynamic is None}
     device = ec.storages[0].weight.device
+    if device.type == "meta":  # built without rows: each shard starts from the row-keyed init alone
+        weights = {}
+        device = where if where is not None else torch.device("cpu")
+    else:
+        weights = {n: ec.weight(n) for n, t in ec.tables.items() if t.dynamic is None}
     sharded = ShardedCollection(
         list(ec.tables.values()),
         ec.features,

@@ -180,6 +180,8 @@ def setup(
     """``he.distribute(model, servers=S)`` on every rank: the last S ranks of ``group`` serve
     (and return only when the trainers are done), the others get their :class:`PSCollection`.
     Returns (the trainers' process group, this rank's collection or None on a server)."""
+    from ..distributed.api import _rows_device
+
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     world = len(ranks)
     if servers >= world:
@@ -196,8 +198,9 @@ def setup(
     ps_group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
     trainer_group = dist.new_group(trainers)
     wire_dtype = torch.float64 if any(t.compute_dtype == torch.float64 for t in tables) else torch.float32
+    device = _rows_device(model, ec)  # (tables built on the meta device: no rank allocates a whole table)
     if rank in server_ranks:
-        sc = shard(ec, plan, group, reduction, False, None)
+        sc = shard(ec, plan, group, reduction, False, None, device)
         swap(model, ec, sc)
         server = TableServer(
             sc, trainers, mode=mode, staleness=staleness, reduction=reduction, limit=limit, wire_dtype=wire_dtype
@@ -219,7 +222,7 @@ def setup(
         limit=limit,
         process_group=group,
         seed=ec.seed,
-        device=ec.storages[0].weight.device,
+        device=device,
         sequence_output=ec.sequence_output,
         pad=ec.pad,
         reduction=reduction,

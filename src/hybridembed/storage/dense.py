@@ -43,20 +43,21 @@ class DenseStorage(RowStorage):
         self.num_rows = total
         weight = torch.empty(total, self.dim, dtype=self.dtype, device=device)
         advise_huge_pages(weight)  # before the first write, so the pages fault in huge
-        with torch.no_grad():
-            for t in self.tables:
-                rows = torch.arange(t.num_embeddings, device=weight.device)
-                if t.shard is not None:  # the whole table's rows this shard holds
-                    rows = rows.mul_(t.shard.row_step).add_(t.shard.row_start)
-                _init.generate(
-                    t.init,
-                    seed,
-                    t.init_name,
-                    rows,
-                    self.dim,
-                    out=weight[offsets[t.name] : offsets[t.name] + t.num_embeddings],
-                    col_start=t.col_start,
-                )
+        if weight.device.type != "meta":  # (a table built on the meta device has no rows to fill)
+            with torch.no_grad():
+                for t in self.tables:
+                    rows = torch.arange(t.num_embeddings, device=weight.device)
+                    if t.shard is not None:  # the whole table's rows this shard holds
+                        rows = rows.mul_(t.shard.row_step).add_(t.shard.row_start)
+                    _init.generate(
+                        t.init,
+                        seed,
+                        t.init_name,
+                        rows,
+                        self.dim,
+                        out=weight[offsets[t.name] : offsets[t.name] + t.num_embeddings],
+                        col_start=t.col_start,
+                    )
         self.weight = nn.Parameter(weight)
 
     def resolve(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> LookupPlan:
