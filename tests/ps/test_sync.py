@@ -197,3 +197,29 @@ def test_without_a_process_group_the_servers_are_this_process():
         nn.functional.mse_loss(m(x), y).backward()
         opt.step()
     _close(_snapshot(model), _snapshot(ref), 0)
+
+
+def _server_frees(rank: int, world: int) -> dict:
+    import gc
+    import weakref
+
+    import hybridembed.ps as ps
+
+    model = Shared()
+    whole = weakref.ref(model.ec)
+    seen = {}
+    real = ps.serve
+
+    def serve(*args):  # (what the server holds while it serves)
+        gc.collect()
+        seen["whole_alive"] = whole() is not None
+        real(*args)
+
+    ps.serve = serve
+    if he.distribute(model, servers=1, server_exit=False) is None:
+        return seen
+    return {}
+
+
+def test_a_server_serves_without_the_unsharded_tables():
+    assert spawn(_server_frees, 2, timeout=120)[1] == {"whole_alive": False}

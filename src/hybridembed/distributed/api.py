@@ -17,6 +17,7 @@ the optimizer step).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 from typing import Any
 
@@ -234,7 +235,7 @@ def _distribute_ps(
     for name, t in ec.tables.items():
         if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
             raise ConfigError(f"dynamic table {name!r} already holds rows; distribute the model before training it")
-    trainer_group, pc, server = setup(
+    trainer_group, pc, run = setup(
         model,
         ec,
         _plan_for(plan, path, ec),
@@ -247,11 +248,16 @@ def _distribute_ps(
         limit=limit,
         reduction=reduction,
         budget=budget,
-        server_exit=server_exit,
         shard=_shard,
         swap=_swap,
     )
-    if pc is None:
+    if pc is None:  # a server: it serves with the unsharded collection's rows freed
+        collections.clear()
+        del ec
+        gc.collect()
+        run()
+        if server_exit:
+            raise SystemExit(0)
         return None
     if ddp is False:
         return model

@@ -173,7 +173,6 @@ def setup(
     limit: int,
     reduction: str,
     budget: int | None,
-    server_exit: bool,
     shard,
     swap,
 ):
@@ -205,10 +204,12 @@ def setup(
         server = TableServer(
             sc, trainers, mode=mode, staleness=staleness, reduction=reduction, limit=limit, wire_dtype=wire_dtype
         )
-        serve(model, server, ServerLink(ps_group, limit))
-        if server_exit:
-            raise SystemExit(0)
-        return trainer_group, None, server
+        link = ServerLink(ps_group, limit)
+
+        def run() -> None:  # (called once the caller dropped the unsharded collection: its rows are freed)
+            serve(model, server, link)
+
+        return trainer_group, None, run
     pc = PSCollection(
         tables,
         ec.features,
