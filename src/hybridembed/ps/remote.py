@@ -105,6 +105,8 @@ class _Client:
             if k in self._pushes:
                 self._pushes.discard(k)
                 raise HybridEmbedError(m.meta.get("error", f"server rank {server} refused a push"))
+            if len(self._pushes) > 64:  # (pushes before this reply's request were applied: no error came)
+                self._pushes = {(s, r) for s, r in self._pushes if s != server or r > m.req}
             self._stash[k] = m
         m = self._stash.pop(key)
         if m.op == wire.ERROR:

@@ -363,7 +363,10 @@ class TableServer:
                 f"a push of these ids needs {need} gradient values, got {0 if flat is None else flat.numel()}"
             )
         if flat is not None and not bool(torch.isfinite(flat).all()):
-            raise WireError("a push holds non-finite gradients (nan or inf); nothing was applied")
+            raise WireError(
+                f"trainer {src}'s push of step {m.step} holds non-finite gradients (nan or inf): nothing of it was "
+                "applied; check the loss and the learning rate"
+            )
         for g in groups:
             if g not in self.specs and any(g in s for s in self.storage_groups.values()):
                 raise WireError(f"group {g} pushed before its optimizer was attached")
