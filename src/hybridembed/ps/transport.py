@@ -62,29 +62,32 @@ class ServerLost(HybridEmbedError):
 class _Sends:
     """Sends in flight, with the tensors they read (kept alive until sent).
 
-    A gloo send's work reports completion only once waited for, so beyond ``KEEP`` sends the
-    oldest are waited for (the peer has read them long since: a trainer reads every reply, a
-    server every request, in order) and dropped: memory stays bounded."""
+    A gloo send's work reports completion only once waited for, so beyond ``KEEP`` sends to
+    one peer the oldest are waited for (that peer has read them long since: a trainer reads
+    every reply, a server every request, in order) and dropped: memory stays bounded, and a
+    peer that is slow to read holds up only its own sends."""
 
     KEEP = 64
 
     def __init__(self) -> None:
-        self.works: list[tuple[object, torch.Tensor]] = []
+        self.works: dict[int, list[tuple[object, torch.Tensor]]] = {}
 
     def add(self, dst: int, t: torch.Tensor, tag: int, group) -> None:
-        self.works.append((dist.isend(t, dst, group=group, tag=tag), t))
-        if len(self.works) > self.KEEP:
-            self.prune()
+        mine = self.works.setdefault(dst, [])
+        mine.append((dist.isend(t, dst, group=group, tag=tag), t))
+        if len(mine) > self.KEEP:
+            old, self.works[dst] = mine[: -self.KEEP // 2], mine[-self.KEEP // 2 :]
+            for w, _ in old:
+                w.wait()
 
-    def prune(self) -> None:
-        old, self.works = self.works[: -self.KEEP // 2], self.works[-self.KEEP // 2 :]
-        for w, _ in old:
-            w.wait()
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.works.values())
 
     def wait(self) -> None:
-        for w, _ in self.works:
-            w.wait()
-        self.works = []
+        for mine in self.works.values():
+            for w, _ in mine:
+                w.wait()
+        self.works = {}
 
 
 class ServerLink:
