@@ -118,15 +118,15 @@ def serve(model: nn.Module, server: TableServer, link: ServerLink) -> None:
     while server.active:
         try:
             src, header, payload = link.recv()
-        except RuntimeError as e:
+            replies, checkpoint = server.handle(src, header, payload)
+            for dst, m in replies:
+                server.stats_["bytes_out"] += link.reply(dst, m)
+        except RuntimeError as e:  # (the transport's: a trainer's connection closed)
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise HybridEmbedError(
                 f"parameter server rank {rank}: lost a trainer ({text[:200]}); the job cannot go on, a restart "
                 "resumes from the last committed checkpoint"
             ) from None
-        replies, checkpoint = server.handle(src, header, payload)
-        for dst, m in replies:
-            server.stats_["bytes_out"] += link.reply(dst, m)
         if checkpoint is not None:
             _checkpoint(ck, model, server, checkpoint)
     try:

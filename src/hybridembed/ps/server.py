@@ -136,6 +136,7 @@ class TableServer:
         self.wire_dtype = wire_dtype
         self.refs = shard_index(sc)
         groups = trainer_groups(sc.tables.values())
+        self.ngroups = len(set(groups.values()))
         local = sc.local
         self.storages = list(local.storages) if local is not None else []
         where = {id(st): i for i, st in enumerate(self.storages)}
@@ -195,15 +196,17 @@ class TableServer:
         g, name, hp = m.meta.get("group"), m.meta.get("optimizer"), m.meta.get("hparams")
         if not isinstance(g, int) or not isinstance(name, str) or not isinstance(hp, dict):
             raise WireError("attach needs meta {group: int, optimizer: str, hparams: dict}")
+        if not 0 <= g < self.ngroups:
+            raise WireError(f"attach of group {g}: the tables make groups 0..{self.ngroups - 1}")
         if name not in so.OPTIMIZERS:
             raise WireError(f"unknown optimizer {name!r}; known: {', '.join(so.OPTIMIZERS)}")
         hp = {k: tuple(v) if isinstance(v, list) else v for k, v in hp.items()}
+        opt = so.OPTIMIZERS[name](**hp)  # (unknown or bad hyper-parameters: ConfigError, nothing attached)
         known = self.specs.get(g)
         if known is not None:
             if known != (name, hp):
                 raise WireError(f"group {g} is attached to {known[0]}{known[1]}; this trainer sent {name}{hp}")
             return [(src, self._ok(m.req))], None
-        opt = so.OPTIMIZERS[name](**{k: v for k, v in hp.items() if k in so.OPTIMIZERS[name].DEFAULTS})
         for i, st in enumerate(self.storages):
             if g not in self.storage_groups[i]:
                 continue
@@ -246,6 +249,7 @@ class TableServer:
                 )
             out.append([h, ids, None])
         if with_counts:
+            total, most = 0, self.limit // 8  # (the ids with their repeats are resolved one by one)
             for p in out:
                 if p[0].storage.keyed:
                     count = p[1].numel()
@@ -255,6 +259,12 @@ class TableServer:
                     pos += count
                     if count and int(seen.min()) < 1:
                         raise WireError("times seen must be >= 1")
+                    if count and int(seen.max()) > most or total + int(seen.sum()) > most:
+                        raise WireError(
+                            f"a pull's dynamic ids seen more than {most} times in all (times seen up to "
+                            f"{int(seen.max())}): over the limit of {self.limit} bytes / 8 (max_request_bytes)"
+                        )
+                    total += int(seen.sum())
                     p[2] = seen
         if pos != ints.numel():
             raise WireError(f"{ints.numel() - pos} ints left over after {n} pairs")
@@ -266,8 +276,17 @@ class TableServer:
         live = [self.done[t] for t in self.active] or [m.step]
         return min(live) >= m.step - self.staleness
 
+    def _check_step(self, src: int, m: Message) -> None:
+        """A trainer reads at most one step past the steps it pushed (a prefetch)."""
+        if m.step > self.done[src] + 1:
+            raise WireError(
+                f"trainer {src} asked for step {m.step} after pushing {self.done[src]} step(s): at most step "
+                f"{self.done[src] + 1} can be read"
+            )
+
     def _pull(self, src: int, m: Message) -> tuple[list, None]:
         pairs = self._pairs(m, with_counts=True)  # (checked now: a bad pull is refused at once)
+        self._check_step(src, m)
         if self.lost is not None and not self._ready(m):
             raise HybridEmbedError(self.lost)
         if not self._ready(m):
@@ -337,6 +356,8 @@ class TableServer:
         groups, hps = m.meta.get("had"), m.meta.get("hp", {})
         if not isinstance(groups, list) or not all(isinstance(g, int) for g in groups) or not isinstance(hps, dict):
             raise WireError("a push needs meta {had: [groups with a gradient], hp: {group: hparams}}")
+        if any(not 0 <= g < self.ngroups for g in groups):
+            raise WireError(f"a push names groups {groups}; the tables make groups 0..{self.ngroups - 1}")
         flat = m.floats
         width = [h.ref.width for h, _, _ in pairs]
         need = sum(ids.numel() * w for (_, ids, _), w in zip(pairs, width))
@@ -345,17 +366,20 @@ class TableServer:
                 f"a push of these ids needs {need} gradient values, got {0 if flat is None else flat.numel()}"
             )
         if flat is not None and not bool(torch.isfinite(flat).all()):
-            raise WireError("a push holds non-finite gradients (nan or inf); nothing was applied")
+            raise WireError(
+                f"trainer {src}'s push of step {m.step} holds non-finite gradients (nan or inf): nothing of it was "
+                "applied; check the loss and the learning rate"
+            )
         for g in groups:
             if g not in self.specs and any(g in s for s in self.storage_groups.values()):
                 raise WireError(f"group {g} pushed before its optimizer was attached")
-        if self.mode == "sync" and m.step != self.done[src]:
+        if m.step != self.done[src]:
             raise WireError(f"trainer {src} pushed step {m.step}, expected step {self.done[src]}")
+        hparams = self._push_hparams(hps)
         grads = flat.split([ids.numel() * w for (_, ids, _), w in zip(pairs, width)]) if flat is not None else []
         per_storage: dict[int, list] = {}
         for (h, ids, _), g, w in zip(pairs, grads, width):
             per_storage.setdefault(h.storage_pos, []).append((h, ids, g.view(-1, w)))
-        hparams = {int(k): v for k, v in hps.items() if str(k).lstrip("-").isdigit() and isinstance(v, dict)}
         self.stats_["pushed_rows"] += sum(ids.numel() for _, ids, _ in pairs)
         self.done[src] += 1
         if self.mode == "async":
@@ -367,6 +391,24 @@ class TableServer:
             step.hparams.update(hparams)
             self._apply_complete()
         return self._release(), None
+
+    def _push_hparams(self, hps: dict) -> dict[int, dict]:
+        """A push's ``{group: hyper-parameters}`` (the trainer's LR schedule), each checked by its
+        optimizer as attached (so a bad value is refused before any row changes)."""
+        out = {}
+        for k, v in hps.items():
+            if not k.lstrip("-").isdigit():
+                raise WireError(f"a push's hyper-parameters are keyed by group number, got group {k!r}")
+            g = int(k)
+            if g not in self.specs:
+                raise WireError(f"a push holds hyper-parameters of group {g}, which is not attached here")
+            if not isinstance(v, dict):
+                raise WireError(f"hyper-parameters of group {g} must be a dict, got {type(v).__name__}")
+            name, base = self.specs[g]
+            hp = {key: tuple(x) if isinstance(x, list) else x for key, x in v.items()}
+            so.OPTIMIZERS[name](**{**base, **hp})  # (ConfigError names the bad value)
+            out[g] = hp
+        return out
 
     def _apply_complete(self) -> None:
         """Synchronous mode: every step all active trainers have pushed, applied in order."""
@@ -416,8 +458,16 @@ class TableServer:
 
     # --- checkpoints, reads, stats, bye ------------------------------------------------------
     def _checkpoint(self, src: int, m: Message) -> tuple[list, dict | None]:
-        if m.meta.get("action") not in ("save", "load") or not isinstance(m.meta.get("path"), str):
+        meta = m.meta
+        if meta.get("action") not in ("save", "load") or not isinstance(meta.get("path"), str):
             raise WireError("checkpoint needs meta {action: save|load, path: str, ...}")
+        for key in ("keep", "max_chain"):
+            v = meta.get(key, 1)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise WireError(f"checkpoint: {key} must be an int >= 1, got {v!r}")
+        for key in ("incremental", "background", "verify", "optimizer"):
+            if not isinstance(meta.get(key, False), bool):
+                raise WireError(f"checkpoint: {key} must be true or false, got {meta[key]!r}")
         self.checkpoint[src] = m.meta
         if set(self.checkpoint) < self.active:
             return [], None
@@ -433,8 +483,9 @@ class TableServer:
 
     def _read(self, src: int, m: Message) -> tuple[list, None]:
         name = m.meta.get("table")
-        if name not in self.sc.tables:
-            raise WireError(f"unknown table {name!r}")
+        if not isinstance(name, str) or name not in self.sc.tables:
+            raise WireError(f"unknown table {name!r}; tables: {', '.join(self.sc.tables)}")
+        self._check_step(src, m)
         if not self._ready(m):  # (after the steps the trainer has pushed: as a pull)
             self.deferred.append((src, m))
             return [], None

@@ -3,24 +3,56 @@
 Tags keep the four streams apart: request headers (a server receives them from any
 trainer), request payloads, reply headers and reply payloads (each from one known peer). A
 server's replies and a trainer's requests are sent without blocking (``isend``), and their
-buffers are kept until sent. A trainer waits for a reply at most ``timeout`` seconds; a
-dead server fails the wait at once (its connection closes).
+buffers are kept until sent (at most ``_Sends.KEEP`` of them: older sends are waited for).
+
+Timeouts and failures:
+
+- A trainer waits for each reply at most ``timeout`` seconds (``he.distribute(...,
+  ps_timeout=300.0)``, also the dedicated group's timeout). A server that died fails the
+  wait at once (its connection closes); one that hangs fails it after ``timeout``. Either
+  way the trainer raises :class:`ServerLost` naming the server rank; gloo then marks the
+  whole group broken, so the job ends and a restart resumes from the last committed
+  checkpoint (``he.load``).
+- A server waits for the next request up to ``SERVER_WAIT`` (7 days), not ``timeout``:
+  trainers may spend longer than ``ps_timeout`` between requests (evaluation, a slow input
+  pipeline, a checkpoint). A trainer that dies fails the server's wait (its connection
+  closes): the server raises (it cannot complete the steps that trainer owes).
+
+Malformed requests: a server checks each header (:func:`~hybridembed.ps.wire.check_header`:
+magic, op, sizes within ``max_request_bytes``, dtype) before it reads any payload; a header
+that fails is answered with an error reply at once, and its sender sends no payload (the
+trainer's :meth:`TrainerLink.send` refuses a request over the limit before sending
+anything). A request whose header passes but whose content is wrong (its payload does not
+parse, unknown shards or tables, ids out of range, gradients that do not match the ids or
+are not finite, a push of another step than the trainer's next, a pull more than one step
+ahead, hyper-parameters its optimizer refuses, a sender that is not a trainer) is answered
+with an error reply (meta ``{"error": text}``, naming the server rank and the fault) and
+changes nothing: no row, optimizer state or step counter. A trainer raises the error at the
+wait for that reply; a refused push (which has no reply otherwise) at its next wait. A
+payload shorter than its header declares is detected (a canary at the buffer's end) and
+answered with an error; a longer one cannot be framed over gloo (it aborts the server's
+process); :class:`TrainerLink` never sends either.
 """
 
 from __future__ import annotations
 
 import datetime
+import random
 
 import torch
 import torch.distributed as dist
 
 from ..errors import HybridEmbedError
+from ..utils import get_logger
 from . import wire
 from .wire import Message
 
 __all__ = ["ServerLink", "TrainerLink", "ServerLost"]
 
+log = get_logger(__name__)
+
 REQ_HEAD, REQ_BODY, REP_HEAD, REP_BODY = 4101, 4102, 4103, 4104
+SERVER_WAIT = datetime.timedelta(days=7)  # a server's wait for requests (see ServerLink)
 
 
 class ServerLost(HybridEmbedError):
@@ -28,23 +60,34 @@ class ServerLost(HybridEmbedError):
 
 
 class _Sends:
-    """Sends in flight, with the tensors they read (kept alive until sent)."""
+    """Sends in flight, with the tensors they read (kept alive until sent).
+
+    A gloo send's work reports completion only once waited for, so beyond ``KEEP`` sends to
+    one peer the oldest are waited for (that peer has read them long since: a trainer reads
+    every reply, a server every request, in order) and dropped: memory stays bounded, and a
+    peer that is slow to read holds up only its own sends."""
+
+    KEEP = 64
 
     def __init__(self) -> None:
-        self.works: list[tuple[object, torch.Tensor]] = []
+        self.works: dict[int, list[tuple[object, torch.Tensor]]] = {}
 
     def add(self, dst: int, t: torch.Tensor, tag: int, group) -> None:
-        self.works.append((dist.isend(t, dst, group=group, tag=tag), t))
-        if len(self.works) > 64:
-            self.prune()
+        mine = self.works.setdefault(dst, [])
+        mine.append((dist.isend(t, dst, group=group, tag=tag), t))
+        if len(mine) > self.KEEP:
+            old, self.works[dst] = mine[: -self.KEEP // 2], mine[-self.KEEP // 2 :]
+            for w, _ in old:
+                w.wait()
 
-    def prune(self) -> None:
-        self.works = [(w, t) for w, t in self.works if not w.is_completed()]
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.works.values())
 
     def wait(self) -> None:
-        for w, _ in self.works:
-            w.wait()
-        self.works = []
+        for mine in self.works.values():
+            for w, _ in mine:
+                w.wait()
+        self.works = {}
 
 
 class ServerLink:
@@ -58,15 +101,31 @@ class ServerLink:
         """The next request: (trainer rank, header, payload or None). A header that fails its
         check comes back without its payload (the sender sends none): the handler answers it."""
         h = torch.empty(wire.HEAD, dtype=torch.int64)
-        src = dist.recv(h, src=None, group=self.group, tag=REQ_HEAD)
+        # (waits bounded by SERVER_WAIT, not by the group's timeout, which is the trainers' ps_timeout:
+        # a trainer may spend longer than that between requests; a dead one fails the wait at once)
+        work = dist.irecv(h, src=None, group=self.group, tag=REQ_HEAD)
+        work.wait(SERVER_WAIT)
+        src = work._source_rank()
         try:
             nbytes = wire.check_header(h, self.limit)
         except wire.WireError:
             return src, h, None
         payload = None
         if nbytes:
-            payload = torch.empty(nbytes, dtype=torch.uint8)
-            dist.recv(payload, src=src, group=self.group, tag=REQ_BODY)
+            # gloo fills a buffer with a shorter message and says nothing: the tail would be old
+            # memory. A random canary in the last 8 bytes that is still there after the receive
+            # (odds 2**-64 for a full payload) shows the payload was short.
+            payload = torch.zeros(nbytes, dtype=torch.uint8)
+            canary = None
+            if nbytes >= 8:
+                canary = torch.tensor([random.getrandbits(63)], dtype=torch.int64).view(torch.uint8)
+                payload[-8:] = canary
+            dist.irecv(payload, src=src, group=self.group, tag=REQ_BODY).wait(SERVER_WAIT)
+            if canary is not None and torch.equal(payload[-8:], canary):
+                log.warning(
+                    "parameter server: trainer %d sent a payload shorter than its header's %d bytes", src, nbytes
+                )
+                return src, h, torch.zeros(0, dtype=torch.uint8)  # (answered: "payload of 0 bytes, the header says")
         return src, h, payload
 
     def reply(self, dst: int, m: Message) -> int:

@@ -125,8 +125,8 @@ def unpack(h: torch.Tensor, payload: torch.Tensor | None, limit: int, replies: b
     got = 0 if payload is None else payload.numel()
     if got != nbytes:
         raise WireError(f"payload of {got} bytes, the header says {nbytes}")
-    if payload is not None and payload.dtype != torch.uint8:
-        raise WireError(f"payload must be uint8, got {payload.dtype}")
+    if payload is not None and (payload.dtype != torch.uint8 or payload.dim() != 1):
+        raise WireError(f"payload must be uint8 of one dimension, got {payload.dtype} of shape {tuple(payload.shape)}")
     buf = payload if payload is not None else torch.zeros(0, dtype=torch.uint8)
     ints = buf[: 8 * ni].clone().view(torch.int64)
     floats = None
