@@ -218,6 +218,7 @@ def setup(
         timeout=timeout,
         limit=limit,
         process_group=group,
+        trainers_group=trainer_group,
         seed=ec.seed,
         device=ec.storages[0].weight.device,
         sequence_output=ec.sequence_output,
