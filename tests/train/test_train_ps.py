@@ -81,15 +81,27 @@ def test_sync_servers_train_like_nproc_2_checkpoint_and_export(generated, ps_job
     torch.testing.assert_close(torch.jit.load(str(export))(b.dense, b.sparse), want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_checkpoint_of_servers_resumes_in_one_process(generated, ps_job, tmp_path, capfd):
+def test_checkpoints_resume_from_servers_to_one_process_and_back(generated, ps_job, tmp_path, capfd):
     _, ckpt, _ = ps_job
     resumed = tmp_path / "ckpt"
     shutil.copytree(ckpt, resumed)
     assert cli.main(_argv(generated, tmp_path, "--resume", str(resumed), "--epochs", "2", "--no-export")) == 0
     out = capfd.readouterr().out
     assert "resumed from" in out and "continuing at epoch 2 (step 42 overall)" in out, out
-    ((epoch, loss, test_loss, auc, rows),) = _figures(out)
+    ((epoch, loss, _, auc, rows),) = _figures(out)
     assert epoch == 2 and rows == 2667 and loss < 0.5 and auc > 0.58, out  # on from epoch 1's weights
+    # a one-process checkpoint resumes with servers: epoch 2 as in one process
+    one = tmp_path / "one"
+    assert cli.main(_argv(generated, tmp_path, "--checkpoint", str(one), "--no-export")) == 0
+    shutil.copytree(one, tmp_path / "one_again")
+    assert cli.main(_argv(generated, tmp_path, "--resume", str(one), "--epochs", "2", "--no-export")) == 0
+    want = _figures(capfd.readouterr().out)[-1]  # (epoch 1's line, then the resumed epoch 2's)
+    ps = ["--nproc", "3", "--servers", "1", "--no-export"]
+    assert cli.main(_argv(generated, tmp_path, "--resume", str(tmp_path / "one_again"), "--epochs", "2", *ps)) == 0
+    out = capfd.readouterr().out
+    assert "resumed from" in out and "on 1 parameter server" in out, out
+    (got,) = _figures(out)
+    assert got[0] == want[0] == 2 and all(abs(a - b) < 1e-3 for a, b in zip(got[1:4], want[1:4])), (got, want)
 
 
 def test_max_restarts_with_servers_resumes_and_ends_like_a_job_never_killed(generated, ps_job, tmp_path):

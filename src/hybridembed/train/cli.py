@@ -7,6 +7,7 @@
     hybridembed train --nproc 2                                  # 2 processes (gloo), tables sharded
     hybridembed launch --nproc 2 -m hybridembed.cli train        # the same job under torchrun
     hybridembed train --nproc 2 --max-restarts 3 --checkpoint-every 500   # restarted from the last commit
+    hybridembed train --nproc 3 --servers 1 --ps-mode async      # 2 trainers, the tables on 1 parameter server
 
 Every categorical feature gets its own dynamic table (``he.Dynamic(capacity=...)``): any id
 gets a row on first sight, so there is no vocabulary pass. Without ``--data`` a Criteo-format
@@ -17,7 +18,9 @@ from one with ``he.load``, and the model is exported with ``he.export`` at the e
 ``--nproc N`` trains on N processes of one gloo job (spawned here, or joined under torchrun):
 the tables sharded with ``he.distribute``, each rank on its slice of every global batch (see
 :mod:`.parallel`); rank 0 prints. ``--max-restarts K`` runs them under torchrun's elastic agent,
-each start resuming from the last committed checkpoint (see :mod:`.elastic`).
+each start resuming from the last committed checkpoint (see :mod:`.elastic`). ``--servers S``
+makes the last S of the N processes parameter servers that hold the tables; the other N - S
+train (see docs/train.md).
 Bad flags, missing files and malformed rows end the run with one ``error:`` line and exit code 2.
 """
 
