@@ -903,7 +903,7 @@ def _train(
 
         batches = D.batches_with_skip(train, args.batch_size, epoch, skip)
         try:
-            tr = train_epoch(model, optimizer, D.prefetch(batches), on_step, job, ahead)
+            tr = train_epoch(model, optimizer, D.prefetch(batches), on_step, job, prefetch=ahead)
         finally:
             if bar is not None:
                 bar.close()
