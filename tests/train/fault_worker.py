@@ -47,7 +47,7 @@ def plant_in_training(cli, rng: random.Random) -> None:
     steps = [0]
     train_epoch = cli.train_epoch
 
-    def patched(model, optimizer, batches, on_step=None, job=None):
+    def patched(model, optimizer, batches, on_step=None, job=None, **options):
         def counted(rows: int, loss: float) -> None:
             steps[0] += 1
             if steps[0] == n:
@@ -55,7 +55,7 @@ def plant_in_training(cli, rng: random.Random) -> None:
             if on_step is not None:
                 on_step(rows, loss)
 
-        return train_epoch(model, optimizer, batches, counted, job)
+        return train_epoch(model, optimizer, batches, counted, job, **options)
 
     cli.train_epoch = patched
 

@@ -1815,7 +1815,12 @@ def _checkpoint_group(group):
     ranks = tuple(dist.get_process_group_ranks(group))
     made = _CHECKPOINT_GROUPS.get(ranks)
     if made is None:
-        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        # a group of the whole job is made by every rank, named by the count of groups made; a
+        # subgroup by its members alone, named by a hash that counts the groups *this* process
+        # belongs to: a rank outside another subgroup (a parameter server outside the trainers')
+        # would name it differently from the others and wait for them forever
+        local = len(ranks) != dist.get_world_size()
+        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
         _CHECKPOINT_GROUPS[ranks] = made
     return made
 

@@ -222,6 +222,7 @@ def setup(
         timeout=timeout,
         limit=limit,
         process_group=group,
+        trainers_group=trainer_group,
         seed=ec.seed,
         device=device,
         sequence_output=ec.sequence_output,
@@ -229,6 +230,5 @@ def setup(
         reduction=reduction,
     )
     pc.train(ec.training)
-    pc.__dict__["trainer_group"] = trainer_group  # (export and reports gather over the trainers only)
     swap(model, ec, pc)
     return trainer_group, pc, None

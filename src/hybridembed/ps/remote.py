@@ -688,6 +688,7 @@ class PSCollection(ShardedCollection):
         timeout: float = 300.0,
         limit: int = 1 << 30,
         process_group=None,
+        trainers_group=None,
         seed: int = 0,
         device=None,
         sequence_output: str = "jagged",
@@ -718,6 +719,7 @@ class PSCollection(ShardedCollection):
         )
         groups = trainer_groups(self.tables.values())
         links = {s: TrainerLink(ps_group, s, timeout, limit) for s in self.servers}
+        self.__dict__["trainers_group"] = trainers_group  # the trainers' collectives (an export's report)
         self.__dict__["client"] = _Client(links, shard_index(self), self._routes, self._wire)
         for i, st in enumerate(self.remote.storages):
             st.client, st.group, st.mode, st.staleness = self.client, groups[st.tables[0].name], mode, self.staleness

@@ -7,6 +7,7 @@
     hybridembed train --nproc 2                                  # 2 processes (gloo), tables sharded
     hybridembed launch --nproc 2 -m hybridembed.cli train        # the same job under torchrun
     hybridembed train --nproc 2 --max-restarts 3 --checkpoint-every 500   # restarted from the last commit
+    hybridembed train --nproc 3 --servers 1 --ps-mode async      # 2 trainers, the tables on 1 parameter server
 
 Every categorical feature gets its own dynamic table (``he.Dynamic(capacity=...)``): any id
 gets a row on first sight, so there is no vocabulary pass. Without ``--data`` a Criteo-format
@@ -17,7 +18,9 @@ from one with ``he.load``, and the model is exported with ``he.export`` at the e
 ``--nproc N`` trains on N processes of one gloo job (spawned here, or joined under torchrun):
 the tables sharded with ``he.distribute``, each rank on its slice of every global batch (see
 :mod:`.parallel`); rank 0 prints. ``--max-restarts K`` runs them under torchrun's elastic agent,
-each start resuming from the last committed checkpoint (see :mod:`.elastic`).
+each start resuming from the last committed checkpoint (see :mod:`.elastic`). ``--servers S``
+makes the last S of the N processes parameter servers that hold the tables; the other N - S
+train (see docs/train.md).
 Bad flags, missing files and malformed rows end the run with one ``error:`` line and exit code 2.
 """
 
@@ -72,6 +75,9 @@ DATA_DEFAULTS: dict[str, dict[str, Any]] = {
     "adult": {"batch_size": 256, "epochs": 5, "holdout": 0.2},
 }
 LR_DEFAULTS = {"adagrad": 0.02, "adam": 1e-3}
+PS_MODES = ("sync", "async")
+PS_FLAGS = ("ps_mode", "staleness", "cache_rows", "prefetch")  # parameter-server flags: only with --servers
+ONE_COLLECTION = ("dlrm", "dcnv2")  # the models whose tables form one collection (servers serve one per model)
 ADULT_SPLIT_SEED = 0  # the Adult train/test split is fixed, whatever --seed says
 JOB_PG_TIMEOUT = 1800  # seconds a collective of --nproc N waits for a rank that hangs
 
@@ -229,6 +235,41 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "data-parallel, each rank on B/N rows of every batch of --batch-size B (default 1; under torchrun: "
         "its WORLD_SIZE, joined; `hybridembed launch` runs torchrun)",
     )
+    s = p.add_argument_group("parameter servers (with --nproc N)")
+    s.add_argument(
+        "--servers",
+        type=_number(int, 0, True),
+        default=0,
+        metavar="S",
+        help="the last S of the --nproc N processes are parameter servers: they hold the tables and apply their "
+        "optimizer; the other N - S train, each on B/(N-S) rows of every batch, pulling rows and pushing row "
+        "gradients (default 0: no servers, tables sharded over all N)",
+    )
+    s.add_argument(
+        "--ps-mode",
+        choices=list(PS_MODES),
+        help="sync: a step's pushes of every trainer summed and applied before the next step reads (the math of "
+        "--nproc N-S without servers); async: pushes applied on arrival, a trainer at most --staleness steps ahead "
+        "of the slowest (default sync)",
+    )
+    s.add_argument(
+        "--staleness",
+        type=_number(int, 0, False),
+        metavar="K",
+        help="async: a pull of step s waits until every trainer pushed step s - K (default 1)",
+    )
+    s.add_argument(
+        "--cache-rows",
+        type=_number(int, 0, True),
+        metavar="C",
+        help="async: each trainer keeps up to C hot rows, served for --staleness steps, their gradients summed and "
+        "written back (default 0: no cache)",
+    )
+    s.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="send the pulls of the next batch before this step's optimizer step, so rows travel while it pushes",
+    )
     t.add_argument(
         "--max-restarts",
         type=_number(int, 0, True),
@@ -361,10 +402,15 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.threads is None:
         args.threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1) // _local_procs(args))
     world = args.nproc or 1
-    if args.batch_size < world:
-        raise UsageError(
-            f"--batch-size {args.batch_size} is smaller than --nproc {world}; give at least one row per rank"
+    _resolve_servers(args, world)
+    trainers = world - args.servers
+    if args.batch_size < trainers:
+        who = (
+            f"the {trainers} trainers (--nproc {world} --servers {args.servers})"
+            if args.servers
+            else f"--nproc {world}"
         )
+        raise UsageError(f"--batch-size {args.batch_size} is smaller than {who}; give at least one row per rank")
     if args.dataset == "adult":
         if not args.data:
             raise UsageError("--dataset adult needs --data PATH (the UCI Adult parquet file)")
@@ -388,6 +434,41 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
         args.export = os.path.join(args.workdir, "model.onnx" if args.export_format == "onnx" else "model.pt")
     _check_outputs(args)
     return state
+
+
+def _resolve_servers(args: argparse.Namespace, world: int) -> None:
+    """Checks the parameter-server flags against --nproc and the model; fills their defaults."""
+    flags = [f"--{k.replace('_', '-')}" for k in PS_FLAGS if getattr(args, k) not in (None, False)]
+    if not args.servers:
+        if flags:
+            raise UsageError(
+                f"{flags[0]} applies to parameter servers; add --servers S (the last S of the --nproc N processes "
+                "serve the tables)"
+            )
+        return
+    if args.servers >= world:
+        raise UsageError(
+            f"--servers {args.servers} leaves no trainer among --nproc {world} process{'es' if world > 1 else ''}; "
+            f"give --nproc {args.servers + 1} or more (the last {args.servers} serve, the others train)"
+        )
+    if args.model not in ONE_COLLECTION:
+        raise UsageError(
+            f"--servers serves one collection of tables per model, and --model {args.model} has two (its first-order "
+            f"tables apart); use --model {' or '.join(ONE_COLLECTION)} with --servers"
+        )
+    if args.ps_mode is None:
+        args.ps_mode = "sync"
+    if args.ps_mode == "sync":
+        for flag in ("staleness", "cache_rows"):
+            if getattr(args, flag) is not None:
+                raise UsageError(
+                    f"--{flag.replace('_', '-')} applies to --ps-mode async; in sync mode every step reads the rows "
+                    "the step before it updated (add --ps-mode async)"
+                )
+    if args.staleness is None:
+        args.staleness = 1
+    if args.cache_rows is None:
+        args.cache_rows = 0
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -568,8 +649,15 @@ def _progress(total: int | None, initial: int, desc: str, disable: bool):
 
 def _table_stats(model: nn.Module, job: Job = ONE) -> tuple[int, int, int]:
     """(rows held, rows evicted, tables) over every dynamic table of ``model``: of all ranks'
-    shards in a job (every rank calls it)."""
+    shards in a job (every rank calls it); with parameter servers, of the servers' shards (asked)."""
     rows = evicted = tables = 0
+    remote = _collection(model)
+    if remote is not None:
+        for server in remote.server_stats():
+            for s in server["tables"].values():
+                rows += int(s.get("size") or 0)
+                evicted += int(s.get("evicted") or 0)
+        return rows, evicted, len(remote.tables)
     for m in model.modules():
         if isinstance(m, M.DynamicEmbeddings):
             c = m.collection
@@ -604,6 +692,18 @@ def _describe_model(args: argparse.Namespace, model: nn.Module, features: int, j
     opt = {"adagrad": "Adagrad", "adam": "Adam"}[args.optimizer]
     _, _, tables = _table_stats(model, job)
     threads = f"{args.threads} thread{'s' if args.threads > 1 else ''}"
+    if getattr(args, "servers", 0):
+        s = args.servers
+        how = args.ps_mode + (f", staleness {args.staleness}" if args.ps_mode == "async" else "")
+        how += (f", {args.cache_rows:,} cached rows per trainer" if args.cache_rows else "") + (
+            ", prefetch" if args.prefetch else ""
+        )
+        return (
+            f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
+            f"on {s} parameter server{'s' if s > 1 else ''}, {how}), {dense:,} dense parameters (data-parallel over "
+            f"{job.world} trainer{'s' if job.world > 1 else ''}); {opt} lr {args.lr:g} via he.wrap_optimizer, batch "
+            f"{args.batch_size:,} (~{args.batch_size // job.world:,} per trainer, gloo), {threads} per process"
+        )
     if job.parallel:
         return (
             f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
@@ -667,24 +767,40 @@ _NO_BUFFER_SYNC = (
 )
 
 
-def _distribute(args: argparse.Namespace, model: nn.Module, job: Job) -> tuple[nn.Module, str | None]:
-    """``he.distribute(model)`` over the job; (the model to train, why checkpoints are not written or None:
-    never, now that he.save/he.load/he.export take a sharded model on every rank)."""
+def _distribute(args: argparse.Namespace, model: nn.Module) -> nn.Module | None:
+    """``he.distribute(model)`` over the job: the model to train (None on a parameter server, once
+    it has served the trainers)."""
     from ..distributed import distribute
 
     # the models' only buffer (DLRM's pair indices) is a constant: DDP's default broadcast of the
     # buffers before every forward cost ~7 ms of a ~25 ms step on Adult at world 2
-    return distribute(model, ddp=_NO_BUFFER_SYNC), None
+    if args.servers:  # on a server: serves until every trainer has left, then None
+        ps = {"mode": args.ps_mode, "staleness": args.staleness, "cache_rows": args.cache_rows}
+        return distribute(model, servers=args.servers, server_exit=False, ddp=_NO_BUFFER_SYNC, **ps)
+    return distribute(model, ddp=_NO_BUFFER_SYNC)
+
+
+def _collection(model: nn.Module):
+    """The model's PSCollection (its tables on parameter servers), or None."""
+    from ..ps import PSCollection
+
+    return next((m for m in model.modules() if isinstance(m, PSCollection)), None)
+
+
+def _prefetcher(model: nn.Module, remote) -> Callable[[D.Batch], None]:
+    """``--prefetch``: sends the pulls of a batch's ids (the next step's) to the servers at once."""
+    (tables,) = [m for m in model.modules() if isinstance(m, M.DynamicEmbeddings) and m.collection is remote]
+
+    def prefetch(b: D.Batch) -> None:
+        remote.prefetch({n: b.sparse[:, j] for j, n in enumerate(tables.names)})  # {feature: (B,)}
+
+    return prefetch
 
 
 def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE) -> int:
-    import hybridembed as he
-
+    """Reads the data and builds the model (distributed in a job), then :func:`_train` on it;
+    a parameter server serves instead, until the trainers leave."""
     from ..distributed.api import unwrap
-
-    def say(*parts: Any, **kwargs: Any) -> None:
-        if job.main:
-            print(*parts, **kwargs)
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
@@ -693,11 +809,10 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
             generate_if_needed(args)
         job.barrier()
     train, test, desc = load_data(args)
-    features = train.features
     model = M.build(
         args.model,
         train.num_dense,
-        features,
+        train.features,
         dim=args.embedding_dim,
         capacity=args.capacity or None,
         mlp=args.mlp,
@@ -706,10 +821,44 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
         seed=args.seed,
         min_count=args.min_count,
     )
-    io_problem = None
     if job.parallel:
-        model, io_problem = _distribute(args, model, job)
+        model = _distribute(args, model)
+        if model is None:  # a parameter server: it served the trainers until they left
+            return 0
     inner = unwrap(model)  # the model itself (distributed: inside DistributedDataParallel)
+    remote = _collection(inner)
+    if remote is not None:  # from here on the job is the trainers: slices, gathers and prints among them
+        import torch.distributed as dist
+
+        group = model.process_group
+        job = Job(dist.get_rank(group), dist.get_world_size(group), group)
+    if remote is None:
+        return _train(args, state, job, model, (train, test, desc), t_start)
+    try:  # the servers serve until every trainer has left: this one leaves, also when it fails
+        code = _train(args, state, job, model, (train, test, desc), t_start)
+    except BaseException as e:
+        remote.close(failed=f"trainer {job.rank} failed: {type(e).__name__}")
+        raise
+    remote.close()
+    return code
+
+
+def _train(
+    args: argparse.Namespace, state: dict[str, Any] | None, job: Job, model: nn.Module, data: tuple, t_start: float
+) -> int:
+    """The epochs, checkpoints and export of ``model`` (built, and distributed in a job)."""
+    import hybridembed as he
+
+    from ..distributed.api import unwrap
+
+    def say(*parts: Any, **kwargs: Any) -> None:
+        if job.main:
+            print(*parts, **kwargs)
+
+    train, test, desc = data
+    features = train.features
+    inner = unwrap(model)
+    remote = _collection(inner)
     cls = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}[args.optimizer]
     optimizer = he.wrap_optimizer(cls(model.parameters(), lr=args.lr), model)
     epoch0, skip, step = 0, 0, 0
@@ -730,12 +879,12 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
     ckpt = Checkpointer(
         args.checkpoint,
         _arch(args),
-        io_problem and f"not yet supported at world {job.world} ({io_problem})",
         incremental=args.checkpoint_incremental,
         background=args.checkpoint_background,
     )
     example = next(iter(test.batches(8))) if test is not None and len(test) else None
     estimate = train.estimate_rows()
+    ahead = _prefetcher(inner, remote) if args.servers and args.prefetch else None
     for epoch in range(epoch0, args.epochs):
         label = f"epoch {epoch + 1}/{args.epochs}"
         bar = _progress(estimate, skip * args.batch_size, label, args.no_progress or not job.main)
@@ -754,7 +903,7 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
 
         batches = D.batches_with_skip(train, args.batch_size, epoch, skip)
         try:
-            tr = train_epoch(model, optimizer, D.prefetch(batches), on_step, job)
+            tr = train_epoch(model, optimizer, D.prefetch(batches), on_step, job, prefetch=ahead)
         finally:
             if bar is not None:
                 bar.close()
@@ -778,8 +927,7 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
         else:
             say(f"checkpoint: skipped, {ckpt.unavailable or 'nothing trained'}")
     if args.export:
-        unsupported = io_problem and f"not yet supported at world {job.world} (he.export of a sharded model)"
-        say(_export(args, inner, example, job, unsupported))
+        say(_export(args, inner, example, job))
     say(f"done in {time.perf_counter() - t_start:.1f} s", flush=True)
     return 0
 
@@ -876,6 +1024,9 @@ def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, wor
         raise
     finally:
         if ours:
+            from ..ps.remote import close_all
+
+            close_all()  # (a trainer of parameter servers leaves them first: they serve until it does)
             try:
                 dist.destroy_process_group()
             except RuntimeError:  # a broken group: the process ends anyway

@@ -12,7 +12,7 @@ model, so the plain-PyTorch baseline and the hybridembed model share them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,7 @@ def train_epoch(
     batches: Iterable[Batch],
     on_step: Callable[[int, float], None] | None = None,
     job: Job = ONE,
+    prefetch: Callable[[Batch], None] | None = None,
 ) -> EpochStats:
     """One pass of ``model`` over ``batches``; ``on_step(rows, loss)`` after every step.
 
@@ -59,11 +60,14 @@ def train_epoch(
     (:meth:`Job.part`) with the loss ``sum over the slice * N / B``: averaged over the ranks
     (DDP, the sharded tables), the step is world 1's on the whole batch. ``on_step`` then
     gets the global rows and this rank's loss; the returned loss, rows and time are global.
+
+    ``prefetch(batch)`` gets this rank's part of the next batch before ``optimizer.step``
+    (parameter servers: its rows are pulled while this step's gradients are pushed).
     """
     model.train()
     t0 = time.perf_counter()
     loss_sum, rows, steps = 0.0, 0, 0
-    for b in batches:
+    for b, following in _with_next(batches, prefetch is not None):
         if not job.parallel:
             logits = model(b.dense, b.sparse)  # (B,)
             loss = F.binary_cross_entropy_with_logits(logits, b.label)
@@ -76,6 +80,8 @@ def train_epoch(
             value = total.item() / max(len(mine), 1)
         optimizer.zero_grad()
         loss.backward()
+        if prefetch is not None and following is not None:
+            prefetch(job.part(following))
         optimizer.step()
         if value is None:
             value = loss.item()
@@ -91,6 +97,19 @@ def train_epoch(
         (loss_sum,) = job.sum(loss_sum)
         (seconds,) = job.max(seconds)
     return EpochStats(loss_sum / rows if rows else float("nan"), rows, steps, seconds)
+
+
+def _with_next(batches: Iterable[Batch], ahead: bool) -> Iterator[tuple[Batch, Batch | None]]:
+    """(batch, the one after it or None); ``ahead`` False: (batch, None), reading no further."""
+    if not ahead:
+        yield from ((b, None) for b in batches)
+        return
+    it = iter(batches)
+    b = next(it, None)
+    while b is not None:
+        following = next(it, None)
+        yield b, following
+        b = following
 
 
 @torch.no_grad()

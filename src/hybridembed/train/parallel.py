@@ -10,11 +10,15 @@ Every rank reads the same batches and trains on its slice of each: rank ``r`` ta
 tables') mean over the ranks then equals world 1's mean over the whole batch, also when the
 slices differ in size. Predictions are gathered for AUC; counters are summed. A :class:`Job`
 of one rank does none of this, so ``--nproc 1`` is the one-process command unchanged.
+
+With parameter servers (``--servers S``) the job's ranks are the ``N - S`` trainers: ``group``
+is their process group (the servers take no part in the trainers' collectives).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,10 +31,12 @@ __all__ = ["ONE", "Job"]
 
 @dataclass(frozen=True)
 class Job:
-    """This process's place in the job: ``rank`` of ``world`` (1: one process, no collectives)."""
+    """This process's place in the job: ``rank`` of ``world`` (1: one process, no collectives),
+    whose collectives run over ``group`` (None: the whole job; the trainers' group with servers)."""
 
     rank: int = 0
     world: int = 1
+    group: Any = None
 
     @property
     def main(self) -> bool:
@@ -60,7 +66,7 @@ class Job:
         if self.world == 1:
             return [float(v) for v in values]
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=self.group)
         return t.tolist()
 
     def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -72,7 +78,7 @@ class Job:
             return list(tensors)
         n = torch.tensor([tensors[0].shape[0]], dtype=torch.int64)
         sizes = [torch.zeros_like(n) for _ in range(self.world)]
-        dist.all_gather(sizes, n)
+        dist.all_gather(sizes, n, group=self.group)
         lengths = [int(s) for s in sizes]
         longest = max(lengths)
         out = []
@@ -80,13 +86,13 @@ class Job:
             padded = t.new_zeros(longest)  # (max E_r,)
             padded[: t.shape[0]] = t
             parts = [torch.zeros_like(padded) for _ in range(self.world)]
-            dist.all_gather(parts, padded)
+            dist.all_gather(parts, padded, group=self.group)
             out.append(torch.cat([p[:k] for p, k in zip(parts, lengths)]))
         return out
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            dist.barrier(self.group)
 
 
 _log = get_logger("hybridembed.train")
