@@ -50,6 +50,9 @@ def test_quick_sync_and_async_cache(tmp_path):
     assert math.isclose(server["pulled_rows"], sum(sync["pulled_rows"])) and server["pulled_rows"] > 0
     assert server["pushed_rows"] > 0
     assert server["bytes_in"] >= sum(sync["bytes_sent_per_trainer"]) * 0.99
+    # what the server sent is what the trainers received, plus the replies to the stats requests
+    received = sum(sync["bytes_received_per_trainer"])
+    assert received * 0.99 <= server["bytes_out"] < received * 1.3
     cache = runs["async_cache"]
     assert cache["mode"] == "async" and all(0.0 <= h <= 1.0 for h in cache["cache_hit_rate"])
     assert all(p < n for p, n in zip(cache["pulled_rows"], cache["lookups"]))  # the cache served some rows

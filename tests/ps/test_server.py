@@ -1,6 +1,7 @@
 """The server's request handler in this process (a world-1 gloo group, no spawn, no
 transport): a push of non-finite gradients is refused and changes nothing, whatever its
-values sum to; a push of finite gradients whose sum overflows float32 is applied."""
+values sum to; a push of finite gradients whose sum overflows float32 is applied; a pull's
+reply bytes are left to the transport to count (once)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,17 @@ def test_finite_gradients_whose_sum_overflows_are_applied(server):
     assert _push(server, [0, 4, 9], grads) == []
     torch.testing.assert_close(_rows(server)[[0, 4, 9]], before[[0, 4, 9]] - LR * grads)
     assert torch.equal(_rows(server)[[1, 2, 3]], before[[1, 2, 3]])
+
+
+def test_a_pull_counts_its_request_bytes_and_leaves_the_reply_to_the_transport(server):
+    ints = torch.tensor([1, 1, 0, 3, 1, 5, 8], dtype=torch.int64)  # train, one shard, 3 ids
+    header, payload = wire.pack(Message(wire.PULL, 20, 0, ints))
+    before = server.stats()
+    ((_, reply),), _ = server.handle(TRAINER, header, payload)
+    assert reply.op == wire.OK and reply.floats.numel() == 3 * 4
+    after = server.stats()
+    assert after["pulled_rows"] - before["pulled_rows"] == 3
+    assert after["bytes_in"] - before["bytes_in"] == 8 * wire.HEAD + payload.numel()
+    # hybridembed.ps.serve adds the bytes ServerLink.reply sends (header and payload); counting
+    # a pull's rows here as well counted them twice
+    assert after["bytes_out"] == before["bytes_out"]

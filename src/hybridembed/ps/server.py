@@ -312,8 +312,7 @@ class TableServer:
                 rows[k] = part
             done.append(i)
         flat = torch.cat([r.reshape(-1) for r in rows]) if rows else torch.zeros(0, dtype=self.wire_dtype)
-        self.stats_["pulled_rows"] += sum(p[1].numel() for p in pairs)
-        self.stats_["bytes_out"] += flat.numel() * flat.element_size()
+        self.stats_["pulled_rows"] += sum(p[1].numel() for p in pairs)  # (bytes_out: counted as sent, by serve)
         return self._ok(m.req, floats=flat)
 
     def _release(self) -> list:
