@@ -198,11 +198,17 @@ def run_rank(rank: int, world: int, name: str, cfg: dict) -> dict[str, Any]:
             ec.prefetch(dict(zip(names, batches[(i + 1) % len(batches)][0])))
         opt.step()
 
+    def settle() -> None:
+        """Every push sent so far is applied: a trainer's stats request is answered after its
+        own pushes, so once every trainer has had its answer (the barrier), the servers have them all."""
+        if ec is not None:
+            ec.server_stats()
+        dist.barrier(group)
+
     for i in range(cfg["warmup"]):
         step(i)
-    dist.barrier(group)
-    others = [p for r, p in enumerate(pids) if r != rank]
-    before = {"stats": ec.stats() if ec else None, "servers": ec.server_stats() if ec else None}
+    settle()
+    before = {"servers": ec.server_stats() if ec else None, "stats": ec.stats() if ec else None}
     cpu0 = {p: cpu_seconds(p) for p in pids}
     times, cpu = [], []
     if prof is not None:
@@ -215,13 +221,13 @@ def run_rank(rank: int, world: int, name: str, cfg: dict) -> dict[str, Any]:
         cpu.append((time.process_time() - c) * 1e3)
     if prof is not None:
         prof.disable()
-    dist.barrier(group)
+    after = ec.stats() if ec else None
+    settle()
     steps = cfg["steps"]
     cpu_all = {p: (cpu_seconds(p) - cpu0[p]) * 1e3 / steps for p in pids}  # ms per step
     out = {"rank": rank, "times_ms": times, "cpu_ms": cpu, "cpu_ms_per_step_by_rank": [cpu_all[p] for p in pids]}
-    del others
     if ec is not None:
-        after, srv = ec.stats(), ec.server_stats()
+        srv = ec.server_stats()
         b = before["stats"]
         out["bytes_sent"] = (after["bytes_sent"] - b["bytes_sent"]) / steps
         out["bytes_received"] = (after["bytes_received"] - b["bytes_received"]) / steps
