@@ -49,6 +49,14 @@ __all__ = ["TableServer", "ShardRef", "shard_index", "trainer_groups"]
 log = get_logger(__name__)
 
 
+def _finite(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` is finite. A nan or an inf among the values makes their sum
+    nan or inf, so a finite sum proves them all finite; the elementwise check (40x slower on a
+    push of 50k rows x 16) runs only when the sum is not (nan, inf, or finite values whose sum
+    overflows)."""
+    return bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all())
+
+
 @dataclass(frozen=True)
 class ShardRef:
     """One shard of the plan as both sides address it: ``index`` in :func:`shard_index`."""
@@ -326,8 +334,7 @@ class TableServer:
                 rows[k] = part
             done.append(i)
         flat = torch.cat([r.reshape(-1) for r in rows]) if rows else torch.zeros(0, dtype=self.wire_dtype)
-        self.stats_["pulled_rows"] += sum(p[1].numel() for p in pairs)
-        self.stats_["bytes_out"] += flat.numel() * flat.element_size()
+        self.stats_["pulled_rows"] += sum(p[1].numel() for p in pairs)  # (bytes_out: counted as sent, by serve)
         return self._ok(m.req, floats=flat)
 
     def _release(self) -> list:
@@ -365,7 +372,7 @@ class TableServer:
             raise WireError(
                 f"a push of these ids needs {need} gradient values, got {0 if flat is None else flat.numel()}"
             )
-        if flat is not None and not bool(torch.isfinite(flat).all()):
+        if flat is not None and not _finite(flat):
             raise WireError(
                 f"trainer {src}'s push of step {m.step} holds non-finite gradients (nan or inf): nothing of it was "
                 "applied; check the loss and the learning rate"

@@ -1,0 +1,92 @@
+"""The server's request handler in this process (a world-1 gloo group, no spawn, no
+transport): a push of non-finite gradients is refused and changes nothing, whatever its
+values sum to; a push of finite gradients whose sum overflows float32 is applied; a pull's
+reply bytes are left to the transport to count (once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hybridembed as he
+from hybridembed.distributed import Plan, ShardedCollection, shard_table
+from hybridembed.distributed.launch import free_port
+from hybridembed.ps import TableServer, wire
+from hybridembed.ps.wire import Message
+
+TRAINER = 1  # (a rank number only: handle() takes requests without a transport)
+LR = 0.5
+
+
+@pytest.fixture
+def server():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        t = he.TableConfig("a", 10, 4)
+        sc = ShardedCollection([t], plan=Plan(1, (shard_table(t, "table_wise", (0,)),)), seed=3)
+        srv = TableServer(sc, [TRAINER])
+        attach = Message(
+            wire.ATTACH,
+            1,
+            0,
+            torch.zeros(0, dtype=torch.int64),
+            None,
+            {"group": 0, "optimizer": "SGD", "hparams": {"lr": LR}},
+        )
+        (reply,), _ = srv.handle(TRAINER, *wire.pack(attach))
+        assert reply[1].op == wire.OK
+        yield srv
+    finally:
+        dist.destroy_process_group()
+
+
+def _push(srv: TableServer, ids: list[int], grads: torch.Tensor, step: int = 0):
+    """A push of rows ``ids`` of the one shard -> the server's replies (none when accepted)."""
+    ints = torch.tensor([0, 1, 0, len(ids), *ids], dtype=torch.int64)
+    m = Message(wire.PUSH, 10 + step, step, ints, grads.reshape(-1), {"had": [0], "hp": {}})
+    replies, _ = srv.handle(TRAINER, *wire.pack(m))
+    return replies
+
+
+def _rows(srv: TableServer) -> torch.Tensor:
+    return srv.storages[0].weight.detach().clone()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[float("nan"), 1.0], [float("inf"), 1.0], [float("-inf"), 1.0], [float("inf"), float("-inf")]],
+    ids=["nan", "inf", "-inf", "inf and -inf"],
+)
+def test_a_push_of_non_finite_gradients_is_refused_and_changes_nothing(server, bad):
+    before = _rows(server)
+    grads = torch.ones(2, 4)
+    grads[:, 0] = torch.tensor(bad)
+    (reply,) = _push(server, [2, 7], grads)
+    assert reply[1].op == wire.ERROR and "non-finite" in reply[1].meta["error"]
+    assert torch.equal(_rows(server), before)
+    assert _push(server, [2, 7], torch.ones(2, 4)) == []  # the same step, finite: accepted
+    torch.testing.assert_close(_rows(server)[[2, 7]], before[[2, 7]] - LR)
+
+
+def test_finite_gradients_whose_sum_overflows_are_applied(server):
+    before = _rows(server)
+    grads = torch.full((3, 4), 3e38)  # finite float32; their sum is inf
+    assert not torch.isfinite(grads.sum())
+    assert _push(server, [0, 4, 9], grads) == []
+    torch.testing.assert_close(_rows(server)[[0, 4, 9]], before[[0, 4, 9]] - LR * grads)
+    assert torch.equal(_rows(server)[[1, 2, 3]], before[[1, 2, 3]])
+
+
+def test_a_pull_counts_its_request_bytes_and_leaves_the_reply_to_the_transport(server):
+    ints = torch.tensor([1, 1, 0, 3, 1, 5, 8], dtype=torch.int64)  # train, one shard, 3 ids
+    header, payload = wire.pack(Message(wire.PULL, 20, 0, ints))
+    before = server.stats()
+    ((_, reply),), _ = server.handle(TRAINER, header, payload)
+    assert reply.op == wire.OK and reply.floats.numel() == 3 * 4
+    after = server.stats()
+    assert after["pulled_rows"] - before["pulled_rows"] == 3
+    assert after["bytes_in"] - before["bytes_in"] == 8 * wire.HEAD + payload.numel()
+    # hybridembed.ps.serve adds the bytes ServerLink.reply sends (header and payload); counting
+    # a pull's rows here as well counted them twice
+    assert after["bytes_out"] == before["bytes_out"]
