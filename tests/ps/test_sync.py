@@ -16,7 +16,7 @@ from hybridembed.ps import PSCollection
 from tests.distributed.test_checkpoint import _close, _snapshot
 from tests.distributed.test_distribute import Plain, _slice, _train
 from tests.distributed.test_distribute import _batch as _plain_batch
-from tests.distributed.test_reshard import K, Ranker, _optimizer, _reference, _steps, _tables
+from tests.distributed.test_reshard import K, N, Ranker, _optimizer, _reference, _steps, _tables
 
 T = 2  # trainers
 
@@ -223,3 +223,34 @@ def _server_frees(rank: int, world: int) -> dict:
 
 def test_a_server_serves_without_the_unsharded_tables():
     assert spawn(_server_frees, 2, timeout=120)[1] == {"whole_alive": False}
+
+
+def _prefetching(rank: int, world: int, wrong: bool) -> dict:
+    from tests.distributed.test_reshard import _batch
+
+    model, opt = _ps_model(1)
+    if model is None:
+        return {}
+    ec = unwrap(model).ec
+    per = N // T
+    for s in range(K):
+        x, y = _batch(s, rank * per, (rank + 1) * per)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if s + 1 < K:  # (before the step: sent now, answered once this step is applied)
+            ec.prefetch(_batch(s + (2 if wrong else 1), rank * per, (rank + 1) * per)[0])
+        opt.step()
+    return {"tables": _snapshot(model), "stats": ec.stats()}
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_prefetched_pulls_equal_one_process(wrong):
+    saved, _ = _reference()
+    for r in spawn(_prefetching, T + 1, wrong, timeout=240)[:T]:
+        if wrong:  # (a prefetch is a lookup: the dynamic table made rows for the ids it asked for)
+            saved = {k: v for k, v in saved.items() if not k.startswith("e")}
+            r["tables"] = {k: v for k, v in r["tables"].items() if not k.startswith("e")}
+        _close(r["tables"], saved, 1e-5)
+        groups = 6  # (every table has its own optimizer: one storage each)
+        hits, misses = r["stats"]["prefetch_hits"], r["stats"]["prefetch_misses"]
+        assert (hits, misses) == ((0, (K - 1) * groups) if wrong else ((K - 1) * groups, 0)), (hits, misses)

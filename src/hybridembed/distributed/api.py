@@ -164,6 +164,12 @@ def distribute(
         where = _rows_device(model, ec)
         sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank, where)
         _swap(model, ec, sharded)
+    return _wrap_ddp(model, ddp, process_group)
+
+
+def _wrap_ddp(model: nn.Module, ddp: bool | Mapping[str, Any], group) -> nn.Module:
+    """``model`` in DistributedDataParallel over ``group``, its sharded collections' rows and
+    buffers left out (they train through the exchange or the servers)."""
     if ddp is False:
         return model
     ours = {id(t) for m in model.modules() if isinstance(m, ShardedCollection) for t in (*m.parameters(), *m.buffers())}
@@ -173,7 +179,7 @@ def distribute(
         return model  # nothing dense to synchronise
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     kwargs = dict(ddp) if isinstance(ddp, Mapping) else {}
-    return DistributedDataParallel(model, process_group=process_group, **kwargs)
+    return DistributedDataParallel(model, process_group=group, **kwargs)
 
 
 def _check_ps_args(servers, mode, staleness, cache_rows, timeout, limit, server_exit) -> None:
@@ -259,16 +265,7 @@ def _distribute_ps(
         if server_exit:
             raise SystemExit(0)
         return None
-    if ddp is False:
-        return model
-    ours = {id(t) for t in (*pc.parameters(), *pc.buffers())}
-    ignore = [n for n, p in model.named_parameters() if id(p) in ours]
-    ignore += [n for n, b in model.named_buffers() if id(b) in ours]
-    if not any(p.requires_grad and id(p) not in ours for p in model.parameters()):
-        return model
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    kwargs = dict(ddp) if isinstance(ddp, Mapping) else {}
-    return DistributedDataParallel(model, process_group=trainer_group, **kwargs)
+    return _wrap_ddp(model, ddp, trainer_group)  # (over the trainers: the servers run no model)
 
 
 def _collections(model: nn.Module) -> dict[str, EmbeddingCollection]:

@@ -65,7 +65,9 @@ class _Pull:
         self.storage, self.ids, self.tabs, self.seen, self.train, self.step = storage, ids, tabs, seen, train, step
         self.rows: torch.Tensor | None = None
         self.sent = False
-        self.keys: torch.Tensor | None = None  # prefetch: the lookup keys it answers
+        self.raw: torch.Tensor | None = None  # prefetch: the lookup it answers (ids, inverse, tables and counts)
+        self.inv: torch.Tensor | None = None
+        self.ask: tuple[list, list] | None = None
 
 
 class _Client:
@@ -310,18 +312,20 @@ class RemoteStorage(RowStorage):
         if ids.device.type != "cpu":  # (ids and rows cross in host memory; slots go back to the device)
             plan = self.resolve(ids.cpu(), tables, counts, train)
             return LookupPlan(lambda: (plan.commit()[0].to(dev), None), plan.rollback)
+        pre = self._prefetched
+        self._prefetched = None
+        if pre is not None:  # the same lookup as the prefetched one (ids, tables, counts): its rows
+            same = pre.train == train and pre.step == self.client.step and pre.ask == (list(tables), list(counts))
+            if same and torch.equal(pre.raw, ids):
+                self.counters["prefetch_hits"] += 1
+                self.counters["lookups"] += pre.ids.numel()
+                return LookupPlan(lambda: self._stage(pre, pre.inv), lambda: None)
+            self.counters["prefetch_misses"] += 1
+            self.client.complete(pre)  # (its reply is read and dropped)
         keys, inv, uid, utab, seen = self._distinct(ids, tables, counts)
         self.counters["lookups"] += uid.numel()
         if self.cache is not None and train:
             return self.cache.resolve(keys, inv, uid, utab, seen)
-        pre = self._prefetched
-        self._prefetched = None
-        if pre is not None:
-            if pre.train == train and pre.step == self.client.step and torch.equal(pre.keys, keys):
-                self.counters["prefetch_hits"] += 1
-                return LookupPlan(lambda: self._stage(pre, inv), lambda: None)
-            self.counters["prefetch_misses"] += 1
-            self.client.complete(pre)  # (its reply is read and dropped)
         pull = _Pull(self, uid, utab, seen, train, self.client.step)
         self.client.queue(pull)
         return LookupPlan(lambda: self._stage(pull, inv), lambda: self.client.drop(pull))
@@ -359,9 +363,9 @@ class RemoteStorage(RowStorage):
         lookup asks for the same ids (else they are dropped)."""
         if self.cache is not None or self.client is None:
             return
-        keys, _, uid, utab, seen = self._distinct(ids, tables, counts)
+        _, inv, uid, utab, seen = self._distinct(ids, tables, counts)
         pull = _Pull(self, uid, utab, seen, train, self.client.step + 1)
-        pull.keys = keys
+        pull.raw, pull.inv, pull.ask = ids, inv, (list(tables), list(counts))
         old, self._prefetched = self._prefetched, pull
         if old is not None:
             self.client.complete(old)
