@@ -102,3 +102,56 @@ def test_cache_needs_async_mode_and_arguments_are_checked():
     ):
         with pytest.raises(ConfigError, match=msg):
             he.distribute(Linear(), **kw)
+
+
+class _FakeClient:
+    """Answers pulls at once with rows that encode their (table, id): row = [id, table, ...]."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.queued = []
+
+    def queue(self, pull) -> None:
+        self.queued.append(pull)
+
+    def drop(self, pull) -> None:
+        self.queued.remove(pull)
+
+    def complete(self, pull) -> torch.Tensor:
+        if pull in self.queued:
+            self.queued.remove(pull)
+        return torch.stack([pull.ids.double(), pull.tabs.double()], 1).repeat(1, 2).float()
+
+
+def test_the_cache_index_stays_exact_under_random_lookups():
+    from hybridembed.ps.remote import RemoteStorage, _Cache
+
+    tables = [he.TableConfig("x", None, 4, dynamic=he.Dynamic()), he.TableConfig("y", None, 4, dynamic=he.Dynamic())]
+    st = RemoteStorage(tables)
+    st.client, st.staleness = _FakeClient(), 3
+    st.cache = _Cache(st, 50)
+    g = torch.Generator().manual_seed(3)
+    for step in range(60):
+        st.client.step = step
+        n = int(torch.randint(1, 90, (1,), generator=g))  # (sometimes more distinct ids than the cache holds)
+        ids = torch.randint(-40, 40, (n,), generator=g)
+        tabs = torch.randint(0, 2, (n,), generator=g)
+        order = torch.argsort(tabs, stable=True)
+        ids, tabs = ids[order], tabs[order]
+        counts = torch.bincount(tabs, minlength=2).tolist()
+        plan = st.resolve(ids, [0, 1], counts, True)
+        slots = plan.commit()[0]
+        rows = st.weight.detach().index_select(0, slots)
+        # every id reads its own row (cached or staged), whatever was evicted or refreshed
+        torch.testing.assert_close(rows[:, 0], ids.float())
+        torch.testing.assert_close(rows[:, 1], tabs.float())
+        c = st.cache
+        held = (c.fetched >= 0).nonzero().squeeze(1)
+        assert torch.equal(c.sorted_keys, torch.sort(c.key[held])[0])  # the index is the held keys, sorted
+        assert torch.equal(c.key.index_select(0, c.sorted_slots), c.sorted_keys)
+        assert c.sorted_keys.unique().numel() == held.numel()  # (no key held twice)
+        assert bool((step - c.fetched[held] < 3).all())  # (nothing held past its staleness)
+        grad = torch.sparse_coo_tensor(slots.unsqueeze(0), torch.ones(n, 4), st.weight.shape, check_invariants=True)
+        st.weight.grad = grad
+        st.take_gradient(st.grad_rows())
+        st.after_step()

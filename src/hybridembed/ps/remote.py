@@ -496,11 +496,25 @@ class _Cache:
         self.flush = []
         self._reindex()
 
-    def _reindex(self) -> None:
-        held = (self.fetched >= 0).nonzero().squeeze(1)
-        keys = self.key.index_select(0, held)
-        order = torch.argsort(keys)
-        self.sorted_keys, self.sorted_slots = keys.index_select(0, order), held.index_select(0, order)
+    def _reindex(self, added: torch.Tensor | None = None) -> None:
+        """The sorted index after entries left (their slots free or given other keys) and the
+        slots ``added`` got new keys: a filter and a merge, no sort of the whole index."""
+        ks, ss = self.sorted_keys, self.sorted_slots
+        if ss.numel():
+            ok = (self.fetched.index_select(0, ss) >= 0) & (self.key.index_select(0, ss) == ks)
+            if not bool(ok.all()):
+                ks, ss = ks[ok], ss[ok]
+        if added is not None and added.numel():
+            nk, order = torch.sort(self.key.index_select(0, added))
+            ns = added.index_select(0, order)
+            m, k = ks.numel(), nk.numel()
+            at_new = torch.searchsorted(ks, nk) + torch.arange(k)  # (keys are distinct)
+            at_old = torch.arange(m) + torch.searchsorted(nk, ks)
+            keys, slots = torch.empty(m + k, dtype=torch.int64), torch.empty(m + k, dtype=torch.int64)
+            keys.index_copy_(0, at_old, ks).index_copy_(0, at_new, nk)
+            slots.index_copy_(0, at_old, ss).index_copy_(0, at_new, ns)
+            ks, ss = keys, slots
+        self.sorted_keys, self.sorted_slots = ks, ss
 
     def _take_out(self, slots: torch.Tensor) -> None:
         """Entries ``slots`` leave the cache; their summed gradients are queued for write-back."""
@@ -532,6 +546,7 @@ class _Cache:
             self._take_out(expired)
         self.used.index_fill_(0, slot[held], step)  # (this lookup's rows are no eviction victims)
         new = (~held).nonzero().squeeze(1)
+        added = None
         if new.numel():
             free = (self.fetched < 0) & (self.used < step)
             free[expired] = False  # (refreshed in place)
@@ -539,12 +554,14 @@ class _Cache:
             if free_slots.numel() < new.numel():  # least recently used out (not those of this step)
                 cand = ((self.fetched >= 0) & (self.used < step)).nonzero().squeeze(1)
                 need = min(new.numel() - free_slots.numel(), cand.numel())
-                if need:
-                    victims = cand.index_select(0, torch.argsort(self.used.index_select(0, cand))[:need])
+                if need:  # (the `need` least recently used: a selection, not a sort of all)
+                    oldest = torch.topk(self.used.index_select(0, cand), need, largest=False, sorted=False)[1]
+                    victims = cand.index_select(0, oldest)
                     self._take_out(victims)
                     free_slots = torch.cat([free_slots, victims])
             got = min(free_slots.numel(), new.numel())
             slot[new[:got]] = free_slots[:got]
+            added = free_slots[:got]
         miss = (~fresh).nonzero().squeeze(1)
         cached_miss = miss.index_select(0, (slot.index_select(0, miss) >= 0).nonzero().squeeze(1))
         if cached_miss.numel():
@@ -554,7 +571,7 @@ class _Cache:
             self.tab.index_copy_(0, s, utab.index_select(0, cached_miss))
             self.fetched.index_fill_(0, s, step)
         self.used.index_fill_(0, slot[slot >= 0], step)
-        self._reindex()
+        self._reindex(added)
         pull = _Pull(
             st,
             uid.index_select(0, miss),
