@@ -302,4 +302,7 @@ def test_a_refused_push_fails_its_trainer_at_its_next_wait():
     assert time.monotonic() - t0 < 50  # (nobody waited for ps_timeout)
     assert first["step"] == 2 and first["type"] == "HybridEmbedError", first  # (the push of step 1 was refused)
     assert "server rank 2: trainer 0's push of step 1 holds non-finite gradients" in first["text"]
-    assert second["step"] == 2 and "trainer 0 left the job" in second["text"], second
+    # trainer 1 fails at the same step, told by the server why, or by its DDP all-reduce with the
+    # departed trainer 0 (whichever comes first: both end it without waiting)
+    assert second["step"] == 2, second
+    assert "trainer 0 left the job" in second["text"] or "Connection closed by peer" in second["text"], second

@@ -113,7 +113,10 @@ def spawn(
     for name, v in (("timeout", timeout), ("pg_timeout", pg_timeout), ("grace", grace)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= (0 if name == "grace" else 1e-9):
             raise HybridEmbedError(f"spawn: {name} must be a number of seconds > 0 (inf allowed), got {v!r}")
-    ctx = mp.get_context("spawn")
+    # forkserver: every rank forks from one server process that imported torch once, instead of
+    # importing it afresh per rank (the ranks start as clean as spawn's: no parent state)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "hybridembed"])
     results = ctx.Queue()
     port = free_port()
     procs = [
