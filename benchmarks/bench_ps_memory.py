@@ -156,7 +156,19 @@ def job(rank: int, world: int, trainers: int, limit: int, rows: int, dim: int, s
 def run(trainers: int, servers: int, limit: int, factor: int, dim: int, steps: int, size: int) -> dict:
     rows = math.ceil(factor * limit / (dim * 4))
     t0 = time.perf_counter()
-    results = spawn(job, trainers + servers, trainers, limit, rows, dim, steps, size, timeout=1800, pg_timeout=900)
+    results = spawn(
+        job,
+        trainers + servers,
+        trainers,
+        limit,
+        rows,
+        dim,
+        steps,
+        size,
+        timeout=1800,
+        pg_timeout=900,
+        start_method="spawn",  # (each rank's memory its own: no pages shared with a forkserver)
+    )
     return {
         "trainers": trainers,
         "servers": servers,

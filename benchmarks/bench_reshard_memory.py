@@ -56,7 +56,7 @@ def main() -> None:
         he.save(path, torch.nn.ModuleDict({"ec": he.EmbeddingCollection([he.TableConfig("big", args.rows, args.dim)])}))
         table = args.rows * args.dim * 4 / 2**20
         print(f"table: {args.rows} x {args.dim} float32 = {table:.0f} MiB; shard per rank {table / args.world:.0f} MiB")
-        for r in spawn(_load, args.world, path, args.rows, args.dim, timeout=600):
+        for r in spawn(_load, args.world, path, args.rows, args.dim, timeout=600, start_method="spawn"):
             grew, peak = r["rss_after_mib"] - r["rss_before_mib"], r["peak_mib"] - r["rss_before_mib"]
             print(f"rank {r['rank']}: load {r['load_s']:.2f} s, resident +{grew} MiB, peak +{peak} MiB above its start")
 

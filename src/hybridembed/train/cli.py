@@ -963,7 +963,16 @@ def _spawn(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
         generate_if_needed(args)  # here, before the job's collectives start their clocks
     # no time limit on the job; a collective waits at most JOB_PG_TIMEOUT for a rank that hangs
     # (a rank that fails or dies stops the others within seconds)
-    spawn(_rank_main, args.nproc, args, state, timeout=math.inf, pg_timeout=JOB_PG_TIMEOUT, threads=args.threads)
+    spawn(
+        _rank_main,
+        args.nproc,
+        args,
+        state,
+        timeout=math.inf,
+        pg_timeout=JOB_PG_TIMEOUT,
+        threads=args.threads,
+        start_method="spawn",  # (rank 0 prints where this command prints)
+    )
     return 0
 
 
