@@ -155,3 +155,13 @@ def test_the_cache_index_stays_exact_under_random_lookups():
         st.weight.grad = grad
         st.take_gradient(st.grad_rows())
         st.after_step()
+
+
+def test_the_one_process_default_checks_its_arguments_too():
+    for kw, msg in (
+        ({"reduction": "max"}, "reduction must be one of"),
+        ({"ddp": "yes"}, "ddp must be True, False"),
+        ({"seeds": 3}, "unknown argument 'seeds'"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            he.distribute(Linear(), servers=1, **kw)

@@ -104,17 +104,6 @@ def distribute(
     """
     if servers is not None:
         _check_ps_args(servers, mode, staleness, cache_rows, ps_timeout, max_request_bytes, server_exit)
-        if not dist.is_available() or not dist.is_initialized():  # the embedded default
-            unknown = sorted(set(convert_args) - set(_CONVERT_ARGS))
-            if unknown:
-                raise ConfigError(f"distribute: unknown argument {unknown[0]!r}")
-            return convert(model, grouped=True, **convert_args)
-    if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError(
-            "he.distribute needs an initialised torch.distributed process group: call "
-            "torch.distributed.init_process_group(...) first (launch with torchrun or `hybridembed launch`); "
-            "for one process use he.convert"
-        )
     if not isinstance(model, nn.Module):
         raise ConfigError(f"distribute needs an nn.Module, got {type(model).__name__}")
     if isinstance(model, DistributedDataParallel):
@@ -138,6 +127,14 @@ def distribute(
         raise ConfigError(f"memory_per_rank must be a positive int (bytes) or None, got {memory_per_rank!r}")
     if any(isinstance(m, ShardedCollection) for m in model.modules()):  # (all checked before the model changes)
         raise ConfigError("this model is distributed already")
+    if not dist.is_available() or not dist.is_initialized():
+        if servers is not None:  # the embedded default: the servers' tables in this process
+            return convert(model, grouped=True, **convert_args)
+        raise ConfigError(
+            "he.distribute needs an initialised torch.distributed process group: call "
+            "torch.distributed.init_process_group(...) first (launch with torchrun or `hybridembed launch`); "
+            "for one process use he.convert"
+        )
     if any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules()):
         model = convert(model, grouped=True, **convert_args)
     collections = _collections(model)
