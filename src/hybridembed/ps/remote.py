@@ -38,7 +38,6 @@ from ..errors import ConfigError, HybridEmbedError
 from ..input import Jagged
 from ..modules import EmbeddingCollection
 from ..storage import RowStorage
-from ..storage.base import add_sparse
 from ..storage.protocol import LookupPlan
 from . import wire
 from .server import ShardRef, shard_index, trainer_groups
@@ -372,12 +371,6 @@ class RemoteStorage(RowStorage):
         self.client.queue(pull)
         self.client.send_queued()
 
-    def accumulate_grad(self, grad: torch.Tensor, distinct: bool = False) -> None:
-        w = self.weight
-        if grad.shape != w.shape:
-            grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), w.shape, check_invariants=False)
-        self.weight.grad = add_sparse(self.weight.grad, grad)
-
     def take_gradient(self, rows: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
         """This step's reduced gradient ``(slots (U,), rows (U, D))`` -> ``(ids, table indices,
         rows)`` to push now (cached rows' are kept for write-back)."""
@@ -483,7 +476,7 @@ class _Cache:
         self.sorted_keys = torch.zeros(0, dtype=torch.int64)
         self.sorted_slots = torch.zeros(0, dtype=torch.int64)
         self.flush: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (ids, tabs, grads) to write back
-        self.hits = self.lookups = 0
+        self.lookups = 0
         with torch.no_grad():  # (the rows on the model's device; the index and gradients in host memory)
             storage.weight.data = torch.zeros(c, d, dtype=storage.dtype, device=storage.weight.device)
         storage._staged_ids = torch.zeros(c, dtype=torch.int64)
@@ -539,7 +532,6 @@ class _Cache:
         held = slot >= 0
         fresh = held.clone()
         fresh[held] = (step - self.fetched.index_select(0, slot[held])) < st.staleness
-        self.hits += int(fresh.sum())
         st.counters["cache_hits"] += int(fresh.sum())
         expired = slot[held & ~fresh]
         if expired.numel():  # pulled again into the same slot; their gradients written back first
@@ -650,7 +642,7 @@ class _Cache:
             "cache_rows": self.size,
             "cache_held": int((self.fetched >= 0).sum()),
             "cache_lookups": self.lookups,
-            "cache_hit_rate": self.hits / self.lookups if self.lookups else 0.0,
+            "cache_hit_rate": self.st.counters["cache_hits"] / self.lookups if self.lookups else 0.0,
         }
 
 
@@ -893,14 +885,14 @@ class PSCollection(ShardedCollection):
 
     def stats(self) -> dict[str, Any]:
         """This trainer's side: lookups, rows pulled, the cache's hits, bytes sent and received."""
-        out: dict[str, Any] = {"lookups": 0, "pulled": 0, "cache_hits": 0, "prefetch_hits": 0, "prefetch_misses": 0}
+        out: dict[str, Any] = {}
         for st in self.storages:
-            for k in out:
-                out[k] += st.counters[k]
+            for k, v in st.counters.items():
+                out[k] = out.get(k, 0) + v
         cached = [st.cache for st in self.storages if st.cache is not None]
         if cached:
             lookups = sum(c.lookups for c in cached)
-            out["cache_hit_rate"] = sum(c.hits for c in cached) / lookups if lookups else 0.0
+            out["cache_hit_rate"] = sum(c.st.counters["cache_hits"] for c in cached) / lookups if lookups else 0.0
         out["bytes_sent"] = sum(link.bytes_out for link in self.client.links.values())
         out["bytes_received"] = sum(link.bytes_in for link in self.client.links.values())
         out["step"] = self.client.step

@@ -518,8 +518,7 @@ class HashStorage(RowStorage):
         """Receives the lookup's sparse gradient (sized to the current, possibly grown, matrix);
         ``distinct``: its row ids are distinct (summed per row already), though not sorted."""
         w = self.weight
-        if grad.shape != w.shape:
-            grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), w.shape, check_invariants=False)
+        grad = self._fit(grad)
         if w.grad is not None:
             grad, distinct = add_sparse(w.grad, grad), False
         w.grad = _marked(grad, distinct)
