@@ -6,24 +6,18 @@ model (the servers take no part in its report)."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed.launch import spawn
 from tests.distributed.test_checkpoint import _close, _snapshot
-from tests.ps.test_sync import Shared, T, _shared_batch
+from tests.ps.test_sync import Shared, T, _shared_batch, _train_shared
 
 
 def _train_save_export(rank: int, world: int, path: str, export: str) -> dict:
     model = he.distribute(Shared(), servers=world - T, server_exit=False)
     if model is None:
         return {"server": True}
-    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
-    for s in range(3):
-        x, y = _shared_batch(s, rank * 4, rank * 4 + 4)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    opt = _train_shared(model, 3, rank * 4, rank * 4 + 4)
     he.save(path, model, opt, incremental=True, background=True).wait()
     snapshot = _snapshot(model)
     x, _ = _shared_batch(7, 0, 8)

@@ -120,6 +120,17 @@ class Shared(nn.Module):
         return self.mlp(torch.cat([out[f] for f in ("watched", "browsed", "q1", "q2")], 1)).squeeze(1)
 
 
+def _train_shared(model: nn.Module, steps: int, lo: int, hi: int):
+    """``steps`` Adagrad steps on rows ``[lo, hi)`` of each batch; returns the optimizer."""
+    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
+    for s in range(steps):
+        x, y = _shared_batch(s, lo, hi)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return opt
+
+
 def _shared_batch(step: int, lo: int, hi: int):
     g = torch.Generator().manual_seed(900 + step)
     x = {}
@@ -151,23 +162,13 @@ def _shared_job(rank: int, world: int, which: str, path: str = "") -> dict:
     model = he.distribute(Shared(), servers=world - T, server_exit=False)
     if model is None:
         return {}
-    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
-    for s in range(4):
-        x, y = _shared_batch(s, rank * 4, rank * 4 + 4)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    _train_shared(model, 4, rank * 4, rank * 4 + 4)
     return _snapshot(model)
 
 
 def test_shared_tables_and_a_plain_model_with_a_scheduler_exported(tmp_path):
     model = Shared()
-    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
-    for s in range(4):
-        x, y = _shared_batch(s, 0, 8)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    _train_shared(model, 4, 0, 8)
     ref = _snapshot(model)
     _close(spawn(_shared_job, T + 1, "shared", timeout=240)[0], ref, 1e-5)
 
