@@ -11,6 +11,10 @@
 ``HYBRIDEMBED_LOG_LEVEL``
     level of the ``hybridembed`` logger: ``DEBUG``, ``INFO`` (the default, also when empty),
     ``WARNING``, ``ERROR`` or ``CRITICAL``, any case; another value logs a warning and uses ``INFO``.
+``HYBRIDEMBED_KERNELS``
+    the kernel backend of collections built with ``kernels="auto"`` (the default): ``eager``
+    (PyTorch ops, also when unset) or ``triton`` (Triton kernels on CUDA, and on the CPU under
+    ``TRITON_INTERPRET=1``); see :mod:`hybridembed.kernels.backend`.
 """
 
 from __future__ import annotations

@@ -654,6 +654,7 @@ def convert(
     copy_dynamic_rows: bool = False,
     dynamic: bool | Dynamic | str | Sequence[str] = False,
     grouped: bool = True,
+    kernels: str = "auto",
 ) -> nn.Module:
     """Replace every ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` by a hybridembed layer.
 
@@ -672,6 +673,8 @@ def convert(
         grouped: defer each converted layer's lookup until an output of the forward is first
             used, then run all of them in one kernel call per group of tables
             (:mod:`hybridembed.modules.grouped`); False: one call per layer call.
+        kernels: the kernel backend of the tables (see :class:`EmbeddingCollection`):
+            ``"auto"``, ``"eager"`` or ``"triton"``. The tables stay on the layers' device.
 
     Returns the converted model (``model`` itself unless it is an embedding layer). The
     tables live in ``model.hybridembed`` (a :class:`ConvertedCollection`). Raises
@@ -699,6 +702,7 @@ def convert(
             copy_dynamic_rows=copy_dynamic_rows,
             dynamic=dynamic if isinstance(dynamic, (bool, Dynamic)) else [f"layer.{p}" for p in dynamic],
             grouped=False,  # a lone layer's output is used right away: nothing to group
+            kernels=kernels,
         )
         layer = converted.layer
         if isinstance(layer, _TableLayer):
@@ -749,7 +753,7 @@ def convert(
             f"convert: embedding layers sit on several devices ({', '.join(map(str, devices))}); "
             "move the model to one device first"
         )
-    collection = ConvertedCollection([cfg for _, cfg in plans], seed=seed, device=devices.pop())
+    collection = ConvertedCollection([cfg for _, cfg in plans], seed=seed, device=devices.pop(), kernels=kernels)
     if grouped:
         collection.lookup_queue = LookupQueue(collection)
     emptied = []  # dynamic tables whose layer's rows are not carried over

@@ -31,6 +31,7 @@ from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
+from ..kernels.backend import check_kernels
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
 from ..utils import kept_tensor
 
@@ -151,6 +152,9 @@ class EmbeddingCollection(nn.Module):
         sequence_output: for ``combiner="none"`` tables, ``"jagged"`` (a :class:`Jagged`
             whose values are rows (N, D)) or ``"padded"`` (a zero-padded ``(B, T, D)`` tensor).
         pad: the id that marks padding in 2-D id tensors (an int64); dropped before lookup.
+        kernels: the kernel backend (:mod:`hybridembed.kernels.backend`): ``"auto"``
+            (``HYBRIDEMBED_KERNELS``, else eager), ``"eager"`` (PyTorch ops) or ``"triton"``
+            (Triton kernels on CUDA tensors; eager elsewhere).
 
     ``forward(inputs)`` takes ``{feature: Jagged | (B,) or (B, H) ids | sparse COO | lists}``
     and returns ``{feature: (B, D) tensor}`` for pooled features. Tables with the same dim,
@@ -165,10 +169,12 @@ class EmbeddingCollection(nn.Module):
         device: torch.device | str | None = None,
         sequence_output: str = "jagged",
         pad: int = -1,
+        kernels: str = "auto",
     ):
         super().__init__()
         tables = list(tables)
         features = check_arguments(tables, features, seed, pad, sequence_output)
+        kernels = check_kernels(kernels)
         if any(t.name == "storages" for t in tables):
             raise ConfigError("'storages' is reserved; rename that table")
         by_name = {t.name: t for t in tables}
@@ -184,6 +190,9 @@ class EmbeddingCollection(nn.Module):
         for ts in keys.values():
             _check_group_size(ts)
         self.storages = nn.ModuleList(self._make_storage(ts, device) for ts in keys.values())
+        self.kernels = kernels
+        for st in self.storages:
+            st.kernels = kernels
         self._table_group = {t.name: g for g, ts in enumerate(keys.values()) for t in ts}
         self.__dict__["_storage_list"] = list(self.storages)  # (plain list: indexed on every lookup)
         self._features = {}
