@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..input import bag_index, offsets_from_lengths
 
-__all__ = ["pooled_lookup", "bag_scale", "sorted_segments", "reduce_rows"]
+__all__ = ["pooled_lookup", "bag_scale", "sorted_segments", "reduce_rows", "weight_grad", "Bags"]
 
 
 def sorted_segments(ids: torch.Tensor, num_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,31 +70,13 @@ class _PooledLookup(torch.autograd.Function):
     def backward(ctx, grad):  # (S, D)
         ids, offsets, psw = ctx.saved_tensors
         weight = ctx.weight
-        n, s = ids.numel(), offsets.numel() - 1
         grad = grad.contiguous()
         grad_weight = grad_psw = None
-        bags = _Bags(offsets, n, 1 if ctx.one_per_bag else None)
-        # one id per bag: the output gradient is the per-id gradient (kept uncoalesced, no copy)
-        # unless the storage is half precision, where duplicates must be summed in float32
-        one_per_bag = bags.hotness == 1 or n == s == 0
+        bags = Bags(offsets, ids.numel(), 1 if ctx.one_per_bag else None)
         if ctx.needs_input_grad[0]:
-            if ctx.segments is not None:  # the storage grouped the ids already: no sort
-                grad_weight = _reduce_segments(grad, bags, psw, ctx.segments, weight)
-            elif one_per_bag and weight.dtype == ctx.compute_dtype:
-                rows = grad if psw is None else grad * psw.unsqueeze(1)  # (N, D)
-                grad_weight = torch.sparse_coo_tensor(
-                    ids.to(torch.int64).unsqueeze(0), rows.to(weight.dtype), weight.shape, check_invariants=False
-                )  # weight.shape is the current one: a grown dynamic matrix keeps its rows
-            else:  # pooled bags: reduce per distinct row with the transposed bag
-                uniq, perm, seg = sorted_segments(ids, weight.shape[0])
-                w = None if psw is None else psw.index_select(0, perm)
-                rows = F.embedding_bag(
-                    bags.of(perm), grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True
-                )  # (U, D): the summed gradient of each distinct row
-                grad_weight = torch.sparse_coo_tensor(
-                    uniq.unsqueeze(0), rows.to(weight.dtype), weight.shape, is_coalesced=True, check_invariants=False
-                )
+            grad_weight = weight_grad(grad, ids, bags, psw, weight, ctx.compute_dtype, ctx.segments)
         if psw is not None and ctx.needs_input_grad[3]:
+            one_per_bag = bags.hotness == 1 or ids.numel() == offsets.numel() - 1 == 0
             rows = weight.index_select(0, ids).to(ctx.compute_dtype)  # (N, D)
             grad_psw = (rows * (grad if one_per_bag else grad.index_select(0, bags.of()))).sum(1)  # (N,)
         if grad_weight is not None and ctx.grad_sink is not None:
@@ -105,7 +87,41 @@ class _PooledLookup(torch.autograd.Function):
         return grad_weight, None, None, grad_psw, None, None, None, None
 
 
-class _Bags:
+def weight_grad(
+    grad: torch.Tensor,
+    ids: torch.Tensor,
+    bags: Bags,
+    psw: torch.Tensor | None,
+    weight: torch.Tensor,
+    compute_dtype: torch.dtype,
+    segments: tuple | None = None,
+) -> torch.Tensor:
+    """The sparse gradient (R, D) of ``weight`` from the pooled output's gradient ``grad`` (S, D)
+    (see the module docstring): coalesced, or uncoalesced when every bag holds one id or when
+    ``segments`` are given. ``weight`` is read for its current shape and dtype only."""
+    n, s = ids.numel(), bags.offsets.numel() - 1
+    # one id per bag: the output gradient is the per-id gradient (kept uncoalesced, no copy)
+    # unless the storage is half precision, where duplicates must be summed in float32
+    one_per_bag = bags.hotness == 1 or n == s == 0
+    if segments is not None:  # the storage grouped the ids already: no sort
+        return _reduce_segments(grad, bags, psw, segments, weight)
+    if one_per_bag and weight.dtype == compute_dtype:
+        rows = grad if psw is None else grad * psw.unsqueeze(1)  # (N, D)
+        return torch.sparse_coo_tensor(
+            ids.to(torch.int64).unsqueeze(0), rows.to(weight.dtype), weight.shape, check_invariants=False
+        )  # weight.shape is the current one: a grown dynamic matrix keeps its rows
+    # pooled bags: reduce per distinct row with the transposed bag
+    uniq, perm, seg = sorted_segments(ids, weight.shape[0])
+    w = None if psw is None else psw.index_select(0, perm)
+    rows = F.embedding_bag(
+        bags.of(perm), grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True
+    )  # (U, D): the summed gradient of each distinct row
+    return torch.sparse_coo_tensor(
+        uniq.unsqueeze(0), rows.to(weight.dtype), weight.shape, is_coalesced=True, check_invariants=False
+    )
+
+
+class Bags:
     """Which bag each id is in, from the offsets (S+1,) of N ids; computed only when asked.
 
     ``hotness`` is the common bag length when every bag has the same (fixed-hotness input,
@@ -134,7 +150,7 @@ class _Bags:
         return self._bag_of_id if positions is None else self._bag_of_id.index_select(0, positions)
 
 
-def _reduce_segments(grad, bags: _Bags, psw, segments, weight) -> torch.Tensor:
+def _reduce_segments(grad, bags: Bags, psw, segments, weight) -> torch.Tensor:
     """The rows' gradient from ids grouped by the storage: ``segments`` = (perm (N,) putting
     equal rows side by side, segment offsets (K+1,), row of each segment (K,), kept segments
     (M,) or None). One transposed ``embedding_bag``; the result's row ids are distinct but

@@ -31,7 +31,7 @@ from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
-from ..kernels.backend import check_kernels
+from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
 from ..utils import kept_tensor
 
@@ -81,6 +81,21 @@ def _shifted(x: torch.Tensor, by: int, out: torch.Tensor) -> torch.Tensor:
         return torch.add(x, by, out=out) if by else out.copy_(x)
     out.copy_(x)
     return out.add_(by) if by else out
+
+
+def _pool(storage: RowStorage, ids, offsets, psw, cdt, sink, segments=None, one_per_bag=False) -> torch.Tensor:
+    """The group's kernel call (:func:`~hybridembed.kernels.pooled_lookup`): Triton kernels when the
+    storage's backend runs them on its device (not for per-id weights that need a gradient of
+    their own, nor a parameter server's rows), else the eager ops."""
+    if (
+        uses_triton(storage.kernels, storage.weight)
+        and (psw is None or not psw.requires_grad)
+        and not getattr(storage, "remote", False)
+    ):
+        from ..kernels import triton_lookup  # (imports Triton)
+
+        return triton_lookup.pooled_lookup(storage, ids, offsets, psw, cdt, one_per_bag)
+    return pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, one_per_bag)
 
 
 def _all(checks: list[torch.Tensor]) -> torch.Tensor:
@@ -386,7 +401,7 @@ class EmbeddingCollection(nn.Module):
         cdt = storage.compute_dtype
         psw = bag_scale(feat.table.combiner, offsets, w, n, cdt)
         sink = storage.accumulate_grad
-        return pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, one_per_bag=trusted)  # (B, D)
+        return _pool(storage, ids, offsets, psw, cdt, sink, one_per_bag=trusted)  # (B, D)
 
     def lookup_many(
         self, requests: Sequence[tuple[str, Any]], train: bool | None = None
@@ -631,7 +646,7 @@ class EmbeddingCollection(nn.Module):
                     for sc, c in zip(scales, batch.counts)
                 ]
             )
-        rows = pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, batch.one_per_bag)  # (S, D)
+        rows = _pool(storage, ids, offsets, psw, cdt, sink, segments, batch.one_per_bag)  # (S, D)
         if whole:
             return rows
         # unsafe_split: split's one backward (a cat), but outputs that may be changed in place, as an

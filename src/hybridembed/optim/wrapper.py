@@ -117,7 +117,7 @@ class HybridOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.dense.zero_grad(set_to_none=set_to_none)
         for s in self._storages:
-            s.weight.grad = None
+            s.clear_grad()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -125,13 +125,18 @@ class HybridOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        rows = [storage.grad_rows() for storage in self._storages]  # (raises on a dense gradient: before any update)
+        # Triton kernels' kept lookup gradients: reduced and applied in one pass, unless hooks need the rows
+        fused = [not self._hooks and storage.fused_ready() for storage in self._storages]
+        # (grad_rows raises on a dense gradient: before any update)
+        rows = [None if f else storage.grad_rows() for f, storage in zip(fused, self._storages)]
         for hook in self._hooks:
             rows = hook.before_sparse_step(self._storages, rows)
         if any(p.grad is not None for g in self.dense.param_groups for p in g["params"]):
             self.dense.step()
-        for storage, group, r in zip(self._storages, self._sparse_groups, rows):
-            if r is not None:  # (ids, rows) or (ids, rows, each row's statistic for a row-wise optimizer)
+        for storage, group, r, f in zip(self._storages, self._sparse_groups, rows, fused):
+            if f:
+                storage.apply_fused(group)
+            elif r is not None:  # (ids, rows) or (ids, rows, each row's statistic for a row-wise optimizer)
                 storage.apply_gradient(r[0], r[1], group, *r[2:])
             storage.after_step()
         return loss
@@ -286,6 +291,11 @@ def clip_grad_norm_(
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    parameters = list(parameters)
+    for p in parameters:  # gradients the Triton kernels kept for a fused update: made into sparse ones
+        storage = getattr(p, "_hybridembed_storage", None)
+        if storage is not None and storage() is not None:
+            storage().materialize_grad()
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)

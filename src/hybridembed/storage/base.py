@@ -9,6 +9,7 @@ per-table ``state_dict`` entries; the storage itself writes none.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -16,7 +17,9 @@ from torch import nn
 
 from ..config import TableConfig
 from ..errors import HybridEmbedError
+from ..input import bag_index
 from ..kernels import reduce_rows
+from ..kernels.lookup import Bags, weight_grad
 from ..utils import advise_huge_pages
 
 __all__ = ["RowStorage", "add_sparse"]
@@ -58,6 +61,9 @@ class RowStorage(nn.Module):
         self._changed: torch.Tensor | None = None
         self._removed: list[torch.Tensor] = []
         self.checkpoint_base: str | None = None  # the checkpoint version the changes are counted from
+        # lookup gradients kept by the Triton kernels' backward for the fused update at the step:
+        # (ids (N,), output gradient (S, D), offsets (S+1,), per-id multipliers (N,) or None, one id per bag)
+        self._deferred: list[tuple] = []
 
     # --- changes since the last checkpoint -------------------------------------------------
     def track_changes(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -120,6 +126,7 @@ class RowStorage(nn.Module):
 
     def grad_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The pending sparse gradient as (distinct row ids (U,), summed rows (U, D)); None if none."""
+        self.materialize_grad()
         g = self.weight.grad
         if g is None:
             return None
@@ -132,6 +139,72 @@ class RowStorage(nn.Module):
                 "rows (the layer outputs) instead of the table"
             )
         return reduce_rows(g)
+
+    # --- gradients kept for the fused update (kernels="triton") -------------------------------
+    def defer_grad(
+        self, ids: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, one_per_bag: bool
+    ) -> None:
+        """A lookup's gradient, as the Triton backward leaves it: ``grad`` (S, D) of the bags
+        ``offsets`` (S+1,) of row slots ``ids`` (N,), with multipliers ``psw`` (N,). Kept for the
+        fused reduce-and-update at the optimizer step when the optimizer has one; otherwise made
+        into the eager sparse gradient now (``weight.grad``, or the storage's grad sink)."""
+        self._deferred.append((ids, grad, offsets, psw, one_per_bag))
+        self.weight._hybridembed_storage = weakref.ref(self)  # (clip_grad_norm_ finds it from the parameter)
+        if self.optimizer is None or not self._fusable():
+            self.materialize_grad()
+
+    def _fusable(self) -> bool:
+        from ..kernels.triton_lookup import fusable  # (Triton is imported only where its kernels ran)
+
+        return fusable(self.optimizer, self.hparams)
+
+    def materialize_grad(self) -> None:
+        """Turns the kept lookup gradients into the eager sparse gradient (the reference path):
+        before clipping, for an optimizer without a fused update, or a sharded collection's hooks."""
+        entries, self._deferred = self._deferred, []
+        for ids, grad, offsets, psw, one in entries:
+            bags = Bags(offsets, ids.numel(), 1 if one else None)
+            self.accumulate_grad(weight_grad(grad, ids, bags, psw, self.weight, self.compute_dtype))
+
+    def fused_ready(self) -> bool:
+        """The pending gradient is all kept lookup gradients, and the optimizer has a fused update."""
+        return bool(self._deferred) and self.weight.grad is None and self.optimizer is not None and self._fusable()
+
+    @torch.no_grad()
+    def apply_fused(self, hparams: dict) -> None:
+        """One optimizer step from the kept lookup gradients: duplicates summed and rows updated
+        in one pass (:func:`hybridembed.kernels.triton_lookup.apply_fused`); no host sync."""
+        from ..kernels.triton_lookup import apply_fused
+
+        entries, self._deferred = self._deferred, []
+        self.step += 1
+        ids = entries[0][0] if len(entries) == 1 else torch.cat([e[0] for e in entries])  # (N,)
+        if ids.numel() == 0:
+            return
+        self._mark(ids)
+        if len(entries) == 1:
+            _, grad, offsets, psw, one = entries[0]
+            bag_of = None if one else bag_index(offsets, ids.numel())
+        else:  # several lookups (or backwards) this step: one batch of bags
+            grad = torch.cat([e[1] for e in entries])  # (S, D)
+            firsts = [0]
+            for e in entries[:-1]:
+                firsts.append(firsts[-1] + e[1].shape[0])
+            bag_of = torch.cat(
+                [
+                    (torch.arange(e[0].numel(), device=ids.device) if e[4] else bag_index(e[2], e[0].numel())) + f
+                    for e, f in zip(entries, firsts)
+                ]
+            )
+            psw = None
+            if any(e[3] is not None for e in entries):
+                psw = torch.cat([e[3] if e[3] is not None else grad.new_ones(e[0].numel()) for e in entries])
+        apply_fused(self, ids, grad, bag_of, psw, hparams)
+
+    def clear_grad(self) -> None:
+        """Drops the pending gradient (``zero_grad``)."""
+        self.weight.grad = None
+        self._deferred = []
 
     def accumulate_grad(self, grad: torch.Tensor, distinct: bool = False) -> None:
         """Adds a lookup's sparse gradient (R, D) to ``weight.grad`` (the lookup's grad sink).

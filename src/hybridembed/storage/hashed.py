@@ -288,6 +288,7 @@ class HashStorage(RowStorage):
         self.size -= per_table
         self.slot_table[victims] = _EMPTY
         self.free = torch.cat([self.free, victims.flip(0)])
+        self.materialize_grad()  # (kept lookup gradients name slots: filtered below like any other)
         g = self.weight.grad
         if g is not None:  # a pending gradient must not land on the id that reuses the slot
             keep = ~torch.isin(g._indices()[0], victims)
@@ -529,6 +530,7 @@ class HashStorage(RowStorage):
         self.weight.grad = _marked(new, _is_marked(old))
 
     def grad_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self.materialize_grad()
         g = self.weight.grad
         if g is not None and _is_marked(g):
             return g._indices()[0], g._values()

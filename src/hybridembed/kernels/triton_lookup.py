@@ -1,0 +1,450 @@
+"""Triton kernels of a group's lookup and of its update (``kernels="triton"``).
+
+Shape legend: ``N`` ids of a group's batch, ``S`` bags, ``R`` rows of the storage, ``D`` dim,
+``U`` distinct rows, ``C`` ids per chunk of the update.
+
+**Forward** (:func:`pooled_lookup`): one launch per group. Bags of one id (one-hot and
+sequence features) are a gather of many rows per program; other bags are pooled one bag per
+program, ``BLOCK_N`` rows at a time, with the per-id multipliers (combiners and the user's
+weights, see :func:`~hybridembed.kernels.bag_scale`) applied on the way. Rows of any storage
+dtype (float16, bfloat16, float32, float64) are summed in the compute dtype.
+
+**Backward and update, fused.** The lookup's backward computes nothing: it keeps the output
+gradient (S, D) and the ids beside the storage (:meth:`RowStorage.defer_grad`). At the
+optimizer step, one pass reduces every distinct row's gradient and applies the optimizer to
+that row (SGD, Adagrad, row-wise Adagrad, Adam: FBGEMM's fused backward, moved to the step so
+that ``torch.optim``'s semantics hold: several backwards accumulate, ``zero_grad`` drops them):
+
+1. the ids are sorted (``torch.sort``; equal rows side by side), with no host sync;
+2. ``_reduce_update``: the sorted ids are cut in chunks of ``C``; a program walks its chunk,
+   summing the gradient rows (``grad[bag of id] * weight of id``) of each run of equal ids.
+   A run inside the chunk is complete: the optimizer is applied to its row at once, the row
+   and its state read and written once. A run cut by the chunk's edge leaves its partial sum
+   in a small buffer (two rows per chunk);
+3. ``_finish_runs``: each run that starts in a chunk and goes on past it is summed from those
+   partial rows (one per chunk it covers) and updated.
+
+No program walks more than ``C`` ids, so a hot id of a power-law batch (thousands of copies)
+is spread over many programs instead of being one serial bag, which is where PyTorch's
+``embedding_bag`` backward loses its time. Every other case (another optimizer, momentum,
+per-id weights that need their own gradient, gradient clipping, a sharded collection's hooks)
+turns the kept gradient into the eager sparse gradient first (:func:`weight_grad`), so the
+result is the eager path's.
+
+Every kernel is tested against the eager ops on the CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``, tests/kernels/test_triton_lookup.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["pooled_lookup", "FUSED", "fusable", "apply_fused"]
+
+# optimizer name -> kernel code; the hyper-parameters each needs are checked by `fusable`
+FUSED = {"SGD": 0, "Adagrad": 1, "RowWiseAdagrad": 2, "Adam": 3}
+_CHUNK = 32  # sorted ids per program of the update
+_ROWS = 32  # rows per program of the one-id-per-bag gather
+_BLOCK_N = 16  # ids read at once per bag of the pooled forward
+
+
+def _acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+# --- forward ---------------------------------------------------------------------------------
+@triton.jit
+def _gather_rows(
+    weight,
+    ids,
+    psw,
+    out,
+    n,
+    D,
+    stride_w,
+    HAS_PSW: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[i] = weight[ids[i]] * psw[i] for ROWS ids a program (bags of one id)."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    im, dm = i < n, d < D
+    row = tl.load(ids + i, mask=im, other=0).to(tl.int64)
+    m = im[:, None] & dm[None, :]
+    x = tl.load(weight + row[:, None] * stride_w + d[None, :], mask=m, other=0.0).to(ACC)  # (ROWS, BLOCK_D)
+    if HAS_PSW:
+        x = x * tl.load(psw + i, mask=im, other=0.0).to(ACC)[:, None]
+    tl.store(out + i.to(tl.int64)[:, None] * D + d[None, :], x, mask=m)
+
+
+@triton.jit
+def _pool_bags(
+    weight,
+    ids,
+    offsets,
+    psw,
+    out,
+    D,
+    stride_w,
+    HAS_PSW: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[b] = sum over the ids of bag b of weight[id] * psw[id], one bag a program."""
+    b = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    start = tl.load(offsets + b)
+    end = tl.load(offsets + b + 1)
+    acc = tl.zeros([BLOCK_D], dtype=ACC)
+    for j in range(start, end, BLOCK_N):
+        pos = j + tl.arange(0, BLOCK_N)
+        pm = pos < end
+        row = tl.load(ids + pos, mask=pm, other=0).to(tl.int64)
+        x = tl.load(weight + row[:, None] * stride_w + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+        x = x.to(ACC)  # (BLOCK_N, BLOCK_D)
+        if HAS_PSW:
+            x = x * tl.load(psw + pos, mask=pm, other=0.0).to(ACC)[:, None]
+        acc += tl.sum(x, 0)
+    tl.store(out + b.to(tl.int64) * D + d, acc, mask=dm)
+
+
+def pool(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    psw: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+    one_per_bag: bool,
+) -> torch.Tensor:
+    """Rows ``ids`` (N,) of ``weight`` (R, D) pooled into bags ``offsets`` (S+1,) -> (S, D) in
+    ``compute_dtype``; ``one_per_bag``: ``offsets`` is ``arange(N + 1)``."""
+    n, s, dim = ids.numel(), offsets.numel() - 1, weight.shape[1]
+    out = torch.empty(s, dim, dtype=compute_dtype, device=weight.device)
+    if s == 0 or dim == 0:
+        return out
+    if psw is not None:
+        psw = psw.contiguous()
+    block_d = min(triton.next_power_of_2(dim), 128)
+    acc = _acc(compute_dtype)
+    if one_per_bag:
+        grid = (triton.cdiv(n, _ROWS), triton.cdiv(dim, block_d))
+        _gather_rows[grid](
+            weight,
+            ids,
+            psw,
+            out,
+            n,
+            dim,
+            weight.stride(0),
+            HAS_PSW=psw is not None,
+            ACC=acc,
+            ROWS=_ROWS,
+            BLOCK_D=block_d,
+        )
+    else:
+        grid = (s, triton.cdiv(dim, block_d))
+        _pool_bags[grid](
+            weight,
+            ids,
+            offsets,
+            psw,
+            out,
+            dim,
+            weight.stride(0),
+            HAS_PSW=psw is not None,
+            ACC=acc,
+            BLOCK_N=_BLOCK_N,
+            BLOCK_D=block_d,
+        )
+    return out
+
+
+class _TritonPooled(torch.autograd.Function):
+    """The forward kernel; the backward keeps its gradient beside the storage for the fused update."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, offsets, psw, compute_dtype, storage, one_per_bag):
+        ctx.storage = storage
+        ctx.one_per_bag = one_per_bag
+        ctx.save_for_backward(ids, offsets, psw)
+        return pool(weight, ids, offsets, psw, compute_dtype, one_per_bag)
+
+    @staticmethod
+    def backward(ctx, grad):  # (S, D)
+        ids, offsets, psw = ctx.saved_tensors
+        ctx.storage.defer_grad(ids, grad.contiguous(), offsets, psw, ctx.one_per_bag)
+        return None, None, None, None, None, None, None
+
+
+def pooled_lookup(
+    storage,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    psw: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+    one_per_bag: bool,
+) -> torch.Tensor:
+    """:func:`hybridembed.kernels.pooled_lookup` with Triton kernels: ``storage.weight``'s rows
+    ``ids`` (N,) pooled into bags ``offsets`` (S+1,) -> (S, D). The gradient is kept by
+    ``storage`` (see the module docstring). Per-id weights that need a gradient of their own
+    are the caller's to send to the eager path."""
+    weight = storage.weight
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return pool(weight.detach(), ids, offsets, psw, compute_dtype, one_per_bag)
+    return _TritonPooled.apply(weight, ids, offsets, psw, compute_dtype, storage, one_per_bag)
+
+
+# --- the fused reduce and update -------------------------------------------------------------
+def fusable(optimizer, hp: dict) -> bool:
+    """The fused update implements ``optimizer`` with these hyper-parameters."""
+    name = getattr(optimizer, "name", None)
+    if name not in FUSED:
+        return False
+    return not (name == "SGD" and hp.get("momentum"))
+
+
+@triton.jit
+def _update_row(
+    weight,
+    s1,
+    s2,
+    row,
+    g,
+    d,
+    dm,
+    D,
+    stride_w,
+    stride_s,
+    lr,
+    eps,
+    b1,
+    b2,
+    wd,
+    OPT: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    SKIP_ZERO: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """One optimizer step on row ``row`` with its summed gradient ``g`` (BLOCK_D,), in ACC."""
+    keep = dm
+    if SKIP_ZERO:  # a dynamic table's default row is never updated
+        keep = dm & ((row + d * 0) != 0)
+    row = row.to(tl.int64)
+    wp = weight + row * stride_w + d
+    w = tl.load(wp, mask=keep, other=0.0).to(ACC)
+    if MAXIMIZE:
+        g = -g
+    g = g + wd * w  # L2 weight decay (wd = 0: none)
+    if OPT == 0:  # SGD
+        w = w - lr * g
+    elif OPT == 1:  # Adagrad: lr is the decayed lr of this step
+        sp = s1 + row * stride_s + d
+        s = tl.load(sp, mask=keep, other=0.0) + g * g
+        tl.store(sp, s, mask=keep)
+        w = w - lr * (g / (tl.sqrt(s) + eps))
+    elif OPT == 2:  # row-wise Adagrad: one accumulator per row, the mean square of the row's gradient
+        ms = tl.sum(tl.where(dm, g * g, 0.0), 0) / D
+        first = keep & (d == 0)  # (one lane reads and writes the row's accumulator)
+        s = tl.sum(tl.load(s1 + row + d * 0, mask=first, other=0.0), 0) + ms
+        tl.store(s1 + row + d * 0, s + tl.zeros_like(ms + d * 0), mask=first)
+        w = w - lr * (g * (1.0 / (tl.sqrt(s) + eps)))
+    else:  # Adam (SparseAdam's formula): lr is the bias-corrected step size
+        mp = s1 + row * stride_s + d
+        vp = s2 + row * stride_s + d
+        m = tl.load(mp, mask=keep, other=0.0)
+        v = tl.load(vp, mask=keep, other=0.0)
+        m = m + (1.0 - b1) * (g - m)
+        v = v * b2 + (1.0 - b2) * (g * g)
+        tl.store(mp, m, mask=keep)
+        tl.store(vp, v, mask=keep)
+        w = w - lr * (m / (tl.sqrt(v) + eps))
+    tl.store(wp, w.to(weight.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _reduce_update(
+    sorted_ids,
+    perm,
+    bag_of,
+    psw,
+    grad,
+    buf,
+    weight,
+    s1,
+    s2,
+    N,
+    D,
+    stride_w,
+    stride_s,
+    lr,
+    eps,
+    b1,
+    b2,
+    wd,
+    HOT1: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    OPT: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    SKIP_ZERO: tl.constexpr,
+    ACC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Chunk c of the sorted ids: complete runs updated here, cut runs' partial sums to buf[c]."""
+    c = tl.program_id(0)
+    p0 = c * CHUNK
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    first = tl.load(sorted_ids + p0)
+    prev = tl.load(sorted_ids + p0 - 1, mask=p0 > 0, other=-1)
+    head = (p0 > 0) & (prev == first)  # the chunk's first run began in an earlier chunk
+    acc = tl.zeros([BLOCK_D], dtype=ACC)
+    for k in range(0, CHUNK):
+        p = p0 + k
+        if p < N:
+            row = tl.load(sorted_ids + p)
+            src = tl.load(perm + p).to(tl.int64)  # the id's position in the batch
+            if HOT1:
+                bag = src
+            else:
+                bag = tl.load(bag_of + src)
+            g = tl.load(grad + bag * D + d, mask=dm, other=0.0).to(ACC)
+            if HAS_PSW:
+                g = g * tl.load(psw + src).to(ACC)
+            acc += g
+            nxt = tl.load(sorted_ids + p + 1, mask=p + 1 < N, other=-1)
+            if nxt != row:  # the run ends here
+                if head:  # (began in an earlier chunk: _finish_runs completes it)
+                    tl.store(buf + (2 * c) * BLOCK_D + d, acc)
+                else:
+                    _update_row(
+                        weight,
+                        s1,
+                        s2,
+                        row,
+                        acc,
+                        d,
+                        dm,
+                        D,
+                        stride_w,
+                        stride_s,
+                        lr,
+                        eps,
+                        b1,
+                        b2,
+                        wd,
+                        OPT,
+                        MAXIMIZE,
+                        SKIP_ZERO,
+                        ACC,
+                    )
+                acc = tl.zeros([BLOCK_D], dtype=ACC)
+                head = p < 0  # (False, as a tensor: the loop carries one type)
+            elif k == CHUNK - 1:  # the chunk ends inside a run
+                if head:
+                    tl.store(buf + (2 * c) * BLOCK_D + d, acc)
+                else:
+                    tl.store(buf + (2 * c + 1) * BLOCK_D + d, acc)
+
+
+@triton.jit
+def _finish_runs(
+    sorted_ids,
+    buf,
+    weight,
+    s1,
+    s2,
+    N,
+    D,
+    stride_w,
+    stride_s,
+    lr,
+    eps,
+    b1,
+    b2,
+    wd,
+    OPT: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    SKIP_ZERO: tl.constexpr,
+    ACC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The run that starts in chunk c and goes on past it (if any): summed and updated."""
+    c = tl.program_id(0)
+    p0 = c * CHUNK
+    q = tl.minimum(p0 + CHUNK, N) - 1  # the chunk's last position
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    row = tl.load(sorted_ids + q)
+    nxt = tl.load(sorted_ids + q + 1, mask=q + 1 < N, other=-1)
+    first = tl.load(sorted_ids + p0)
+    prev = tl.load(sorted_ids + p0 - 1, mask=p0 > 0, other=-1)
+    through = (p0 > 0) & (prev == first) & (first == row)  # the run began before this chunk
+    if (nxt == row) & (through == 0):
+        acc = tl.load(buf + (2 * c + 1) * BLOCK_D + d)
+        k = c + 1
+        more = nxt == row
+        while more:  # the run's partial sums, chunk by chunk, to the chunk where it ends
+            acc += tl.load(buf + (2 * k) * BLOCK_D + d)
+            qk = tl.minimum(k * CHUNK + CHUNK, N) - 1
+            last = tl.load(sorted_ids + qk)
+            after = tl.load(sorted_ids + qk + 1, mask=qk + 1 < N, other=-1)
+            more = (last == row) & (after == row)
+            k += 1
+        _update_row(
+            weight, s1, s2, row, acc, d, dm, D, stride_w, stride_s, lr, eps, b1, b2, wd, OPT, MAXIMIZE, SKIP_ZERO, ACC
+        )
+
+
+def apply_fused(
+    storage, ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw: torch.Tensor | None, hp: dict
+) -> None:
+    """One optimizer step of ``storage`` from a kept lookup gradient: ids (N,) (row slots),
+    the bags' gradient ``grad`` (S, D), each id's bag ``bag_of`` (N,) (None: id i is bag i) and
+    multiplier ``psw`` (N,) or None. Duplicate ids are summed first (DESIGN.md, invariant 2).
+    ``storage.step`` must already count this step."""
+    n, dim = ids.numel(), storage.dim
+    if n == 0:
+        return
+    opt, step = storage.optimizer, storage.step
+    name = opt.name
+    lr, eps, b1, b2 = float(hp["lr"]), float(hp.get("eps", 0.0)), 0.0, 0.0
+    if name == "Adagrad":
+        lr = lr / (1 + (step - 1) * hp["lr_decay"])
+    elif name == "Adam":
+        b1, b2 = (float(b) for b in hp["betas"])
+        lr = lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+    names = list(opt.state_spec(hp))
+    weight = storage.weight.detach()
+    s1 = storage.state[names[0]] if names else weight
+    s2 = storage.state[names[1]] if len(names) > 1 else s1
+    key = ids.to(torch.int32) if weight.shape[0] < 2**31 else ids.to(torch.int64)
+    sorted_ids, perm = torch.sort(key, stable=True)  # (N,): equal rows side by side, in batch order
+    chunks = triton.cdiv(n, _CHUNK)
+    block_d = triton.next_power_of_2(dim)
+    acc = _acc(storage.compute_dtype)
+    buf = torch.empty(2 * chunks, block_d, dtype=storage.compute_dtype, device=weight.device)
+    if bag_of is not None and bag_of.dtype != torch.int64:
+        bag_of = bag_of.to(torch.int64)
+    args = (weight, s1, s2, n, dim, weight.stride(0), s1.stride(0), lr, eps, b1, b2, float(hp.get("weight_decay", 0.0)))
+    flags = dict(
+        OPT=FUSED[name],
+        MAXIMIZE=bool(hp.get("maximize", False)),
+        SKIP_ZERO=bool(storage.keyed),
+        ACC=acc,
+        CHUNK=_CHUNK,
+        BLOCK_D=block_d,
+    )
+    _reduce_update[(chunks,)](
+        sorted_ids, perm, bag_of, psw, grad, buf, *args, HOT1=bag_of is None, HAS_PSW=psw is not None, **flags
+    )
+    _finish_runs[(chunks,)](sorted_ids, buf, *args, **flags)

@@ -1,0 +1,230 @@
+"""The Triton lookup and fused update against the eager ops (CPU: Triton's interpreter, small sizes)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import hybridembed as he  # noqa: E402
+from hybridembed.kernels import pooled_lookup  # noqa: E402
+from hybridembed.kernels import triton_lookup as tk  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _bags(lengths, rows, hot=None):
+    """Ids (N,) of bags of these lengths, with a hot id repeated in many bags (duplicates over chunks)."""
+    lengths = torch.tensor(lengths)
+    n = int(lengths.sum())
+    ids = torch.randint(0, rows, (n,))
+    if hot is not None and n:
+        ids[torch.rand(n) < hot] = 3
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return ids.to(DEVICE), offsets.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_forward_matches_eager(dtype, weighted):
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    weight = torch.randn(50, 12, device=DEVICE).to(dtype)  # D = 12: not a power of two
+    lengths = [0, 3, 1, 0, 17, 2, 40, 0]  # empty bags, and bags longer than a block
+    ids, offsets = _bags(lengths, 50, hot=0.3)
+    psw = torch.rand(ids.numel(), device=DEVICE, dtype=cdt) if weighted else None
+    got = tk.pool(weight, ids, offsets, psw, cdt, one_per_bag=False)
+    want = pooled_lookup(weight, ids, offsets, psw, cdt)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # one id per bag (one-hot and sequence features): the gather kernel
+    ids1 = ids[:37]
+    off1 = torch.arange(38, device=DEVICE)
+    psw1 = None if psw is None else psw[:37]
+    got = tk.pool(weight, ids1, off1, psw1, cdt, one_per_bag=True)
+    torch.testing.assert_close(got, pooled_lookup(weight, ids1, off1, psw1, cdt), rtol=tol, atol=tol)
+
+
+def test_forward_empty():
+    weight = torch.randn(5, 4, device=DEVICE)
+    out = tk.pool(
+        weight,
+        torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        None,
+        torch.float32,
+        False,
+    )
+    assert out.shape == (0, 4)
+    out = tk.pool(
+        weight,
+        torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        torch.zeros(4, dtype=torch.int64, device=DEVICE),
+        None,
+        torch.float32,
+        False,
+    )
+    assert torch.equal(out, torch.zeros(3, 4, device=DEVICE))
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.5),
+    "sgd_wd_max": lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.01, maximize=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.3, lr_decay=0.01),
+    "rowwise": None,  # he.optim.RowWiseAdagrad
+    "adam": lambda p: torch.optim.Adam(p, lr=0.05, weight_decay=0.001),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),  # no fused update: eager reduce
+}
+
+
+def _model(kernels, dtype=torch.float32, dynamic=False):
+    torch.manual_seed(1)
+    dyn = he.Dynamic(capacity=64) if dynamic else None
+    rows = (lambda n: None) if dynamic else (lambda n: n)
+    tables = [
+        he.TableConfig("a", rows(40), 8, combiner="mean", dtype=dtype, dynamic=dyn),
+        he.TableConfig("b", rows(30), 8, combiner="sum", dtype=dtype, dynamic=dyn),
+        he.TableConfig("s", rows(20), 8, combiner="none", dtype=dtype, dynamic=dyn),
+    ]
+    ec = he.EmbeddingCollection(tables, device=DEVICE, kernels=kernels, sequence_output="padded")
+    return torch.nn.ModuleDict({"ec": ec, "mlp": torch.nn.Linear(8, 1).to(DEVICE)})
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    la = torch.randint(0, 6, (16,), generator=g)
+    a = torch.randint(0, 40, (int(la.sum()),), generator=g)
+    a[torch.rand(a.numel(), generator=g) < 0.5] = 7  # a hot id: runs across several chunks
+    b = torch.randint(0, 30, (16,), generator=g)
+    b[:10] = 2
+    s = torch.randint(0, 20, (16, 3), generator=g)
+    s[0, 1] = -1
+    w = torch.rand(a.numel(), generator=g)
+    return {
+        "a": he.Jagged(a, torch.cat([torch.zeros(1, dtype=torch.int64), la.cumsum(0)]), w).to(DEVICE),
+        "b": b.to(DEVICE),
+        "s": s.to(DEVICE),
+    }
+
+
+def _loss(model, batch):
+    out = model["ec"](batch)
+    x = out["a"] + out["b"] + out["s"].sum(1)
+    return (model["mlp"](x) ** 2).mean()
+
+
+def _opt(name, model):
+    if name == "rowwise":
+        return he.wrap_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, sparse=he.optim.RowWiseAdagrad(lr=0.2)
+        )
+    return he.wrap_optimizer(OPTIMIZERS[name](model.parameters()), model)
+
+
+def _train(kernels, name, steps=3, dtype=torch.float32, dynamic=False, accumulate=1, clip=None):
+    model = _model(kernels, dtype, dynamic)
+    opt = _opt(name, model)
+    for step in range(steps):
+        for k in range(accumulate):
+            _loss(model, _batch(10 * step + k)).backward()
+        if clip is not None:
+            he.clip_grad_norm_(model, clip)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _assert_same(got, want, tol):
+    for name in want["ec"].tables:  # rows and optimizer state by id (a dynamic table's free slots hold garbage)
+        ids_g, rows_g, state_g = got["ec"].storage_of(name).read_ids(name)
+        ids_w, rows_w, state_w = want["ec"].storage_of(name).read_ids(name)
+        assert torch.equal(ids_g, ids_w)
+        torch.testing.assert_close(rows_g.float(), rows_w.float(), rtol=tol, atol=tol)
+        for k in state_w:
+            torch.testing.assert_close(state_g[k], state_w[k], rtol=tol, atol=tol)
+    assert [st.step for st in got["ec"].storages] == [st.step for st in want["ec"].storages]
+    torch.testing.assert_close(got["mlp"].weight, want["mlp"].weight, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fused_update_matches_eager(name):
+    _assert_same(_train("triton", name), _train("eager", name), 1e-5)
+
+
+def test_fused_update_is_used():
+    model = _model("triton")
+    opt = _opt("adagrad", model)
+    _loss(model, _batch(0)).backward()
+    storages = list(model["ec"].storages)
+    assert all(st.fused_ready() and st.weight.grad is None for st in storages)
+    opt.step()
+    assert not any(st._deferred for st in storages)
+
+
+def test_dynamic_tables_fused():
+    _assert_same(_train("triton", "adagrad", dynamic=True), _train("eager", "adagrad", dynamic=True), 1e-5)
+
+
+def test_half_rows_fp32_state():
+    got = _train("triton", "adam", dtype=torch.bfloat16)
+    want = _train("eager", "adam", dtype=torch.bfloat16)
+    _assert_same(got, want, 2e-2)
+    assert got["ec"].storages[0].weight.dtype == torch.bfloat16
+    assert got["ec"].storages[0].state["exp_avg"].dtype == torch.float32
+
+
+def test_accumulation_and_clipping_take_the_eager_reduce():
+    _assert_same(_train("triton", "adagrad", accumulate=2), _train("eager", "adagrad", accumulate=2), 1e-5)
+    _assert_same(_train("triton", "adagrad", clip=0.01), _train("eager", "adagrad", clip=0.01), 1e-5)
+
+
+def test_without_optimizer_the_gradient_is_the_eager_one():
+    got, want = _model("triton"), _model("eager")
+    _loss(got, _batch(0)).backward()
+    _loss(want, _batch(0)).backward()
+    for a, b in zip(got["ec"].storages, want["ec"].storages):
+        torch.testing.assert_close(a.weight.grad.to_dense(), b.weight.grad.to_dense())
+
+
+def test_zero_grad_drops_kept_gradients():
+    model = _model("triton")
+    opt = _opt("sgd", model)
+    before = [st.weight.detach().clone() for st in model["ec"].storages]
+    _loss(model, _batch(0)).backward()
+    opt.zero_grad()
+    opt.step()
+    assert all(torch.equal(b, st.weight) for b, st in zip(before, model["ec"].storages))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise", "adam"])
+def test_fused_update_hot_ids_many_chunks(name):
+    """One id in hundreds of bags (runs over many chunks), many distinct ids, against the eager update."""
+    from hybridembed.optim import sparse as so
+
+    opt = {
+        "sgd": so.SGD(lr=0.1),
+        "adagrad": so.Adagrad(lr=0.1),
+        "rowwise": so.RowWiseAdagrad(lr=0.1),
+        "adam": so.Adam(lr=0.1),
+    }[name]
+    sts = []
+    for _ in range(2):
+        st = he.EmbeddingCollection([he.TableConfig("t", 300, 5)], device=DEVICE).storages[0]
+        st.attach_optimizer(opt, dict(opt.hparams))
+        sts.append(st)
+    n = 700
+    ids = torch.randint(0, 300, (n,), device=DEVICE)
+    ids[torch.rand(n, device=DEVICE) < 0.4] = 11
+    ids[-70:] = 299  # a run ending at the last position, over more than two chunks
+    offsets = torch.arange(0, n + 1, 7, device=DEVICE)
+    grad = torch.randn(offsets.numel() - 1, 5, device=DEVICE)
+    psw = torch.rand(n, device=DEVICE)
+    for _ in range(2):
+        sts[0].defer_grad(ids, grad, offsets, psw, False)
+        assert sts[0].fused_ready()
+        sts[0].apply_fused(sts[0].hparams)
+        sts[1].defer_grad(ids, grad, offsets, psw, False)
+        r = sts[1].grad_rows()
+        sts[1].apply_gradient(r[0], r[1], sts[1].hparams)
+        sts[1].clear_grad()
+    torch.testing.assert_close(sts[0].weight, sts[1].weight, rtol=1e-5, atol=1e-6)
+    for k in sts[1].state:
+        torch.testing.assert_close(sts[0].state[k], sts[1].state[k], rtol=1e-5, atol=1e-6)
