@@ -129,6 +129,14 @@ def get_logger(name: str = "hybridembed") -> logging.Logger:
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # HYBRIDEMBED_LOG_LEVEL, any case
 
 
+def device_tensor(values: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` without waiting for the device: built
+    on the host and copied asynchronously (a blocking host-to-device copy waits for every kernel
+    queued before it; CUDA stages a pageable source at once, so the copy is safe)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+
+
 def kept_tensor(owner: Any, name: str, n: int, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``make()`` for size ``n`` on ``device``, kept in ``owner.__dict__[name]`` for later calls of the
     same size (at most 16 sizes): read-only tensors a hot path would otherwise rebuild every call."""

@@ -33,7 +33,7 @@ from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
-from ..utils import kept_tensor
+from ..utils import device_tensor, kept_tensor
 
 __all__ = ["EmbeddingCollection"]
 
@@ -484,12 +484,12 @@ class EmbeddingCollection(nn.Module):
         firsts = torch.cat([j.offsets[:1] for j in js])
         lasts = torch.cat([j.offsets[-1:] for j in js])
         checks.append((firsts == 0).all())
-        checks.append((lasts == torch.tensor(counts, device=device)).all())
+        checks.append((lasts == device_tensor(counts, device)).all())
         if s:
             checks.append((offsets[1:] >= offsets[:-1]).all())
         if lo_hi:
             los, his = torch.stack([m for m, _ in lo_hi]), torch.stack([m for _, m in lo_hi])
-            lim = torch.tensor(bounds, dtype=torch.int64, device=device)  # (F, 2): each table's rows
+            lim = device_tensor(bounds, device, torch.int64)  # (F, 2): each table's rows
             checks.append((los >= lim[:, 0]).all() & (his < lim[:, 1]).all())
         return _GroupBatch(storage, feats, seq, ids, offsets, sizes, counts, torch.stack(checks).all())
 
@@ -516,7 +516,7 @@ class EmbeddingCollection(nn.Module):
                 if consts[2]:
                     ids = ids.view(f, -1).add(consts[0].unsqueeze(1)).view(-1)
             elif n:
-                cnt = torch.tensor(counts, device=device)
+                cnt = device_tensor(counts, device)
                 rows = consts[1].repeat_interleave(cnt, output_size=n)  # (N,)
                 checks.append(((ids >= 0) & (ids < rows)).all())
                 if consts[2]:  # some table starts past row 0
@@ -524,14 +524,14 @@ class EmbeddingCollection(nn.Module):
         if all(self._trusted(j) for j in js):  # one id per bag, offsets made here: nothing to check
             offsets = self._one_per_bag(n, device)
             return _GroupBatch(storage, feats, [], ids, offsets, sizes, counts, _all(checks), one_per_bag=True)
-        cnt = torch.tensor(counts, device=device)
-        offsets = torch.cat([*(j.offsets[:-1] for j in js), torch.tensor([n], device=device)])  # (S+1,)
+        cnt = device_tensor(counts, device)
+        offsets = torch.cat([*(j.offsets[:-1] for j in js), device_tensor([n], device)])  # (S+1,)
         if offsets.dtype != torch.int64:
             offsets = offsets.to(torch.int64)
         if uniform and sizes[0]:
             offsets[:-1].view(f, -1).add_(torch.arange(0, n, counts[0], device=device).unsqueeze(1))
         elif n:
-            offsets[:-1] += torch.cumsum(cnt, 0).sub_(cnt).repeat_interleave(torch.tensor(sizes, device=device))
+            offsets[:-1] += torch.cumsum(cnt, 0).sub_(cnt).repeat_interleave(device_tensor(sizes, device))
         # offsets well formed: each feature's first is 0 and last its id count, the joined ones never decrease
         checks.append((torch.cat([j.offsets[:1] for j in js]) == 0).all())
         checks.append((torch.cat([j.offsets[-1:] for j in js]) == cnt).all())
@@ -548,7 +548,7 @@ class EmbeddingCollection(nn.Module):
                 cache.clear()
             offs = [f.row_offset for f in feats]
             rows = [f.table.num_embeddings or 0 for f in feats]
-            hit = cache[key] = (torch.tensor(offs, device=device), torch.tensor(rows, device=device), any(offs))
+            hit = cache[key] = (device_tensor(offs, device), device_tensor(rows, device), any(offs))
         return hit
 
     def _validate(self, batches: list[_GroupBatch], jagged: dict[str, Jagged]) -> None:

@@ -1,0 +1,83 @@
+"""Host synchronisations of a training step with kernels="triton" (dense tables).
+
+On CUDA, reading a tensor's value on the host (``bool``, ``.item()``, ``.tolist()``), an op whose
+output size depends on the data (``nonzero``, ``unique``, boolean-mask indexing,
+``repeat_interleave`` without ``output_size``) and a blocking host-to-device copy
+(``torch.tensor(values, device=...)``) each wait for the GPU. This test counts those calls in
+one step on the CPU (the same Python runs on CUDA), so a new one fails here. (Id tensors,
+(B,) or (B, H) with padding, cost one more each: dropping the padding gives a data-dependent
+size; pass a Jagged. So does
+``sequence_output="padded"``: its length is the longest sequence's.)
+"""
+
+import contextlib
+import traceback
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import hybridembed as he  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def count_syncs():
+    calls = []
+    patched = []
+
+    def wrap(owner, name, when=lambda *a, **k: True):
+        real = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            caller = traceback.extract_stack(limit=2)[
+                0
+            ]  # (torch's own calls, e.g. torch.optim's CPU step counts, are not ours)
+            if "hybridembed" in caller.filename and when(*args, **kwargs):
+                calls.append(f"{name} at {caller.filename.rsplit('/', 1)[-1]}:{caller.lineno}")
+            return real(*args, **kwargs)
+
+        setattr(owner, name, counted)
+        patched.append((owner, name, real))
+
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__", "nonzero", "unique"):
+        wrap(torch.Tensor, name)
+    for name in ("nonzero", "unique", "unique_consecutive", "masked_select"):
+        wrap(torch, name)
+    wrap(torch, "repeat_interleave", lambda *a, **k: len(a) > 1 and "output_size" not in k)
+    wrap(torch, "tensor", lambda *a, **k: k.get("device") is not None)
+    try:
+        yield calls
+    finally:
+        for owner, name, real in reversed(patched):
+            setattr(owner, name, real)
+
+
+def test_one_sync_per_training_step():
+    tables = [he.TableConfig(f"t{i}", 1000, 16, combiner=c) for i, c in enumerate(["sum", "mean", "sum", "none"])]
+    ec = he.EmbeddingCollection(tables, device=DEVICE, kernels="triton", sequence_output="jagged")
+    mlp = torch.nn.Linear(16, 1).to(DEVICE)
+    model = torch.nn.ModuleDict({"ec": ec, "mlp": mlp})
+    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
+    b = 64
+    lengths = torch.randint(0, 5, (b,))
+    jag = he.Jagged(
+        torch.randint(0, 1000, (int(lengths.sum()),)), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    )
+    fixed = [he.Jagged(torch.randint(0, 1000, (b * h,)), torch.arange(0, b * h + 1, h)) for h in (1, 3, 4)]
+    batch = {"t0": fixed[0], "t1": jag, "t2": fixed[1], "t3": fixed[2]}
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+
+    def step():
+        out = ec(batch)
+        loss = mlp(out["t0"] + out["t1"] + out["t2"] + out["t3"].values.sum()).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # (first step: caches built)
+    with count_syncs() as calls:
+        step()
+    assert len(calls) == 1 and calls[0].startswith("__bool__ at collection.py"), calls  # the input validation
