@@ -121,7 +121,15 @@ def _run_sharded(rank: int, world: int, case: dict) -> dict:
     tables = _tables(case["dynamic"])
     features = {f: t for f, t in FEATURES.items() if any(t == x.name for x in tables)}
     plan = _plan(world, tables, case["plan"], case["optimizer"])
-    ec = ShardedCollection(tables, features, plan, reduction=case["reduction"], seed=3, dedup=case.get("dedup", False))
+    ec = ShardedCollection(
+        tables,
+        features,
+        plan,
+        reduction=case["reduction"],
+        seed=3,
+        dedup=case.get("dedup", False),
+        kernels=case.get("kernels", "auto"),
+    )
     batches = []
     for step in range(case["steps"]):
         sizes = case["sizes"]

@@ -332,6 +332,7 @@ def _shard(
         weights=weights,
         dedup=dedup,
         memory_per_rank=budget,
+        kernels=getattr(ec, "kernels", "auto"),
     )
     sharded.train(ec.training)
     return sharded

@@ -165,6 +165,7 @@ class ShardedCollection(nn.Module):
         weights: ``{table: (rows, dim) tensor}`` initial rows of dense tables (each rank
             copies its shards' slices); tables not given start from their row-keyed
             initializer (equal to the unsharded collection's).
+        kernels: the kernel backend of this rank's shards (as :class:`EmbeddingCollection`).
 
     Every rank must build it with the same tables, features, seed and plan (compared at
     construction: the first difference is named) and must make the same lookups in the
@@ -189,6 +190,7 @@ class ShardedCollection(nn.Module):
         weights: Mapping[str, torch.Tensor] | None = None,
         dedup: bool = False,
         memory_per_rank: int | None = None,
+        kernels: str = "auto",
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -257,14 +259,22 @@ class ShardedCollection(nn.Module):
             if local_names[(t, pos)] in mine
         }
         self.local = (
-            EmbeddingCollection(local_tables, local_features, seed=self.seed, device=device, pad=self.pad)
+            EmbeddingCollection(
+                local_tables, local_features, seed=self.seed, device=device, pad=self.pad, kernels=kernels
+            )
             if local_tables
             else None
         )
         rep_features = {f: t for f, t in self.features.items() if self._routes[t].kind == "local"}
         self.replicated = (
             EmbeddingCollection(
-                replicated, rep_features, seed=self.seed, device=device, sequence_output=sequence_output, pad=self.pad
+                replicated,
+                rep_features,
+                seed=self.seed,
+                device=device,
+                sequence_output=sequence_output,
+                pad=self.pad,
+                kernels=kernels,
             )
             if replicated
             else None
