@@ -56,17 +56,17 @@ def count_syncs():
 
 
 def test_one_sync_per_training_step():
-    tables = [he.TableConfig(f"t{i}", 1000, 16, combiner=c) for i, c in enumerate(["sum", "mean", "sum", "none"])]
+    tables = [he.TableConfig(f"t{i}", 100, 8, combiner=c) for i, c in enumerate(["sum", "mean", "sum", "none"])]
     ec = he.EmbeddingCollection(tables, device=DEVICE, kernels="triton", sequence_output="jagged")
-    mlp = torch.nn.Linear(16, 1).to(DEVICE)
+    mlp = torch.nn.Linear(8, 1).to(DEVICE)
     model = torch.nn.ModuleDict({"ec": ec, "mlp": mlp})
     opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
-    b = 64
+    b = 16
     lengths = torch.randint(0, 5, (b,))
     jag = he.Jagged(
-        torch.randint(0, 1000, (int(lengths.sum()),)), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        torch.randint(0, 100, (int(lengths.sum()),)), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     )
-    fixed = [he.Jagged(torch.randint(0, 1000, (b * h,)), torch.arange(0, b * h + 1, h)) for h in (1, 3, 4)]
+    fixed = [he.Jagged(torch.randint(0, 100, (b * h,)), torch.arange(0, b * h + 1, h)) for h in (1, 3, 4)]
     batch = {"t0": fixed[0], "t1": jag, "t2": fixed[1], "t3": fixed[2]}
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
 
