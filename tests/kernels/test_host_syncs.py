@@ -81,3 +81,49 @@ def test_one_sync_per_training_step():
     with count_syncs() as calls:
         step()
     assert len(calls) == 1 and calls[0].startswith("__bool__ at collection.py"), calls  # the input validation
+
+
+def _tensor_inputs(pad: bool, bad: bool = False) -> dict:
+    g = torch.Generator().manual_seed(5)
+    one = torch.randint(0, 100, (12,), generator=g)
+    two = torch.randint(0, 100, (12, 3), generator=g)
+    if pad:
+        one[3], two[2, 1], two[5] = -1, -1, -1
+    if bad:
+        two[4, 2] = 100
+    return {"one": one, "two": two, "seq": two.clone(), "dyn": two.clone()}
+
+
+def _tensor_collection():
+    tables = [
+        he.TableConfig("one", 100, 4),
+        he.TableConfig("two", 100, 4, combiner="mean"),
+        he.TableConfig("seq", 100, 4, combiner="none"),
+        he.TableConfig("dyn", None, 4, dynamic=he.Dynamic()),
+    ]
+    return he.EmbeddingCollection(tables, seed=1)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_id_tensors_on_a_gpu_are_taken_whole_without_a_sync(monkeypatch, pad):
+    """(B,) and (B, H) id tensors on CUDA: taken whole, their padding checked in the one validation
+    sync; with padding, taken again exactly. Shown on the CPU by treating it as such a device."""
+    want = _tensor_collection()(_tensor_inputs(pad))
+    from hybridembed.modules import collection
+
+    monkeypatch.setattr(collection, "_WHOLE_DEVICES", ("cpu", "cuda"))
+    ec = _tensor_collection()
+    with count_syncs() as calls:
+        got = ec(_tensor_inputs(pad))
+    bools = [c for c in calls if c.startswith("__bool__ at collection.py")]
+    assert len(bools) == (3 if pad else 1), calls  # padding: the failed check, which one, the exact path's
+    ours = [c for c in calls if "hashed.py" not in c]  # (the dynamic table's own lookup aside)
+    assert pad or len(ours) == 1, calls  # no padding: nothing but the validation
+    for f in want:
+        a, b = got[f], want[f]
+        if isinstance(b, he.Jagged):
+            assert torch.equal(a.offsets, b.offsets)
+            a, b = a.values, b.values
+        assert torch.equal(a, b), f
+    with pytest.raises(he.InvalidInputError, match="feature 'two'.*100"):
+        ec(_tensor_inputs(pad, bad=True))

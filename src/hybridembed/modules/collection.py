@@ -103,6 +103,10 @@ def _all(checks: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool)
 
 
+# devices where forward takes id tensors whole, checking for padding in the validation's one sync
+# (EmbeddingCollection._unpadded); on the CPU, dropping padding costs no wait
+_WHOLE_DEVICES = ("cuda",)
+
 # below this many ids per feature on average, a group is assembled with per-group ops (_assemble_small)
 _SMALL_PER_FEATURE = 2048
 
@@ -283,16 +287,48 @@ class EmbeddingCollection(nn.Module):
             )
         return j
 
+    def _unpadded(self, inputs: Mapping[str, Any]) -> tuple[dict[str, Jagged], list[torch.Tensor]]:
+        """:meth:`_prepare`, but id tensors ((B,) or (B, H)) on an accelerator are taken whole, as
+        bags of H ids, with the 0-d check that they hold no padding (queued, not synced): dropping
+        padding gives a size that depends on the data, which a GPU would have to report first. The
+        checks join the validation's one sync; when one fails, :meth:`forward` starts over with
+        :meth:`_prepare`."""
+        jagged, assumed = {}, []
+        for f, x in inputs.items() if isinstance(inputs, Mapping) else ():
+            if (
+                isinstance(x, torch.Tensor)
+                and x.device.type in _WHOLE_DEVICES
+                and x.layout == torch.strided
+                and (x.dim() == 1 or (x.dim() == 2 and x.shape[1] > 0))
+                and x.dtype in _INT_DTYPES
+                and f in self._features
+            ):
+                b, h = x.shape[0], x.shape[1] if x.dim() == 2 else 1
+                offsets = self._one_per_bag(b, x.device) if h == 1 else torch.arange(0, b * h + 1, h, device=x.device)
+                jagged[f] = Jagged(x.reshape(-1).to(torch.int64), offsets)
+                assumed.append((x != self.pad).all())
+        if not jagged:
+            return self._prepare(inputs), []
+        rest = self._prepare({f: jagged.get(f, x) for f, x in inputs.items()})  # (checks the others, and the mapping)
+        return rest, assumed
+
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
-        jagged = self._prepare(inputs)
-        batches = [
+        jagged, assumed = self._unpadded(inputs)
+        batches = self._batches(jagged)
+        if not self._validate(batches, jagged, assumed):  # some id tensor had padding: take it exactly
+            jagged = self._prepare(inputs)
+            batches = self._batches(jagged)
+            self._validate(batches, jagged)
+        out = self._run_groups(batches, jagged)
+        return {f: out[f] for f in self._features}
+
+    def _batches(self, jagged: dict[str, Jagged]) -> list[_GroupBatch]:
+        """Every group's batch of ``jagged`` (:meth:`_assemble`)."""
+        return [
             self._assemble(storage, pooled, seq, jagged)
             for storage, (pooled, seq) in zip(self.storages, self._group_features)
             if pooled or seq
         ]
-        self._validate(batches, jagged)
-        out = self._run_groups(batches, jagged)
-        return {f: out[f] for f in self._features}
 
     def lookup(self, feature: str, ids: Any) -> torch.Tensor | Jagged:
         """One feature alone: the same result as ``self({...})[feature]`` without the others.
@@ -551,11 +587,16 @@ class EmbeddingCollection(nn.Module):
             hit = cache[key] = (device_tensor(offs, device), device_tensor(rows, device), any(offs))
         return hit
 
-    def _validate(self, batches: list[_GroupBatch], jagged: dict[str, Jagged]) -> None:
+    def _validate(
+        self, batches: list[_GroupBatch], jagged: dict[str, Jagged], assumed: Sequence[torch.Tensor] = ()
+    ) -> bool:
         """One host sync for every group; on failure, the first bad feature's first bad
-        position is found and raised."""
-        if bool(torch.stack([b.ok for b in batches]).all()):
-            return
+        position is found and raised. ``assumed``: 0-d checks of inputs taken on trust
+        (:meth:`_unpadded`); when one fails, False is returned instead (nothing is raised)."""
+        if bool(torch.stack([b.ok for b in batches] + list(assumed)).all()):
+            return True
+        if assumed and not bool(torch.stack(list(assumed)).all()):
+            return False
         for f in (f for b in batches for f in b.feats):
             j = jagged[f.jkey]
             if not bool(j.ok(f.table.num_embeddings, allow_negative=f.dynamic)):
