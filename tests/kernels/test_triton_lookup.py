@@ -252,3 +252,19 @@ def test_converted_model_matches_eager():
     got, want = _converted("triton"), _converted("eager")
     for (k, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_copy_and_pickle_between_backward_and_step():
+    import copy
+    import io
+
+    model = _model("triton")
+    opt = _opt("adagrad", model)
+    _loss(model, _batch(0)).backward()
+    twin = copy.deepcopy(model)
+    for a, b in zip(twin["ec"].storages, model["ec"].storages):
+        assert getattr(a.weight, "_hybridembed_storage", a) is a  # (never the original's)
+        assert b.weight._hybridembed_storage is b
+    torch.save(model, io.BytesIO())
+    opt.step()
+    assert not any(hasattr(st.weight, "_hybridembed_storage") for st in model["ec"].storages)

@@ -294,8 +294,8 @@ def clip_grad_norm_(
     parameters = list(parameters)
     for p in parameters:  # gradients the Triton kernels kept for a fused update: made into sparse ones
         storage = getattr(p, "_hybridembed_storage", None)
-        if storage is not None and storage() is not None:
-            storage().materialize_grad()
+        if storage is not None:
+            storage.materialize_grad()
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return torch.tensor(0.0)

@@ -9,7 +9,6 @@ per-table ``state_dict`` entries; the storage itself writes none.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -149,7 +148,9 @@ class RowStorage(nn.Module):
         fused reduce-and-update at the optimizer step when the optimizer has one; otherwise made
         into the eager sparse gradient now (``weight.grad``, or the storage's grad sink)."""
         self._deferred.append((ids, grad, offsets, psw, one_per_bag))
-        self.weight._hybridembed_storage = weakref.ref(self)  # (clip_grad_norm_ finds it from the parameter)
+        # (clip_grad_norm_ over a parameter list finds them from the parameter; a plain reference, so that
+        # deepcopy and pickling of a model follow it; dropped once the kept gradients are)
+        self.weight._hybridembed_storage = self
         if self.optimizer is None or not self._fusable():
             self.materialize_grad()
 
@@ -161,7 +162,7 @@ class RowStorage(nn.Module):
     def materialize_grad(self) -> None:
         """Turns the kept lookup gradients into the eager sparse gradient (the reference path):
         before clipping, for an optimizer without a fused update, or a sharded collection's hooks."""
-        entries, self._deferred = self._deferred, []
+        entries = self._take_deferred()
         for ids, grad, offsets, psw, one in entries:
             bags = Bags(offsets, ids.numel(), 1 if one else None)
             self.accumulate_grad(weight_grad(grad, ids, bags, psw, self.weight, self.compute_dtype))
@@ -176,7 +177,7 @@ class RowStorage(nn.Module):
         in one pass (:func:`hybridembed.kernels.triton_lookup.apply_fused`); no host sync."""
         from ..kernels.triton_lookup import apply_fused
 
-        entries, self._deferred = self._deferred, []
+        entries = self._take_deferred()
         self.step += 1
         ids = entries[0][0] if len(entries) == 1 else torch.cat([e[0] for e in entries])  # (N,)
         if ids.numel() == 0:
@@ -204,7 +205,12 @@ class RowStorage(nn.Module):
     def clear_grad(self) -> None:
         """Drops the pending gradient (``zero_grad``)."""
         self.weight.grad = None
-        self._deferred = []
+        self._take_deferred()
+
+    def _take_deferred(self) -> list[tuple]:
+        entries, self._deferred = self._deferred, []
+        self.weight.__dict__.pop("_hybridembed_storage", None)
+        return entries
 
     def accumulate_grad(self, grad: torch.Tensor, distinct: bool = False) -> None:
         """Adds a lookup's sparse gradient (R, D) to ``weight.grad`` (the lookup's grad sink).
