@@ -265,9 +265,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if not 0 < args.scale <= 1 or args.rounds < 1 or args.warmup < 0:
         p.error("--scale must be in (0, 1], --rounds >= 1 and --warmup >= 0")
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available; use --device cpu (with --scale 0.001)")
+    if device.type == "cuda" and device.index is not None:  # kernels launch on the current device
+        torch.cuda.set_device(device)
     why_not = triton_runs(device)
     bandwidth = copy_bandwidth(device, args.copy_mib or (1024 if device.type == "cuda" else 256), args.rounds)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None

@@ -606,6 +606,8 @@ def _check_device(args: argparse.Namespace) -> None:
                 "those"
             )
     args.device = str(dev)
+    if dev.type == "cuda" and dev.index is not None:  # kernels launch on the current device
+        torch.cuda.set_device(dev)
     try:
         check_kernels(args.kernels)
     except ConfigError as e:

@@ -864,6 +864,9 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is not None:  # kernels launch on the current device
+        torch.cuda.set_device(device)
     if job.parallel and args.dataset == "criteo" and not args.data:
         if job.main:  # one writer; the others wait for the file
             generate_if_needed(args)
