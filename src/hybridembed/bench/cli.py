@@ -4,6 +4,7 @@
     hybridembed bench --model criteo-dlrm-like --quick
     hybridembed bench --model embedding-step               # 26 x 200k x 64, batch 8192, one- and multi-hot
     hybridembed bench --memory-only                        # full-size memory of every model, no tensors
+    hybridembed bench --model tiny --full-size --device cuda --kernels triton   # NVIDIA's tiny, 4.2 GiB, batch 65,536
 
 Contenders, built from the same initial weights and fed the same batch in one process:
 ``hybridembed`` (EmbeddingCollection + ``he.wrap_optimizer``), ``per_table`` (one
@@ -16,6 +17,11 @@ Adagrad by default; a BCE-with-logits loss, or a fixed upstream gradient for emb
 workloads). Calls are interleaved round-robin, warm-up steps excluded, medians reported.
 A ratio is anchor ms / contender ms: above 1 is faster than the anchor; against the floor
 it is the fraction of the machine's limit reached.
+
+``--device cuda`` builds every contender, the batch and the floor on the GPU (TorchRec's
+CPU kernel is skipped there) and times each call between two ``torch.cuda.synchronize``;
+peak step memory is then the CUDA allocator's. ``--kernels`` is hybridembed's kernel backend.
+``--full-size`` runs a model at its published size: no row cap, batch 65,536.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+from ..kernels.backend import KERNELS, check_kernels
 from ..utils import OneLineParser, get_logger
 from . import models as M
 from .system import cpu_busy, machine, meminfo, peak_rss, progress
@@ -50,6 +58,7 @@ ANCHORS = ("per_table", "torchrec", "floor")
 SYNTHETIC_MAX_ROWS = 100_000  # synthetic_models.md: "cap each table at 100,000 rows"
 QUICK_MAX_ROWS = 20_000  # still larger than L2 for every table of width >= 16
 QUICK_STEPS, QUICK_WARMUP = 10, 2
+FULL_SIZE_BATCH = 65_536  # the batch of NVIDIA's published runs (synthetic_models.md)
 MEMORY_FRACTION = 0.7  # refuse a run whose tables would need more of MemAvailable than this
 
 
@@ -133,6 +142,27 @@ def build_parser(prog: str = "hybridembed bench") -> argparse.ArgumentParser:
         "never allocated",
     )
     p.add_argument(
+        "--full-size",
+        action="store_true",
+        help=f"run the model at its published size: no --max-rows cap and --batch {FULL_SIZE_BATCH:,} (unless "
+        "given; embedding-step keeps its 8192). tiny: 55 tables, 4.2 GiB of rows (8.4 with Adagrad) per contender: "
+        "meant for a GPU (--device cuda)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEV",
+        help="where the contenders, the batch and the floor live: cpu, cuda or cuda:N (default cpu; TorchRec's CPU "
+        "kernel is skipped on cuda)",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=list(KERNELS),
+        default="auto",
+        help="hybridembed's kernel backend: eager (PyTorch ops), triton (Triton kernels on CUDA; needs the gpu "
+        "extra), auto (HYBRIDEMBED_KERNELS, else eager) (default auto)",
+    )
+    p.add_argument(
         "--steps",
         type=_positive(int),
         metavar="N",
@@ -202,9 +232,18 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def step_peak_bytes(fn: Callable[[], object]) -> int | None:
+def step_peak_bytes(fn: Callable[[], object], device: torch.device | str | None = None) -> int | None:
     """Peak bytes allocated above the starting point during one call, from the profiler's
-    memory events (allocator-independent: counts what is allocated, not what glibc keeps)."""
+    memory events (allocator-independent: counts what is allocated, not what glibc keeps);
+    on CUDA, from the CUDA caching allocator's peak of allocated bytes."""
+    dev = torch.device(device if device is not None else "cpu")
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        start = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        fn()
+        torch.cuda.synchronize(dev)
+        return max(torch.cuda.max_memory_allocated(dev) - start, 0)
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -235,7 +274,7 @@ def _floor_step(ref: M.SyntheticModel, spec: M.ModelSpec, batch: M.Batch) -> tup
         start, base = {}, 0
         for t in ts:
             start[t.name], base = base, base + t.rows
-        w = torch.empty(base, width)  # (R, D)
+        w = torch.empty(base, width, device=batch.dense.device)  # (R, D)
         for t in ts:
             w[start[t.name] : start[t.name] + t.rows].copy_(ref.embeddings.weight(t.name))
         ids = torch.cat([batch.sparse[i.name].values + start[i.table] for i in inputs if i.width == width])
@@ -304,6 +343,7 @@ def _ratios(times: dict[str, float], contenders: Sequence[str], anchors: Sequenc
 def _bench_model(name: str, args: argparse.Namespace, anchors: list[str], notes: dict[str, str]) -> list[dict]:
     specs = [M.scale(s, args.max_rows) for s in M.workloads(name)]
     first = specs[0]
+    device = args.device
     backends = ["hybridembed"] + [b for b in ("per_table", "torchrec") if b in anchors and b not in notes]
     tables, _ = M.expand(first)
     params = sum(t.rows * t.width for t in tables)
@@ -313,16 +353,18 @@ def _bench_model(name: str, args: argparse.Namespace, anchors: list[str], notes:
         progress(f"{name}: building {b} ({len(tables)} tables, {params / 1e6:.1f}M parameters)")
         t0 = time.perf_counter()
         ref = models["hybridembed"][0] if b != "hybridembed" else None
-        models[b] = M.build_model(first, b, args.optimizer, args.lr, seed=args.seed, like=ref)
+        models[b] = M.build_model(
+            first, b, args.optimizer, args.lr, seed=args.seed, like=ref, device=device, kernels=args.kernels
+        )
         build_s[b] = time.perf_counter() - t0
     runs = []
     for k, spec in enumerate(specs):
         gen = torch.Generator().manual_seed(args.seed + 1 + k)
-        batch = M.make_batch(spec, args.batch or M.default_batch(spec, args.quick), gen)
+        batch = M.make_batch(spec, _batch_size(spec, args), gen).to(device)  # (made on the CPU: the same ids anywhere)
         b = batch.dense.shape[0]
         xs = {n: m.embeddings.native_input(batch.sparse) for n, (m, _) in models.items()}
         _, inputs = M.expand(spec)
-        grads = [torch.randn(b, i.width, generator=gen) for i in inputs]  # fixed upstream gradient
+        grads = [torch.randn(b, i.width, generator=gen).to(device) for i in inputs]  # fixed upstream gradient
         ref_out = _output(models["hybridembed"][0], xs["hybridembed"], batch)
         max_diff = {n: float((_output(m, xs[n], batch) - ref_out).abs().max()) for n, (m, _) in models.items()}
         fns = {n: _train_step(m, o, xs[n], batch, grads) for n, (m, o) in models.items()}
@@ -336,9 +378,9 @@ def _bench_model(name: str, args: argparse.Namespace, anchors: list[str], notes:
         progress(f"{spec.name}: timing {', '.join(fns)}: {args.warmup} warm-up + {args.steps} steps, interleaved")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sparse invariant checks")
-            timing = time_interleaved(fns, steps=args.steps, warmup=args.warmup)
+            timing = time_interleaved(fns, steps=args.steps, warmup=args.warmup, device=device)
             progress(f"{spec.name}: measuring peak step memory")
-            peaks = {n: step_peak_bytes(fns[n]) for n in models}
+            peaks = {n: step_peak_bytes(fns[n], device) for n in models}
         # every contender has now taken the same steps on the same batch: same weights, same outputs
         ref_out = _output(models["hybridembed"][0], xs["hybridembed"], batch)
         diff_after = {n: float((_output(m, xs[n], batch) - ref_out).abs().max()) for n, (m, _) in models.items()}
@@ -346,6 +388,15 @@ def _bench_model(name: str, args: argparse.Namespace, anchors: list[str], notes:
             _record(spec, batch, models, timing, peaks, build_s, (max_diff, diff_after), distinct, anchors, args)
         )
     return runs
+
+
+def _batch_size(spec: M.ModelSpec, args: argparse.Namespace) -> int:
+    """--batch; else the workload's own; else 65,536 with --full-size; else the scaled default."""
+    if args.batch:
+        return args.batch
+    if args.full_size and spec.batch is None:
+        return FULL_SIZE_BATCH
+    return M.default_batch(spec, args.quick)
 
 
 def _record(
@@ -392,6 +443,7 @@ def _record(
         "workload": spec.name,
         "batch": b,
         "max_rows": args.max_rows,
+        "device": str(args.device),
         "tables": len(tables),
         "inputs": len(inputs),
         "ids_per_sample": spec.ids_per_sample,
@@ -406,9 +458,19 @@ def _record(
     }
 
 
-def _check_fits(full: M.ModelSpec, max_rows: int | None, contenders: int, floor: bool, optimizer: str) -> None:
-    """Refuses, before allocating, a run whose tables would not fit in memory."""
-    available = meminfo("MemAvailable")
+def _free_bytes(device: str) -> tuple[int | None, str]:
+    """(bytes free for the tables, where): the GPU's free memory on CUDA, else MemAvailable."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0], f"free on {device}"
+    return meminfo("MemAvailable"), "available"
+
+
+def _check_fits(
+    full: M.ModelSpec, max_rows: int | None, contenders: int, floor: bool, optimizer: str, device: str = "cpu"
+) -> None:
+    """Refuses, before allocating, a run whose tables would not fit in memory (the GPU's on CUDA)."""
+    available, where = _free_bytes(device)
     if available is None:
         return
 
@@ -421,10 +483,11 @@ def _check_fits(full: M.ModelSpec, max_rows: int | None, contenders: int, floor:
     cap = max_rows or max(e.rows for e in full.embeddings)
     while cap > 1000 and need(cap) > MEMORY_FRACTION * available:
         cap //= 2
+    size = "at full size" if max_rows is None else f"at --max-rows {max_rows}"
     raise UsageError(
-        f"{full.name} at --max-rows {max_rows} needs ~{_gib(need(max_rows))} GiB of tables for {contenders} "
-        f"contender(s), above {MEMORY_FRACTION:.0%} of the {_gib(available)} GiB available; "
-        f"use --max-rows {cap} or fewer --anchors"
+        f"{full.name} {size} needs ~{_gib(need(max_rows))} GiB of tables for {contenders} "
+        f"contender(s), above {MEMORY_FRACTION:.0%} of the {_gib(available)} GiB {where}; "
+        f"use --max-rows {cap}{' (without --full-size)' if max_rows is None else ''} or fewer --anchors"
     )
 
 
@@ -525,10 +588,43 @@ def write_chart(results: dict[str, Any], path: str) -> bool:
 
 
 # --- entry points ------------------------------------------------------------------------------
+def _check_device(args: argparse.Namespace) -> None:
+    """Refuses a --device that is not there and a --kernels that cannot run (UsageError)."""
+    try:
+        dev = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise UsageError(f"--device {args.device}: CUDA is not available ({why}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(
+                f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s); give one of "
+                "those"
+            )
+    args.device = str(dev)
+    if dev.type == "cuda" and dev.index is not None:  # kernels launch on the current device
+        torch.cuda.set_device(dev)
+    try:
+        check_kernels(args.kernels)
+    except ConfigError as e:
+        raise UsageError(f"--kernels {args.kernels}: {e}") from None
+
+
 def _resolve(args: argparse.Namespace) -> None:
-    """Fills the defaults that depend on --model and --quick."""
+    """Fills the defaults that depend on --model, --quick and --full-size; checks --device and --kernels."""
     args.model = args.model or "tiny"
-    if args.max_rows is None:
+    _check_device(args)
+    if args.full_size:
+        if args.model == M.E2E_MODEL:
+            raise UsageError(f"--full-size applies to the synthetic models, not --model {M.E2E_MODEL} (use --rows)")
+        for flag, given in (("--quick", args.quick), ("--max-rows", args.max_rows is not None)):
+            if given:
+                raise UsageError(f"--full-size runs without a row cap; drop {flag}")
+    elif args.max_rows is None:
         if args.quick:
             args.max_rows = QUICK_MAX_ROWS
         elif args.model in M.MODELS and args.model != "criteo-dlrm-like":
@@ -563,9 +659,11 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     busy = cpu_busy()  # before this process adds to it
     anchors = list(args.anchors)
     notes: dict[str, str] = {}
-    contenders = 1 + sum(b in anchors for b in ("per_table", "torchrec"))
-    _check_fits(M.workloads(args.model)[0], args.max_rows, contenders, "floor" in anchors, args.optimizer)
-    if "torchrec" in anchors:
+    if "torchrec" in anchors and torch.device(args.device).type != "cpu":
+        notes["torchrec"] = f"FBGEMM's CPU kernel only (as built here), not run on {args.device}; skipped"
+    contenders = 1 + sum(b in anchors and b not in notes for b in ("per_table", "torchrec"))
+    _check_fits(M.workloads(args.model)[0], args.max_rows, contenders, "floor" in anchors, args.optimizer, args.device)
+    if "torchrec" in anchors and "torchrec" not in notes:
         progress("importing torchrec")
         why = M.torchrec_status()
         if why is not None:
@@ -577,10 +675,14 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {
         "command": "hybridembed bench " + " ".join(args.argv),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(),
+        "machine": machine(args.device),
         "settings": {
             "model": args.model,
             "quick": args.quick,
+            "full_size": args.full_size,
+            "device": args.device,
+            "kernels": args.kernels,
+            "kernels_resolved": check_kernels(args.kernels),
             "batch": args.batch,
             "max_rows": args.max_rows,
             "steps": args.steps,
@@ -598,9 +700,14 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": [],
     }
     cores = results["machine"]["cores"] or 1
+    gpu = results["machine"].get("gpu")
     print(
         f"hybridembed bench --model {args.model}: {cores} cores, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}" + ("" if busy is None else f"; other processes use {busy:.0%} of the CPU")
+        f"torch {torch.__version__}"
+        + ("" if busy is None else f"; other processes use {busy:.0%} of the CPU")
+        + f"; on {args.device}"
+        + (f" ({gpu})" if gpu else "")
+        + f", {check_kernels(args.kernels)} kernels"
     )
     for name, why in notes.items():
         print(f"  {name}: {why}")
@@ -639,8 +746,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "hybridembed bench") -> 
         if args.json:
             _write_json({"machine": machine(), "memory": [r.as_dict() for r in reports]}, args.json)
         return 0
-    _resolve(args)
     try:
+        _resolve(args)
         results = run(args)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -18,7 +18,9 @@ A timed step is: read the next batch from the file with the train package's read
 (:class:`hybridembed.train.data.CriteoSource`, synchronous, no prefetch thread; each contender
 has its own stream, so both pay the same parse cost; ``plain_torch`` then takes the
 pre-mapped ids of the same rows), forward, BCE-with-logits loss, backward, optimizer step.
-Steps are interleaved round-robin (:func:`time_interleaved`), medians reported.
+Steps are interleaved round-robin (:func:`time_interleaved`), medians reported. With
+``--device cuda`` both models live on the GPU and each step copies its batch there (the
+read stays on the CPU); ``--kernels`` is the hybridembed model's kernel backend.
 """
 
 from __future__ import annotations
@@ -83,13 +85,14 @@ def _cycle(source: D.CriteoSource, batch: int) -> Iterator[tuple[int, D.Batch]]:
             row += len(b)
 
 
-def _contender(model: nn.Module, opt: torch.optim.Optimizer, stream, mapped: torch.Tensor | None):
+def _contender(model: nn.Module, opt: torch.optim.Optimizer, stream, mapped: torch.Tensor | None, device: str = "cpu"):
     losses: list[float] = []
 
     def step() -> None:
         row, b = next(stream)
         sparse = b.sparse if mapped is None else mapped[row : row + len(b)]
-        loss = F.binary_cross_entropy_with_logits(model(b.dense, sparse), b.label)
+        dense, sparse, label = (t.to(device) for t in (b.dense, sparse, b.label))
+        loss = F.binary_cross_entropy_with_logits(model(dense, sparse), label)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -122,24 +125,31 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
 
     progress("building both models")
     t0 = time.perf_counter()
-    hyb = TM.build("dlrm", n_dense, feats, dim=DIM, capacity=CAPACITY, mlp=MLP, bottom=BOTTOM, seed=args.seed)
+    device = getattr(args, "device", "cpu")
+    hyb = TM.build(
+        "dlrm", n_dense, feats, dim=DIM, capacity=CAPACITY, mlp=MLP, bottom=BOTTOM, seed=args.seed,
+        device=device, kernels=getattr(args, "kernels", "auto"),
+    )  # fmt: skip
     hyb_opt = he.wrap_optimizer(torch.optim.Adagrad(hyb.parameters(), lr=args.lr), hyb)
     build_hyb = time.perf_counter() - t0
     t0 = time.perf_counter()
     plain = TM.DLRM(n_dense, len(feats), DIM, lambda d, _: PlainEmbeddingBags(vocab, d), bottom=BOTTOM, top=MLP)
     plain.bottom.load_state_dict(hyb.bottom.state_dict())  # the same initial dense weights
     plain.top.load_state_dict(hyb.top.state_dict())
+    plain = plain.to(device)
     plain_opt = torch.optim.Adagrad(plain.parameters(), lr=args.lr)
     build_plain = time.perf_counter() - t0
 
     src = D.CriteoSource([path])
-    step_h, loss_h = _contender(hyb, hyb_opt, _cycle(src, batch), None)
-    step_p, loss_p = _contender(plain, plain_opt, _cycle(src, batch), mapped)
+    step_h, loss_h = _contender(hyb, hyb_opt, _cycle(src, batch), None, device)
+    step_p, loss_p = _contender(plain, plain_opt, _cycle(src, batch), mapped, device)
     full_batches = rows // batch
     progress(f"timing {args.warmup} + {args.steps} interleaved steps each ({full_batches} full batches per pass)")
     with warnings.catch_warnings():  # torch's Adagrad on sparse gradients, as in the other workloads
         warnings.filterwarnings("ignore", message="Sparse invariant checks")
-        timing = time_interleaved({"hybridembed": step_h, "plain_torch": step_p}, steps=args.steps, warmup=args.warmup)
+        timing = time_interleaved(
+            {"hybridembed": step_h, "plain_torch": step_p}, steps=args.steps, warmup=args.warmup, device=device
+        )
 
     one_time = {"hybridembed": 0.0, "plain_torch": vocab_s}
     build = {"hybridembed": build_hyb, "plain_torch": build_plain}
@@ -174,7 +184,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     results = {
         "command": "hybridembed bench " + " ".join(getattr(args, "argv", [])),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(),
+        "machine": machine(device),
         "settings": {
             "model": E2E_MODEL,
             "quick": args.quick,
@@ -185,6 +195,8 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
             "lr": args.lr,
             "seed": args.seed,
             "threads": torch.get_num_threads(),
+            "device": device,
+            "kernels": getattr(args, "kernels", "auto"),
         },
         "cpu_busy_by_others": {"start": busy, "end": end},
         "runs": [run],

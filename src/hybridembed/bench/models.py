@@ -415,6 +415,12 @@ class Batch:
     def num_ids(self) -> int:
         return sum(int(j.values.numel()) for j in self.sparse.values())
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch on ``device`` (itself when already there)."""
+        if self.dense.device == torch.device(device):
+            return self
+        return Batch({k: j.to(device) for k, j in self.sparse.items()}, self.dense.to(device), self.labels.to(device))
+
 
 def make_batch(spec: ModelSpec, batch: int, generator: torch.Generator | None = None) -> Batch:
     """Power-law ids (alpha 1.05) for every input of ``spec``; fixed hotness unless ``spec.ragged``."""
@@ -483,12 +489,21 @@ class DenseTower(nn.Module):
 class HybridEmbeddings(nn.Module):
     """hybridembed: one ``EmbeddingCollection``; tables of a width share a storage."""
 
-    def __init__(self, tables: list[TableSpec], inputs: list[InputSpec], seed: int = 0):
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        inputs: list[InputSpec],
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        kernels: str = "auto",
+    ):
         super().__init__()
         self.collection = EmbeddingCollection(
             [TableConfig(t.name, t.rows, t.width) for t in tables],
             features={i.name: i.table for i in inputs},
             seed=seed,
+            device=device,
+            kernels=kernels,
         )
         self.names = [i.name for i in inputs]
 
@@ -509,11 +524,13 @@ class HybridEmbeddings(nn.Module):
 class PerTableEmbeddings(nn.Module):
     """What a PyTorch user writes first: one ``nn.EmbeddingBag(mode="sum", sparse=True)`` per table."""
 
-    def __init__(self, tables: list[TableSpec], inputs: list[InputSpec]):
+    def __init__(self, tables: list[TableSpec], inputs: list[InputSpec], device: torch.device | str | None = None):
         super().__init__()
         self.bags = nn.ModuleDict(
             {
-                t.name: nn.EmbeddingBag(t.rows, t.width, mode="sum", sparse=True, include_last_offset=True)
+                t.name: nn.EmbeddingBag(
+                    t.rows, t.width, mode="sum", sparse=True, include_last_offset=True, device=device
+                )
                 for t in tables
             }
         )
@@ -634,6 +651,8 @@ def build_model(
     eps: float = 1e-8,
     seed: int = 0,
     like: SyntheticModel | None = None,
+    device: torch.device | str | None = None,
+    kernels: str = "auto",
 ) -> tuple[SyntheticModel, torch.optim.Optimizer | None]:
     """A model of ``spec`` with ``backend`` embeddings and its optimizer (None when nothing is
     left to step: TorchRec's embedding-only model updates its rows in backward).
@@ -641,17 +660,20 @@ def build_model(
     ``like``: copy its embedding rows and dense weights, so every contender starts equal.
     The dense part always trains with the torch optimizer; the embeddings with its sparse
     equivalent (``he.wrap_optimizer``), ``torch.optim`` on sparse gradients, or TorchRec's
-    fused optimizer.
+    fused optimizer. ``device``: where the model lives (TorchRec's: the CPU only);
+    ``kernels``: the hybridembed backend's (see :mod:`hybridembed.kernels.backend`).
     """
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if optimizer not in _TORCH_OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(_TORCH_OPTIMIZERS)}")
     tables, inputs = expand(spec)
+    if backend == "torchrec" and device is not None and torch.device(device).type != "cpu":
+        raise ConfigError(f"the torchrec backend runs FBGEMM's CPU kernel only, not on {device}; use device='cpu'")
     if backend == "hybridembed":
-        emb: nn.Module = HybridEmbeddings(tables, inputs, seed)
+        emb: nn.Module = HybridEmbeddings(tables, inputs, seed, device=device, kernels=kernels)
     elif backend == "per_table":
-        emb = PerTableEmbeddings(tables, inputs)
+        emb = PerTableEmbeddings(tables, inputs, device=device)
     else:
         emb = TorchRecEmbeddings(tables, inputs, optimizer, lr, eps)
     tower = None
@@ -662,6 +684,8 @@ def build_model(
             with torch.random.fork_rng():
                 torch.manual_seed(seed)
                 tower = DenseTower(spec.embedding_width, spec.numerical, spec.mlp, spec.interact_stride)
+        if device is not None:
+            tower = tower.to(device)
     if like is not None:
         with torch.no_grad():
             for t in tables:

@@ -60,8 +60,19 @@ def _version(module: str) -> str | None:
         return None
 
 
-def machine() -> dict[str, Any]:
-    """CPU, cores, torch threads, memory, and the versions of Python, torch, TorchRec, FBGEMM, hybridembed."""
+def machine(device: str | torch.device | None = None) -> dict[str, Any]:
+    """CPU, cores, torch threads, memory, and the versions of Python, torch, TorchRec, FBGEMM, hybridembed;
+    with a CUDA ``device``, also its name, memory and the CUDA and Triton versions."""
+    gpu: dict[str, Any] = {}
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        gpu = {
+            "gpu": props.name,
+            "gpu_memory_bytes": props.total_memory,
+            "cuda": torch.version.cuda,
+            "triton": _version("triton"),
+        }
     return {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
@@ -73,6 +84,7 @@ def machine() -> dict[str, Any]:
         "fbgemm_gpu": _version("fbgemm-gpu-cpu") or _version("fbgemm-gpu"),
         "hybridembed": __version__,
         "platform": platform.platform(),
+        **gpu,
     }
 
 

@@ -1,5 +1,10 @@
 """Interleaved timing and the allocator option shared by ``benchmarks/`` and ``hybridembed bench``
-(with :func:`~hybridembed.synthetic.powerlaw_ids`, the workloads' ids)."""
+(with :func:`~hybridembed.synthetic.powerlaw_ids`, the workloads' ids).
+
+On CUDA a call is timed from an idle device to an idle device: ``torch.cuda.synchronize``
+before the clock starts and before it stops (kernels run asynchronously; without it the clock
+measures the launches only). Every contender pays the same two syncs per call.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..synthetic import powerlaw_ids
 from ..utils import allocator_tuned, get_logger, tune_cpu_allocator
 
-__all__ = ["powerlaw_ids", "Timing", "time_interleaved", "add_allocator_option", "apply_allocator_option"]
+__all__ = [
+    "powerlaw_ids",
+    "Timing",
+    "time_interleaved",
+    "device_sync",
+    "add_allocator_option",
+    "apply_allocator_option",
+]
 
 log = get_logger(__name__)
 
@@ -76,18 +90,33 @@ class Timing:
         }
 
 
-def time_interleaved(fns: Mapping[str, Callable[[], object]], steps: int = 10, warmup: int = 2) -> dict[str, Timing]:
+def device_sync(device: torch.device | str | None) -> Callable[[], None]:
+    """What waits for ``device`` to finish its queued work: ``torch.cuda.synchronize`` on a CUDA
+    device, nothing on the CPU (its ops return when done)."""
+    dev = torch.device(device if device is not None else "cpu")
+    if dev.type == "cuda":
+        return lambda: torch.cuda.synchronize(dev)
+    return lambda: None
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], object]], steps: int = 10, warmup: int = 2, device: torch.device | str | None = None
+) -> dict[str, Timing]:
     """Times each callable ``steps`` times, round-robin so machine noise hits all alike.
 
-    Warm-up calls are excluded; report medians.
+    Warm-up calls are excluded; report medians. ``device``: where the callables run; on CUDA
+    each call is timed between two synchronizations (:func:`device_sync`).
     """
+    sync = device_sync(device)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(steps):
         for name, fn in fns.items():
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[name].append((time.perf_counter() - t0) * 1e3)
     return {k: Timing(k, v) for k, v in times.items()}

@@ -8,6 +8,7 @@
     hybridembed launch --nproc 2 -m hybridembed.cli train        # the same job under torchrun
     hybridembed train --nproc 2 --max-restarts 3 --checkpoint-every 500   # restarted from the last commit
     hybridembed train --nproc 3 --servers 1 --ps-mode async      # 2 trainers, the tables on 1 parameter server
+    hybridembed train --device cuda --batch-size 65536           # one GPU: model, tables, batches and metrics on it
 
 Every categorical feature gets its own dynamic table (``he.Dynamic(capacity=...)``): any id
 gets a row on first sight, so there is no vocabulary pass. Without ``--data`` a Criteo-format
@@ -20,7 +21,9 @@ the tables sharded with ``he.distribute``, each rank on its slice of every globa
 :mod:`.parallel`); rank 0 prints. ``--max-restarts K`` runs them under torchrun's elastic agent,
 each start resuming from the last committed checkpoint (see :mod:`.elastic`). ``--servers S``
 makes the last S of the N processes parameter servers that hold the tables; the other N - S
-train (see docs/train.md).
+train (see docs/train.md). ``--device cuda`` trains in one process on one GPU (tables made there,
+batches pinned by the reader thread and copied without blocking); ``--kernels`` picks the tables'
+kernel backend (:mod:`hybridembed.kernels.backend`).
 Bad flags, missing files and malformed rows end the run with one ``error:`` line and exit code 2.
 """
 
@@ -42,12 +45,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import __version__, _env
 from ..distributed.launch import SpawnError
-from ..errors import HybridEmbedError
+from ..errors import ConfigError, HybridEmbedError
+from ..kernels.backend import KERNELS, check_kernels
 from ..utils import OneLineParser, get_logger
 from . import data as D
 from . import elastic
 from . import models as M
-from .loop import EpochStats, EvalStats, evaluate, train_epoch
+from .loop import EpochStats, EvalStats, evaluate, pinned, to_device, train_epoch
 from .parallel import ONE, Job
 
 __all__ = ["main", "build_parser", "UsageError"]
@@ -99,6 +103,17 @@ def _number(kind: type, low: float, low_ok: bool, high: float | None = None) -> 
         return v
 
     return parse
+
+
+def _device(text: str) -> str:
+    """``--device``: cpu, cuda or cuda:N (whether it is there is checked later, by :func:`resolve`)."""
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return str(dev)
 
 
 def _sizes(text: str) -> list[int]:
@@ -226,6 +241,21 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="seed of the initial weights, the generated data and the shuffling (default 0)",
+    )
+    t.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        metavar="DEV",
+        help="where the model, its tables, the batches and the metrics live: cpu, cuda or cuda:N (one GPU, one "
+        "process; default cpu). Checkpoints load on either",
+    )
+    t.add_argument(
+        "--kernels",
+        choices=list(KERNELS),
+        default="auto",
+        help="the tables' kernel backend: eager (PyTorch ops), triton (Triton kernels on CUDA; needs the gpu extra), "
+        "auto (HYBRIDEMBED_KERNELS, else eager) (default auto)",
     )
     t.add_argument(
         "--nproc",
@@ -403,6 +433,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
         args.threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1) // _local_procs(args))
     world = args.nproc or 1
     _resolve_servers(args, world)
+    _resolve_device(args, world)
     trainers = world - args.servers
     if args.batch_size < trainers:
         who = (
@@ -434,6 +465,34 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
         args.export = os.path.join(args.workdir, "model.onnx" if args.export_format == "onnx" else "model.pt")
     _check_outputs(args)
     return state
+
+
+def _resolve_device(args: argparse.Namespace, world: int) -> None:
+    """Refuses a --device that is not there or cannot run this job, and a --kernels that cannot run."""
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        if world > 1:
+            raise UsageError(
+                f"--device {args.device} with --nproc {world}: a job of several processes runs over gloo on CPU "
+                "tensors (one GPU per rank over NCCL is not supported yet); use --device cuda with --nproc 1, or "
+                f"--device cpu with --nproc {world}"
+            )
+        if not torch.cuda.is_available():
+            why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise UsageError(
+                f"--device {args.device}: CUDA is not available ({why}; torch {torch.__version__}); use --device cpu, "
+                "or run on a machine with a GPU and a CUDA build of torch"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise UsageError(
+                f"--device {args.device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                f"(cuda:0{f'..cuda:{count - 1}' if count > 1 else ''}); give one of those"
+            )
+    try:
+        args.kernels_resolved = check_kernels(args.kernels)
+    except ConfigError as e:
+        raise UsageError(f"--kernels {args.kernels}: {e}") from None
 
 
 def _resolve_servers(args: argparse.Namespace, world: int) -> None:
@@ -711,10 +770,11 @@ def _describe_model(args: argparse.Namespace, model: nn.Module, features: int, j
             f"via he.wrap_optimizer, batch {args.batch_size:,} (~{args.batch_size // job.world:,} per process, gloo), "
             f"{threads} per process"
         )
+    kernels = getattr(args, "kernels_resolved", "eager")
     return (
         f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}), "
         f"{dense:,} dense parameters; {opt} lr {args.lr:g} via he.wrap_optimizer, batch {args.batch_size:,}, "
-        f"{threads}"
+        f"{threads}; on {getattr(args, 'device', 'cpu')}, {kernels} kernels"
     )
 
 
@@ -804,6 +864,9 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is not None:  # kernels launch on the current device
+        torch.cuda.set_device(device)
     if job.parallel and args.dataset == "criteo" and not args.data:
         if job.main:  # one writer; the others wait for the file
             generate_if_needed(args)
@@ -820,6 +883,8 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
         cross_layers=args.cross_layers,
         seed=args.seed,
         min_count=args.min_count,
+        device=args.device,
+        kernels=args.kernels,
     )
     if job.parallel:
         model = _distribute(args, model)
@@ -882,6 +947,8 @@ def _train(
         incremental=args.checkpoint_incremental,
         background=args.checkpoint_background,
     )
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     example = next(iter(test.batches(8))) if test is not None and len(test) else None
     estimate = train.estimate_rows()
     ahead = _prefetcher(inner, remote) if args.servers and args.prefetch else None
@@ -902,20 +969,22 @@ def _train(
                 ckpt.save(inner, optimizer, {"epoch": epoch, "batches_done": done[0], "step": step, "complete": False})
 
         batches = D.batches_with_skip(train, args.batch_size, epoch, skip)
+        if cuda:  # page-locked in the reader's thread, so the copy to the GPU does not block
+            batches = pinned(batches)
         try:
-            tr = train_epoch(model, optimizer, D.prefetch(batches), on_step, job, prefetch=ahead)
+            tr = train_epoch(model, optimizer, to_device(D.prefetch(batches), device), on_step, job, prefetch=ahead)
         finally:
             if bar is not None:
                 bar.close()
         if example is None:
             example = next(iter(train.batches(8)), None)
         skip = 0
-        ev = evaluate(model, test.batches(8192), job) if test is not None else None
+        ev = evaluate(model, to_device(test.batches(8192), device), job) if test is not None else None
         say(_epoch_line(epoch + 1, args.epochs, tr if tr.rows else None, ev, inner, job), flush=True)
         ckpt.save(inner, optimizer, {"epoch": epoch, "batches_done": 0, "step": step, "complete": True,
                                      "test_auc": None if ev is None else ev.auc})  # fmt: skip
     if epoch0 >= args.epochs:
-        ev = evaluate(model, test.batches(8192), job) if test is not None else None
+        ev = evaluate(model, to_device(test.batches(8192), device), job) if test is not None else None
         say(f"nothing to train: the checkpoint has done {epoch0} of --epochs {args.epochs}")
         say(_epoch_line(epoch0, args.epochs, None, ev, inner, job))
     ckpt.wait()
@@ -927,7 +996,7 @@ def _train(
         else:
             say(f"checkpoint: skipped, {ckpt.unavailable or 'nothing trained'}")
     if args.export:
-        say(_export(args, inner, example, job))
+        say(_export(args, inner, None if example is None else next(to_device([example], device)), job))
     say(f"done in {time.perf_counter() - t_start:.1f} s", flush=True)
     return 0
 

@@ -6,7 +6,9 @@ Shape legend: ``B`` batch, ``N`` evaluated examples.
 
 ``train_epoch`` runs forward, BCE-with-logits loss, backward and ``optimizer.step`` over
 batches; ``evaluate`` returns log loss and AUC. Both take any ``(dense, sparse) -> logits``
-model, so the plain-PyTorch baseline and the hybridembed model share them.
+model, so the plain-PyTorch baseline and the hybridembed model share them. Batches are read
+on the CPU; ``pinned`` (in the reader's thread) and ``to_device`` bring them to the model's
+device (``--device cuda``: page-locked, copied with ``non_blocking=True``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,25 @@ from .data import Batch
 from .metrics import auc, log_loss
 from .parallel import ONE, Job
 
-__all__ = ["EpochStats", "EvalStats", "train_epoch", "evaluate", "predict"]
+__all__ = ["EpochStats", "EvalStats", "train_epoch", "evaluate", "predict", "pinned", "to_device"]
+
+
+def pinned(batches: Iterable[Batch]) -> Iterator[Batch]:
+    """``batches`` in page-locked memory (run it in the reader's thread, :func:`~.data.prefetch`):
+    their copies to a GPU then overlap the step. Needs CUDA."""
+    for b in batches:
+        yield Batch(b.dense.pin_memory(), b.sparse.pin_memory(), b.label.pin_memory())
+
+
+def to_device(batches: Iterable[Batch], device: torch.device | str) -> Iterator[Batch]:
+    """``batches`` on ``device`` (as they are when already there); pinned ones are copied with
+    ``non_blocking=True``."""
+    device = torch.device(device)
+    for b in batches:
+        if b.dense.device == device or (device.index is None and b.dense.device.type == device.type):
+            yield b
+            continue
+        yield Batch(*(t.to(device, non_blocking=t.is_pinned()) for t in (b.dense, b.sparse, b.label)))
 
 
 @dataclass

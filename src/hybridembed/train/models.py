@@ -50,7 +50,8 @@ class DynamicEmbeddings(nn.Module):
     """One dynamic hybridembed table per feature: (B, F) int64 ids -> (B, F, D) rows.
 
     All tables share dim, dtype and :class:`hybridembed.Dynamic` config, so they form one
-    group: one hash storage and one fused lookup per step.
+    group: one hash storage and one fused lookup per step. ``device`` and ``kernels`` are the
+    collection's (:class:`hybridembed.EmbeddingCollection`): the rows are made where they live.
     """
 
     def __init__(
@@ -62,6 +63,8 @@ class DynamicEmbeddings(nn.Module):
         seed: int = 0,
         init: he_init.Init | None = None,
         min_count: int = 1,
+        device: torch.device | str | None = None,
+        kernels: str = "auto",
     ):
         super().__init__()
         self.features = list(features)
@@ -69,7 +72,7 @@ class DynamicEmbeddings(nn.Module):
         dynamic = Dynamic(capacity=capacity, min_count=min_count)
         init = init or he_init.uniform(-0.05, 0.05)
         tables = [TableConfig(n, None, dim, init=init, dynamic=dynamic) for n in self.names]
-        self.collection = EmbeddingCollection(tables, seed=seed)
+        self.collection = EmbeddingCollection(tables, seed=seed, device=device, kernels=kernels)
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
         out = self.collection({n: sparse[:, j] for j, n in enumerate(self.names)})  # {feature: (B, D)}
@@ -238,6 +241,8 @@ def build(
     cross_layers: int = 2,
     seed: int = 0,
     min_count: int = 1,
+    device: torch.device | str | None = None,
+    kernels: str = "auto",
 ) -> nn.Module:
     """A model by name (``dlrm``, ``wdl``, ``deepfm``, ``dcnv2``).
 
@@ -245,7 +250,10 @@ def build(
     otherwise dynamic hybridembed tables of at most ``capacity`` rows each (None: unbounded).
     ``mlp`` is the top MLP of DLRM and the deep tower of the others; ``bottom`` DLRM's
     bottom MLP (its last layer, of width ``dim``, is added); ``cross_layers`` DCNv2's.
-    The dense layers' initial weights come from ``torch.manual_seed(seed)``.
+    The dense layers' initial weights come from ``torch.manual_seed(seed)`` (made on the CPU,
+    then moved: the same on every device). ``device``: where the model lives (the dynamic
+    tables are made there, not moved); ``kernels``: their backend (``"auto"``, ``"eager"``,
+    ``"triton"``; see :mod:`hybridembed.kernels.backend`).
     """
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; allowed: {', '.join(MODELS)}")
@@ -254,11 +262,22 @@ def build(
     def embeddings(d: int, prefix: str) -> nn.Module:
         if vocab_sizes is not None:
             return TorchEmbeddings(vocab_sizes, d)
-        return DynamicEmbeddings(features, d, capacity=capacity, prefix=prefix, seed=seed, min_count=min_count)
+        return DynamicEmbeddings(
+            features,
+            d,
+            capacity=capacity,
+            prefix=prefix,
+            seed=seed,
+            min_count=min_count,
+            device=device,
+            kernels=kernels,
+        )
 
     f = len(features)
     if kind == "dlrm":
-        return DLRM(num_dense, f, dim, embeddings, bottom=bottom, top=mlp)
-    if kind == "dcnv2":
-        return DCNv2(num_dense, f, dim, embeddings, deep=mlp, cross_layers=cross_layers)
-    return MODELS[kind](num_dense, f, dim, embeddings, deep=mlp)
+        model = DLRM(num_dense, f, dim, embeddings, bottom=bottom, top=mlp)
+    elif kind == "dcnv2":
+        model = DCNv2(num_dense, f, dim, embeddings, deep=mlp, cross_layers=cross_layers)
+    else:
+        model = MODELS[kind](num_dense, f, dim, embeddings, deep=mlp)
+    return model if device is None else model.to(device)
