@@ -177,6 +177,13 @@ class HashStorage(RowStorage):
         h = _init.mix64(keys ^ (tabs.to(torch.int64) * _init._GOLDEN + salt))
         return h & ((1 << 62) - 1)  # non-negative
 
+    def _per_table(self, tabs: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """(tables,) int64: how many of ``tabs`` (M,) name each table (or the sum of their int64
+        ``weights`` (M,)). Not ``bincount``: on CUDA that reads the largest index back to the host."""
+        out = torch.zeros(len(self.tables), dtype=torch.int64, device=tabs.device)
+        w = torch.ones(tabs.shape, dtype=torch.int64, device=tabs.device) if weights is None else weights
+        return out.index_add_(0, tabs.long(), w)
+
     def _build_index(self, slots: int) -> None:
         h = 1 << max(4, math.ceil(math.log2(2 * (slots + 1))))
         dev = self.weight.device
@@ -273,14 +280,14 @@ class HashStorage(RowStorage):
         self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
         self.last_seen[slots], self.freq[slots] = self.clock, 0
         self._mark(slots)
-        self.size += torch.bincount(tabs.long(), minlength=len(self.tables))
+        self.size += self._per_table(tabs)
         self.reset_state_rows(slots)
 
     def _evict(self, victims: torch.Tensor, count: bool = True) -> None:
         """Free ``victims`` (slots) in one batch, then rebuild the index from the live rows."""
         if victims.numel() == 0:
             return
-        per_table = torch.bincount(self.slot_table[victims].long(), minlength=len(self.tables))
+        per_table = self._per_table(self.slot_table[victims])
         if self._changed is not None:  # (id, table) of each row dropped, for an incremental checkpoint
             self._removed.append(torch.stack([self.slot_key[victims], self.slot_table[victims].long()]))
         if count:
@@ -309,7 +316,7 @@ class HashStorage(RowStorage):
         if self.capacity is None or new_tabs.numel() == 0:
             return torch.zeros(0, dtype=torch.int64, device=self.weight.device)
         cap = self.capacity
-        needed = torch.bincount(new_tabs.long(), minlength=len(self.tables))
+        needed = self._per_table(new_tabs)
         over = (self.size + needed - cap).tolist()
         victims = []
         protect = None
@@ -449,7 +456,8 @@ class HashStorage(RowStorage):
                 ok, commit_admission, rollback = self._admit(keys[miss], ktabs[miss], counts[miss])
             new = miss if ok is None else miss[ok]
             try:
-                victims = self._plan_evictions(ktabs[new], found[found >= 0])
+                # (slot 0 for the misses: the default row is never evicted; no boolean mask, no sync)
+                victims = self._plan_evictions(ktabs[new], found.clamp_min(0))
             except HybridEmbedError:
                 rollback()
                 raise
@@ -471,10 +479,10 @@ class HashStorage(RowStorage):
         bounds = torch.searchsorted(ktabs, torch.arange(nt + 1, dtype=ktabs.dtype, device=ktabs.device))
         looked = seg.index_select(0, bounds[1:]) - seg.index_select(0, bounds[:-1])
         self.counters[:, 4] += looked
-        self.counters[:, 3] += looked - torch.bincount(ktabs[miss].long(), weights=counts[miss], minlength=nt).long()
+        self.counters[:, 3] += looked - self._per_table(ktabs[miss], counts[miss])
         if commit_admission is not None:
             commit_admission()
-            self.counters[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
+            self.counters[:, 2] += self._per_table(ktabs[rej], counts[rej])
         if victims.numel():
             self.last_seen[found[hit]] = self.clock  # (this batch's rows, for the index rebuild)
         self._evict(victims)
@@ -483,7 +491,7 @@ class HashStorage(RowStorage):
             self._insert(keys[new], ktabs[new], slots)
             self._init_rows(slots, keys[new], ktabs[new])
             found[new] = slots
-            self.counters[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
+            self.counters[:, 0] += self._per_table(ktabs[new])
         if new.numel() == miss.numel():  # every id has a row now
             s, c = found, counts
         else:
@@ -495,8 +503,7 @@ class HashStorage(RowStorage):
         if self.config.eviction == "ttl":  # unseen for ttl_steps lookups, and no pending gradient
             expired = (self.slot_table >= 0) & (self.clock - self.last_seen >= self.config.ttl_steps)
             expired &= ~self._protected(s)
-            if bool(expired.any()):
-                self._evict(expired.nonzero().squeeze(1))
+            self._evict(expired.nonzero().squeeze(1))  # (nothing when none expired: one sync, not two)
         slot = found.clamp_min(0)  # (U,)
         kept = None if new.numel() == miss.numel() else (slot > 0).nonzero().squeeze(1)
         return self._per_id(slot, perm, counts), (perm, seg, slot, kept)
