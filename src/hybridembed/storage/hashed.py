@@ -7,7 +7,10 @@ Slot 0 of ``weight`` (C+1, D) is the default vector, read by ids without a row a
 updated. The index is collisionless open addressing over (table, id) pairs, in torch ops
 only (so it runs unchanged on CUDA tensors): each probing round is a few vectorised ops
 over the ids still unresolved, and concurrent inserts into one empty position are settled
-by ``scatter_reduce(amax)``, so the outcome does not depend on thread timing. Eviction
+by ``scatter_reduce(amax)``, so the outcome does not depend on thread timing. With
+``kernels="triton"`` (:mod:`hybridembed.kernels.triton_hash`) a find or an insert is one
+Triton launch that probes one position at a time and claims by compare-and-swap: where a pair
+sits may then depend on timing, which pairs the index holds (every answer, every slot) not. Eviction
 frees many rows at once and rebuilds the index from the live rows. Memory beyond the rows
 and optimizer state: about 68 bytes per row slot (index at load <= 0.5: 2 x 20 bytes; key,
 table, recency, frequency: 28 bytes) plus the admission sketch when ``min_count > 1``. A new row's initial
@@ -28,6 +31,7 @@ from .. import init as _init
 from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..input import offsets_from_lengths
+from ..kernels.backend import uses_triton
 from ..utils import advise_huge_pages
 from .base import RowStorage, add_sparse
 from .protocol import LookupPlan, _nothing
@@ -209,7 +213,12 @@ class HashStorage(RowStorage):
         decided there); the few left read the next ``_FIND_WINDOW`` positions a round, where a
         pair's first position that holds it (found) or is empty (absent: there are no
         tombstones, eviction rebuilds the index) decides: about 2 rounds instead of one per
-        probe (7 measured), each of ~15 small ops."""
+        probe (7 measured), each of ~15 small ops. With Triton kernels
+        (:func:`hybridembed.kernels.triton_hash.find`): one launch, no host sync."""
+        if uses_triton(self.kernels, self.weight):
+            from ..kernels import triton_hash
+
+            return triton_hash.find(self._hrow, self._mask, keys, tabs, self._hash(keys, tabs) & self._mask)
         tw = tabs.to(torch.int64) << 32  # the table as stored in a row's second word
         pos = self._hash(keys, tabs) & self._mask
         row = self._hrow.index_select(0, pos)  # (U, 2): each home position read once
@@ -235,7 +244,14 @@ class HashStorage(RowStorage):
     def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
         """Add absent, distinct (table, id) pairs pointing at ``slots``: each at the first empty
         position of its probe sequence (W positions a round); pairs that chose the same position
-        go to the one with the highest index, the others probe on from there."""
+        go to the one with the highest index, the others probe on from there. With Triton
+        kernels (:func:`hybridembed.kernels.triton_hash.insert`): each pair claims its position
+        with a compare-and-swap, one launch; the layout may differ, what :meth:`_find` answers not."""
+        if uses_triton(self.kernels, self.weight):
+            from ..kernels import triton_hash
+
+            triton_hash.insert(self._hrow, self._mask, keys, tabs, slots, self._hash(keys, tabs) & self._mask)
+            return
         pending = torch.arange(keys.numel(), device=keys.device, dtype=torch.int32)
         pos = self._hash(keys, tabs) & self._mask
         word = (tabs.to(torch.int64) << 32) | slots.to(torch.int64)

@@ -1,0 +1,6 @@
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through Triton's interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
