@@ -353,6 +353,25 @@ def test_evict_fraction_rounding_matches_ceil():
     assert ids_of(ec) == list(range(2, cap + 1))
 
 
+def test_training_lookups_count_per_table_without_bincount(monkeypatch):
+    """Hits, misses, rejections, new rows, sizes and evictions are counted per table with
+    index_add_: on CUDA a bincount reads its largest index back to the host, a sync a lookup."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("bincount on the lookup path")
+
+    monkeypatch.setattr(torch, "bincount", refused)
+    ec = make(he.Dynamic(capacity=3, eviction="ttl", ttl_steps=1, min_count=2, sketch_width=64), names=("a", "b"))
+    for ids in ([1, 1, 2, 2, 3], [4, 4, 5, 5, 6, 6], [3, 7, 7]):
+        ec({"a": torch.tensor(ids), "b": torch.tensor(ids[::-1])})
+    st = ec.storage_of("a")
+    # 1 2 made, 3 seen once; 1 2 make room for 4 5 6; 4 5 for 3 7, and 6 expires (ttl)
+    assert [st.table_stats(n)["inserted"] for n in "ab"] == [7, 7]
+    assert [st.table_stats(n)["rejected"] for n in "ab"] == [1, 1]
+    assert [st.table_stats(n)["evicted"] for n in "ab"] == [5, 5]
+    assert [ids_of(ec, n) for n in "ab"] == [[3, 7], [3, 7]]
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

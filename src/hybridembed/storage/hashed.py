@@ -7,7 +7,10 @@ Slot 0 of ``weight`` (C+1, D) is the default vector, read by ids without a row a
 updated. The index is collisionless open addressing over (table, id) pairs, in torch ops
 only (so it runs unchanged on CUDA tensors): each probing round is a few vectorised ops
 over the ids still unresolved, and concurrent inserts into one empty position are settled
-by ``scatter_reduce(amax)``, so the outcome does not depend on thread timing. Eviction
+by ``scatter_reduce(amax)``, so the outcome does not depend on thread timing. With
+``kernels="triton"`` (:mod:`hybridembed.kernels.triton_hash`) a find or an insert is one
+Triton launch that probes one position at a time and claims by compare-and-swap: where a pair
+sits may then depend on timing, which pairs the index holds (every answer, every slot) not. Eviction
 frees many rows at once and rebuilds the index from the live rows. Memory beyond the rows
 and optimizer state: about 68 bytes per row slot (index at load <= 0.5: 2 x 20 bytes; key,
 table, recency, frequency: 28 bytes) plus the admission sketch when ``min_count > 1``. A new row's initial
@@ -28,6 +31,7 @@ from .. import init as _init
 from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..input import offsets_from_lengths
+from ..kernels.backend import uses_triton
 from ..utils import advise_huge_pages
 from .base import RowStorage, add_sparse
 from .protocol import LookupPlan, _nothing
@@ -177,6 +181,13 @@ class HashStorage(RowStorage):
         h = _init.mix64(keys ^ (tabs.to(torch.int64) * _init._GOLDEN + salt))
         return h & ((1 << 62) - 1)  # non-negative
 
+    def _per_table(self, tabs: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """(tables,) int64: how many of ``tabs`` (M,) name each table (or the sum of their int64
+        ``weights`` (M,)). Not ``bincount``: on CUDA that reads the largest index back to the host."""
+        out = torch.zeros(len(self.tables), dtype=torch.int64, device=tabs.device)
+        w = torch.ones(tabs.shape, dtype=torch.int64, device=tabs.device) if weights is None else weights
+        return out.index_add_(0, tabs.long(), w)
+
     def _build_index(self, slots: int) -> None:
         h = 1 << max(4, math.ceil(math.log2(2 * (slots + 1))))
         dev = self.weight.device
@@ -202,7 +213,12 @@ class HashStorage(RowStorage):
         decided there); the few left read the next ``_FIND_WINDOW`` positions a round, where a
         pair's first position that holds it (found) or is empty (absent: there are no
         tombstones, eviction rebuilds the index) decides: about 2 rounds instead of one per
-        probe (7 measured), each of ~15 small ops."""
+        probe (7 measured), each of ~15 small ops. With Triton kernels
+        (:func:`hybridembed.kernels.triton_hash.find`): one launch, no host sync."""
+        if uses_triton(self.kernels, self.weight):
+            from ..kernels import triton_hash
+
+            return triton_hash.find(self._hrow, self._mask, keys, tabs, self._hash(keys, tabs) & self._mask)
         tw = tabs.to(torch.int64) << 32  # the table as stored in a row's second word
         pos = self._hash(keys, tabs) & self._mask
         row = self._hrow.index_select(0, pos)  # (U, 2): each home position read once
@@ -228,7 +244,14 @@ class HashStorage(RowStorage):
     def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
         """Add absent, distinct (table, id) pairs pointing at ``slots``: each at the first empty
         position of its probe sequence (W positions a round); pairs that chose the same position
-        go to the one with the highest index, the others probe on from there."""
+        go to the one with the highest index, the others probe on from there. With Triton
+        kernels (:func:`hybridembed.kernels.triton_hash.insert`): each pair claims its position
+        with a compare-and-swap, one launch; the layout may differ, what :meth:`_find` answers not."""
+        if uses_triton(self.kernels, self.weight):
+            from ..kernels import triton_hash
+
+            triton_hash.insert(self._hrow, self._mask, keys, tabs, slots, self._hash(keys, tabs) & self._mask)
+            return
         pending = torch.arange(keys.numel(), device=keys.device, dtype=torch.int32)
         pos = self._hash(keys, tabs) & self._mask
         word = (tabs.to(torch.int64) << 32) | slots.to(torch.int64)
@@ -273,14 +296,14 @@ class HashStorage(RowStorage):
         self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
         self.last_seen[slots], self.freq[slots] = self.clock, 0
         self._mark(slots)
-        self.size += torch.bincount(tabs.long(), minlength=len(self.tables))
+        self.size += self._per_table(tabs)
         self.reset_state_rows(slots)
 
     def _evict(self, victims: torch.Tensor, count: bool = True) -> None:
         """Free ``victims`` (slots) in one batch, then rebuild the index from the live rows."""
         if victims.numel() == 0:
             return
-        per_table = torch.bincount(self.slot_table[victims].long(), minlength=len(self.tables))
+        per_table = self._per_table(self.slot_table[victims])
         if self._changed is not None:  # (id, table) of each row dropped, for an incremental checkpoint
             self._removed.append(torch.stack([self.slot_key[victims], self.slot_table[victims].long()]))
         if count:
@@ -310,7 +333,7 @@ class HashStorage(RowStorage):
         if self.capacity is None or new_tabs.numel() == 0:
             return torch.zeros(0, dtype=torch.int64, device=self.weight.device)
         cap = self.capacity
-        needed = torch.bincount(new_tabs.long(), minlength=len(self.tables))
+        needed = self._per_table(new_tabs)
         over = (self.size + needed - cap).tolist()
         victims = []
         protect = None
@@ -450,7 +473,8 @@ class HashStorage(RowStorage):
                 ok, commit_admission, rollback = self._admit(keys[miss], ktabs[miss], counts[miss])
             new = miss if ok is None else miss[ok]
             try:
-                victims = self._plan_evictions(ktabs[new], found[found >= 0])
+                # (slot 0 for the misses: the default row is never evicted; no boolean mask, no sync)
+                victims = self._plan_evictions(ktabs[new], found.clamp_min(0))
             except HybridEmbedError:
                 rollback()
                 raise
@@ -472,10 +496,10 @@ class HashStorage(RowStorage):
         bounds = torch.searchsorted(ktabs, torch.arange(nt + 1, dtype=ktabs.dtype, device=ktabs.device))
         looked = seg.index_select(0, bounds[1:]) - seg.index_select(0, bounds[:-1])
         self.counters[:, 4] += looked
-        self.counters[:, 3] += looked - torch.bincount(ktabs[miss].long(), weights=counts[miss], minlength=nt).long()
+        self.counters[:, 3] += looked - self._per_table(ktabs[miss], counts[miss])
         if commit_admission is not None:
             commit_admission()
-            self.counters[:, 2] += torch.bincount(ktabs[rej].long(), weights=counts[rej], minlength=nt).long()
+            self.counters[:, 2] += self._per_table(ktabs[rej], counts[rej])
         if victims.numel():
             self.last_seen[found[hit]] = self.clock  # (this batch's rows, for the index rebuild)
         self._evict(victims)
@@ -484,7 +508,7 @@ class HashStorage(RowStorage):
             self._insert(keys[new], ktabs[new], slots)
             self._init_rows(slots, keys[new], ktabs[new])
             found[new] = slots
-            self.counters[:, 0] += torch.bincount(ktabs[new].long(), minlength=nt)
+            self.counters[:, 0] += self._per_table(ktabs[new])
         if new.numel() == miss.numel():  # every id has a row now
             s, c = found, counts
         else:
@@ -496,8 +520,7 @@ class HashStorage(RowStorage):
         if self.config.eviction == "ttl":  # unseen for ttl_steps lookups, and no pending gradient
             expired = (self.slot_table >= 0) & (self.clock - self.last_seen >= self.config.ttl_steps)
             expired &= ~self._protected(s)
-            if bool(expired.any()):
-                self._evict(expired.nonzero().squeeze(1))
+            self._evict(expired.nonzero().squeeze(1))  # (nothing when none expired: one sync, not two)
         slot = found.clamp_min(0)  # (U,)
         kept = None if new.numel() == miss.numel() else (slot > 0).nonzero().squeeze(1)
         return self._per_id(slot, perm, counts), (perm, seg, slot, kept)

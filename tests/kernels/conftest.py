@@ -1,6 +1,0 @@
-import os
-
-import torch
-
-if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through Triton's interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
