@@ -1,9 +1,10 @@
 """The Triton hash-index kernels (find, insert) against the eager index of HashStorage.
 
-On the CPU they run through Triton's interpreter (tests/kernels/conftest.py sets
-TRITON_INTERPRET=1), slow: sizes here are hundreds of ids. A storage with kernels="triton" must
-end bit-identical to an eager one (same slots, rows, optimizer state, counters); only the index's
-layout may differ (which pair wins a contested position), never what it holds.
+On the CPU they run through Triton's interpreter (the root conftest.py sets TRITON_INTERPRET=1),
+slow: sizes here are hundreds of ids. A storage with kernels="triton" must end with the same
+slots, ids, counters and sketch as an eager one, bit for bit; only the index's layout may differ
+(which pair wins a contested position), never what it holds. Rows and optimizer state match up
+to the float rounding of the Triton lookup and fused update.
 """
 
 from __future__ import annotations
@@ -168,17 +169,21 @@ def assert_same_storage(a, b, exact: bool = True):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_triton_storage_trains_bit_identical_to_eager(name, calls):
+def test_triton_storage_trains_like_eager(name, calls):
+    """The index, slots, counters and sketch bit-identical; rows and optimizer state equal up to the
+    float rounding of the Triton lookup and fused update (summation order)."""
     data = batches(steps=4, bags=4, per_bag=2, span=12, seed=len(name))
     eager, want = train(CONFIGS[name], "eager", data)
     assert calls == {"find": 0, "insert": 0}
     tri, got = train(CONFIGS[name], "triton", data)
     assert calls["find"] >= len(data) + 1 and calls["insert"] >= 1
     for w, o in zip(want, got):
-        assert w.keys() == o.keys() and all(torch.equal(w[f], o[f]) for f in w)
+        assert w.keys() == o.keys()
+        for f in w:
+            torch.testing.assert_close(o[f], w[f], rtol=1e-5, atol=1e-6)
     a, b = eager.storage_of("a"), tri.storage_of("a")
     assert a is eager.storage_of("b")  # one storage for both tables: pairs salted by table
-    assert_same_storage(a, b)
+    assert_same_storage(a, b, exact=False)
     stats = a.stats()
     if name == "growth":
         assert a.weight.shape[0] - 1 > CONFIGS[name].initial_rows
