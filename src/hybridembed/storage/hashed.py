@@ -32,11 +32,13 @@ from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..input import offsets_from_lengths
 from ..kernels.backend import uses_triton
-from ..utils import advise_huge_pages
+from ..utils import advise_huge_pages, get_logger
 from .base import RowStorage, add_sparse
 from .protocol import LookupPlan, _nothing
 
 __all__ = ["HashStorage", "LookupPlan", "sort_pairs"]
+
+log = get_logger(__name__)
 
 _EMPTY = -1
 _HIGH, _LOW = -(1 << 32), (1 << 32) - 1  # the table and slot words of an index row
@@ -743,15 +745,28 @@ class HashStorage(RowStorage):
             self.counters[i] = entry["stats"].to(self.counters)
             self.clock = max(self.clock, int(entry["clock"]))
             if "generator" in entry:
-                self._gen.set_state(entry["generator"].cpu() if self._gen.device.type == "cpu" else entry["generator"])
+                self._load_generator(entry["generator"])
             if "sketch" in entry and self.sketch.numel():
                 self.sketch[i] = entry["sketch"].to(self.sketch)
         self._applied_clock = self.clock
 
+    def _load_generator(self, state: torch.Tensor) -> None:
+        """The admission generator's saved state; one saved on another kind of device (a CPU
+        state on CUDA, or back) cannot be carried over: the draws go on from a seed of the
+        table's seed and clock, the same in every process."""
+        if state.numel() == self._gen.get_state().numel():
+            self._gen.set_state(state.cpu() if self._gen.device.type == "cpu" else state)
+            return
+        log.info(
+            "tables %s: the admission generator was saved on another kind of device; its draws go on from a fresh seed",
+            ", ".join(t.name for t in self.tables),
+        )
+        self._gen.manual_seed(_init.mix64(torch.tensor([self.seed ^ self.clock])).item() & ((1 << 63) - 1))
+
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         dev = self.weight.device
-        for name in ("_hrow", "_claim"):
+        for name in ("_hrow", "_claim", "_probe_offsets", "_find_offsets"):
             setattr(self, name, getattr(self, name).to(dev))
         if self._gen.device != dev:
             self._gen = torch.Generator(device=dev).manual_seed(self.seed)
