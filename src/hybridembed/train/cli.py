@@ -957,14 +957,14 @@ def _train(
         bar = _progress(estimate, skip * args.batch_size, label, args.no_progress or not job.main)
         done = [skip]
 
-        def on_step(rows: int, loss: float, epoch: int = epoch, bar=bar, done=done) -> None:
+        def on_step(rows: int, loss: float | torch.Tensor, epoch: int = epoch, bar=bar, done=done) -> None:
             nonlocal step
             step += 1
             done[0] += 1
             if bar is not None:
                 bar.update(rows)
                 if done[0] % 10 == 0:
-                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                    bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 ckpt.save(inner, optimizer, {"epoch": epoch, "batches_done": done[0], "step": step, "complete": False})
 

@@ -70,11 +70,12 @@ def train_epoch(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: Iterable[Batch],
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[int, float | torch.Tensor], None] | None = None,
     job: Job = ONE,
     prefetch: Callable[[Batch], None] | None = None,
 ) -> EpochStats:
-    """One pass of ``model`` over ``batches``; ``on_step(rows, loss)`` after every step.
+    """One pass of ``model`` over ``batches``; ``on_step(rows, loss)`` after every step (``loss``: a
+    float, or in one process a 0-d tensor on the model's device, read only when shown).
 
     In a job of N ranks every rank gets the same global batches and trains on its slice
     (:meth:`Job.part`) with the loss ``sum over the slice * N / B``: averaged over the ranks
@@ -87,6 +88,7 @@ def train_epoch(
     model.train()
     t0 = time.perf_counter()
     loss_sum, rows, steps = 0.0, 0, 0
+    loss_acc = None  # one process: the summed loss, on the device
     for b, following in _with_next(batches, prefetch is not None):
         if not job.parallel:
             logits = model(b.dense, b.sparse)  # (B,)
@@ -103,15 +105,17 @@ def train_epoch(
         if prefetch is not None and following is not None:
             prefetch(job.part(following))
         optimizer.step()
-        if value is None:
-            value = loss.item()
-            loss_sum += value * len(b)
+        if value is None:  # (kept on the device: read only when shown, so a GPU step does not wait for it)
+            value = loss.detach()
+            loss_acc = value * len(b) if loss_acc is None else loss_acc + value * len(b)
         else:
             loss_sum += value * len(mine)
         rows += len(b)
         steps += 1
         if on_step is not None:
             on_step(len(b), value)
+    if loss_acc is not None:
+        loss_sum = float(loss_acc)
     seconds = time.perf_counter() - t0
     if job.parallel:
         (loss_sum,) = job.sum(loss_sum)
