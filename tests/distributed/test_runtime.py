@@ -10,6 +10,7 @@ from torch import nn
 import hybridembed as he
 from hybridembed.distributed import Plan, ShardedCollection, shard_table
 from hybridembed.distributed.launch import SpawnError, spawn
+from hybridembed.kernels.backend import triton_available
 
 DYN = he.Dynamic()
 
@@ -193,6 +194,8 @@ def _check_all(cases: list[dict], world: int) -> None:
 def test_mixed_plan_world2_equals_world1_every_optimizer():
     cases = [{**BASE, "optimizer": o, "sizes": [6, 6]} for o in OPTIMIZERS]
     cases += [{**BASE, "optimizer": o, "sizes": [6, 6], "dedup": True} for o in ("adagrad", "adam")]
+    if triton_available():  # the shards' Triton kernels (interpreted on the CPU): the same as one eager process
+        cases.append({**BASE, "optimizer": "adagrad", "sizes": [6, 6], "kernels": "triton", "steps": 2})
     _check_all(cases, 2)
 
 
