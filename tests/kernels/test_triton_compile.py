@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for an NVIDIA H100 (sm_90) without one: the interpreter tests
 run the kernels' Python, this runs Triton's compiler down to the GPU binary.
 
-Compiled in a subprocess: the interpreter (TRITON_INTERPRET=1, set for this folder) replaces the
+Compiled in a subprocess: the interpreter (TRITON_INTERPRET=1, set by the root conftest.py) replaces the
 compiler in the process that imports the kernels.
 """
 
