@@ -157,6 +157,22 @@ def test_dynamic_tables_evicting_between_backwards():
     assert sum(got["ec"].storages[0].counters[:, 1].tolist()) > 0  # (rows were evicted)
 
 
+def test_dynamic_ids_without_a_row_get_no_gradient():
+    """Ids not admitted read the default row (slot 0): like the eager lookup, their gradient is
+    dropped, so weight.grad and the norm clip_grad_norm_ takes are the eager ones."""
+    got = {}
+    for kernels in ("eager", "triton"):
+        table = he.TableConfig("u", None, 4, dynamic=he.Dynamic(min_count=2))
+        ec = he.EmbeddingCollection([table], device=DEVICE, kernels=kernels)
+        ec({"u": torch.tensor([1, 2], device=DEVICE)})
+        out = ec({"u": torch.tensor([1, 2, 3, 1, 5, 6], device=DEVICE)})  # 3, 5, 6: not admitted yet
+        (out["u"] * torch.arange(1.0, 7.0, device=DEVICE).unsqueeze(1)).sum().backward()
+        grad = ec.storages[0].weight.grad.to_dense()
+        got[kernels] = (grad, he.clip_grad_norm_(ec, 1.0))
+    torch.testing.assert_close(got["triton"][0], got["eager"][0])
+    torch.testing.assert_close(got["triton"][1], got["eager"][1])
+
+
 def test_half_rows_fp32_state():
     got = _train("triton", "adam", dtype=torch.bfloat16)
     want = _train("eager", "adam", dtype=torch.bfloat16)
