@@ -173,6 +173,17 @@ def test_dynamic_ids_without_a_row_get_no_gradient():
     torch.testing.assert_close(got["triton"][1], got["eager"][1])
 
 
+def test_fused_hyper_parameters_reach_the_kernels_in_float64():
+    """A Python float reaches a compiled Triton kernel as float32 (the interpreter keeps it in
+    float64, so only the signature shows it): the update's kernels take lr, eps, betas and weight
+    decay as float64, so a float64 table's are exact on a GPU (rounded in the kernel otherwise)."""
+    import inspect
+
+    for kernel in (tk._reduce_update, tk._finish_runs):
+        params = inspect.signature(kernel.fn).parameters  # (.fn: the function, compiled or interpreted)
+        assert [str(params[k].annotation) for k in ("lr", "eps", "b1", "b2", "wd")] == ["tl.float64"] * 5
+
+
 def test_half_rows_fp32_state():
     got = _train("triton", "adam", dtype=torch.bfloat16)
     want = _train("eager", "adam", dtype=torch.bfloat16)
