@@ -35,7 +35,7 @@ def build(fn, sig, consts, arch):
 update = {
     "sorted_ids": "*i32", "perm": "*i64", "bag_of": "*i64", "psw": "*fp32", "grad": "*fp32", "buf": "*fp32",
     "weight": "*bf16", "s1": "*fp32", "s2": "*fp32", "N": "i32", "D": "i32", "stride_w": "i32", "stride_s": "i32",
-    "lr": "fp32", "eps": "fp32", "b1": "fp32", "b2": "fp32", "wd": "fp32",
+    "lr": "fp64", "eps": "fp64", "b1": "fp64", "b2": "fp64", "wd": "fp64",  # (as annotated)
 }
 finish = {k: v for k, v in update.items() if k not in ("perm", "bag_of", "psw", "grad")}
 for arch in ARCHS:

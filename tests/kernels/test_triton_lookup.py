@@ -157,6 +157,33 @@ def test_dynamic_tables_evicting_between_backwards():
     assert sum(got["ec"].storages[0].counters[:, 1].tolist()) > 0  # (rows were evicted)
 
 
+def test_dynamic_ids_without_a_row_get_no_gradient():
+    """Ids not admitted read the default row (slot 0): like the eager lookup, their gradient is
+    dropped, so weight.grad and the norm clip_grad_norm_ takes are the eager ones."""
+    got = {}
+    for kernels in ("eager", "triton"):
+        table = he.TableConfig("u", None, 4, dynamic=he.Dynamic(min_count=2))
+        ec = he.EmbeddingCollection([table], device=DEVICE, kernels=kernels)
+        ec({"u": torch.tensor([1, 2], device=DEVICE)})
+        out = ec({"u": torch.tensor([1, 2, 3, 1, 5, 6], device=DEVICE)})  # 3, 5, 6: not admitted yet
+        (out["u"] * torch.arange(1.0, 7.0, device=DEVICE).unsqueeze(1)).sum().backward()
+        grad = ec.storages[0].weight.grad.to_dense()
+        got[kernels] = (grad, he.clip_grad_norm_(ec, 1.0))
+    torch.testing.assert_close(got["triton"][0], got["eager"][0])
+    torch.testing.assert_close(got["triton"][1], got["eager"][1])
+
+
+def test_fused_hyper_parameters_reach_the_kernels_in_float64():
+    """A Python float reaches a compiled Triton kernel as float32 (the interpreter keeps it in
+    float64, so only the signature shows it): the update's kernels take lr, eps, betas and weight
+    decay as float64, so a float64 table's are exact on a GPU (rounded in the kernel otherwise)."""
+    import inspect
+
+    for kernel in (tk._reduce_update, tk._finish_runs):
+        params = inspect.signature(kernel.fn).parameters  # (.fn: the function, compiled or interpreted)
+        assert [str(params[k].annotation) for k in ("lr", "eps", "b1", "b2", "wd")] == ["tl.float64"] * 5
+
+
 def test_half_rows_fp32_state():
     got = _train("triton", "adam", dtype=torch.bfloat16)
     want = _train("eager", "adam", dtype=torch.bfloat16)
@@ -222,6 +249,59 @@ def test_fused_update_hot_ids_many_chunks(name):
     torch.testing.assert_close(sts[0].weight, sts[1].weight, rtol=1e-5, atol=1e-6)
     for k in sts[1].state:
         torch.testing.assert_close(sts[0].state[k], sts[1].state[k], rtol=1e-5, atol=1e-6)
+
+
+def _edge_layout(name):
+    """Sorted ids whose runs of equal ids sit at the update's chunk edges (chunks of C ids)."""
+    c, cat, full = tk._CHUNK, torch.cat, torch.full
+    return {
+        "single_id": torch.tensor([5]),
+        "one_chunk_one_id": full((c,), 3),
+        "two_chunks_one_id": full((2 * c,), 3),
+        "run_ends_at_a_chunk_end": cat(
+            [torch.arange(10), full((c - 10,), 50), full((c,), 60), torch.arange(100, 100 + c)]
+        ),
+        "run_starts_at_a_chunk_start": cat([torch.arange(c), full((c + 8,), 200), torch.arange(210, 218)]),
+        "run_over_three_chunks_to_the_end": cat([torch.arange(5), full((3 * c - 5,), 77)]),
+        "run_ends_one_past_a_chunk": cat([full((c,), 1), full((c + 1,), 2)]),
+    }[name]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "single_id",
+        "one_chunk_one_id",
+        "two_chunks_one_id",
+        "run_ends_at_a_chunk_end",
+        "run_starts_at_a_chunk_start",
+        "run_over_three_chunks_to_the_end",
+        "run_ends_one_past_a_chunk",
+    ],
+)
+def test_fused_update_runs_at_chunk_edges(layout):
+    """Every way a run of equal ids can meet a chunk edge (N a multiple of C or not), one id per
+    bag in shuffled order, against the eager update: each row updated once, with its whole sum."""
+    from hybridembed.optim import sparse as so
+
+    ids = _edge_layout(layout)
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))].to(DEVICE)
+    grad = torch.randn(ids.numel(), 5, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    offsets = torch.arange(ids.numel() + 1, device=DEVICE)
+    for opt in (so.Adam(lr=0.1, weight_decay=0.01, maximize=True), so.RowWiseAdagrad(lr=0.1)):
+        sts = []
+        for _ in range(2):
+            st = he.EmbeddingCollection([he.TableConfig("t", 300, 5)], device=DEVICE).storages[0]
+            st.attach_optimizer(opt, dict(opt.hparams))
+            sts.append(st)
+        sts[0].defer_grad(ids, grad, offsets, None, True)
+        sts[0].apply_fused(sts[0].hparams)
+        sts[1].defer_grad(ids, grad, offsets, None, True)
+        r = sts[1].grad_rows()
+        sts[1].apply_gradient(r[0], r[1], sts[1].hparams)
+        torch.testing.assert_close(sts[0].weight, sts[1].weight, rtol=1e-5, atol=1e-6)
+        for k in sts[1].state:
+            torch.testing.assert_close(sts[0].state[k], sts[1].state[k], rtol=1e-5, atol=1e-6)
 
 
 def _converted(kernels):

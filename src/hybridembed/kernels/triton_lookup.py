@@ -233,7 +233,13 @@ def _update_row(
     SKIP_ZERO: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """One optimizer step on row ``row`` with its summed gradient ``g`` (BLOCK_D,), in ACC."""
+    """One optimizer step on row ``row`` with its summed gradient ``g`` (BLOCK_D,), in ACC. The
+    hyper-parameters arrive in float64 (a Python float would be float32): exact for a float64 table,
+    rounded once to float32 for the others (as the eager ops round them)."""
+    c1, c2 = 1.0 - b1, 1.0 - b2
+    if ACC != tl.float64:
+        lr, eps, wd = tl.cast(lr, ACC), tl.cast(eps, ACC), tl.cast(wd, ACC)
+        c1, b2, c2 = tl.cast(c1, ACC), tl.cast(b2, ACC), tl.cast(c2, ACC)
     keep = dm
     if SKIP_ZERO:  # a dynamic table's default row is never updated
         keep = dm & ((row + d * 0) != 0)
@@ -261,8 +267,8 @@ def _update_row(
         vp = s2 + row * stride_s + d
         m = tl.load(mp, mask=keep, other=0.0)
         v = tl.load(vp, mask=keep, other=0.0)
-        m = m + (1.0 - b1) * (g - m)
-        v = v * b2 + (1.0 - b2) * (g * g)
+        m = m + c1 * (g - m)
+        v = v * b2 + c2 * (g * g)
         tl.store(mp, m, mask=keep)
         tl.store(vp, v, mask=keep)
         w = w - lr * (m / (tl.sqrt(v) + eps))
@@ -284,11 +290,11 @@ def _reduce_update(
     D,
     stride_w,
     stride_s,
-    lr,
-    eps,
-    b1,
-    b2,
-    wd,
+    lr: tl.float64,
+    eps: tl.float64,
+    b1: tl.float64,
+    b2: tl.float64,
+    wd: tl.float64,
     HOT1: tl.constexpr,
     HAS_PSW: tl.constexpr,
     OPT: tl.constexpr,
@@ -366,11 +372,11 @@ def _finish_runs(
     D,
     stride_w,
     stride_s,
-    lr,
-    eps,
-    b1,
-    b2,
-    wd,
+    lr: tl.float64,
+    eps: tl.float64,
+    b1: tl.float64,
+    b2: tl.float64,
+    wd: tl.float64,
     OPT: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     SKIP_ZERO: tl.constexpr,

@@ -554,6 +554,16 @@ class HashStorage(RowStorage):
         distinct-rows mark."""
         self.weight.grad = _marked(new, _is_marked(old))
 
+    def materialize_grad(self) -> None:
+        """As :meth:`RowStorage.materialize_grad`, but ids without a row (slot 0, the default
+        row) contribute nothing, as in the eager lookup (which drops their segments): the
+        gradient's norm, which clipping reads, and ``weight.grad`` are the eager ones."""
+        self._deferred = [
+            (ids, grad, offsets, (ids != 0).to(grad.dtype) * (1 if psw is None else psw), one)
+            for ids, grad, offsets, psw, one in self._deferred
+        ]
+        super().materialize_grad()
+
     def grad_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         self.materialize_grad()
         g = self.weight.grad
