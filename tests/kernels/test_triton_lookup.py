@@ -228,7 +228,7 @@ def test_fused_update_hot_ids_many_chunks(name):
     }[name]
     sts = []
     for _ in range(2):
-        st = he.EmbeddingCollection([he.TableConfig("t", 300, 5)], device=DEVICE).storages[0]
+        st = he.EmbeddingCollection([he.TableConfig("t", 300, 5)], device=DEVICE, kernels="triton").storages[0]
         st.attach_optimizer(opt, dict(opt.hparams))
         sts.append(st)
     n = 350
@@ -291,7 +291,7 @@ def test_fused_update_runs_at_chunk_edges(layout):
     for opt in (so.Adam(lr=0.1, weight_decay=0.01, maximize=True), so.RowWiseAdagrad(lr=0.1)):
         sts = []
         for _ in range(2):
-            st = he.EmbeddingCollection([he.TableConfig("t", 300, 5)], device=DEVICE).storages[0]
+            st = he.EmbeddingCollection([he.TableConfig("t", 300, 5)], device=DEVICE, kernels="triton").storages[0]
             st.attach_optimizer(opt, dict(opt.hparams))
             sts.append(st)
         sts[0].defer_grad(ids, grad, offsets, None, True)

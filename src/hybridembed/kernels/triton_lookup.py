@@ -21,12 +21,14 @@ that ``torch.optim``'s semantics hold: several backwards accumulate, ``zero_grad
    A run inside the chunk is complete: the optimizer is applied to its row at once, the row
    and its state read and written once. A run cut by the chunk's edge leaves its partial sum
    in a small buffer (two rows per chunk);
-3. ``_finish_runs``: each run that starts in a chunk and goes on past it is summed from those
-   partial rows (one per chunk it covers) and updated.
+3. ``_carry_partials``: every chunk whose first run began earlier adds its partial sum, with
+   one atomic add, to the partial row of the chunk where that run began;
+4. ``_finish_runs``: each run that starts in a chunk and goes on past it is updated from that row.
 
-No program walks more than ``C`` ids, so a hot id of a power-law batch (thousands of copies)
-is spread over many programs instead of being one serial bag, which is where PyTorch's
-``embedding_bag`` backward loses its time. Every other case (another optimizer, momentum,
+No program walks more than ``C`` ids, and a run over many chunks is gathered by one atomic add
+per chunk, so a hot id of a power-law batch (thousands of copies) is spread over many programs
+instead of being one serial bag, which is where PyTorch's ``embedding_bag`` backward loses its
+time. (The order of those adds varies, so a hot row's last bits may differ between runs.) Every other case (another optimizer, momentum,
 per-id weights that need their own gradient, gradient clipping, a sharded collection's hooks)
 turns the kept gradient into the eager sparse gradient first (:func:`weight_grad`), so the
 result is the eager path's.
@@ -362,6 +364,20 @@ def _reduce_update(
 
 
 @triton.jit
+def _carry_partials(sorted_ids, run_chunk, buf, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Chunk c's first run, when it began in an earlier chunk c0: its partial sum added to buf[c0]'s
+    second row (c0's last run, the same run), atomically: one add per chunk the run covers."""
+    c = tl.program_id(0)
+    p0 = c * CHUNK
+    d = tl.arange(0, BLOCK_D)
+    first = tl.load(sorted_ids + p0)
+    prev = tl.load(sorted_ids + p0 - 1, mask=p0 > 0, other=-1)
+    if (p0 > 0) & (prev == first):
+        c0 = tl.load(run_chunk + c)
+        tl.atomic_add(buf + (2 * c0 + 1) * BLOCK_D + d, tl.load(buf + (2 * c) * BLOCK_D + d))
+
+
+@triton.jit
 def _finish_runs(
     sorted_ids,
     buf,
@@ -384,7 +400,8 @@ def _finish_runs(
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """The run that starts in chunk c and goes on past it (if any): summed and updated."""
+    """The run that starts in chunk c and goes on past it (if any): its sum, gathered in buf[c]'s
+    second row by _carry_partials, applied."""
     c = tl.program_id(0)
     p0 = c * CHUNK
     q = tl.minimum(p0 + CHUNK, N) - 1  # the chunk's last position
@@ -397,15 +414,6 @@ def _finish_runs(
     through = (p0 > 0) & (prev == first) & (first == row)  # the run began before this chunk
     if (nxt == row) & (through == 0):
         acc = tl.load(buf + (2 * c + 1) * BLOCK_D + d)
-        k = c + 1
-        more = nxt == row
-        while more:  # the run's partial sums, chunk by chunk, to the chunk where it ends
-            acc += tl.load(buf + (2 * k) * BLOCK_D + d)
-            qk = tl.minimum(k * CHUNK + CHUNK, N) - 1
-            last = tl.load(sorted_ids + qk)
-            after = tl.load(sorted_ids + qk + 1, mask=qk + 1 < N, other=-1)
-            more = (last == row) & (after == row)
-            k += 1
         _update_row(
             weight, s1, s2, row, acc, d, dm, D, stride_w, stride_s, lr, eps, b1, b2, wd, OPT, MAXIMIZE, SKIP_ZERO, ACC
         )
@@ -453,4 +461,11 @@ def apply_fused(
     _reduce_update[(chunks,)](
         sorted_ids, perm, bag_of, psw, grad, buf, *args, HOT1=bag_of is None, HAS_PSW=psw is not None, **flags
     )
+    # the chunk where the run at each chunk's start began (no host sync: a scan)
+    pos = torch.arange(n, device=weight.device)
+    starts = torch.ones(n, dtype=torch.bool, device=weight.device)
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=starts[1:])
+    run_start = torch.cummax(torch.where(starts, pos, 0), 0).values  # (N,): where each id's run begins
+    run_chunk = torch.div(run_start[::_CHUNK], _CHUNK, rounding_mode="floor")  # (chunks,) contiguous
+    _carry_partials[(chunks,)](sorted_ids, run_chunk, buf, CHUNK=_CHUNK, BLOCK_D=block_d)
     _finish_runs[(chunks,)](sorted_ids, buf, *args, **flags)

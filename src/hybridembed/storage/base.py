@@ -18,6 +18,7 @@ from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..input import bag_index
 from ..kernels import reduce_rows
+from ..kernels.backend import uses_triton
 from ..kernels.lookup import Bags, weight_grad
 from ..utils import advise_huge_pages
 
@@ -169,7 +170,13 @@ class RowStorage(nn.Module):
 
     def fused_ready(self) -> bool:
         """The pending gradient is all kept lookup gradients, and the optimizer has a fused update."""
-        return bool(self._deferred) and self.weight.grad is None and self.optimizer is not None and self._fusable()
+        return (
+            bool(self._deferred)
+            and self.weight.grad is None
+            and self.optimizer is not None
+            and uses_triton(self.kernels, self.weight)  # (not after a move to a device Triton does not run on)
+            and self._fusable()
+        )
 
     @torch.no_grad()
     def apply_fused(self, hparams: dict) -> None:
