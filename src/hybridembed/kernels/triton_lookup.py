@@ -461,11 +461,14 @@ def apply_fused(
     _reduce_update[(chunks,)](
         sorted_ids, perm, bag_of, psw, grad, buf, *args, HOT1=bag_of is None, HAS_PSW=psw is not None, **flags
     )
-    # the chunk where the run at each chunk's start began (no host sync: a scan)
-    pos = torch.arange(n, device=weight.device)
-    starts = torch.ones(n, dtype=torch.bool, device=weight.device)
-    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=starts[1:])
-    run_start = torch.cummax(torch.where(starts, pos, 0), 0).values  # (N,): where each id's run begins
-    run_chunk = torch.div(run_start[::_CHUNK], _CHUNK, rounding_mode="floor")  # (chunks,) contiguous
+    # per chunk, the chunk where the run at its start began: read off the chunks' edges only (a scan
+    # over N / C values, no host sync). A chunk lying wholly inside a run begun earlier passes it on.
+    firsts = torch.arange(0, n, _CHUNK, device=weight.device)  # (chunks,) each chunk's first position
+    first = sorted_ids.index_select(0, firsts)
+    last = sorted_ids.index_select(0, (firsts + _CHUNK - 1).clamp_(max=n - 1))
+    before = torch.cat([first.new_full((1,), -1), sorted_ids.index_select(0, firsts[1:] - 1)])
+    inside = (before == first) & (first == last)  # the chunk lies inside a run begun before it
+    begins = torch.where(inside, -1, torch.arange(chunks, device=weight.device))  # its last run begins here
+    run_chunk = torch.cat([begins.new_zeros(1), torch.cummax(begins, 0).values[:-1]])  # (chunks,)
     _carry_partials[(chunks,)](sorted_ids, run_chunk, buf, CHUNK=_CHUNK, BLOCK_D=block_d)
     _finish_runs[(chunks,)](sorted_ids, buf, *args, **flags)
