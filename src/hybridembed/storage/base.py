@@ -186,27 +186,23 @@ class RowStorage(nn.Module):
 
         entries = self._take_deferred()
         self.step += 1
-        ids = entries[0][0] if len(entries) == 1 else torch.cat([e[0] for e in entries])  # (N,)
-        if ids.numel() == 0:
-            return
-        self._mark(ids)
         if len(entries) == 1:
-            _, grad, offsets, psw, one = entries[0]
+            ids, grad, offsets, psw, one = entries[0]
             bag_of = None if one else bag_index(offsets, ids.numel())
         else:  # several lookups (or backwards) this step: one batch of bags
-            grad = torch.cat([e[1] for e in entries])  # (S, D)
-            firsts = [0]
-            for e in entries[:-1]:
-                firsts.append(firsts[-1] + e[1].shape[0])
-            bag_of = torch.cat(
-                [
-                    (torch.arange(e[0].numel(), device=ids.device) if e[4] else bag_index(e[2], e[0].numel())) + f
-                    for e, f in zip(entries, firsts)
-                ]
-            )
+            ids, grad = torch.cat([e[0] for e in entries]), torch.cat([e[1] for e in entries])  # (N,), (S, D)
+            bag_of, first = [], 0
+            for e_ids, e_grad, offsets, _, one in entries:
+                n = e_ids.numel()
+                bag_of.append((torch.arange(n, device=ids.device) if one else bag_index(offsets, n)) + first)
+                first += e_grad.shape[0]
+            bag_of = torch.cat(bag_of)
             psw = None
             if any(e[3] is not None for e in entries):
                 psw = torch.cat([e[3] if e[3] is not None else grad.new_ones(e[0].numel()) for e in entries])
+        if ids.numel() == 0:
+            return
+        self._mark(ids)
         apply_fused(self, ids, grad, bag_of, psw, hparams)
 
     def clear_grad(self) -> None:
