@@ -59,3 +59,11 @@ def test_triton_tables_on_the_cpu_without_interpreter_run_eager(monkeypatch):
     st = ec.storages[0]
     assert not st._deferred and st.weight.grad is not None  # the eager backward's gradient
     opt.step()
+
+
+def test_a_sharded_collection_checks_its_kernels_first():
+    from hybridembed.distributed import ShardedCollection
+
+    # (before anything else: a rank without shards builds no collection that would check it)
+    with pytest.raises(he.ConfigError, match="kernels must be one of"):
+        ShardedCollection([he.TableConfig("a", 10, 4)], kernels="fast")

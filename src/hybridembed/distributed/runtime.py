@@ -45,6 +45,7 @@ from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged, offsets_from_lengths
 from ..input.jagged import bag_index
 from ..kernels import bag_scale
+from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
 from ..modules.collection import check_arguments
 from ..utils import kept_tensor
@@ -193,6 +194,7 @@ class ShardedCollection(nn.Module):
         kernels: str = "auto",
     ):
         super().__init__()
+        kernels = check_kernels(kernels)  # (checked here too: a rank without shards builds no collection)
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(
                 "sharded tables need an initialised torch.distributed process group: call "
