@@ -7,7 +7,7 @@ from . import _env, init, optim
 from .api import convert, export, load, save
 from .config import Dynamic, TableConfig
 from .distributed.api import distribute
-from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError
+from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError, RankLost
 from .input import Jagged
 from .modules import EmbeddingCollection
 from .optim import clip_grad_norm_, wrap_optimizer
@@ -23,6 +23,7 @@ __all__ = [
     "HybridEmbedError",
     "InvalidInputError",
     "Jagged",
+    "RankLost",
     "TableConfig",
     "clip_grad_norm_",
     "convert",

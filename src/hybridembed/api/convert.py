@@ -199,7 +199,8 @@ class _QueueHook:
             # None: the forward raised, or returned None (a forward that keeps its outputs on the model):
             # it raised when an exception other than the one handled around the call is in flight
             outer = queue.handling.pop() if queue.handling else None
-            queue.exit(ok=output is not None or sys.exc_info()[1] is outer)
+            ok = output is not None or sys.exc_info()[1] is outer
+            queue.exit(ok=ok, error=None if ok else sys.exc_info()[1])
 
 
 class _TableLayer(nn.Module):

@@ -17,6 +17,7 @@ the optimizer step).
 
 from __future__ import annotations
 
+import datetime
 import gc
 from collections.abc import Mapping
 from typing import Any
@@ -27,9 +28,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..api.convert import ConvertedCollection, _TableLayer, convert
-from ..errors import ConfigError
+from ..errors import ConfigError, HybridEmbedError
 from ..modules import EmbeddingCollection
 from ..modules.grouped import LookupQueue
+from . import health
 from .plan import Plan
 from .runtime import REDUCTIONS, ShardedCollection
 
@@ -56,9 +58,10 @@ def distribute(
     mode: str = "sync",
     staleness: int = 1,
     cache_rows: int = 0,
-    ps_timeout: float = 300.0,
+    ps_timeout: float | None = None,
     max_request_bytes: int = 1 << 30,
     server_exit: bool = True,
+    timeout: float | datetime.timedelta | None = None,
     **convert_args: Any,
 ) -> nn.Module | None:
     """Shard ``model``'s embedding tables over the job; returns the model to train, unchanged loop.
@@ -80,6 +83,10 @@ def distribute(
             naming the rank and the shortfall, before any shard is allocated.
         ddp: wrap the result in ``DistributedDataParallel`` (a dict: its keyword arguments);
             False leaves the dense part to you.
+        timeout: seconds (or a ``timedelta``) the library's own collectives wait for a peer (the
+            embedding exchange, the parameter servers' groups, background checkpoints); default:
+            the job's, as ``init_process_group(timeout=...)`` was given it. A peer that dies, stops or
+            fails within it is named in a :class:`~hybridembed.distributed.health.RankLost`.
         **convert_args: ``tables``, ``seed``, ``dynamic``, ``copy_dynamic_rows`` as :func:`convert`.
 
     Parameter servers (``servers=S``, see docs/parameter_servers.md): the last S ranks of the
@@ -96,14 +103,92 @@ def distribute(
         staleness: asynchronous mode's bound, in steps (>= 1).
         cache_rows: asynchronous mode's hot-row cache per group of tables on each trainer
             (rows; 0: none).
-        ps_timeout: seconds a trainer waits for a server's answer (a dead server fails at once).
+        ps_timeout: seconds a trainer waits for a server's answer (a dead server fails at once);
+            default: ``timeout``.
         max_request_bytes: the largest request a server accepts.
 
-    Every rank must call it with the same model and plan (the table configurations and plans
-    are compared across ranks: the first difference is named).
+    Every rank must call it with the same model, plan and arguments (they are compared across
+    ranks before anything is allocated: the first difference is named on every rank, and an
+    argument one rank refuses is refused on every rank, naming it).
     """
+    job = dist.is_available() and dist.is_initialized()
+    problem = None
+    try:  # (every check before anything is allocated; in a job, one rank's refusal is every rank's)
+        if job and process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ConfigError(f"process_group must be a torch.distributed ProcessGroup, got {process_group!r}")
+        _check_args(model, plan, reduction, ddp, dedup, memory_per_rank, convert_args)
+        timeout = health.as_timeout(timeout)
+        if servers is not None:
+            _check_ps_args(servers, mode, staleness, cache_rows, ps_timeout, max_request_bytes, server_exit)
+        if job and any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules()):
+            model = convert(model, grouped=True, **convert_args)
+        collections = _collections(model) if job else {}
+        if job and not collections:
+            raise ConfigError("distribute: the model has no embedding layers or hybridembed tables to shard")
+        _check_untrained(collections)  # (no loop variable here: a server frees the unsharded tables)
+    except HybridEmbedError as e:
+        if not job:
+            raise
+        problem = e
+    if not job:
+        if servers is not None:  # the embedded default: the servers' tables in this process
+            return convert(model, grouped=True, **convert_args)
+        raise ConfigError(
+            "he.distribute needs an initialised torch.distributed process group: call "
+            "torch.distributed.init_process_group(...) first (launch with torchrun or `hybridembed launch`); "
+            "for one process use he.convert"
+        )
+    group = process_group if isinstance(process_group, dist.ProcessGroup) else dist.group.WORLD
+    settings = {
+        "reduction": reduction,
+        "dedup": dedup,
+        "ddp": sorted(ddp) if isinstance(ddp, Mapping) else ddp,
+        "memory_per_rank": memory_per_rank,
+        "timeout": None if timeout is None else timeout.total_seconds(),
+        "servers": servers,
+        "convert": {
+            k: v if isinstance(v, (bool, int, str)) or v is None else type(v).__name__
+            for k, v in sorted(convert_args.items())
+        },
+        "collections": sorted(collections) if problem is None else None,
+    }
     if servers is not None:
-        _check_ps_args(servers, mode, staleness, cache_rows, ps_timeout, max_request_bytes, server_exit)
+        settings["ps"] = {
+            "mode": mode,
+            "staleness": staleness,
+            "cache_rows": cache_rows,
+            "ps_timeout": ps_timeout,
+            "max_request_bytes": max_request_bytes,
+        }
+    health.agree(group, "he.distribute's arguments", problem, settings)
+    if servers is not None:
+        return _distribute_ps(
+            model,
+            collections,
+            plan,
+            process_group,
+            reduction,
+            ddp,
+            memory_per_rank,
+            servers,
+            mode,
+            staleness,
+            cache_rows,
+            ps_timeout,
+            max_request_bytes,
+            server_exit,
+            timeout,
+        )
+    for path, ec in collections.items():
+        where = _rows_device(model, ec)
+        sharded = _shard(
+            ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank, where, timeout
+        )
+        _swap(model, ec, sharded)
+    return _wrap_ddp(model, ddp, process_group)
+
+
+def _check_args(model, plan, reduction, ddp, dedup, memory_per_rank, convert_args) -> None:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"distribute needs an nn.Module, got {type(model).__name__}")
     if isinstance(model, DistributedDataParallel):
@@ -127,41 +212,16 @@ def distribute(
         raise ConfigError(f"memory_per_rank must be a positive int (bytes) or None, got {memory_per_rank!r}")
     if any(isinstance(m, ShardedCollection) for m in model.modules()):  # (all checked before the model changes)
         raise ConfigError("this model is distributed already")
-    if not dist.is_available() or not dist.is_initialized():
-        if servers is not None:  # the embedded default: the servers' tables in this process
-            return convert(model, grouped=True, **convert_args)
-        raise ConfigError(
-            "he.distribute needs an initialised torch.distributed process group: call "
-            "torch.distributed.init_process_group(...) first (launch with torchrun or `hybridembed launch`); "
-            "for one process use he.convert"
-        )
-    if any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules()):
-        model = convert(model, grouped=True, **convert_args)
-    collections = _collections(model)
-    if not collections:
-        raise ConfigError("distribute: the model has no embedding layers or hybridembed tables to shard")
-    if servers is not None:
-        return _distribute_ps(
-            model,
-            collections,
-            plan,
-            process_group,
-            reduction,
-            ddp,
-            memory_per_rank,
-            servers,
-            mode,
-            staleness,
-            cache_rows,
-            ps_timeout,
-            max_request_bytes,
-            server_exit,
-        )
-    for path, ec in collections.items():
-        where = _rows_device(model, ec)
-        sharded = _shard(ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank, where)
-        _swap(model, ec, sharded)
-    return _wrap_ddp(model, ddp, process_group)
+
+
+def _check_untrained(collections: Mapping[str, EmbeddingCollection]) -> None:
+    for ec in collections.values():
+        for name, t in ec.tables.items():
+            if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
+                raise ConfigError(
+                    f"dynamic table {name!r} already holds rows; distribute the model before training it "
+                    "(or save it and load the checkpoint into the distributed model)"
+                )
 
 
 def _wrap_ddp(model: nn.Module, ddp: bool | Mapping[str, Any], group) -> nn.Module:
@@ -198,8 +258,8 @@ def _check_ps_args(servers, mode, staleness, cache_rows, timeout, limit, server_
             "cache_rows needs mode='async': in synchronous mode every row a step reads was updated by the step "
             "before, so a cache could only serve stale rows"
         )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"ps_timeout must be a number of seconds > 0, got {timeout!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ConfigError(f"ps_timeout must be a number of seconds > 0 (or None: the job's timeout), got {timeout!r}")
     if not count(limit, 1024):
         raise ConfigError(f"max_request_bytes must be an int >= 1024, got {limit!r}")
     if not isinstance(server_exit, bool):
@@ -221,6 +281,7 @@ def _distribute_ps(
     timeout,
     limit,
     server_exit,
+    job_timeout,
 ):
     from ..ps import setup
 
@@ -235,9 +296,6 @@ def _distribute_ps(
             f"({', '.join(collections)}): put the tables in one EmbeddingCollection"
         )
     ((path, ec),) = collections.items()
-    for name, t in ec.tables.items():
-        if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
-            raise ConfigError(f"dynamic table {name!r} already holds rows; distribute the model before training it")
     trainer_group, pc, run = setup(
         model,
         ec,
@@ -251,6 +309,7 @@ def _distribute_ps(
         limit=limit,
         reduction=reduction,
         budget=budget,
+        job_timeout=job_timeout,
         shard=_shard,
         swap=_swap,
     )
@@ -306,13 +365,8 @@ def _shard(
     dedup: bool,
     budget,
     where: torch.device | None = None,
+    timeout=None,
 ) -> ShardedCollection:
-    for name, t in ec.tables.items():
-        if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
-            raise ConfigError(
-                f"dynamic table {name!r} already holds rows; distribute the model before training it "
-                "(or save it and load the checkpoint into the distributed model)"
-            )
     device = ec.storages[0].weight.device
     if device.type == "meta":  # built without rows: each shard starts from the row-keyed init alone
         weights = {}
@@ -333,6 +387,7 @@ def _shard(
         dedup=dedup,
         memory_per_rank=budget,
         kernels=getattr(ec, "kernels", "auto"),
+        timeout=timeout,
     )
     sharded.train(ec.training)
     return sharded

@@ -71,6 +71,9 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads):
         # that dies with this process before the parent has read it
         results.put((rank, True, pickle.dumps(out)))
     except BaseException as e:  # reported, then this rank leaves (the others stop)
+        from .health import note_failure
+
+        note_failure(e)  # (the other ranks' errors name this one and why; its servers hear it failed)
         try:  # the exception itself, for callers that tell usage errors from bugs
             exc = pickle.dumps(e)
         except Exception:

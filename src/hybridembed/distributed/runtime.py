@@ -28,12 +28,13 @@ ranks' gradients (SOK's convention; equal to world 1 on a summed loss).
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -49,14 +50,14 @@ from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
 from ..modules.collection import check_arguments
 from ..utils import kept_tensor
+from . import health
 from .plan import Plan, Shard, TablePlan
 
 __all__ = ["ShardedCollection", "REDUCTIONS", "hash_residue"]
 
 REDUCTIONS = ("mean", "sum")
 _HASH_MASK = (1 << 62) - 1
-_HEAD = 3  # header fields before the per-pair sizes: error flag, weights flag, request digest
-_PER_PAIR = 3  # header fields per pair: bags, ids, one id per bag (then no lengths are sent)
+_PER_PAIR = 3  # sizes sent per pair before the ids: bags, ids, one id per bag (then no lengths are sent)
 
 
 def hash_residue(ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -98,6 +99,50 @@ class _Pair:
     width: int
 
 
+@dataclass(frozen=True)
+class Header:
+    """What each rank tells each other rank first in an exchange. Its size is fixed, so ranks that
+    disagree on the step (one could not make its lookups, or looked up other features) still
+    read each other's, and every rank raises instead of waiting or misreading what follows.
+
+    ``failed``: 0, or :data:`INVALID` (this rank's input was refused) or :data:`FAILED` (it failed
+    otherwise before the exchange); ``weights``: per-id weights follow the ids; ``digest``: of the
+    features looked up, in order; ``nints``: int64s this rank sends the other next (the sizes of
+    each pair the other owns, then their bag lengths and ids).
+
+        >>> h = Header(0, 1, 12345, 7)
+        >>> Header.unpack(torch.tensor([h.pack(), Header(INVALID, 0, 0, 0).pack()]))
+        [Header(failed=0, weights=1, digest=12345, nints=7), Header(failed=1, weights=0, digest=0, nints=0)]
+    """
+
+    failed: int
+    weights: int
+    digest: int
+    nints: int
+
+    SIZE: ClassVar[int] = 4
+
+    def pack(self) -> list[int]:
+        return [self.failed, self.weights, self.digest, self.nints]
+
+    @staticmethod
+    def unpack(rows: torch.Tensor) -> list[Header]:
+        """(W, SIZE) int64 -> one header per rank (one host sync)."""
+        return [Header(*row) for row in rows.view(-1, Header.SIZE).tolist()]
+
+
+INVALID, FAILED = 1, 2  # Header.failed: the rank's input was refused / it failed otherwise
+
+
+def _a2a(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, group) -> None:
+    """``all_to_all_single``; a peer that died, stopped or failed -> :class:`RankLost` naming it."""
+    try:
+        dist.all_to_all_single(out, t, recv_splits, send_splits, group=group)
+    except RuntimeError as e:
+        peers = [r for r in range(dist.get_world_size(group)) if r != dist.get_rank(group)]
+        raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, group) from None
+
+
 class _Exchange(torch.autograd.Function):
     """``all_to_all_single`` of a flat tensor whose backward is the reverse exchange: rows go
     out to requesters, gradients come back to owners (summed over requesters; the ``mean``
@@ -107,7 +152,7 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send, send_splits, recv_splits, group):  # (sum send_splits,) -> (sum recv_splits,)
         recv = send.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=group)
+        _a2a(recv, send.contiguous(), recv_splits, send_splits, group)
         ctx.splits, ctx.group = (send_splits, recv_splits), group
         return recv
 
@@ -116,13 +161,13 @@ class _Exchange(torch.autograd.Function):
         send_splits, recv_splits = ctx.splits
         g = grad.contiguous()
         out = g.new_empty(sum(send_splits))
-        dist.all_to_all_single(out, g, send_splits, recv_splits, group=ctx.group)
+        _a2a(out, g, send_splits, recv_splits, ctx.group)
         return out, None, None, None
 
 
 def _exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     out = t.new_empty(sum(recv_splits))
-    dist.all_to_all_single(out, t, recv_splits, send_splits, group=group)
+    _a2a(out, t, recv_splits, send_splits, group)
     return out
 
 
@@ -192,46 +237,42 @@ class ShardedCollection(nn.Module):
         dedup: bool = False,
         memory_per_rank: int | None = None,
         kernels: str = "auto",
+        timeout: float | datetime.timedelta | None = None,
     ):
         super().__init__()
-        kernels = check_kernels(kernels)  # (checked here too: a rank without shards builds no collection)
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(
                 "sharded tables need an initialised torch.distributed process group: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment), "
                 "or use he.convert for one process"
             )
-        if reduction not in REDUCTIONS:
-            raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        tables = list(tables)
-        _check_like_collection(tables, features, seed, pad, sequence_output)
-        self.tables: dict[str, TableConfig] = {t.name: t for t in tables}
-        self.features: dict[str, str] = dict(features) if features is not None else {n: n for n in self.tables}
-        if not isinstance(dedup, bool):
-            raise ConfigError(f"dedup must be True or False, got {dedup!r}")
-        self.seed, self.pad, self.sequence_output, self.reduction = int(seed), int(pad), sequence_output, reduction
-        self.dedup = dedup
         group = process_group if process_group is not None else dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        if plan is None:
-            from .planner import make_plan
-
-            plan = make_plan(tables, self.world_size)
-        if not isinstance(plan, Plan):
-            raise ConfigError(f"plan must be a hybridembed.distributed.Plan, got {type(plan).__name__}")
-        if plan.world_size != self.world_size:
-            raise ConfigError(
-                f"the plan is for world size {plan.world_size}, this process group has {self.world_size} ranks"
-            )
-        plan.check(tables)
-        if memory_per_rank is not None:
-            _check_budget(plan, tables, memory_per_rank)
+        problem = None
+        try:  # (every check before the first collective: a rank that refuses tells the others in _agree)
+            kernels = check_kernels(kernels)
+            timeout = health.as_timeout(timeout)
+            if reduction not in REDUCTIONS:
+                raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+            if not isinstance(dedup, bool):
+                raise ConfigError(f"dedup must be True or False, got {dedup!r}")
+            tables = list(tables)
+            _check_like_collection(tables, features, seed, pad, sequence_output)
+            plan = _checked_plan(plan, tables, self.world_size, memory_per_rank)
+        except HybridEmbedError as e:
+            problem = e
+        self._agree(group, problem, tables, features, seed, reduction, plan)
+        self.tables: dict[str, TableConfig] = {t.name: t for t in tables}
+        self.features: dict[str, str] = dict(features) if features is not None else {n: n for n in self.tables}
+        self.seed, self.pad, self.sequence_output, self.reduction = int(seed), int(pad), sequence_output, reduction
+        self.dedup = dedup
         self.plan = plan
-        self._agree(group)
         # the exchange runs on a group of its own, so DDP's all-reduce of dense gradients never
-        # waits in line behind it (and the other way round)
+        # waits in line behind it (and the other way round); its timeout is the job's (or `timeout`)
         ranks = dist.get_process_group_ranks(group) if process_group is not None else list(range(self.world_size))
-        self.__dict__["_group"] = dist.new_group(ranks)
+        self.__dict__["_group"] = health.new_group(ranks, timeout or health.job_timeout(group))
+        self._exchanges = 0  # exchanges made (the same count on every rank)
+        health.heartbeat()
         self._scale = 1.0 / self.world_size if reduction == "mean" else 1.0
 
         self._routes: dict[str, _Route] = {}
@@ -311,24 +352,20 @@ class ShardedCollection(nn.Module):
             route.order = torch.tensor(by_start, dtype=torch.int64)
         return route
 
-    def _agree(self, group) -> None:
-        """Every rank must shard the same tables by the same plan: compared once, here."""
-        mine = {
-            "tables": {n: _describe(t) for n, t in self.tables.items()},
-            "features": self.features,
-            "seed": self.seed,
-            "reduction": self.reduction,
-            "plan": self.plan.to_dict() | {"notes": {}},
-        }
-        text = json.dumps(mine, default=str)  # (in this order: the first difference named is the first cause)
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, text, group=group)
-        ref = json.loads(everyone[0])
-        for r, other in enumerate(everyone[1:], 1):
-            if other == everyone[0]:
-                continue
-            theirs = json.loads(other)
-            raise ConfigError(f"ranks disagree on the model: {_first_difference(ref, theirs, r)}")
+    def _agree(self, group, problem, tables, features, seed, reduction, plan) -> None:
+        """Every rank must shard the same tables by the same plan: compared once, here (and a rank
+        that refused its arguments makes every rank refuse)."""
+        mine = None
+        if problem is None:
+            mine = {
+                "tables": {t.name: _describe(t) for t in tables},
+                "features": dict(features) if features is not None else {t.name: t.name for t in tables},
+                "seed": int(seed),
+                "reduction": reduction,
+                "plan": plan.to_dict() | {"notes": {}},
+            }
+            mine = json.loads(json.dumps(mine, default=str))  # (in this order: the first difference is the first cause)
+        health.agree(group, "the model", problem, mine)
 
     def _copy_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -415,15 +452,22 @@ class ShardedCollection(nn.Module):
 
     # --- forward -----------------------------------------------------------------------------
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
-        if not isinstance(inputs, Mapping):
-            raise InvalidInputError(f"inputs must be a mapping {{feature name: ids}}, got {type(inputs).__name__}")
-        unknown = [k for k in inputs if k not in self.features]
-        if unknown:
-            raise InvalidInputError(f"unknown feature {unknown[0]!r}; features: {', '.join(self.features)}", unknown[0])
-        missing = [f for f in self.features if f not in inputs]
-        if missing:
-            raise InvalidInputError(f"missing feature {missing[0]!r}: every feature needs an input", missing[0])
-        out = self._run([(f, self._as_input(f, inputs[f])) for f in self.features], self.training)
+        try:  # (a refusal here reaches every rank: see step_failed)
+            if not isinstance(inputs, Mapping):
+                raise InvalidInputError(f"inputs must be a mapping {{feature name: ids}}, got {type(inputs).__name__}")
+            unknown = [k for k in inputs if k not in self.features]
+            if unknown:
+                raise InvalidInputError(
+                    f"unknown feature {unknown[0]!r}; features: {', '.join(self.features)}", unknown[0]
+                )
+            missing = [f for f in self.features if f not in inputs]
+            if missing:
+                raise InvalidInputError(f"missing feature {missing[0]!r}: every feature needs an input", missing[0])
+            reqs = [(f, self._as_input(f, inputs[f])) for f in self.features]
+        except Exception as e:
+            self.step_failed(e)
+            raise
+        out = self._run(reqs, self.training)
         return dict(zip(self.features, out))
 
     def lookup(self, feature: str, ids: Any) -> torch.Tensor | Jagged:
@@ -435,16 +479,20 @@ class ShardedCollection(nn.Module):
 
     def lookup_many(self, requests: Sequence[tuple[str, Any]], train: bool | None = None) -> list:
         """Several ``(feature, ids)`` lookups in one exchange (as :meth:`EmbeddingCollection.lookup_many`)."""
-        if not isinstance(requests, Sequence) or not all(isinstance(r, tuple) and len(r) == 2 for r in requests):
-            raise InvalidInputError("lookup_many takes a sequence of (feature name, ids) pairs")
         return self._lookup_many(requests, train, checked=False)
 
     def _lookup_many(self, requests, train: bool | None, checked: bool) -> list:
-        reqs = []
-        for f, ids in requests:
-            if f not in self.features:
-                raise InvalidInputError(f"unknown feature {f!r}; features: {', '.join(self.features)}", f)
-            reqs.append((f, ids if checked else self._as_input(f, ids)))
+        try:  # (a refusal here reaches every rank: see step_failed)
+            if not isinstance(requests, Sequence) or not all(isinstance(r, tuple) and len(r) == 2 for r in requests):
+                raise InvalidInputError("lookup_many takes a sequence of (feature name, ids) pairs")
+            reqs = []
+            for f, ids in requests:
+                if f not in self.features:
+                    raise InvalidInputError(f"unknown feature {f!r}; features: {', '.join(self.features)}", f)
+                reqs.append((f, ids if checked else self._as_input(f, ids)))
+        except Exception as e:
+            self.step_failed(e)
+            raise
         return self._run(reqs, self.training if train is None else train)
 
     def _as_input(self, feature: str, x: Any) -> Jagged:
@@ -564,11 +612,9 @@ class ShardedCollection(nn.Module):
             rows_of = self._exchange_rows(reqs, pairs, sends, pooled_here, error, train)
         else:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
             rows_of = {}
-            if self.world_size > 1:
-                flag = torch.full((self.world_size,), int(error is not None), dtype=torch.int64, device=self._device)
-                self._raise_failed(
-                    _exchange(flag, [1] * self.world_size, [1] * self.world_size, self._group).tolist(), error
-                )
+            why = health.first_line(error) if error is not None else ""
+            got = self._header(INVALID if error is not None else 0, False, _digest([f for f, _ in reqs]), why=why)
+            self._raise_if_failed(got, error, reqs)
         outputs: list[Any] = []
         local_reqs = [
             (q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].kind == "local"
@@ -606,60 +652,106 @@ class ShardedCollection(nn.Module):
             outputs.append(x)
         return outputs
 
-    def _raise_failed(self, flags: list[int], error: InvalidInputError | None) -> None:
-        """Every rank's input-error flag -> raises on every rank when one is set (this rank's own
-        error, or one naming the ranks at fault), so no rank waits for a peer that gave up."""
-        failed = [r for r, f in enumerate(flags) if f]
+    # --- failures: every rank learns them in the header of the exchange --------------------------
+    def _header(self, failed: int, has_w: bool, digest: int, nints: list[int] | None = None, why: str = "") -> list:
+        """Phase 3 of :meth:`_run`: this rank's :class:`Header` to every rank, theirs back (one small
+        all-to-all of fixed size); ``why``: this rank's failure, for the others' errors."""
+        world = self.world_size
+        nints = nints if nints is not None else [0] * world
+        self._exchanges += 1
+        if failed:
+            health.tell(self._step_key(self.rank), why)
+        if world == 1:
+            return [Header(failed, int(has_w), digest, nints[0])]
+        send = [Header(failed, int(has_w), digest, n).pack() for n in nints]
+        send_h = torch.tensor(send, dtype=torch.int64, device=self._device).view(-1)  # (NCCL sends device tensors only)
+        return Header.unpack(_exchange(send_h, [Header.SIZE] * world, [Header.SIZE] * world, self._group))
+
+    def _step_key(self, rank: int) -> str:
+        return f"step/{self._group.group_name}/{self._exchanges}/{rank}"
+
+    def _raise_if_failed(self, got: list, error: BaseException | None, reqs) -> None:
+        """Every rank's header -> raises on every rank when one failed (this rank's own error, or one
+        naming the ranks at fault and why) or when the ranks looked up different features, so no rank
+        waits for a peer that gave up or reads what it did not send."""
         if error is not None:
             raise error
+        failed = [r for r, h in enumerate(got) if h.failed]
         if failed:
-            raise InvalidInputError(
-                f"rank(s) {', '.join(map(str, failed))} got invalid input in this step (their error names it); "
-                "nothing was looked up or changed on any rank"
+            why = "; ".join(f"rank {r}: {health.told(self._step_key(r)) or 'its error names it'}" for r in failed)
+            if all(got[r].failed == INVALID for r in failed):
+                raise InvalidInputError(
+                    f"rank(s) {', '.join(map(str, failed))} got invalid input in this step ({why}); nothing was "
+                    "looked up or changed on any rank"
+                )
+            raise health.RankLost(
+                f"rank(s) {', '.join(map(str, failed))} failed before this step's embedding exchange ({why}); "
+                "nothing was looked up or changed on any rank",
+                failed,
             )
+        digest = got[self.rank].digest
+        if any(h.digest != digest for h in got):
+            raise HybridEmbedError(
+                f"rank {self.rank}: the ranks looked up different features in this step (every rank must make the "
+                "same lookups, in the same order, each step); this rank's: " + ", ".join(f for f, _ in reqs)
+            )
+
+    def step_failed(self, error: BaseException) -> None:
+        """This rank cannot make its step's lookups (its input was refused before the exchange, or the
+        model's forward raised before its lookups ran): the other ranks learn it in the header of the
+        exchange they are waiting in, and raise, instead of waiting for this rank or pairing their step
+        with its next one. Called by :meth:`forward`, :meth:`lookup_many` and a converted model's lookup
+        queue; the caller raises ``error`` itself."""
+        code = INVALID if isinstance(error, InvalidInputError) else FAILED
+        self._header(code, False, 0, why=health.first_line(error))
 
     def _exchange_rows(self, reqs, pairs, sends, pooled_here, error, train) -> dict[int, torch.Tensor]:
         """Phases 3 to 6 of :meth:`_run`: header, ids (and weights) to the owners, their lookups,
         rows back. Returns each pair's rows (its bags', or pooled here from distinct ids' rows)."""
         group, world = self._group, self.world_size
-        # 3. header: sizes per pair, error and weights flags, and a digest of the requests
         digest = _digest([f for f, _ in reqs])
         has_w = any(x[2] is not None for x in sends)
         by_rank: list[list[int]] = [[] for _ in range(world)]
         for i, p in enumerate(pairs):
             by_rank[p.rank].append(i)
-        head = []
-        for r in range(world):
-            head += [int(error is not None), int(has_w), digest]
-            for i in by_rank[r]:
-                head += [sends[i][0].numel(), sends[i][1].numel(), int(sends[i][3])]
-        send_h = torch.tensor(head, dtype=torch.int64, device=self._device)  # (NCCL sends device tensors only)
         mine = by_rank[self.rank]
-        recv_h = _exchange(
-            send_h, [_HEAD + _PER_PAIR * len(x) for x in by_rank], [_HEAD + _PER_PAIR * len(mine)] * world, group
-        )
-        got = recv_h.view(world, -1).tolist()
-        self._raise_failed([row[0] for row in got], error)
-        if any(got[r][2] != digest for r in range(world)):
-            raise HybridEmbedError(
-                f"rank {self.rank}: the ranks looked up different features in this step (every rank must make the "
-                "same lookups, in the same order, each step); this rank's: " + ", ".join(f for f, _ in reqs)
-            )
-        any_w = any(got[r][1] for r in range(world))
+        # 3. to each owner: the sizes of each of its pairs (bags, ids, one id per bag), then their bag
+        # lengths (unless one id per bag) and ids; the header first says how many int64s that is
+        out_ints = [self._empty_ids] * world
+        if error is None:
+            out_ints = [
+                torch.cat(
+                    [
+                        torch.tensor(
+                            [
+                                v
+                                for i in by_rank[r]
+                                for v in (sends[i][0].numel(), sends[i][1].numel(), int(sends[i][3]))
+                            ],
+                            dtype=torch.int64,
+                            device=self._device,
+                        ),
+                        *(x for i in by_rank[r] for x in (sends[i][1:2] if sends[i][3] else sends[i][:2])),
+                    ]
+                )
+                for r in range(world)
+            ]
+        send_sizes = [int(x.numel()) for x in out_ints]
+        why = health.first_line(error) if error is not None else ""
+        got = self._header(INVALID if error is not None else 0, has_w, digest, send_sizes, why)
+        self._raise_if_failed(got, error, reqs)
+        any_w = any(h.weights for h in got)
         # 4. ids (and weights) to their owners
-        out_ids = [
-            torch.cat(
-                [self._empty_ids, *(x for i in by_rank[r] for x in (sends[i][1:2] if sends[i][3] else sends[i][:2]))]
-            )
-            for r in range(world)
-        ]
-        send_sizes = [int(x.numel()) for x in out_ids]
-        per = [row[_HEAD:] for row in got]  # per source: (bags, ids, one per bag) of each pair this rank owns
-        bags = [r[0::_PER_PAIR] for r in per]
-        nids = [r[1::_PER_PAIR] for r in per]
-        ones = [r[2::_PER_PAIR] for r in per]
+        recv_sizes = [h.nints for h in got]
+        recv = out_ints[0] if world == 1 else _exchange(torch.cat(out_ints), send_sizes, recv_sizes, group)
+        m = _PER_PAIR * len(mine)
+        chunks = recv.split(recv_sizes)
+        sizes = torch.cat([c[:m] for c in chunks]).view(world, len(mine), _PER_PAIR).tolist()
+        bags = [[x[0] for x in row] for row in sizes]  # per source: bags, ids and one-per-bag of each pair here
+        nids = [[x[1] for x in row] for row in sizes]
+        ones = [[x[2] for x in row] for row in sizes]
         payload = [[x for b, n, o in zip(*z) for x in (0 if o else b, n)] for z in zip(bags, nids, ones)]
-        recv_ids = _exchange(torch.cat(out_ids), send_sizes, [sum(p) for p in payload], group)
+        recv_ids = [c[m:] for c in chunks]
         recv_w = None
         if any_w:
             cdt = self._wire
@@ -685,6 +777,7 @@ class ShardedCollection(nn.Module):
             flat_send = self._own_lookups(mine, pairs, (bags, nids, ones, payload), recv_ids, recv_w, train)
         except Exception as e:  # the others get zero rows and a failed status, then everyone raises
             status, failure = 0.0, e
+            health.tell(self._step_key(self.rank) + "/lookup", health.first_line(e))
             total = sum(b[k] * w for b in bags for k, w in enumerate(width))
             flat_send = torch.zeros(total, dtype=self._wire, device=self._device)
         # 6. rows back: per source, its bags of every pair this rank owns (the kernels' outputs as
@@ -704,8 +797,11 @@ class ShardedCollection(nn.Module):
             raise failure
         bad = [r for r, x in enumerate(statuses.tolist()) if x != 1.0]
         if bad:
+            why = "; ".join(
+                f"rank {r}: {health.told(self._step_key(r) + '/lookup') or 'its error names it'}" for r in bad
+            )
             raise HybridEmbedError(
-                f"the lookup failed on rank(s) {', '.join(map(str, bad))} (their error names it); no row was changed"
+                f"the lookup failed on rank(s) {', '.join(map(str, bad))} ({why}); no row was changed"
             )
         # 7. per request: its rows, summed over row shards or joined over column slices
         order = [i for r in range(world) for i in by_rank[r]]
@@ -728,12 +824,13 @@ class ShardedCollection(nn.Module):
         """The pooled rows of every pair this rank owns, flat, source by source and pair by pair
         (the order they are sent back in): one request per (source, pair), so with one group of
         shards the kernel call's output is the send buffer, uncopied. ``sizes``: per source,
-        the bags, ids and one-id-per-bag flags of each pair, and the payload's piece sizes."""
+        the bags, ids and one-id-per-bag flags of each pair, and the payload's piece sizes;
+        ``recv_ids``: per source, the bag lengths and ids it sent."""
         if not mine:
             return torch.zeros(0, dtype=self._wire, device=self._device)
         bags, nids, ones, payload = sizes
         requests = []
-        per_source = recv_ids.split([sum(p) for p in payload])
+        per_source = recv_ids  # (one tensor per source)
         w_source = recv_w.split([sum(n) for n in nids]) if recv_w is not None else None
         for src, chunk in enumerate(per_source):
             parts = chunk.split(payload[src])
@@ -885,6 +982,22 @@ def _check_budget(plan: Plan, tables: list[TableConfig], memory_per_rank: int) -
         )
 
 
+def _checked_plan(plan: Plan | None, tables: list[TableConfig], world: int, memory_per_rank: int | None) -> Plan:
+    """``plan`` (the planner's when None) checked against the tables, the world size and the budget."""
+    if plan is None:
+        from .planner import make_plan
+
+        plan = make_plan(tables, world)
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan must be a hybridembed.distributed.Plan, got {type(plan).__name__}")
+    if plan.world_size != world:
+        raise ConfigError(f"the plan is for world size {plan.world_size}, this process group has {world} ranks")
+    plan.check(tables)
+    if memory_per_rank is not None:
+        _check_budget(plan, tables, memory_per_rank)
+    return plan
+
+
 def _check_like_collection(tables, features, seed, pad, sequence_output) -> None:
     """The checks :class:`EmbeddingCollection` makes of its arguments, and '@' kept for shard names."""
     features = check_arguments(tables, features, seed, pad, sequence_output)
@@ -892,19 +1005,3 @@ def _check_like_collection(tables, features, seed, pad, sequence_output) -> None
         bad = [n for n in names if "@" in n]
         if bad:
             raise ConfigError(f"{what} {bad[0]!r}: '@' is reserved for shard names in a sharded collection")
-
-
-def _first_difference(a: Any, b: Any, rank: int, path: str = "") -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in [*a, *(k for k in b if k not in a)]:
-            if k not in b:
-                return f"rank 0 has {path}{k}, rank {rank} does not"
-            if k not in a:
-                return f"rank {rank} has {path}{k}, rank 0 does not"
-            if a[k] != b[k]:
-                return _first_difference(a[k], b[k], rank, f"{path}{k}.")
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                return _first_difference(x, y, rank, f"{path}{i}.")
-    return f"{path.rstrip('.')}: {a!r} on rank 0, {b!r} on rank {rank}"

@@ -378,6 +378,11 @@ class EmbeddingCollection(nn.Module):
         """Whether ``j``'s offsets are this collection's own one-id-per-bag offsets."""
         return j.offsets is self.__dict__.get("_aranges", {}).get(j.values.shape[0] if j.values.dim() else -1)
 
+    def step_failed(self, error: BaseException) -> None:
+        """A forward of the model failed before the lookups it queued here ran (see
+        :meth:`LookupQueue.exit`): in one process there is no one to tell. A sharded collection
+        tells the other ranks."""
+
     def _request_input(self, feature: str, ids: Jagged) -> tuple[Jagged, torch.dtype, torch.device]:
         """For the lookup queue: ``ids`` of ``feature`` checked now (structure, dtypes, device; no
         sync), with the feature's output dtype and device."""

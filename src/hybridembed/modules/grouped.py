@@ -188,6 +188,7 @@ class _ThreadState(threading.local):
         self.defer = False
         self.handling: list[BaseException | None] = []  # per forward under way: the exception handled around it
         self.frames: list = []  # per forward under way: the frame that called its pre-hook
+        self.flushes_at_enter = 0  # the queue's flushes when the outermost forward began
 
 
 def _in_thread(name: str) -> property:
@@ -232,20 +233,32 @@ class LookupQueue:
             t.depth, t.frames, t.handling = 0, [], []
         if t.depth == 0:
             t.defer = deferral_possible()
+            t.flushes_at_enter = self.flushes
         t.depth += 1
         t.frames.append(frame)
 
-    def exit(self, ok: bool = True) -> None:
-        """The owning model's forward ends: what is still queued runs now (dropped if it raised)."""
-        self._thread.depth = max(0, self._thread.depth - 1)
-        if self._thread.frames:
-            self._thread.frames.pop()
-        if self._thread.depth:
+    def exit(self, ok: bool = True, error: BaseException | None = None) -> None:
+        """The owning model's forward ends: what is still queued runs now (dropped if it raised).
+
+        A forward that raised (``error``) before its lookups ran tells the collection
+        (``step_failed``): a sharded one tells the other ranks, which wait for this rank's lookups
+        in their exchange, that it will not make them."""
+        t = self._thread
+        t.depth = max(0, t.depth - 1)
+        if t.frames:
+            t.frames.pop()
+        if t.depth:
             return
         if ok:
             self.flush()
-        else:
-            self._drop("the forward that requested this lookup raised")
+            return
+        unsent = bool(t.pending) or self.flushes == t.flushes_at_enter
+        self._drop("the forward that requested this lookup raised")
+        if unsent:
+            try:
+                self.collection.step_failed(error if error is not None else RuntimeError("the forward raised"))
+            except Exception:  # noqa: BLE001 - this forward is failing already, with its own error
+                pass
 
     def _drop(self, why: str) -> None:
         dropped, self._thread.pending = self._thread.pending, []
