@@ -91,10 +91,16 @@ def _close(got: dict, want: dict) -> None:
 
 
 # --- (a) malformed requests over gloo -------------------------------------------------------------
+def _frame(h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+    """A request's frame as :func:`wire.frame` builds it, around any header and payload."""
+    nonce = torch.tensor([random.getrandbits(62) + 1], dtype=torch.int64).view(torch.uint8)
+    return torch.cat([nonce, h.contiguous().view(torch.uint8), *([] if p is None else [p]), nonce])
+
+
 def _sendable(n: int):
     """(header, payload or None) of ``n`` malformed requests a trainer can put on the wire as the
     protocol frames them: 8 int64, then the payload the header declares (none if it fails its
-    check). Payloads of another size than declared are tested in one process (test_wire)."""
+    check). Frames of another size than declared are tested below and in one process (test_wire)."""
     out = []
     named = [(h, p) for _, src, h, p, _ in _named_cases(None) if src == 5]
     rng = random.Random(99)
@@ -140,19 +146,21 @@ def _flood_then_train(rank: int, world: int, idle: float) -> dict:
         link = ec.client.links[2]
         t0 = time.monotonic()
         for h, p in _sendable(1000):
-            dist.send(h, 2, group=link.group, tag=transport.REQ_HEAD)
-            if p is not None:
-                dist.send(p, 2, group=link.group, tag=transport.REQ_BODY)
+            dist.send(_frame(h, p), 2, group=link.group, tag=transport.REQ)
             r = link.recv()
             assert r.op == wire.ERROR and r.req == max(int(h[2]), 0), (h.tolist(), r)
             assert r.meta["error"].startswith("server rank 2: ")
         out["flood_s"] = time.monotonic() - t0
-        # a payload shorter than its header says (gloo fills the buffer's head and says nothing)
+        # frames that do not end where their header says (gloo fills the buffer's head and says
+        # nothing): a payload 8 bytes short, one 8 bytes long, a header of 9 int64, of 7, of none
         h, p = wire.pack(_pull(0, [(0, [1, 2]), (2, [7])], seen=[1]))
-        dist.send(h, 2, group=link.group, tag=transport.REQ_HEAD)
-        dist.send(p[:-8], 2, group=link.group, tag=transport.REQ_BODY)
-        r = link.recv()
-        out["short"] = r.meta.get("error", "")
+        longer = torch.cat([h, torch.tensor([wire.MAGIC])])
+        frames = [_frame(h, p[:-8]), _frame(h, torch.cat([p, p[:8]])), _frame(longer, p), _frame(h[:7], p)]
+        frames.append(torch.tensor([3], dtype=torch.int64).view(torch.uint8))
+        out["framing"] = []
+        for f in frames:
+            dist.send(f, 2, group=link.group, tag=transport.REQ)
+            out["framing"].append(link.recv().meta.get("error", ""))
         out["errors"] = ec.server_stats()[0]["errors"]
     dist.barrier(model.process_group)
     for s in range(10):
@@ -170,8 +178,12 @@ def _flood_then_train(rank: int, world: int, idle: float) -> dict:
 def test_malformed_requests_over_gloo_then_training_equals_one_process():
     results = spawn(_flood_then_train, T + 1, 4.5, timeout=120)
     first, server = results[0], results[2]
-    assert first["errors"] == 1001 and first["errors_after"] == 1001  # (1,000 malformed and the short one)
-    assert "the header says 80" in first["short"], first["short"]
+    assert first["errors"] == 1005 and first["errors_after"] == 1005  # (1,000 malformed and 5 misframed)
+    short, long, head9, head7, bare = first["framing"]
+    for text in (short, long, head9):
+        assert "does not end where its header says" in text, first["framing"]
+    assert "bad magic" in head7 or "does not end" in head7, head7
+    assert "bad magic" in bare, bare
     want = _reference(20)
     for r in results[:T]:
         _close(r["tables"], want)

@@ -20,6 +20,9 @@ same script runs on a laptop. See docs/parameter_servers.md.
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed import health
 from ..errors import ConfigError, HybridEmbedError
 from ..optim.wrapper import HybridOptimizer
 from ..utils import get_logger
@@ -109,32 +113,89 @@ def ps_plan(plan, tables: list, world: int, servers: list[int]):
     return plan
 
 
-def serve(model: nn.Module, server: TableServer, link: ServerLink) -> None:
-    """Answer the trainers until every one has said bye (a server rank's ``he.distribute``)."""
+def serve(model: nn.Module, server: TableServer, link: ServerLink, timeout: datetime.timedelta | None = None) -> None:
+    """Answer the trainers until every one has said bye (a server rank's ``he.distribute``).
+
+    Requests are received by a thread of their own, so this loop also watches the trainers'
+    heartbeats: a trainer that failed, died, stopped or vanished without a goodbye (for
+    :func:`~hybridembed.distributed.health.lost_after` of ``timeout``, the job's) ends the
+    service; the other trainers' waiting and later requests are answered with an error naming
+    it, and this raises :class:`~hybridembed.distributed.health.RankLost` once they have left
+    (or after ``timeout``)."""
     from ..api import checkpoint as ck
 
     rank = server.rank
+    timeout = timeout if timeout is not None else health.job_timeout()
     log.info("parameter server rank %d: serving %d shard(s) to trainers %s", rank, len(server.held), server.trainers)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_receive, args=(link, inbox), name="hybridembed-ps-receive", daemon=True).start()
+    glob = {t: t for t in server.trainers}  # (the trainers' global ranks: their heartbeats' keys)
+    watch = health.Watch(glob.values(), health.lost_after(timeout))
+    checked = time.monotonic()
+    lost_at = None
     while server.active:
+        item = None
         try:
-            src, header, payload = link.recv()
-            replies, checkpoint = server.handle(src, header, payload)
-            for dst, m in replies:
-                server.stats_["bytes_out"] += link.reply(dst, m)
-        except RuntimeError as e:  # (the transport's: a trainer's connection closed)
-            text = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise HybridEmbedError(
-                f"parameter server rank {rank}: lost a trainer ({text[:200]}); the job cannot go on, a restart "
-                "resumes from the last committed checkpoint"
-            ) from None
+            item = inbox.get(timeout=health.PERIOD)
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        if item is None or now - checked > health.PERIOD:  # (busy or idle: the trainers are watched)
+            checked = now
+            gone = watch.check(glob[t] for t in server.active)
+            if gone:
+                by_trainer = {t: gone.get(glob[t], gone.get(-1)) for t in server.active}
+                by_trainer = {t: why for t, why in by_trainer.items() if why is not None}
+                _send(link, server, server.trainers_lost(by_trainer))
+                log.error("parameter server rank %d: %s", rank, server.lost)
+            if server.failed and lost_at is None:
+                lost_at = now
+            if lost_at is not None and now - lost_at > timeout.total_seconds():
+                break
+        if item is None:
+            continue
+        if isinstance(item, BaseException):  # (the transport's: a trainer's connection closed)
+            text = str(item).splitlines()[0] if str(item) else type(item).__name__
+            found = health.diagnose(glob[t] for t in server.active)  # (which one: its heartbeat stopped)
+            named = {t: found.get(glob[t], found.get(-1)) for t in server.active}
+            named = {t: why for t, why in named.items() if why is not None}
+            _send(link, server, server.trainers_lost(named or {-1: f"connection failed ({text[:200]})"}))
+            raise health.RankLost(
+                f"parameter server rank {rank}: lost a trainer ({server.lost}); the job cannot go on, a restart "
+                "resumes from the last committed checkpoint",
+                named,
+            )
+        replies, checkpoint = server.handle(*item)
+        _send(link, server, replies)
         if checkpoint is not None:
             _checkpoint(ck, model, server, checkpoint)
     try:
         link.sends.wait()
     except RuntimeError:  # (a trainer that left before reading a reply it no longer needed)
         pass
+    if server.failed:
+        raise health.RankLost(server.lost, [t for t in server.trainers if t not in server.active])
     ck.wait_pending(model)
+    health.stop()  # (the trainers are gone: the store may go with them)
     log.info("parameter server rank %d: every trainer left; stopping", rank)
+
+
+def _receive(link: ServerLink, inbox: queue.SimpleQueue) -> None:
+    """The server's receiving thread: every request into ``inbox``; a failed receive ends it."""
+    while True:
+        try:
+            inbox.put(link.recv())
+        except Exception as e:  # noqa: BLE001 - handed to the serving loop, which raises
+            inbox.put(e)
+            return
+
+
+def _send(link: ServerLink, server: TableServer, replies: list) -> None:
+    for dst, m in replies:
+        try:
+            server.stats_["bytes_out"] += link.reply(dst, m)
+        except RuntimeError:  # (a trainer that is gone: it reads nothing more)
+            pass
 
 
 def _checkpoint(ck, model: nn.Module, server: TableServer, meta: Mapping[str, Any]) -> None:
@@ -169,10 +230,11 @@ def setup(
     mode: str,
     staleness: int,
     cache_rows: int,
-    timeout: float,
+    timeout: float | None,
     limit: int,
     reduction: str,
     budget: int | None,
+    job_timeout: datetime.timedelta | None = None,
     shard,
     swap,
 ):
@@ -183,23 +245,30 @@ def setup(
 
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     world = len(ranks)
-    if servers >= world:
-        raise ConfigError(f"servers={servers} leaves no trainer in a job of {world} rank(s)")
     trainers, server_ranks = ranks[: world - servers], ranks[world - servers :]
     rank = dist.get_rank()
     tables = list(ec.tables.values())
-    plan = ps_plan(plan, tables, world, list(range(world - servers, world)))
-    if budget is not None:
-        from ..distributed.runtime import _check_budget
+    problem = None
+    try:  # (a plan or budget one rank refuses is refused on every rank, before anything is allocated)
+        if servers >= world:
+            raise ConfigError(f"servers={servers} leaves no trainer in a job of {world} rank(s)")
+        plan = ps_plan(plan, tables, world, list(range(world - servers, world)))
+        if budget is not None:
+            from ..distributed.runtime import _check_budget
 
-        _check_budget(plan, tables, budget)
-    # (collectives, in the same order on every rank)
-    ps_group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
-    trainer_group = dist.new_group(trainers)
+            _check_budget(plan, tables, budget)
+    except HybridEmbedError as e:
+        problem = e
+    health.agree(group if group is not None else dist.group.WORLD, "the parameter-server plan", problem)
+    # (collectives, in the same order on every rank; every wait bounded by the job's timeout)
+    job = job_timeout if job_timeout is not None else health.job_timeout(group)
+    timeout = timeout if timeout is not None else job.total_seconds()
+    ps_group = health.new_group(ranks, job, backend="gloo")
+    trainer_group = health.new_group(trainers, job)
     wire_dtype = torch.float64 if any(t.compute_dtype == torch.float64 for t in tables) else torch.float32
     device = _rows_device(model, ec)  # (tables built on the meta device: no rank allocates a whole table)
     if rank in server_ranks:
-        sc = shard(ec, plan, group, reduction, False, None, device)
+        sc = shard(ec, plan, group, reduction, False, None, device, job)
         swap(model, ec, sc)
         server = TableServer(
             sc, trainers, mode=mode, staleness=staleness, reduction=reduction, limit=limit, wire_dtype=wire_dtype
@@ -207,7 +276,7 @@ def setup(
         link = ServerLink(ps_group, limit)
 
         def run() -> None:  # (called once the caller dropped the unsharded collection: its rows are freed)
-            serve(model, server, link)
+            serve(model, server, link, job)
 
         return trainer_group, None, run
     pc = PSCollection(
@@ -228,6 +297,7 @@ def setup(
         sequence_output=ec.sequence_output,
         pad=ec.pad,
         reduction=reduction,
+        job_timeout=job,
     )
     pc.train(ec.training)
     swap(model, ec, pc)

@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import init as _init
 from ..config import TableConfig
+from ..distributed import health
 from ..distributed.runtime import ShardedCollection
 from ..errors import ConfigError, HybridEmbedError
 from ..input import Jagged
@@ -666,8 +667,13 @@ _CLIENTS: set[_Client] = set()  # their links, open until they say bye (also whe
 
 @atexit.register
 def close_all(failed: str | None = None) -> None:
-    """Every open :class:`PSCollection` of this process leaves its servers (at exit, or before a
-    process group is destroyed: the servers serve until every trainer has left)."""
+    """Every open :class:`PSCollection` of this process leaves its servers: at exit, and before a
+    process group is destroyed (``torch.distributed.destroy_process_group()``, the usual last line
+    of a script: see :func:`~hybridembed.distributed.health.before_shutdown`); the servers serve until every trainer has
+    left. A process that is ending with an unhandled exception says so (``failed``, by default the
+    exception :mod:`~hybridembed.distributed.health` recorded): the servers then fail the job
+    instead of letting the other trainers go on alone."""
+    failed = failed if failed is not None else health.failure()
     for pc in list(_OPEN):
         try:
             pc.close(failed)
@@ -707,6 +713,7 @@ class PSCollection(ShardedCollection):
         sequence_output: str = "jagged",
         pad: int = -1,
         reduction: str = "mean",
+        job_timeout=None,
     ):
         super().__init__(
             tables,
@@ -718,6 +725,7 @@ class PSCollection(ShardedCollection):
             sequence_output=sequence_output,
             pad=pad,
             reduction=reduction,
+            timeout=job_timeout,
         )
         if self.local is not None or self.replicated is not None:
             raise ConfigError("a parameter-server plan places no table on a trainer")
@@ -741,6 +749,7 @@ class PSCollection(ShardedCollection):
                 st.cache = _Cache(st, cache_rows)
         _OPEN.add(self)
         _CLIENTS.add(self.client)
+        health.before_shutdown(close_all)  # (destroy_process_group() would leave the servers waiting)
         weakref.finalize(self, self.client.bye)  # (a model dropped: its trainer is done)
 
     # --- lookups: the remote collection's ---------------------------------------------------------
@@ -761,6 +770,9 @@ class PSCollection(ShardedCollection):
 
     def _request_input(self, feature: str, ids: Jagged):
         return self.remote._request_input(feature, ids)
+
+    def step_failed(self, error: BaseException) -> None:
+        """A trainer's lookups reach the servers only: no other trainer waits for them."""
 
     @property
     def storages(self) -> list:

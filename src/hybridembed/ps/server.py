@@ -166,15 +166,19 @@ class TableServer:
         self.checkpoint: dict[int, dict] = {}  # trainer -> its checkpoint request
         self.stats_ = {"requests": 0, "errors": 0, "pulled_rows": 0, "pushed_rows": 0, "bytes_in": 0, "bytes_out": 0}
         self.stats_["dropped_rows"] = 0  # gradients of dynamic rows no longer held (evicted)
-        self.lost: str | None = None  # sync: why the trainers' steps can no longer complete
+        self.lost: str | None = None  # why the trainers' steps can no longer complete
+        self.failed = False  # a trainer failed or vanished: every request is refused with `lost`
 
     # --- the handler ---------------------------------------------------------------------
-    def handle(self, src: int, header: torch.Tensor, payload: torch.Tensor | None) -> tuple[list, dict | None]:
+    def handle(
+        self, src: int, header: torch.Tensor, payload: torch.Tensor | WireError | None
+    ) -> tuple[list, dict | None]:
         """One request -> (replies ``[(trainer, Message)]``, a checkpoint to run or None).
+        ``payload``: the request's, or the :class:`WireError` its frame failed with.
 
         Never raises for a bad request: it is answered with an error and nothing changes."""
         self.stats_["requests"] += 1
-        self.stats_["bytes_in"] += 8 * wire.HEAD + (0 if payload is None else payload.numel())
+        self.stats_["bytes_in"] += 8 * wire.HEAD + (payload.numel() if isinstance(payload, torch.Tensor) else 0)
         ok = header.numel() == wire.HEAD and header.dtype == torch.int64
         req = int(header[2]) if ok else -1
         op = wire.OPS.get(int(header[1])) if ok else None
@@ -183,7 +187,12 @@ class TableServer:
                 raise WireError(f"rank {src} is not a trainer of this job")
             if src not in self.active:
                 raise WireError(f"trainer {src} said bye already")
+            if isinstance(payload, WireError):
+                raise payload
             m = wire.unpack(header, payload, self.limit)
+            if self.failed and m.op != wire.BYE:
+                self.stats_["errors"] += 1
+                return [(src, self.error(req, self.lost, op))], None
             return getattr(self, f"_{wire.OPS[m.op]}")(src, m)
         except Exception as e:  # noqa: BLE001 - a bad request is answered, the server goes on
             self.stats_["errors"] += 1
@@ -532,14 +541,16 @@ class TableServer:
         return [(src, self._ok(m.req, meta=self.stats()))], None
 
     def _bye(self, src: int, m: Message) -> tuple[list, None]:
+        failed = m.meta.get("failed")
+        if failed:  # a trainer that failed: the job cannot go on, in either mode
+            return self.trainers_lost({src: f"failed ({str(failed)[:300]}) at step {self.done[src]}"}), None
         self.active.discard(src)
         self.checkpoint.pop(src, None)
         out: list = []  # (no reply: the trainer is leaving)
-        failed = m.meta.get("failed")
         if self.mode == "sync":
             pending = [s for s, st in self.steps.items() if src not in st.by_trainer]
-            if failed or pending:  # the others cannot finish a step without it
-                why = f"trainer {src} left the job{' (' + str(failed) + ')' if failed else ''} at step {self.done[src]}"
+            if pending:  # the others cannot finish a step without it
+                why = f"trainer {src} left the job at step {self.done[src]}"
                 for s2, q in self.deferred:
                     if s2 in self.active:
                         out.append((s2, self.error(q.req, f"server rank {self.rank}: {why}")))
@@ -548,3 +559,19 @@ class TableServer:
         self._apply_complete()
         out += self._release()
         return out, None
+
+    def trainers_lost(self, gone: dict[int, str]) -> list:
+        """Trainers that failed, died, stopped or vanished (``{rank: what happened}``): no step can
+        complete any more, so every waiting request of the others is answered with an error naming
+        them, and so is every request from now on (but a goodbye). Returns those replies."""
+        self.active -= set(gone)
+        if self.failed:  # (the first cause stays: the others fail because of it)
+            return []
+        why = "; ".join(f"trainer {r} {text}" for r, text in sorted(gone.items()))
+        self.lost = f"server rank {self.rank}: {why}; the job cannot go on (a restart resumes from the last checkpoint)"
+        self.failed = True
+        for r in gone:
+            self.checkpoint.pop(r, None)
+        out = [(s, self.error(q.req, self.lost)) for s, q in self.deferred if s in self.active]
+        self.deferred = []
+        return out

@@ -1,47 +1,49 @@
 """Messages between trainers and servers over c10d point-to-point (gloo: host tensors).
 
-Tags keep the four streams apart: request headers (a server receives them from any
-trainer), request payloads, reply headers and reply payloads (each from one known peer). A
-server's replies and a trainer's requests are sent without blocking (``isend``), and their
-buffers are kept until sent (at most ``_Sends.KEEP`` of them: older sends are waited for).
+Tags keep the three streams apart: requests (one frame each, :func:`~hybridembed.ps.wire.frame`;
+a server receives them from any trainer), reply headers and reply payloads (each from one known
+peer). A server's replies and a trainer's requests are sent without blocking (``isend``), and
+their buffers are kept until sent (at most ``_Sends.KEEP`` of them: older sends are waited for).
 
 Timeouts and failures:
 
 - A trainer waits for each reply at most ``timeout`` seconds (``he.distribute(...,
-  ps_timeout=300.0)``, also the dedicated group's timeout). A server that died fails the
-  wait at once (its connection closes); one that hangs fails it after ``timeout``. Either
-  way the trainer raises :class:`ServerLost` naming the server rank; gloo then marks the
-  whole group broken, so the job ends and a restart resumes from the last committed
-  checkpoint (``he.load``).
-- A server waits for the next request up to ``SERVER_WAIT`` (7 days), not ``timeout``:
-  trainers may spend longer than ``ps_timeout`` between requests (evaluation, a slow input
-  pipeline, a checkpoint). A trainer that dies fails the server's wait (its connection
-  closes): the server raises (it cannot complete the steps that trainer owes).
+  ps_timeout=...)``, by default the job's timeout). A server that died fails the wait at once
+  (its connection closes); one that stopped or hangs fails it after ``timeout``. Either way the
+  trainer raises :class:`ServerLost` naming the server rank (and whether its heartbeat still
+  beats); gloo then marks the whole group broken, so the job ends and a restart resumes from
+  the last committed checkpoint (``he.load``).
+- A server's receive is not bounded by a timeout (gloo closes a connection whose receive timed
+  out): trainers may spend long between requests (evaluation, a slow input pipeline, a
+  checkpoint). :func:`hybridembed.ps.serve` receives in a thread of its own and watches the
+  trainers' heartbeats (:mod:`hybridembed.distributed.health`) meanwhile: a trainer that died,
+  stopped or left without a goodbye (it destroyed its process group, or its process ended) is
+  noticed within seconds, and the server tells the other trainers and exits.
 
-Malformed requests: a server checks each header (:func:`~hybridembed.ps.wire.check_header`:
-magic, op, sizes within ``max_request_bytes``, dtype) before it reads any payload; a header
-that fails is answered with an error reply at once, and its sender sends no payload (the
-trainer's :meth:`TrainerLink.send` refuses a request over the limit before sending
-anything). A request whose header passes but whose content is wrong (its payload does not
-parse, unknown shards or tables, ids out of range, gradients that do not match the ids or
-are not finite, a push of another step than the trainer's next, a pull more than one step
-ahead, hyper-parameters its optimizer refuses, a sender that is not a trainer) is answered
-with an error reply (meta ``{"error": text}``, naming the server rank and the fault) and
-changes nothing: no row, optimizer state or step counter. A trainer raises the error at the
-wait for that reply; a refused push (which has no reply otherwise) at its next wait. A
-payload shorter than its header declares is detected (a canary at the buffer's end) and
-answered with an error; a longer one cannot be framed over gloo (it aborts the server's
-process); :class:`TrainerLink` never sends either.
+Malformed requests: a server receives each request whole into a buffer of the largest frame
+``max_request_bytes`` allows and checks it (:func:`~hybridembed.ps.wire.unframe`: the header's
+magic, op, sizes and dtype, then that the frame ends exactly where its header says) before it
+parses a byte of payload; a frame that fails is answered with an error reply. A request whose
+frame passes but whose content is wrong (its payload does not parse, unknown shards or tables,
+ids out of range, gradients that do not match the ids or are not finite, a push of another step
+than the trainer's next, a pull more than one step ahead, hyper-parameters its optimizer
+refuses, a sender that is not a trainer) is answered with an error reply (meta ``{"error":
+text}``, naming the server rank and the fault) and changes nothing: no row, optimizer state or
+step counter. A trainer raises the error at the wait for that reply; a refused push (which has
+no reply otherwise) at its next wait. The trainers' and servers' ``max_request_bytes`` are
+agreed at setup, so :class:`TrainerLink` never sends a frame a server cannot receive; a
+message longer than a server's buffer (only a process outside this library could send one)
+cannot be framed by gloo and aborts the server: see docs/distributed.md, "Trust model".
 """
 
 from __future__ import annotations
 
 import datetime
-import random
 
 import torch
 import torch.distributed as dist
 
+from ..distributed.health import RankLost, diagnose
 from ..errors import HybridEmbedError
 from ..utils import get_logger
 from . import wire
@@ -51,11 +53,11 @@ __all__ = ["ServerLink", "TrainerLink", "ServerLost"]
 
 log = get_logger(__name__)
 
-REQ_HEAD, REQ_BODY, REP_HEAD, REP_BODY = 4101, 4102, 4103, 4104
+REQ, REP_HEAD, REP_BODY = 4101, 4103, 4104  # a request's frame; a reply's header, payload
 SERVER_WAIT = datetime.timedelta(days=7)  # a server's wait for requests (see ServerLink)
 
 
-class ServerLost(HybridEmbedError):
+class ServerLost(RankLost):
     """A parameter server did not answer: it died, hung, or the job is being torn down."""
 
 
@@ -91,42 +93,32 @@ class _Sends:
 
 
 class ServerLink:
-    """A server's end: requests from any trainer, replies to one."""
+    """A server's end: requests from any trainer (one frame each), replies to one."""
 
     def __init__(self, group, limit: int):
         self.group, self.limit = group, limit
         self.sends = _Sends()
+        self._buf: torch.Tensor | None = None
 
     def recv(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-        """The next request: (trainer rank, header, payload or None). A header that fails its
-        check comes back without its payload (the sender sends none): the handler answers it."""
-        h = torch.empty(wire.HEAD, dtype=torch.int64)
-        # (waits bounded by SERVER_WAIT, not by the group's timeout, which is the trainers' ps_timeout:
-        # a trainer may spend longer than that between requests; a dead one fails the wait at once)
-        work = dist.irecv(h, src=None, group=self.group, tag=REQ_HEAD)
-        work.wait(SERVER_WAIT)
+        """The next request: (trainer rank, header, payload or None: a copy, the buffer is reused).
+        A frame that fails its checks comes back as (trainer, the header as received or zeros,
+        :class:`~hybridembed.ps.wire.WireError`): the handler answers it. Raises RuntimeError when
+        the group fails (a trainer's connection closed)."""
+        if self._buf is None:  # (one buffer for every request: its pages are touched only as far as they are used)
+            self._buf = torch.empty(wire.frame_bytes(self.limit), dtype=torch.uint8)
+        buf = self._buf
+        buf[: wire.NONCE + 8 * wire.HEAD].zero_()
+        work = dist.irecv(buf, src=None, group=self.group, tag=REQ)
+        work.wait(SERVER_WAIT)  # (liveness is watched by serve(), with the trainers' heartbeats)
         src = work._source_rank()
         try:
-            nbytes = wire.check_header(h, self.limit)
-        except wire.WireError:
-            return src, h, None
-        payload = None
-        if nbytes:
-            # gloo fills a buffer with a shorter message and says nothing: the tail would be old
-            # memory. A random canary in the last 8 bytes that is still there after the receive
-            # (odds 2**-64 for a full payload) shows the payload was short.
-            payload = torch.zeros(nbytes, dtype=torch.uint8)
-            canary = None
-            if nbytes >= 8:
-                canary = torch.tensor([random.getrandbits(63)], dtype=torch.int64).view(torch.uint8)
-                payload[-8:] = canary
-            dist.irecv(payload, src=src, group=self.group, tag=REQ_BODY).wait(SERVER_WAIT)
-            if canary is not None and torch.equal(payload[-8:], canary):
-                log.warning(
-                    "parameter server: trainer %d sent a payload shorter than its header's %d bytes", src, nbytes
-                )
-                return src, h, torch.zeros(0, dtype=torch.uint8)  # (answered: "payload of 0 bytes, the header says")
-        return src, h, payload
+            h, payload = wire.unframe(buf, self.limit)
+        except wire.WireError as e:
+            log.warning("parameter server: a malformed request from trainer %d: %s", src, e)
+            header = e.header if e.header is not None else torch.zeros(wire.HEAD, dtype=torch.int64)
+            return src, header, e
+        return src, h, None if payload is None else payload.clone()
 
     def reply(self, dst: int, m: Message) -> int:
         h, p = wire.pack(m)
@@ -147,20 +139,18 @@ class TrainerLink:
         self.bytes_out = self.bytes_in = 0
 
     def send(self, m: Message) -> None:
-        h, p = wire.pack(m)
-        size = 0 if p is None else p.numel()
+        f = wire.frame(m)
+        size = f.numel() - wire.frame_bytes(0)
         if size > self.limit:
             raise HybridEmbedError(
                 f"a {wire.OPS.get(m.op, m.op)} request of {size} bytes is over the servers' limit of {self.limit} "
                 "bytes (max_request_bytes): use smaller batches or raise the limit"
             )
         try:
-            self.sends.add(self.server, h, REQ_HEAD, self.group)
-            if p is not None:
-                self.sends.add(self.server, p, REQ_BODY, self.group)
+            self.sends.add(self.server, f, REQ, self.group)
         except RuntimeError as e:
             raise self._lost(e) from None
-        self.bytes_out += 8 * wire.HEAD + size
+        self.bytes_out += f.numel()
 
     def recv(self) -> Message:
         """The server's next reply (any request's)."""
@@ -180,9 +170,12 @@ class TrainerLink:
     def _lost(self, e: BaseException) -> ServerLost:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         why = "did not answer within the timeout" if "Timed out" in text else "is gone (its connection closed)"
+        state = diagnose([dist.get_global_rank(self.group, self.server)]) if "Timed out" in text else {}
+        seen = f" ({'; '.join(state.values())})" if state else ""
         return ServerLost(
-            f"parameter server rank {self.server} {why}: {text[:200]}. Timeout: {self.seconds:g} s "
-            "(he.distribute(..., ps_timeout=...)); a restart resumes from the last committed checkpoint"
+            f"parameter server rank {self.server} {why}{seen}: {text[:200]}. Timeout: {self.seconds:g} s "
+            "(he.distribute(..., ps_timeout=...)); a restart resumes from the last committed checkpoint",
+            [self.server],
         )
 
     def close(self) -> None:

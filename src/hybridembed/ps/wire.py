@@ -1,12 +1,20 @@
 """The parameter servers' messages: a fixed header, then one byte payload.
 
-A request or reply is two c10d messages: a header of ``HEAD`` int64 (``MAGIC``, op or status,
-request id, step, then the payload's three parts in elements: int64s, floats, JSON bytes, and
-the floats' dtype code), then, when the payload is not empty, one uint8 tensor holding the
-three parts back to back. A server reads the header first and checks it (magic, op, sizes
-within its limit, a known dtype) before it reads a byte of payload, so a bad or oversized
-request is answered with an error and no buffer is allocated for it; the client never sends
-the payload of a request over the limit.
+A message is a header of ``HEAD`` int64 (``MAGIC``, op or status, request id, step, then the
+payload's three parts in elements: int64s, floats, JSON bytes, and the floats' dtype code) and,
+when not empty, a payload: one uint8 tensor holding the three parts back to back.
+
+A request travels as one c10d message, its **frame** (:func:`frame`): a random nonce (int64),
+the header, the payload, the nonce again. A server receives every request into one buffer of
+``NONCE + 8 * HEAD + limit + NONCE`` bytes (gloo aborts a process that receives a message
+longer than its buffer, and fills a longer buffer with a shorter message without a word), so
+:func:`unframe` checks, before anything is parsed: the header (magic, op, sizes within the
+limit, a known dtype), then that the nonce closes the frame exactly where the header says the
+payload ends. A frame shorter than its header declares (the tail would be an older request's
+bytes), longer (a payload longer than declared, a header longer than ``HEAD``) or cut short
+(no whole header) is refused, naming what is wrong; nothing a trainer sends within the
+buffer's size can crash the server or be misread. A reply is two messages (header, then
+payload): a trainer trusts its servers.
 
     >>> import torch
     >>> m = Message(PULL, 7, 3, torch.tensor([1, 2, 3]), None, {"train": True})
@@ -25,10 +33,23 @@ import torch
 
 from ..errors import HybridEmbedError
 
-__all__ = ["Message", "WireError", "pack", "unpack", "check_header", "HEAD", "MAGIC", "OPS"]
+__all__ = [
+    "Message",
+    "WireError",
+    "pack",
+    "unpack",
+    "check_header",
+    "frame",
+    "unframe",
+    "frame_bytes",
+    "HEAD",
+    "MAGIC",
+    "OPS",
+]
 
 MAGIC = 0x48_45_50_53_31  # "HEPS1"
 HEAD = 8
+NONCE = 8  # bytes of the nonce at each end of a request's frame
 # requests (trainer -> server)
 ATTACH, PULL, PUSH, CHECKPOINT, READ, STATS, BYE = 1, 2, 3, 4, 5, 6, 7
 OPS = {ATTACH: "attach", PULL: "pull", PUSH: "push", CHECKPOINT: "checkpoint", READ: "read", STATS: "stats", BYE: "bye"}
@@ -39,7 +60,10 @@ _NONE = -1  # dtype code of a payload without floats
 
 
 class WireError(HybridEmbedError):
-    """A message that does not follow the protocol (answered with an error; nothing changes)."""
+    """A message that does not follow the protocol (answered with an error; nothing changes).
+    ``header``: the header as received, where there was one."""
+
+    header: torch.Tensor | None = None
 
 
 @dataclass
@@ -142,3 +166,52 @@ def unpack(h: torch.Tensor, payload: torch.Tensor | None, limit: int, replies: b
         if not isinstance(meta, dict):
             raise WireError(f"meta must be a JSON object, got {type(meta).__name__}")
     return Message(op, req, step, ints, floats, meta)
+
+
+def frame_bytes(limit: int) -> int:
+    """The largest frame of a request within ``limit`` bytes of payload (a server's buffer)."""
+    return NONCE + 8 * HEAD + limit + NONCE
+
+
+def frame(m: Message) -> torch.Tensor:
+    """``m`` -> its frame: (B,) uint8 = nonce, header, payload, nonce (see the module docstring).
+
+    >>> f = frame(Message(PUSH, 1, 0, torch.tensor([5]), torch.ones(2)))
+    >>> f.numel() == NONCE + 8 * HEAD + 8 + 8 + NONCE
+    True
+    >>> buf = torch.zeros(frame_bytes(1024), dtype=torch.uint8)
+    >>> buf[: f.numel()] = f
+    >>> h, p = unframe(buf, 1024)
+    >>> unpack(h, p, 1024) == Message(PUSH, 1, 0, torch.tensor([5]), torch.ones(2))
+    True
+    """
+    h, p = pack(m)
+    nonce = torch.randint(1, 1 << 62, (1,), dtype=torch.int64).view(torch.uint8)
+    parts = [nonce, h.view(torch.uint8)] + ([p] if p is not None else []) + [nonce]
+    return torch.cat(parts)
+
+
+def unframe(buf: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A received frame in ``buf`` (a server's buffer, whose first ``NONCE + 8 * HEAD`` bytes were
+    zeroed before the receive) -> (header (HEAD,) int64, payload (a view into ``buf``) or None).
+    Raises :class:`WireError` for a frame whose header fails :func:`check_header` (``err.header``
+    holds the header as received) or whose end is not where its header says."""
+    start = NONCE + 8 * HEAD
+    nonce = buf[:NONCE].view(torch.int64)
+    h = buf[NONCE:start].view(torch.int64).clone()
+    if int(nonce) == 0:
+        raise WireError("a request frame starts with a nonce of 0: it is not a frame, or it was cut short")
+    try:
+        nbytes = check_header(h, limit)
+    except WireError as e:
+        e.header = h
+        raise
+    end = start + nbytes
+    if not torch.equal(buf[end : end + NONCE], buf[:NONCE]):
+        e = WireError(
+            f"a request frame does not end where its header says (a payload of {nbytes} bytes): the message is "
+            "shorter or longer than its header declares"
+        )
+        e.header = h
+        raise e
+    return h, (buf[start:end] if nbytes else None)
