@@ -4,6 +4,7 @@ and a clear error (with nothing changed) for every kind of damage or mismatch.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -494,6 +495,39 @@ def test_a_flipped_digit_in_extra_is_caught_by_the_manifest_checksum(tmp_path):
     with pytest.raises(he.CheckpointError, match=r"manifest.json does not match its checksum .*'manifest_sha256'"):
         ckpt.read_manifest(tmp_path / "c")
     _refused(tmp_path / "c", "does not match its checksum")
+
+
+def test_non_finite_floats_in_extra_are_stored_and_come_back(tmp_path):
+    """nan, inf and -inf in extra (an AUC of held-out rows of one class is nan) are stored as strict
+    JSON, covered by the checksum, and come back as floats from load, read_manifest and compact."""
+    nan, inf = float("nan"), float("inf")
+    extra = {"auc": nan, "x": inf, "nested": {"y": -inf, "list": [1.5, nan]}, "step": 3}
+
+    def check(got):
+        assert math.isnan(got["auc"]) and got["x"] == inf and got["nested"]["y"] == -inf and got["step"] == 3
+        assert got["nested"]["list"][0] == 1.5 and math.isnan(got["nested"]["list"][1])
+
+    model, opt = trained("adagrad", steps=1)
+    he.save(tmp_path / "c", model, opt, extra=extra)
+    fresh, fresh_opt = build("adagrad")
+    check(he.load(tmp_path / "c", fresh, fresh_opt)["extra"])
+    check(ckpt.read_manifest(tmp_path / "c")["extra"])
+    train(model, opt, range(1, 2))  # an incremental version, compacted: extra stays as it was
+    he.save(tmp_path / "c", model, opt, extra=extra, incremental=True)
+    vdir = Path(ckpt.compact(tmp_path / "c"))
+    check(ckpt.read_manifest(vdir)["extra"])
+    text = (vdir / "manifest.json").read_text()
+
+    def no_constants(name):
+        raise AssertionError(f"the manifest holds {name}: not strict JSON")
+
+    json.loads(text, parse_constant=no_constants)
+    assert text.count('"nan"') == 2  # the stored form is covered by the checksum like any other field
+    (vdir / "manifest.json").write_text(text.replace('"nan"', '"inf"', 1))
+    with pytest.raises(he.CheckpointError, match="does not match its checksum"):
+        ckpt.read_manifest(vdir)
+    with pytest.raises(he.CheckpointError, match=r"extra\.a: the key '__float__' is reserved"):
+        he.save(tmp_path / "c", model, opt, extra={"a": {"__float__": "nan"}})
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,8 @@ save. One writer per path at a time.
 
 Not saved: torch's global RNG state (dropout) and the data position; put what a resume
 needs into ``save(..., extra={...})`` (stored in the manifest, committed atomically with
-the rows) and read it back from ``load(...)["extra"]``.
+the rows; nan, inf and -inf too, as ``{"__float__": "nan"}``) and read it back from
+``load(...)["extra"]`` (floats again).
 
 Loading (:func:`load`) checks, before changing any parameter, buffer, row or optimizer
 state: the manifest (readable JSON, known format version, its checksum, the type of every
@@ -94,6 +95,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -280,6 +282,46 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
+_FLOAT_KEY = "__float__"  # extra: a non-finite float is stored as {"__float__": "nan" | "inf" | "-inf"}
+_NON_FINITE = ("nan", "inf", "-inf")
+
+
+def _extra_json(extra: Mapping[str, Any] | None) -> dict:
+    """``save(extra=...)`` as the manifest stores it: plain JSON, non-finite floats encoded."""
+    try:
+        plain = json.loads(json.dumps(dict(extra or {})))  # (nan, inf come back as floats)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
+    return _encode_floats(plain, "extra")
+
+
+def _encode_floats(v: Any, where: str) -> Any:
+    """``v`` (JSON values) with every nan, inf and -inf as ``{"__float__": "nan"}``; strict JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return {_FLOAT_KEY: "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+    if isinstance(v, dict):
+        if _FLOAT_KEY in v:
+            raise CheckpointError(
+                f"{where}: the key {_FLOAT_KEY!r} is reserved (the manifest stores a non-finite float such as nan "
+                f"as {{{_FLOAT_KEY!r}: 'nan'}}); rename that key"
+            )
+        return {k: _encode_floats(x, f"{where}.{k}") for k, x in v.items()}
+    if isinstance(v, list):
+        return [_encode_floats(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    return v
+
+
+def _decode_floats(v: Any) -> Any:
+    """The inverse of :func:`_encode_floats`: ``{"__float__": "nan"}`` back to ``float("nan")``."""
+    if isinstance(v, dict):
+        if len(v) == 1 and v.get(_FLOAT_KEY) in _NON_FINITE:
+            return float(v[_FLOAT_KEY])
+        return {k: _decode_floats(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_decode_floats(x) for x in v]
+    return v
+
+
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -383,7 +425,10 @@ def save(
         optimizer: a :class:`~hybridembed.optim.HybridOptimizer` (dense state, per-table
             row state by id, hyper-parameters, steps) or a plain torch optimizer.
         extra: JSON-serialisable metadata stored in the manifest (e.g. the epoch); returned
-            by :func:`load` under ``"extra"``.
+            by :func:`load` under ``"extra"``. Non-finite floats (``nan``, ``inf``, ``-inf``,
+            e.g. the AUC of held-out rows of one class) are stored too, as
+            ``{"__float__": "nan"}`` (the manifest stays strict JSON; its checksum covers
+            them), and come back as floats; a dict with the key ``"__float__"`` is refused.
         keep: how many committed versions to keep (>= 1); older ones are deleted after the
             commit, except those a kept incremental version is saved on top of.
         incremental: write only the table rows changed (or dropped) since the version this
@@ -412,10 +457,7 @@ def save(
             raise CheckpointError(f"{name} must be True or False, got {flag!r}")
     if extra is not None and not isinstance(extra, Mapping):
         raise CheckpointError(f"extra must be a dict of JSON values, got {type(extra).__name__}")
-    try:
-        extra_json = json.loads(json.dumps(dict(extra or {})))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
+    extra_json = _extra_json(extra)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise CheckpointError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     root = Path(path)
@@ -774,6 +816,7 @@ def compact(path: str | os.PathLike, *, keep: int = 1, verify: bool = True) -> s
             shutil.copyfile(vdir / rel, tmp / rel)
             files[rel] = manifest["files"][rel]
         body = {k: v for k, v in manifest.items() if k not in ("path", "incremental", "files")}
+        body["extra"] = _encode_floats(body["extra"], "extra")  # (read_manifest decoded it)
         body.update(_header(manifest["world_size"], uuid.uuid4().hex), created=body["created"], tables=tables)
         body["files"] = dict(sorted(files.items()))
         _write_file(tmp / MANIFEST, (json.dumps(_sealed(body), indent=1) + "\n").encode())
@@ -966,6 +1009,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise CheckpointError(f"{mpath} is malformed; nothing was loaded:\n{lines}")
+    manifest["extra"] = _decode_floats(manifest["extra"])  # (checked above in its stored form)
     manifest["path"] = str(vdir)  # where it was read from (not stored in the file)
     return manifest
 
