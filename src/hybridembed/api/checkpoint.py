@@ -35,11 +35,11 @@ row_end, row_step)`` (``row_step`` k for modulo placement over k shards), column
 optimizer state. Rank 0 writes the data-parallel tables, the dense state, the optimizer file
 and the manifest (with ``world_size`` and each collection's plan under ``plans``) and makes
 the one commit below; every rank returns after it, or every rank raises (a rank that could
-not write is named). :func:`load` works at any world size and plan: each rank reads, from the
-shards that overlap them, only the rows and columns its shards hold now (see
-:mod:`hybridembed.api.shards`), checks them, the ranks exchange their verdicts, and every rank
-loads or none does. The model of one process loads such a checkpoint too, and a distributed
-model loads the checkpoint of one process.
+not write is named). :func:`load` works at any world size and plan: rank 0 reads which version
+``LATEST`` names, once for the job; each rank reads, from that version's shards that overlap
+them, only the rows and columns its shards hold now (see :mod:`hybridembed.api.shards`), checks
+them, the ranks exchange their verdicts, and every rank loads or none does. The model of one
+process loads such a checkpoint too, and a distributed model loads the checkpoint of one process.
 
 Incremental versions (``save(..., incremental=True)``): a version holding, per shard, only the
 table rows changed (dense: with their row numbers; dynamic: the ids changed and the ids dropped)
@@ -1616,8 +1616,10 @@ def load(
     Dynamic tables are replaced by the checkpoint's rows (their ``Dynamic`` settings
     may differ, as long as the rows fit the capacity and, where both keep an admission
     sketch (``min_count > 1``), its ``sketch_depth`` and ``sketch_width`` are the saved ones).
-    A distributed model is loaded by every rank calling ``load``, at the saved world size and
-    plan; a problem found by any rank raises on every rank and no rank changes anything.
+    A distributed model is loaded by every rank calling ``load``, at any world size and plan:
+    rank 0 reads which version ``LATEST`` names and every rank loads that one (a save committed
+    meanwhile does not split the job); a problem found by any rank raises on every rank and no
+    rank changes anything.
     """
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"load needs the model (an nn.Module) to load into, got {type(model).__name__}")
@@ -2157,22 +2159,46 @@ def _shape(v: Any) -> str:
     return f"{tuple(v.shape)} {_dtype_name(v.dtype)}" if torch.is_tensor(v) else type(v).__name__
 
 
+def _refuse_load(path, failed: list[str | None]) -> None:
+    """Every rank raises one CheckpointError when any rank's report (``failed[rank]``) is an error."""
+    if all(f is None for f in failed):
+        return
+    ranks: dict[str, list[int]] = {}
+    for r, f in enumerate(failed):
+        if f is not None:
+            ranks.setdefault(f, []).append(r)
+    lines = "\n".join(f"rank {', '.join(map(str, rs))}: {f}" for f, rs in ranks.items())
+    raise CheckpointError(f"checkpoint {path} cannot be loaded; no rank changed anything:\n{lines}")
+
+
+def _agreed_version(path, group, rank: int) -> Path:
+    """The version directory every rank loads: the one ``path``'s LATEST names when rank 0 reads
+    it, read once for the job (ranks reading it each would load different versions if a save
+    committed in between)."""
+    name, error = None, None
+    if rank == 0:
+        try:
+            vdir = _version_dir(path)
+            name = vdir.name if vdir != Path(path) else None  # (None: ``path`` is a version directory)
+        except Exception as e:  # noqa: BLE001 - every rank hears of it below
+            error = _failure(e)
+    reports = _all_report(group, (error, name))
+    _refuse_load(path, [rep[0] for rep in reports])
+    name = reports[0][1]
+    return Path(path) / name if name is not None else Path(path)
+
+
 def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) -> dict[str, Any]:
-    """Every rank checks what it loads, the ranks exchange their verdicts, and all load or none does."""
+    """Rank 0 says which version, every rank checks what it loads of it, the ranks exchange their
+    verdicts, and all load or none does."""
     group = _group_of(colls, model)
+    vdir = _agreed_version(path, group, next(iter(colls.values())).rank)
     prepared, error = None, None
     try:
-        prepared = _prepare_sharded(path, model, colls, optimizer, verify)
+        prepared = _prepare_sharded(vdir, model, colls, optimizer, verify)
     except Exception as e:  # noqa: BLE001 - every rank hears of it below
         error = _failure(e)
-    failed = [rep[0] for rep in _all_report(group, (error,))]
-    if any(f is not None for f in failed):
-        ranks: dict[str, list[int]] = {}
-        for r, f in enumerate(failed):
-            if f is not None:
-                ranks.setdefault(f, []).append(r)
-        lines = "\n".join(f"rank {', '.join(map(str, rs))}: {f}" for f, rs in ranks.items())
-        raise CheckpointError(f"checkpoint {path} cannot be loaded; no rank changed anything:\n{lines}")
+    _refuse_load(path, [rep[0] for rep in _all_report(group, (error,))])
     manifest, loaded, dense = prepared["manifest"], prepared["loaded"], prepared["dense"]
     # --- every rank checked its part; from here on, apply ---------------------------------------
     if dense:
