@@ -307,6 +307,44 @@ def test_every_rank_loads_the_version_rank_0_found(tmp_path):
         assert math.isnan(e["auc"]) and e["x"] == float("inf") and e["nested"]["y"] == float("-inf")
 
 
+def _save_while_another_process_writes(rank: int, world: int, path: str) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    from hybridembed.api import checkpoint
+
+    model = he.distribute(Ranker(), plan=_plan(world))
+    opt = _optimizer(model)
+    lock = None
+    if rank == 1:  # a process that is not the one committing (rank 0) holds the directory
+        Path(path).mkdir()
+        lock = checkpoint._lock(Path(path))
+    dist.barrier()
+    try:
+        he.save(path, model, opt)
+        refused = None
+    except he.CheckpointError as e:
+        refused = str(e)
+    if lock is not None:
+        lock.release()
+    dist.barrier()
+    written = he.save(path, model, opt, background=True).wait(60)  # rank 0's thread holds it until done
+    return {"pid": os.getpid(), "refused": refused, "written": written, "listing": sorted(os.listdir(path))}
+
+
+def test_a_distributed_save_into_a_directory_another_process_writes_fails_on_every_rank(tmp_path):
+    import socket
+
+    path = str(tmp_path / "ckpt")
+    results = spawn(_save_while_another_process_writes, 2, path, timeout=120)
+    holder = f"another process (pid {results[1]['pid']}, host {socket.gethostname()}) is writing the checkpoint"
+    for r in results:
+        assert r["refused"] is not None and r["refused"].startswith(holder) and "one writer at a time" in r["refused"]
+        assert r["written"] == str(tmp_path / "ckpt" / "v-000001")
+    assert results[0]["listing"] == ["LATEST", "v-000001"]  # rank 0 released the lock with its cleanup
+
+
 class Plain(nn.Module):
     """A plain model: nn.EmbeddingBag / nn.Embedding layers and an MLP."""
 

@@ -60,7 +60,16 @@ replaced with ``os.replace`` (written to ``LATEST.tmp-<pid>`` and fsynced first)
 directory fsynced. A crash before that replace leaves ``LATEST`` naming the previous,
 untouched version; after it, the new one. Older versions are deleted only after the
 commit (``keep`` of them stay). Leftovers of a crashed save are removed by the next
-save. One writer per path at a time.
+save.
+
+One writer per directory, enforced: a save (and :func:`compact`) holds an exclusive ``flock``
+on ``path/.lock`` from choosing its version name to its cleanup after the commit (a background
+save until its thread has committed; a distributed save on rank 0, the rank that commits). A
+second writer (another job, or another model of this process) is refused at once with a
+CheckpointError naming the holder's pid and host; every rank of a distributed save raises it.
+The OS drops the lock when its holder dies, however it dies. Where flock is missing (not POSIX,
+a filesystem without locks) the lock file itself, made with O_EXCL, is the lock. Loads take no
+lock: they read committed versions only, while a writer saves.
 
 Not saved: torch's global RNG state (dropout) and the data position; put what a resume
 needs into ``save(..., extra={...})`` (stored in the manifest, committed atomically with
@@ -93,12 +102,14 @@ state's shapes) and the optimizer. Every difference found is listed in one
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -110,6 +121,11 @@ from typing import Any
 
 import torch
 from torch import nn
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the lock file made with O_EXCL (see _lock)
+    fcntl = None
 
 from ..errors import CheckpointError
 from ..modules import EmbeddingCollection
@@ -129,6 +145,7 @@ FORMAT = "hybridembed-checkpoint"
 FORMAT_VERSION = 3  # 3: incremental versions; 2: the manifest is checksummed (1, without, is still read)
 _FULL_FORMAT = 2  # a full version is written as 2 (readable by the hybridembed before incremental ones)
 POINTER = "LATEST"
+LOCK = ".lock"  # the writer lock: flock'ed by the process writing the directory, removed when it is done
 MANIFEST = "manifest.json"
 CHECKSUM_KEY = "manifest_sha256"  # sha256 of the manifest's canonical JSON without this key
 _VERSION_RE = re.compile(r"^v-(\d{6,})$")
@@ -404,6 +421,136 @@ def _clean(root: Path, keep: int) -> None:
         shutil.rmtree(root / v, ignore_errors=True)
 
 
+# --- one writer per directory ------------------------------------------------------------------
+class _WriterLock:
+    """The writer lock of one checkpoint directory, held; :meth:`release` (once or more) removes
+    ``path/.lock`` and unlocks."""
+
+    def __init__(self, path: Path, fd: int | None) -> None:
+        self.path, self.fd = path, fd  # fd: the flock'ed file (None: the O_EXCL file is the lock)
+        _HELD.add(self)
+
+    def release(self) -> None:
+        if self.path is None:
+            return
+        # removed while held: a writer that opened it before sees a file no longer there and retries
+        self.path.unlink(missing_ok=True)
+        if self.fd is not None:
+            os.close(self.fd)
+        self.path = self.fd = None
+        _HELD.discard(self)
+
+    def _forget(self) -> None:
+        """In a forked child: close the inherited file, which would hold the lock after the parent
+        died (e.g. a data loader's worker), and never remove it."""
+        if self.fd is not None:
+            os.close(self.fd)
+        self.path = self.fd = None
+
+
+_HELD: weakref.WeakSet = weakref.WeakSet()  # the writer locks this process holds
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [lock._forget() for lock in list(_HELD)])
+
+
+def _lock(root: Path) -> _WriterLock:
+    """Take the writer lock of the checkpoint directory ``root``, or raise a CheckpointError naming
+    its holder (never waits). An exclusive ``flock`` on ``root/.lock``: the OS drops it when its
+    holder dies, however it dies. Where flock is missing (not POSIX, a filesystem without locks)
+    the file, made with O_EXCL, is the lock; one left by a dead process of this host is taken over."""
+    path = root / LOCK
+    while True:
+        try:
+            fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            try:
+                fd, made = os.open(path, os.O_RDWR), False
+            except FileNotFoundError:  # released meanwhile
+                continue
+        try:
+            got = _try_flock(fd)
+            if got and _still_there(fd, path):
+                os.ftruncate(fd, 0)
+                _write_at_0(fd, _me())
+                return _WriterLock(path, fd)
+            if got is None and made:  # no flock here: the file made is the lock
+                _write_at_0(fd, _me())
+                os.close(fd)
+                return _WriterLock(path, None)
+            holder = _read_at_0(fd) if not got else b""
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        if got:
+            continue  # its holder released it (and removed the file) after we opened it
+        pid, host = _holder(holder)
+        if got is None and pid is not None and host == socket.gethostname() and not _pid_alive(pid):
+            path.unlink(missing_ok=True)  # no flock, and the file's process died without removing it
+            continue
+        raise _held(root, holder, stale_hint=got is None)
+
+
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def _try_flock(fd: int) -> bool | None:
+    """Exclusive flock of ``fd`` without waiting: True got, False held elsewhere, None no flock here."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in _NO_FLOCK:
+            return None
+        raise
+    return True
+
+
+def _still_there(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the file open as ``fd`` (a released lock file is removed)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _read_at_0(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 256)
+
+
+def _write_at_0(fd: int, data: bytes) -> None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, data)
+
+
+def _me() -> bytes:
+    return f"{os.getpid()} {socket.gethostname()}\n".encode()
+
+
+def _holder(text: bytes) -> tuple[int | None, str | None]:
+    """(pid, host) written in a lock file; None where it does not say."""
+    parts = text.decode("utf-8", "replace").split()
+    pid = int(parts[0]) if parts and parts[0].isdigit() else None
+    return pid, parts[1] if len(parts) > 1 else None
+
+
+def _held(root: Path, holder: bytes, stale_hint: bool = False) -> CheckpointError:
+    pid, host = _holder(holder)
+    me = pid == os.getpid() and host == socket.gethostname()
+    who = f"{'this' if me else 'another'} process (pid {pid}, host {host})" if pid is not None else "another process"
+    also = " (a save of another model, or a background save not yet committed)" if me else ""
+    stale = f"; if no save is running there, remove {root / LOCK}" if stale_hint else ""
+    return CheckpointError(
+        f"{who} is writing the checkpoint {root}{also}; a checkpoint directory has one writer at a time: "
+        f"wait for that save to finish, or save to another directory (loads need no lock){stale}"
+    )
+
+
 # --- save ---------------------------------------------------------------------------------------------
 def save(
     path: str | os.PathLike,
@@ -443,6 +590,11 @@ def save(
 
     A distributed model is saved by every rank calling ``save`` with the same arguments (see
     the module docstring); ``model`` may be the ``DistributedDataParallel`` wrapper.
+
+    One writer per directory: the save holds the directory's writer lock (``path/.lock``) until
+    it has committed and cleaned up. While another process (or another save of this process)
+    holds it, ``save`` does not wait: it raises a :class:`~hybridembed.CheckpointError` naming
+    that writer's pid and host, and writes nothing (on every rank of a distributed save).
 
     Returns the directory of the version written (a :class:`SaveHandle` with ``background``).
     """
@@ -732,31 +884,43 @@ def _publish(root: Path, tmp: Path, version: str) -> Path:
 
 def _save(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _How) -> str | SaveHandle:
     root.mkdir(parents=True, exist_ok=True)
-    _clean(root, how.keep)
-    version = _next_version(root)
-    parent = _parent_candidate(root, how)
-    storages = _storages(model)
-    if parent is not None and any(st.checkpoint_base != parent["id"] for st in storages):
-        parent = None  # the model was not saved to or loaded from the current version: a full one
-    snap = _snapshot(model, optimizer, extra_json, parent)
+    lock = _lock(root)  # held from choosing the version name to the cleanup after the commit
+    try:
+        _clean(root, how.keep)
+        version = _next_version(root)
+        parent = _parent_candidate(root, how)
+        storages = _storages(model)
+        if parent is not None and any(st.checkpoint_base != parent["id"] for st in storages):
+            parent = None  # the model was not saved to or loaded from the current version: a full one
+        snap = _snapshot(model, optimizer, extra_json, parent)
+    except BaseException:
+        lock.release()
+        raise
 
     def run() -> str:
-        tmp = root / f".tmp-{version}-{os.getpid()}"
         try:
-            tmp.mkdir()
-            manifest = _write_snapshot(tmp, snap)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        final = _publish(root, tmp, version)
-        _clean(root, how.keep)
+            tmp = root / f".tmp-{version}-{os.getpid()}"
+            try:
+                tmp.mkdir()
+                manifest = _write_snapshot(tmp, snap)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            final = _publish(root, tmp, version)
+            _clean(root, how.keep)
+        finally:
+            lock.release()
         inc = manifest.get("incremental")
         kind = f"incremental, {inc['length']} on top of a full one" if inc else "full"
         log.info("saved checkpoint %s (%d tables, %s)", final, len(manifest["tables"]), kind)
         return str(final)
 
     if how.background:
-        return SaveHandle(_unwrap(model), snap, run, lambda e: _cannot_write(root, e))
+        try:
+            return SaveHandle(_unwrap(model), snap, run, lambda e: _cannot_write(root, e))
+        except BaseException:
+            lock.release()
+            raise
     try:
         out = run()
     except BaseException:
@@ -772,16 +936,28 @@ def compact(path: str | os.PathLike, *, keep: int = 1, verify: bool = True) -> s
     chain of incremental versions it builds on put together, shard by shard, in the current
     version's layout) and commit it; no model is needed. Returns the new version's directory
     (the current one, unchanged, when it is already full). Loading it equals loading the chain,
-    bit for bit. One writer per path: not while a job saves there."""
+    bit for bit. It is a writer like :func:`save`: it holds the directory's writer lock, and is
+    refused (a CheckpointError naming the writer) while a job saves there."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep must be an int >= 1, got {keep!r}")
     if not isinstance(verify, bool):
         raise CheckpointError(f"verify must be True or False, got {verify!r}")
     root = Path(path)
+    read_manifest(root)  # (a CheckpointError saying what is missing there)
+    if not (root / POINTER).is_file():
+        raise CheckpointError(f"compact takes a checkpoint directory (with {POINTER}), got {path}")
+    lock = _lock(root)
+    try:
+        return _compact(root, keep, verify)
+    finally:
+        lock.release()
+
+
+def _compact(root: Path, keep: int, verify: bool) -> str:
     manifest = read_manifest(root)
     vdir = Path(manifest["path"])
     if vdir.parent != root or _current(root) != vdir.name:
-        raise CheckpointError(f"compact takes a checkpoint directory (with {POINTER}), got {path}")
+        raise CheckpointError(f"compact takes a checkpoint directory (with {POINTER}), got {root}")
     if "incremental" not in manifest:
         return str(vdir)
     chain = _chain(manifest)
@@ -1879,124 +2055,148 @@ def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: d
     sc0 = next(iter(colls.values()))
     rank, world = sc0.rank, sc0.world_size
     storages = _storages(model)
-    # 1. rank 0 makes the temporary version directory and says what an incremental save goes on
-    version = tmp = error = parent = None
+    # 1. rank 0 takes the writer lock (until its cleanup after the commit), makes the temporary
+    # version directory and says what an incremental save goes on
+    version = tmp = error = parent = lock = refused = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            _clean(root, how.keep)
-            version = _next_version(root)
-            tmp = root / f".tmp-{version}-{os.getpid()}"
-            tmp.mkdir()
-            parent = _parent_candidate(root, how)
+            lock = _lock(root)
+        except CheckpointError as e:  # another writer: every rank raises this message as it is
+            refused = str(e)
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             error = _failure(e)
-    pieces = [p for path, sc in colls.items() for p in _shard_pieces(path, sc)]
-    names = {p.qualified: sorted(p.storage.state) if _managed(p, optimizer) else [] for p in pieces}
-    bases = sorted({str(st.checkpoint_base) for st in storages})
-    new_id = uuid.uuid4().hex if rank == 0 else None
-    reports = _all_report(group, (error, version, str(tmp) if tmp else None, parent, bases, names, new_id))
-    _raise_save(root, _failures(reports))
-    version, tmp, parent = reports[0][1], Path(reports[0][2]), reports[0][3]
-    if parent is not None:  # every rank's tables counted their changes from it, with the same state
-        same_base = all(r[4] in ([parent["id"]], []) for r in reports)  # ([]: a rank holding no table)
-        same_state = all(parent["state"].get(q) == n for r in reports for q, n in r[5].items())
-        parent = parent if same_base and same_state else None
-    final = root / version
-    # 2. every rank copies its shards (rank 0 also the dense state and the optimizer's)
-    version_id = reports[0][6]
-    snap = _Snapshot(storages, {}, version_id)
-    stems = _stems(list(_global_tables(colls)))
-    hybrid = isinstance(optimizer, HybridOptimizer)
-    dense_files: dict[str, Any] = {}
-    dense_entry = dense_sd = torch_sd = snap_error = None
-    part: dict[str, Any] = {"tables": {}, "meta": {}}
-    try:  # (a failure here is reported with the writes below: every rank raises, none hangs)
-        snap.taken = _take_changes(storages)
-        part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None)
-        if rank == 0:
-
-            def copy_of(rel: str, obj: Any) -> str:
-                dense_files[rel] = _cloned(obj)
-                return rel
-
-            dense_entry = _write_dense(copy_of, model)
-            dense_sd = _cloned(optimizer.dense.state_dict()) if hybrid else None
-            torch_sd = _cloned(optimizer.state_dict()) if optimizer is not None and not hybrid else None
-    except Exception as e:  # noqa: BLE001
-        snap_error = _failure(e)
-    plans = {path: json.loads(sc.plan.to_json()) for path, sc in colls.items()}
-
-    def run(grp) -> str:
-        # 3. every rank writes its shards into the temporary directory
-        files, error = {}, snap_error
         try:
-            for rel, obj in snap.files.items() if snap_error is None else ():
-                _write_file(tmp / rel, obj)
-                files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
-        except Exception as e:  # noqa: BLE001
+            if lock is not None:
+                _clean(root, how.keep)
+                version = _next_version(root)
+                tmp = root / f".tmp-{version}-{os.getpid()}"
+                tmp.mkdir()
+                parent = _parent_candidate(root, how)
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
             error = _failure(e)
-        reports = _all_report(grp, (error, {**part, "files": files}))
-        failed = _failures(reports)
-        # 4. rank 0 writes the rest and commits; every rank learns how that went
-        error = None
-        if rank == 0:
-            try:
-                if failed:
-                    raise CheckpointError("")  # (the failures are reported by every rank below)
-                parts = [r[1] for r in reports]
-                manifest = _sharded_manifest(colls, extra, parts, world, version_id, parent, plans)
-                all_files: dict[str, Any] = {}
-                for p in parts:
-                    all_files.update(p["files"])
-                meta = {}
-                for p in parts:
-                    meta.update({q: m for q, m in p["meta"].items() if q not in meta})
-                sparse = None
-                if hybrid:
-                    sparse = {}
-                    for q, m in meta.items():  # a shard's step counts its own updates: each shard has its own
-                        steps = [e["step"] for e in manifest["tables"][q]["shards"] if "step" in e]
-                        sparse[q] = {**m, "step": max(steps), "shape": manifest["tables"][q]["shape"]}
+            lock.release()
+            lock = None
+    try:  # (whatever fails before the thread or the commit ends: the lock is released)
+        pieces = [p for path, sc in colls.items() for p in _shard_pieces(path, sc)]
+        names = {p.qualified: sorted(p.storage.state) if _managed(p, optimizer) else [] for p in pieces}
+        bases = sorted({str(st.checkpoint_base) for st in storages})
+        new_id = uuid.uuid4().hex if rank == 0 else None
+        reports = _all_report(group, (error, version, str(tmp) if tmp else None, parent, bases, names, new_id, refused))
+        if reports[0][7] is not None:
+            raise CheckpointError(reports[0][7])
+        _raise_save(root, _failures(reports))
+        version, tmp, parent = reports[0][1], Path(reports[0][2]), reports[0][3]
+        if parent is not None:  # every rank's tables counted their changes from it, with the same state
+            same_base = all(r[4] in ([parent["id"]], []) for r in reports)  # ([]: a rank holding no table)
+            same_state = all(parent["state"].get(q) == n for r in reports for q, n in r[5].items())
+            parent = parent if same_base and same_state else None
+        final = root / version
+        # 2. every rank copies its shards (rank 0 also the dense state and the optimizer's)
+        version_id = reports[0][6]
+        snap = _Snapshot(storages, {}, version_id)
+        stems = _stems(list(_global_tables(colls)))
+        hybrid = isinstance(optimizer, HybridOptimizer)
+        dense_files: dict[str, Any] = {}
+        dense_entry = dense_sd = torch_sd = snap_error = None
+        part: dict[str, Any] = {"tables": {}, "meta": {}}
+        try:  # (a failure here is reported with the writes below: every rank raises, none hangs)
+            snap.taken = _take_changes(storages)
+            part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None)
+            if rank == 0:
 
-                def write(rel: str, obj: Any) -> str:
-                    _write_file(tmp / rel, obj)
-                    all_files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+                def copy_of(rel: str, obj: Any) -> str:
+                    dense_files[rel] = _cloned(obj)
                     return rel
 
-                for rel, obj in dense_files.items():
-                    write(rel, obj)
-                manifest["dense"] = dense_entry
-                manifest["optimizer"] = _write_optimizer(write, optimizer, dense_sd, sparse, torch_sd)
-                manifest["extra"] = extra
-                manifest["files"] = dict(sorted(all_files.items()))
-                _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1) + "\n").encode())
-                for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
-                    _fsync_dir(d)
-                _publish(root, tmp, version)
-            except BaseException as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                error = _failure(e) if not failed else None
-                if not isinstance(e, Exception):
-                    raise
-        reports = _all_report(grp, (error,))  # every rank returns after the commit
-        _raise_save(root, failed + _failures(reports))
-        if rank == 0:
-            _clean(root, how.keep)
-            kind = f"incremental, {parent['length']} on top of a full one" if parent else "full"
-            log.info("saved checkpoint %s (%d ranks, %s)", final, world, kind)
-        return str(final)
+                dense_entry = _write_dense(copy_of, model)
+                dense_sd = _cloned(optimizer.dense.state_dict()) if hybrid else None
+                torch_sd = _cloned(optimizer.state_dict()) if optimizer is not None and not hybrid else None
+        except Exception as e:  # noqa: BLE001
+            snap_error = _failure(e)
+        plans = {path: json.loads(sc.plan.to_json()) for path, sc in colls.items()}
 
-    if how.background:
-        grp = _checkpoint_group(group)
-        return SaveHandle(model, snap, lambda: run(grp), lambda e: _cannot_write(root, e))
-    try:
-        out = run(group)
+        def run(grp) -> str:
+            # 3. every rank writes its shards into the temporary directory
+            files, error = {}, snap_error
+            try:
+                for rel, obj in snap.files.items() if snap_error is None else ():
+                    _write_file(tmp / rel, obj)
+                    files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+            except Exception as e:  # noqa: BLE001
+                error = _failure(e)
+            reports = _all_report(grp, (error, {**part, "files": files}))
+            failed = _failures(reports)
+            # 4. rank 0 writes the rest and commits; every rank learns how that went
+            error = None
+            if rank == 0:
+                try:
+                    if failed:
+                        raise CheckpointError("")  # (the failures are reported by every rank below)
+                    parts = [r[1] for r in reports]
+                    manifest = _sharded_manifest(colls, extra, parts, world, version_id, parent, plans)
+                    all_files: dict[str, Any] = {}
+                    for p in parts:
+                        all_files.update(p["files"])
+                    meta = {}
+                    for p in parts:
+                        meta.update({q: m for q, m in p["meta"].items() if q not in meta})
+                    sparse = None
+                    if hybrid:
+                        sparse = {}
+                        for q, m in meta.items():  # a shard's step counts its own updates: each shard has its own
+                            steps = [e["step"] for e in manifest["tables"][q]["shards"] if "step" in e]
+                            sparse[q] = {**m, "step": max(steps), "shape": manifest["tables"][q]["shape"]}
+
+                    def write(rel: str, obj: Any) -> str:
+                        _write_file(tmp / rel, obj)
+                        all_files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+                        return rel
+
+                    for rel, obj in dense_files.items():
+                        write(rel, obj)
+                    manifest["dense"] = dense_entry
+                    manifest["optimizer"] = _write_optimizer(write, optimizer, dense_sd, sparse, torch_sd)
+                    manifest["extra"] = extra
+                    manifest["files"] = dict(sorted(all_files.items()))
+                    _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1) + "\n").encode())
+                    for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
+                        _fsync_dir(d)
+                    _publish(root, tmp, version)
+                except BaseException as e:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    error = _failure(e) if not failed else None
+                    if not isinstance(e, Exception):
+                        raise
+            reports = _all_report(grp, (error,))  # every rank returns after the commit
+            _raise_save(root, failed + _failures(reports))
+            if rank == 0:
+                _clean(root, how.keep)
+                kind = f"incremental, {parent['length']} on top of a full one" if parent else "full"
+                log.info("saved checkpoint %s (%d ranks, %s)", final, world, kind)
+            return str(final)
+
+        def locked_run(grp) -> str:
+            try:
+                return run(grp)
+            finally:  # (rank 0: after its cleanup, the next writer may start)
+                if lock is not None:
+                    lock.release()
+
+        if how.background:
+            grp = _checkpoint_group(group)
+            return SaveHandle(model, snap, lambda: locked_run(grp), lambda e: _cannot_write(root, e))
+        try:
+            out = locked_run(group)
+        except BaseException:
+            snap.finish(False)
+            raise
+        snap.finish(True)
+        return out
     except BaseException:
-        snap.finish(False)
+        if lock is not None:
+            lock.release()
         raise
-    snap.finish(True)
-    return out
 
 
 def _raise_save(root: Path, failed: list[str]) -> None:
