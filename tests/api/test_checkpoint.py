@@ -4,9 +4,14 @@ and a clear error (with nothing changed) for every kind of damage or mismatch.""
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -496,6 +501,39 @@ def test_a_flipped_digit_in_extra_is_caught_by_the_manifest_checksum(tmp_path):
     _refused(tmp_path / "c", "does not match its checksum")
 
 
+def test_non_finite_floats_in_extra_are_stored_and_come_back(tmp_path):
+    """nan, inf and -inf in extra (an AUC of held-out rows of one class is nan) are stored as strict
+    JSON, covered by the checksum, and come back as floats from load, read_manifest and compact."""
+    nan, inf = float("nan"), float("inf")
+    extra = {"auc": nan, "x": inf, "nested": {"y": -inf, "list": [1.5, nan]}, "step": 3}
+
+    def check(got):
+        assert math.isnan(got["auc"]) and got["x"] == inf and got["nested"]["y"] == -inf and got["step"] == 3
+        assert got["nested"]["list"][0] == 1.5 and math.isnan(got["nested"]["list"][1])
+
+    model, opt = trained("adagrad", steps=1)
+    he.save(tmp_path / "c", model, opt, extra=extra)
+    fresh, fresh_opt = build("adagrad")
+    check(he.load(tmp_path / "c", fresh, fresh_opt)["extra"])
+    check(ckpt.read_manifest(tmp_path / "c")["extra"])
+    train(model, opt, range(1, 2))  # an incremental version, compacted: extra stays as it was
+    he.save(tmp_path / "c", model, opt, extra=extra, incremental=True)
+    vdir = Path(ckpt.compact(tmp_path / "c"))
+    check(ckpt.read_manifest(vdir)["extra"])
+    text = (vdir / "manifest.json").read_text()
+
+    def no_constants(name):
+        raise AssertionError(f"the manifest holds {name}: not strict JSON")
+
+    json.loads(text, parse_constant=no_constants)
+    assert text.count('"nan"') == 2  # the stored form is covered by the checksum like any other field
+    (vdir / "manifest.json").write_text(text.replace('"nan"', '"inf"', 1))
+    with pytest.raises(he.CheckpointError, match="does not match its checksum"):
+        ckpt.read_manifest(vdir)
+    with pytest.raises(he.CheckpointError, match=r"extra\.a: the key '__float__' is reserved"):
+        he.save(tmp_path / "c", model, opt, extra={"a": {"__float__": "nan"}})
+
+
 @pytest.mark.parametrize(
     "edit, words",
     [
@@ -635,3 +673,111 @@ def test_a_write_failure_names_the_file_and_the_os_error(tmp_path, monkeypatch, 
     fresh, fresh_opt = build("adagrad")
     he.load(tmp_path / "c", fresh, fresh_opt)
     assert_identical(snapshot(fresh, fresh_opt), before)
+
+
+# --- one writer per directory ---------------------------------------------------------------------------
+def test_a_second_writer_is_refused_and_the_first_commits_its_rows(tmp_path, monkeypatch):
+    """A save that published its version and is about to commit it holds the directory: another
+    writer is refused and deletes nothing (it used to remove that version, reuse its name, and
+    the first save committed the second's rows)."""
+    path = tmp_path / "c"
+    first, first_opt = trained("adagrad", steps=1)
+    he.save(path, first, first_opt)  # v-000001
+    train(first, first_opt, range(1, 2))
+    expected = snapshot(first, first_opt)
+    other, other_opt = trained("adagrad", steps=3)  # another writer's model: other rows
+    reached, go = threading.Event(), threading.Event()
+    real_commit = ckpt._commit
+
+    def slow_commit(root, version):  # the background save: v-000002 published, LATEST not yet replaced
+        if threading.current_thread().name == "hybridembed-save":
+            reached.set()
+            go.wait(30)
+        real_commit(root, version)
+
+    monkeypatch.setattr(ckpt, "_commit", slow_commit)
+    handle = he.save(path, first, first_opt, background=True)
+    try:
+        assert reached.wait(30)
+        assert (path / "v-000002").is_dir() and (path / "LATEST").read_text().strip() == "v-000001"
+        who = rf"this process \(pid {os.getpid()}, host {re.escape(socket.gethostname())}\)"
+        with pytest.raises(he.CheckpointError, match=rf"{who} is writing the checkpoint .*one writer at a time"):
+            he.save(path, other, other_opt)
+        assert sorted(p.name for p in path.iterdir()) == [".lock", "LATEST", "v-000001", "v-000002"]
+    finally:
+        go.set()
+    assert handle.wait(30) == str(path / "v-000002")
+    fresh, fresh_opt = build("adagrad")
+    he.load(path, fresh, fresh_opt)
+    assert_identical(snapshot(fresh, fresh_opt), expected)
+    assert _versions(path) == ["v-000002"]  # the lock was released with the commit: no .lock left
+    he.save(path, other, other_opt)  # and the next writer may write
+
+
+def test_a_lock_held_by_another_process_refuses_writers_until_it_is_killed(tmp_path):
+    """Released by the OS when its holder is killed, even while a child it forked (a data loader's
+    worker, say) lives on."""
+    path = tmp_path / "c"
+    model, opt = trained("adagrad", steps=1)
+    he.save(path, model, opt)
+    code = f"""
+import os, signal, sys, time
+sys.path[:0] = [{HE_SRC!r}]
+from pathlib import Path
+from hybridembed.api import checkpoint as ckpt
+lock = ckpt._lock(Path({str(path)!r}))
+child = os.fork()
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+print("locked", child, flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)  # dies holding it: no release, no cleanup
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        said = proc.stdout.readline().split()
+        assert said[:1] == ["locked"]
+        child = int(said[1])
+        who = rf"another process \(pid {proc.pid}, host {re.escape(socket.gethostname())}\)"
+        with pytest.raises(he.CheckpointError, match=rf"{who} is writing the checkpoint {re.escape(str(path))};"):
+            he.save(path, model, opt)
+        with pytest.raises(he.CheckpointError, match=who):
+            ckpt.compact(path)
+        fresh, fresh_opt = build("adagrad")
+        he.load(path, fresh, fresh_opt)  # a load needs no lock
+        assert_identical(snapshot(fresh, fresh_opt), snapshot(model, opt))
+        assert _versions(path) == [".lock", "v-000001"]
+        proc.stdin.write("die\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == -signal.SIGKILL
+        assert (path / ".lock").exists()  # left by the killed process, but no longer locked
+        assert he.save(path, model, opt) == str(path / "v-000002")  # (its child still lives)
+        assert _versions(path) == ["v-000002"]
+    finally:
+        proc.kill()
+        proc.wait(30)
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_without_flock_the_lock_file_itself_is_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "fcntl", None)  # as where flock is missing
+    path = tmp_path / "c"
+    path.mkdir()
+    model, opt = trained("adagrad", steps=1)
+    lock = ckpt._lock(path)
+    with pytest.raises(he.CheckpointError, match=r"this process \(pid \d+, .*one writer at a time"):
+        he.save(path, model, opt)
+    lock.release()
+    he.save(path, model, opt)
+    assert _versions(path) == ["v-000001"]
+    # a file left by a dead process of this host is taken over; one of another host is not
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (path / ".lock").write_text(f"{int(dead.stdout)} {socket.gethostname()}\n")
+    he.save(path, model, opt)
+    (path / ".lock").write_text(f"{int(dead.stdout)} elsewhere\n")
+    with pytest.raises(he.CheckpointError, match=r"another process \(pid \d+, host elsewhere\).*remove .*\.lock"):
+        he.save(path, model, opt)
+    assert _versions(path) == [".lock", "v-000002"]

@@ -244,6 +244,107 @@ def test_distributed_save_load_resumes_exactly(tmp_path):
     _close(_snapshot(model), first[0]["final"], 1e-5)
 
 
+def _load_while_another_job_commits(rank: int, world: int, path: str) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from hybridembed.api import checkpoint
+
+    model = he.distribute(Ranker(), plan=_plan(world))
+    opt = _optimizer(model)
+    _steps(model, opt, range(1), rank, world)
+    nan, inf = float("nan"), float("inf")
+    he.save(path, model, opt, extra={"auc": nan, "x": inf, "nested": {"y": -inf}})  # v-000001
+    first = _snapshot(model)
+    _steps(model, opt, range(1, 2), rank, world)
+    he.save(path, model, opt, keep=2)  # v-000002
+    if rank == 0:
+        checkpoint._commit(Path(path), "v-000001")  # LATEST names v-000001 again
+    dist.barrier()
+    # another job commits v-000002 right after rank 0 read LATEST, and before rank 1 looks
+    flag, real = Path(path + ".committed"), checkpoint._read_pointer
+
+    def on_rank_0(root):
+        name = real(root)
+        if not flag.exists():
+            checkpoint._commit(Path(path), "v-000002")
+            flag.touch()
+        return name
+
+    def on_rank_1(root):
+        deadline = time.monotonic() + 30
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return real(root)
+
+    checkpoint._read_pointer = on_rank_0 if rank == 0 else on_rank_1
+    fresh = he.distribute(Ranker(), plan=_plan(world))
+    manifest = he.load(path, fresh, _optimizer(fresh))
+    checkpoint._read_pointer = real
+    loaded = _snapshot(fresh)
+    return {
+        "version": Path(manifest["path"]).name,
+        "id": manifest["id"],
+        "extra": manifest["extra"],
+        "equal": all(torch.equal(first[k], loaded[k]) for k in first),
+    }
+
+
+def test_every_rank_loads_the_version_rank_0_found(tmp_path):
+    """A save committed by another job while the ranks load: every rank loads the version rank 0
+    read from LATEST (non-finite floats of extra come back too)."""
+    import math
+
+    path = str(tmp_path / "ckpt")
+    results = spawn(_load_while_another_job_commits, 2, path, timeout=120)
+    assert (tmp_path / "ckpt" / "LATEST").read_text().strip() == "v-000002"  # the other job did commit
+    assert [r["version"] for r in results] == ["v-000001"] * 2
+    assert results[0]["id"] == results[1]["id"]
+    assert all(r["equal"] for r in results)  # the rows of v-000001 on every rank
+    for r in results:
+        e = r["extra"]
+        assert math.isnan(e["auc"]) and e["x"] == float("inf") and e["nested"]["y"] == float("-inf")
+
+
+def _save_while_another_process_writes(rank: int, world: int, path: str) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    from hybridembed.api import checkpoint
+
+    model = he.distribute(Ranker(), plan=_plan(world))
+    opt = _optimizer(model)
+    lock = None
+    if rank == 1:  # a process that is not the one committing (rank 0) holds the directory
+        Path(path).mkdir()
+        lock = checkpoint._lock(Path(path))
+    dist.barrier()
+    try:
+        he.save(path, model, opt)
+        refused = None
+    except he.CheckpointError as e:
+        refused = str(e)
+    if lock is not None:
+        lock.release()
+    dist.barrier()
+    written = he.save(path, model, opt, background=True).wait(60)  # rank 0's thread holds it until done
+    return {"pid": os.getpid(), "refused": refused, "written": written, "listing": sorted(os.listdir(path))}
+
+
+def test_a_distributed_save_into_a_directory_another_process_writes_fails_on_every_rank(tmp_path):
+    import socket
+
+    path = str(tmp_path / "ckpt")
+    results = spawn(_save_while_another_process_writes, 2, path, timeout=120)
+    holder = f"another process (pid {results[1]['pid']}, host {socket.gethostname()}) is writing the checkpoint"
+    for r in results:
+        assert r["refused"] is not None and r["refused"].startswith(holder) and "one writer at a time" in r["refused"]
+        assert r["written"] == str(tmp_path / "ckpt" / "v-000001")
+    assert results[0]["listing"] == ["LATEST", "v-000001"]  # rank 0 released the lock with its cleanup
+
+
 class Plain(nn.Module):
     """A plain model: nn.EmbeddingBag / nn.Embedding layers and an MLP."""
 

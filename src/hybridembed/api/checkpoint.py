@@ -35,11 +35,11 @@ row_end, row_step)`` (``row_step`` k for modulo placement over k shards), column
 optimizer state. Rank 0 writes the data-parallel tables, the dense state, the optimizer file
 and the manifest (with ``world_size`` and each collection's plan under ``plans``) and makes
 the one commit below; every rank returns after it, or every rank raises (a rank that could
-not write is named). :func:`load` works at any world size and plan: each rank reads, from the
-shards that overlap them, only the rows and columns its shards hold now (see
-:mod:`hybridembed.api.shards`), checks them, the ranks exchange their verdicts, and every rank
-loads or none does. The model of one process loads such a checkpoint too, and a distributed
-model loads the checkpoint of one process.
+not write is named). :func:`load` works at any world size and plan: rank 0 reads which version
+``LATEST`` names, once for the job; each rank reads, from that version's shards that overlap
+them, only the rows and columns its shards hold now (see :mod:`hybridembed.api.shards`), checks
+them, the ranks exchange their verdicts, and every rank loads or none does. The model of one
+process loads such a checkpoint too, and a distributed model loads the checkpoint of one process.
 
 Incremental versions (``save(..., incremental=True)``): a version holding, per shard, only the
 table rows changed (dense: with their row numbers; dynamic: the ids changed and the ids dropped)
@@ -60,11 +60,21 @@ replaced with ``os.replace`` (written to ``LATEST.tmp-<pid>`` and fsynced first)
 directory fsynced. A crash before that replace leaves ``LATEST`` naming the previous,
 untouched version; after it, the new one. Older versions are deleted only after the
 commit (``keep`` of them stay). Leftovers of a crashed save are removed by the next
-save. One writer per path at a time.
+save.
+
+One writer per directory, enforced: a save (and :func:`compact`) holds an exclusive ``flock``
+on ``path/.lock`` from choosing its version name to its cleanup after the commit (a background
+save until its thread has committed; a distributed save on rank 0, the rank that commits). A
+second writer (another job, or another model of this process) is refused at once with a
+CheckpointError naming the holder's pid and host; every rank of a distributed save raises it.
+The OS drops the lock when its holder dies, however it dies. Where flock is missing (not POSIX,
+a filesystem without locks) the lock file itself, made with O_EXCL, is the lock. Loads take no
+lock: they read committed versions only, while a writer saves.
 
 Not saved: torch's global RNG state (dropout) and the data position; put what a resume
 needs into ``save(..., extra={...})`` (stored in the manifest, committed atomically with
-the rows) and read it back from ``load(...)["extra"]``.
+the rows; nan, inf and -inf too, as ``{"__float__": "nan"}``) and read it back from
+``load(...)["extra"]`` (floats again).
 
 Loading (:func:`load`) checks, before changing any parameter, buffer, row or optimizer
 state: the manifest (readable JSON, known format version, its checksum, the type of every
@@ -92,11 +102,14 @@ state's shapes) and the optimizer. Every difference found is listed in one
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -108,6 +121,11 @@ from typing import Any
 
 import torch
 from torch import nn
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: the lock file made with O_EXCL (see _lock)
+    fcntl = None
 
 from ..errors import CheckpointError
 from ..modules import EmbeddingCollection
@@ -127,6 +145,7 @@ FORMAT = "hybridembed-checkpoint"
 FORMAT_VERSION = 3  # 3: incremental versions; 2: the manifest is checksummed (1, without, is still read)
 _FULL_FORMAT = 2  # a full version is written as 2 (readable by the hybridembed before incremental ones)
 POINTER = "LATEST"
+LOCK = ".lock"  # the writer lock: flock'ed by the process writing the directory, removed when it is done
 MANIFEST = "manifest.json"
 CHECKSUM_KEY = "manifest_sha256"  # sha256 of the manifest's canonical JSON without this key
 _VERSION_RE = re.compile(r"^v-(\d{6,})$")
@@ -280,6 +299,46 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
+_FLOAT_KEY = "__float__"  # extra: a non-finite float is stored as {"__float__": "nan" | "inf" | "-inf"}
+_NON_FINITE = ("nan", "inf", "-inf")
+
+
+def _extra_json(extra: Mapping[str, Any] | None) -> dict:
+    """``save(extra=...)`` as the manifest stores it: plain JSON, non-finite floats encoded."""
+    try:
+        plain = json.loads(json.dumps(dict(extra or {})))  # (nan, inf come back as floats)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
+    return _encode_floats(plain, "extra")
+
+
+def _encode_floats(v: Any, where: str) -> Any:
+    """``v`` (JSON values) with every nan, inf and -inf as ``{"__float__": "nan"}``; strict JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return {_FLOAT_KEY: "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+    if isinstance(v, dict):
+        if _FLOAT_KEY in v:
+            raise CheckpointError(
+                f"{where}: the key {_FLOAT_KEY!r} is reserved (the manifest stores a non-finite float such as nan "
+                f"as {{{_FLOAT_KEY!r}: 'nan'}}); rename that key"
+            )
+        return {k: _encode_floats(x, f"{where}.{k}") for k, x in v.items()}
+    if isinstance(v, list):
+        return [_encode_floats(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    return v
+
+
+def _decode_floats(v: Any) -> Any:
+    """The inverse of :func:`_encode_floats`: ``{"__float__": "nan"}`` back to ``float("nan")``."""
+    if isinstance(v, dict):
+        if len(v) == 1 and v.get(_FLOAT_KEY) in _NON_FINITE:
+            return float(v[_FLOAT_KEY])
+        return {k: _decode_floats(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_decode_floats(x) for x in v]
+    return v
+
+
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -362,6 +421,136 @@ def _clean(root: Path, keep: int) -> None:
         shutil.rmtree(root / v, ignore_errors=True)
 
 
+# --- one writer per directory ------------------------------------------------------------------
+class _WriterLock:
+    """The writer lock of one checkpoint directory, held; :meth:`release` (once or more) removes
+    ``path/.lock`` and unlocks."""
+
+    def __init__(self, path: Path, fd: int | None) -> None:
+        self.path, self.fd = path, fd  # fd: the flock'ed file (None: the O_EXCL file is the lock)
+        _HELD.add(self)
+
+    def release(self) -> None:
+        if self.path is None:
+            return
+        # removed while held: a writer that opened it before sees a file no longer there and retries
+        self.path.unlink(missing_ok=True)
+        if self.fd is not None:
+            os.close(self.fd)
+        self.path = self.fd = None
+        _HELD.discard(self)
+
+    def _forget(self) -> None:
+        """In a forked child: close the inherited file, which would hold the lock after the parent
+        died (e.g. a data loader's worker), and never remove it."""
+        if self.fd is not None:
+            os.close(self.fd)
+        self.path = self.fd = None
+
+
+_HELD: weakref.WeakSet = weakref.WeakSet()  # the writer locks this process holds
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [lock._forget() for lock in list(_HELD)])
+
+
+def _lock(root: Path) -> _WriterLock:
+    """Take the writer lock of the checkpoint directory ``root``, or raise a CheckpointError naming
+    its holder (never waits). An exclusive ``flock`` on ``root/.lock``: the OS drops it when its
+    holder dies, however it dies. Where flock is missing (not POSIX, a filesystem without locks)
+    the file, made with O_EXCL, is the lock; one left by a dead process of this host is taken over."""
+    path = root / LOCK
+    while True:
+        try:
+            fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            try:
+                fd, made = os.open(path, os.O_RDWR), False
+            except FileNotFoundError:  # released meanwhile
+                continue
+        try:
+            got = _try_flock(fd)
+            if got and _still_there(fd, path):
+                os.ftruncate(fd, 0)
+                _write_at_0(fd, _me())
+                return _WriterLock(path, fd)
+            if got is None and made:  # no flock here: the file made is the lock
+                _write_at_0(fd, _me())
+                os.close(fd)
+                return _WriterLock(path, None)
+            holder = _read_at_0(fd) if not got else b""
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        if got:
+            continue  # its holder released it (and removed the file) after we opened it
+        pid, host = _holder(holder)
+        if got is None and pid is not None and host == socket.gethostname() and not _pid_alive(pid):
+            path.unlink(missing_ok=True)  # no flock, and the file's process died without removing it
+            continue
+        raise _held(root, holder, stale_hint=got is None)
+
+
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def _try_flock(fd: int) -> bool | None:
+    """Exclusive flock of ``fd`` without waiting: True got, False held elsewhere, None no flock here."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in _NO_FLOCK:
+            return None
+        raise
+    return True
+
+
+def _still_there(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the file open as ``fd`` (a released lock file is removed)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _read_at_0(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 256)
+
+
+def _write_at_0(fd: int, data: bytes) -> None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, data)
+
+
+def _me() -> bytes:
+    return f"{os.getpid()} {socket.gethostname()}\n".encode()
+
+
+def _holder(text: bytes) -> tuple[int | None, str | None]:
+    """(pid, host) written in a lock file; None where it does not say."""
+    parts = text.decode("utf-8", "replace").split()
+    pid = int(parts[0]) if parts and parts[0].isdigit() else None
+    return pid, parts[1] if len(parts) > 1 else None
+
+
+def _held(root: Path, holder: bytes, stale_hint: bool = False) -> CheckpointError:
+    pid, host = _holder(holder)
+    me = pid == os.getpid() and host == socket.gethostname()
+    who = f"{'this' if me else 'another'} process (pid {pid}, host {host})" if pid is not None else "another process"
+    also = " (a save of another model, or a background save not yet committed)" if me else ""
+    stale = f"; if no save is running there, remove {root / LOCK}" if stale_hint else ""
+    return CheckpointError(
+        f"{who} is writing the checkpoint {root}{also}; a checkpoint directory has one writer at a time: "
+        f"wait for that save to finish, or save to another directory (loads need no lock){stale}"
+    )
+
+
 # --- save ---------------------------------------------------------------------------------------------
 def save(
     path: str | os.PathLike,
@@ -383,7 +572,10 @@ def save(
         optimizer: a :class:`~hybridembed.optim.HybridOptimizer` (dense state, per-table
             row state by id, hyper-parameters, steps) or a plain torch optimizer.
         extra: JSON-serialisable metadata stored in the manifest (e.g. the epoch); returned
-            by :func:`load` under ``"extra"``.
+            by :func:`load` under ``"extra"``. Non-finite floats (``nan``, ``inf``, ``-inf``,
+            e.g. the AUC of held-out rows of one class) are stored too, as
+            ``{"__float__": "nan"}`` (the manifest stays strict JSON; its checksum covers
+            them), and come back as floats; a dict with the key ``"__float__"`` is refused.
         keep: how many committed versions to keep (>= 1); older ones are deleted after the
             commit, except those a kept incremental version is saved on top of.
         incremental: write only the table rows changed (or dropped) since the version this
@@ -399,6 +591,11 @@ def save(
     A distributed model is saved by every rank calling ``save`` with the same arguments (see
     the module docstring); ``model`` may be the ``DistributedDataParallel`` wrapper.
 
+    One writer per directory: the save holds the directory's writer lock (``path/.lock``) until
+    it has committed and cleaned up. While another process (or another save of this process)
+    holds it, ``save`` does not wait: it raises a :class:`~hybridembed.CheckpointError` naming
+    that writer's pid and host, and writes nothing (on every rank of a distributed save).
+
     Returns the directory of the version written (a :class:`SaveHandle` with ``background``).
     """
     if not isinstance(model, nn.Module):
@@ -412,10 +609,7 @@ def save(
             raise CheckpointError(f"{name} must be True or False, got {flag!r}")
     if extra is not None and not isinstance(extra, Mapping):
         raise CheckpointError(f"extra must be a dict of JSON values, got {type(extra).__name__}")
-    try:
-        extra_json = json.loads(json.dumps(dict(extra or {})))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"extra must be JSON-serialisable: {e}") from None
+    extra_json = _extra_json(extra)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise CheckpointError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     root = Path(path)
@@ -690,31 +884,43 @@ def _publish(root: Path, tmp: Path, version: str) -> Path:
 
 def _save(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _How) -> str | SaveHandle:
     root.mkdir(parents=True, exist_ok=True)
-    _clean(root, how.keep)
-    version = _next_version(root)
-    parent = _parent_candidate(root, how)
-    storages = _storages(model)
-    if parent is not None and any(st.checkpoint_base != parent["id"] for st in storages):
-        parent = None  # the model was not saved to or loaded from the current version: a full one
-    snap = _snapshot(model, optimizer, extra_json, parent)
+    lock = _lock(root)  # held from choosing the version name to the cleanup after the commit
+    try:
+        _clean(root, how.keep)
+        version = _next_version(root)
+        parent = _parent_candidate(root, how)
+        storages = _storages(model)
+        if parent is not None and any(st.checkpoint_base != parent["id"] for st in storages):
+            parent = None  # the model was not saved to or loaded from the current version: a full one
+        snap = _snapshot(model, optimizer, extra_json, parent)
+    except BaseException:
+        lock.release()
+        raise
 
     def run() -> str:
-        tmp = root / f".tmp-{version}-{os.getpid()}"
         try:
-            tmp.mkdir()
-            manifest = _write_snapshot(tmp, snap)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        final = _publish(root, tmp, version)
-        _clean(root, how.keep)
+            tmp = root / f".tmp-{version}-{os.getpid()}"
+            try:
+                tmp.mkdir()
+                manifest = _write_snapshot(tmp, snap)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            final = _publish(root, tmp, version)
+            _clean(root, how.keep)
+        finally:
+            lock.release()
         inc = manifest.get("incremental")
         kind = f"incremental, {inc['length']} on top of a full one" if inc else "full"
         log.info("saved checkpoint %s (%d tables, %s)", final, len(manifest["tables"]), kind)
         return str(final)
 
     if how.background:
-        return SaveHandle(_unwrap(model), snap, run, lambda e: _cannot_write(root, e))
+        try:
+            return SaveHandle(_unwrap(model), snap, run, lambda e: _cannot_write(root, e))
+        except BaseException:
+            lock.release()
+            raise
     try:
         out = run()
     except BaseException:
@@ -730,16 +936,28 @@ def compact(path: str | os.PathLike, *, keep: int = 1, verify: bool = True) -> s
     chain of incremental versions it builds on put together, shard by shard, in the current
     version's layout) and commit it; no model is needed. Returns the new version's directory
     (the current one, unchanged, when it is already full). Loading it equals loading the chain,
-    bit for bit. One writer per path: not while a job saves there."""
+    bit for bit. It is a writer like :func:`save`: it holds the directory's writer lock, and is
+    refused (a CheckpointError naming the writer) while a job saves there."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise CheckpointError(f"keep must be an int >= 1, got {keep!r}")
     if not isinstance(verify, bool):
         raise CheckpointError(f"verify must be True or False, got {verify!r}")
     root = Path(path)
+    read_manifest(root)  # (a CheckpointError saying what is missing there)
+    if not (root / POINTER).is_file():
+        raise CheckpointError(f"compact takes a checkpoint directory (with {POINTER}), got {path}")
+    lock = _lock(root)
+    try:
+        return _compact(root, keep, verify)
+    finally:
+        lock.release()
+
+
+def _compact(root: Path, keep: int, verify: bool) -> str:
     manifest = read_manifest(root)
     vdir = Path(manifest["path"])
     if vdir.parent != root or _current(root) != vdir.name:
-        raise CheckpointError(f"compact takes a checkpoint directory (with {POINTER}), got {path}")
+        raise CheckpointError(f"compact takes a checkpoint directory (with {POINTER}), got {root}")
     if "incremental" not in manifest:
         return str(vdir)
     chain = _chain(manifest)
@@ -774,6 +992,7 @@ def compact(path: str | os.PathLike, *, keep: int = 1, verify: bool = True) -> s
             shutil.copyfile(vdir / rel, tmp / rel)
             files[rel] = manifest["files"][rel]
         body = {k: v for k, v in manifest.items() if k not in ("path", "incremental", "files")}
+        body["extra"] = _encode_floats(body["extra"], "extra")  # (read_manifest decoded it)
         body.update(_header(manifest["world_size"], uuid.uuid4().hex), created=body["created"], tables=tables)
         body["files"] = dict(sorted(files.items()))
         _write_file(tmp / MANIFEST, (json.dumps(_sealed(body), indent=1) + "\n").encode())
@@ -966,6 +1185,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise CheckpointError(f"{mpath} is malformed; nothing was loaded:\n{lines}")
+    manifest["extra"] = _decode_floats(manifest["extra"])  # (checked above in its stored form)
     manifest["path"] = str(vdir)  # where it was read from (not stored in the file)
     return manifest
 
@@ -1572,8 +1792,10 @@ def load(
     Dynamic tables are replaced by the checkpoint's rows (their ``Dynamic`` settings
     may differ, as long as the rows fit the capacity and, where both keep an admission
     sketch (``min_count > 1``), its ``sketch_depth`` and ``sketch_width`` are the saved ones).
-    A distributed model is loaded by every rank calling ``load``, at the saved world size and
-    plan; a problem found by any rank raises on every rank and no rank changes anything.
+    A distributed model is loaded by every rank calling ``load``, at any world size and plan:
+    rank 0 reads which version ``LATEST`` names and every rank loads that one (a save committed
+    meanwhile does not split the job); a problem found by any rank raises on every rank and no
+    rank changes anything.
     """
     if not isinstance(model, nn.Module):
         raise CheckpointError(f"load needs the model (an nn.Module) to load into, got {type(model).__name__}")
@@ -1833,124 +2055,148 @@ def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: d
     sc0 = next(iter(colls.values()))
     rank, world = sc0.rank, sc0.world_size
     storages = _storages(model)
-    # 1. rank 0 makes the temporary version directory and says what an incremental save goes on
-    version = tmp = error = parent = None
+    # 1. rank 0 takes the writer lock (until its cleanup after the commit), makes the temporary
+    # version directory and says what an incremental save goes on
+    version = tmp = error = parent = lock = refused = None
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            _clean(root, how.keep)
-            version = _next_version(root)
-            tmp = root / f".tmp-{version}-{os.getpid()}"
-            tmp.mkdir()
-            parent = _parent_candidate(root, how)
+            lock = _lock(root)
+        except CheckpointError as e:  # another writer: every rank raises this message as it is
+            refused = str(e)
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             error = _failure(e)
-    pieces = [p for path, sc in colls.items() for p in _shard_pieces(path, sc)]
-    names = {p.qualified: sorted(p.storage.state) if _managed(p, optimizer) else [] for p in pieces}
-    bases = sorted({str(st.checkpoint_base) for st in storages})
-    new_id = uuid.uuid4().hex if rank == 0 else None
-    reports = _all_report(group, (error, version, str(tmp) if tmp else None, parent, bases, names, new_id))
-    _raise_save(root, _failures(reports))
-    version, tmp, parent = reports[0][1], Path(reports[0][2]), reports[0][3]
-    if parent is not None:  # every rank's tables counted their changes from it, with the same state
-        same_base = all(r[4] in ([parent["id"]], []) for r in reports)  # ([]: a rank holding no table)
-        same_state = all(parent["state"].get(q) == n for r in reports for q, n in r[5].items())
-        parent = parent if same_base and same_state else None
-    final = root / version
-    # 2. every rank copies its shards (rank 0 also the dense state and the optimizer's)
-    version_id = reports[0][6]
-    snap = _Snapshot(storages, {}, version_id)
-    stems = _stems(list(_global_tables(colls)))
-    hybrid = isinstance(optimizer, HybridOptimizer)
-    dense_files: dict[str, Any] = {}
-    dense_entry = dense_sd = torch_sd = snap_error = None
-    part: dict[str, Any] = {"tables": {}, "meta": {}}
-    try:  # (a failure here is reported with the writes below: every rank raises, none hangs)
-        snap.taken = _take_changes(storages)
-        part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None)
-        if rank == 0:
-
-            def copy_of(rel: str, obj: Any) -> str:
-                dense_files[rel] = _cloned(obj)
-                return rel
-
-            dense_entry = _write_dense(copy_of, model)
-            dense_sd = _cloned(optimizer.dense.state_dict()) if hybrid else None
-            torch_sd = _cloned(optimizer.state_dict()) if optimizer is not None and not hybrid else None
-    except Exception as e:  # noqa: BLE001
-        snap_error = _failure(e)
-    plans = {path: json.loads(sc.plan.to_json()) for path, sc in colls.items()}
-
-    def run(grp) -> str:
-        # 3. every rank writes its shards into the temporary directory
-        files, error = {}, snap_error
         try:
-            for rel, obj in snap.files.items() if snap_error is None else ():
-                _write_file(tmp / rel, obj)
-                files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
-        except Exception as e:  # noqa: BLE001
+            if lock is not None:
+                _clean(root, how.keep)
+                version = _next_version(root)
+                tmp = root / f".tmp-{version}-{os.getpid()}"
+                tmp.mkdir()
+                parent = _parent_candidate(root, how)
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
             error = _failure(e)
-        reports = _all_report(grp, (error, {**part, "files": files}))
-        failed = _failures(reports)
-        # 4. rank 0 writes the rest and commits; every rank learns how that went
-        error = None
-        if rank == 0:
-            try:
-                if failed:
-                    raise CheckpointError("")  # (the failures are reported by every rank below)
-                parts = [r[1] for r in reports]
-                manifest = _sharded_manifest(colls, extra, parts, world, version_id, parent, plans)
-                all_files: dict[str, Any] = {}
-                for p in parts:
-                    all_files.update(p["files"])
-                meta = {}
-                for p in parts:
-                    meta.update({q: m for q, m in p["meta"].items() if q not in meta})
-                sparse = None
-                if hybrid:
-                    sparse = {}
-                    for q, m in meta.items():  # a shard's step counts its own updates: each shard has its own
-                        steps = [e["step"] for e in manifest["tables"][q]["shards"] if "step" in e]
-                        sparse[q] = {**m, "step": max(steps), "shape": manifest["tables"][q]["shape"]}
+            lock.release()
+            lock = None
+    try:  # (whatever fails before the thread or the commit ends: the lock is released)
+        pieces = [p for path, sc in colls.items() for p in _shard_pieces(path, sc)]
+        names = {p.qualified: sorted(p.storage.state) if _managed(p, optimizer) else [] for p in pieces}
+        bases = sorted({str(st.checkpoint_base) for st in storages})
+        new_id = uuid.uuid4().hex if rank == 0 else None
+        reports = _all_report(group, (error, version, str(tmp) if tmp else None, parent, bases, names, new_id, refused))
+        if reports[0][7] is not None:
+            raise CheckpointError(reports[0][7])
+        _raise_save(root, _failures(reports))
+        version, tmp, parent = reports[0][1], Path(reports[0][2]), reports[0][3]
+        if parent is not None:  # every rank's tables counted their changes from it, with the same state
+            same_base = all(r[4] in ([parent["id"]], []) for r in reports)  # ([]: a rank holding no table)
+            same_state = all(parent["state"].get(q) == n for r in reports for q, n in r[5].items())
+            parent = parent if same_base and same_state else None
+        final = root / version
+        # 2. every rank copies its shards (rank 0 also the dense state and the optimizer's)
+        version_id = reports[0][6]
+        snap = _Snapshot(storages, {}, version_id)
+        stems = _stems(list(_global_tables(colls)))
+        hybrid = isinstance(optimizer, HybridOptimizer)
+        dense_files: dict[str, Any] = {}
+        dense_entry = dense_sd = torch_sd = snap_error = None
+        part: dict[str, Any] = {"tables": {}, "meta": {}}
+        try:  # (a failure here is reported with the writes below: every rank raises, none hangs)
+            snap.taken = _take_changes(storages)
+            part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None)
+            if rank == 0:
 
-                def write(rel: str, obj: Any) -> str:
-                    _write_file(tmp / rel, obj)
-                    all_files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+                def copy_of(rel: str, obj: Any) -> str:
+                    dense_files[rel] = _cloned(obj)
                     return rel
 
-                for rel, obj in dense_files.items():
-                    write(rel, obj)
-                manifest["dense"] = dense_entry
-                manifest["optimizer"] = _write_optimizer(write, optimizer, dense_sd, sparse, torch_sd)
-                manifest["extra"] = extra
-                manifest["files"] = dict(sorted(all_files.items()))
-                _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1) + "\n").encode())
-                for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
-                    _fsync_dir(d)
-                _publish(root, tmp, version)
-            except BaseException as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                error = _failure(e) if not failed else None
-                if not isinstance(e, Exception):
-                    raise
-        reports = _all_report(grp, (error,))  # every rank returns after the commit
-        _raise_save(root, failed + _failures(reports))
-        if rank == 0:
-            _clean(root, how.keep)
-            kind = f"incremental, {parent['length']} on top of a full one" if parent else "full"
-            log.info("saved checkpoint %s (%d ranks, %s)", final, world, kind)
-        return str(final)
+                dense_entry = _write_dense(copy_of, model)
+                dense_sd = _cloned(optimizer.dense.state_dict()) if hybrid else None
+                torch_sd = _cloned(optimizer.state_dict()) if optimizer is not None and not hybrid else None
+        except Exception as e:  # noqa: BLE001
+            snap_error = _failure(e)
+        plans = {path: json.loads(sc.plan.to_json()) for path, sc in colls.items()}
 
-    if how.background:
-        grp = _checkpoint_group(group)
-        return SaveHandle(model, snap, lambda: run(grp), lambda e: _cannot_write(root, e))
-    try:
-        out = run(group)
+        def run(grp) -> str:
+            # 3. every rank writes its shards into the temporary directory
+            files, error = {}, snap_error
+            try:
+                for rel, obj in snap.files.items() if snap_error is None else ():
+                    _write_file(tmp / rel, obj)
+                    files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+            except Exception as e:  # noqa: BLE001
+                error = _failure(e)
+            reports = _all_report(grp, (error, {**part, "files": files}))
+            failed = _failures(reports)
+            # 4. rank 0 writes the rest and commits; every rank learns how that went
+            error = None
+            if rank == 0:
+                try:
+                    if failed:
+                        raise CheckpointError("")  # (the failures are reported by every rank below)
+                    parts = [r[1] for r in reports]
+                    manifest = _sharded_manifest(colls, extra, parts, world, version_id, parent, plans)
+                    all_files: dict[str, Any] = {}
+                    for p in parts:
+                        all_files.update(p["files"])
+                    meta = {}
+                    for p in parts:
+                        meta.update({q: m for q, m in p["meta"].items() if q not in meta})
+                    sparse = None
+                    if hybrid:
+                        sparse = {}
+                        for q, m in meta.items():  # a shard's step counts its own updates: each shard has its own
+                            steps = [e["step"] for e in manifest["tables"][q]["shards"] if "step" in e]
+                            sparse[q] = {**m, "step": max(steps), "shape": manifest["tables"][q]["shape"]}
+
+                    def write(rel: str, obj: Any) -> str:
+                        _write_file(tmp / rel, obj)
+                        all_files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+                        return rel
+
+                    for rel, obj in dense_files.items():
+                        write(rel, obj)
+                    manifest["dense"] = dense_entry
+                    manifest["optimizer"] = _write_optimizer(write, optimizer, dense_sd, sparse, torch_sd)
+                    manifest["extra"] = extra
+                    manifest["files"] = dict(sorted(all_files.items()))
+                    _write_file(tmp / MANIFEST, (json.dumps(_sealed(manifest), indent=1) + "\n").encode())
+                    for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
+                        _fsync_dir(d)
+                    _publish(root, tmp, version)
+                except BaseException as e:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    error = _failure(e) if not failed else None
+                    if not isinstance(e, Exception):
+                        raise
+            reports = _all_report(grp, (error,))  # every rank returns after the commit
+            _raise_save(root, failed + _failures(reports))
+            if rank == 0:
+                _clean(root, how.keep)
+                kind = f"incremental, {parent['length']} on top of a full one" if parent else "full"
+                log.info("saved checkpoint %s (%d ranks, %s)", final, world, kind)
+            return str(final)
+
+        def locked_run(grp) -> str:
+            try:
+                return run(grp)
+            finally:  # (rank 0: after its cleanup, the next writer may start)
+                if lock is not None:
+                    lock.release()
+
+        if how.background:
+            grp = _checkpoint_group(group)
+            return SaveHandle(model, snap, lambda: locked_run(grp), lambda e: _cannot_write(root, e))
+        try:
+            out = locked_run(group)
+        except BaseException:
+            snap.finish(False)
+            raise
+        snap.finish(True)
+        return out
     except BaseException:
-        snap.finish(False)
+        if lock is not None:
+            lock.release()
         raise
-    snap.finish(True)
-    return out
 
 
 def _raise_save(root: Path, failed: list[str]) -> None:
@@ -2113,22 +2359,46 @@ def _shape(v: Any) -> str:
     return f"{tuple(v.shape)} {_dtype_name(v.dtype)}" if torch.is_tensor(v) else type(v).__name__
 
 
+def _refuse_load(path, failed: list[str | None]) -> None:
+    """Every rank raises one CheckpointError when any rank's report (``failed[rank]``) is an error."""
+    if all(f is None for f in failed):
+        return
+    ranks: dict[str, list[int]] = {}
+    for r, f in enumerate(failed):
+        if f is not None:
+            ranks.setdefault(f, []).append(r)
+    lines = "\n".join(f"rank {', '.join(map(str, rs))}: {f}" for f, rs in ranks.items())
+    raise CheckpointError(f"checkpoint {path} cannot be loaded; no rank changed anything:\n{lines}")
+
+
+def _agreed_version(path, group, rank: int) -> Path:
+    """The version directory every rank loads: the one ``path``'s LATEST names when rank 0 reads
+    it, read once for the job (ranks reading it each would load different versions if a save
+    committed in between)."""
+    name, error = None, None
+    if rank == 0:
+        try:
+            vdir = _version_dir(path)
+            name = vdir.name if vdir != Path(path) else None  # (None: ``path`` is a version directory)
+        except Exception as e:  # noqa: BLE001 - every rank hears of it below
+            error = _failure(e)
+    reports = _all_report(group, (error, name))
+    _refuse_load(path, [rep[0] for rep in reports])
+    name = reports[0][1]
+    return Path(path) / name if name is not None else Path(path)
+
+
 def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) -> dict[str, Any]:
-    """Every rank checks what it loads, the ranks exchange their verdicts, and all load or none does."""
+    """Rank 0 says which version, every rank checks what it loads of it, the ranks exchange their
+    verdicts, and all load or none does."""
     group = _group_of(colls, model)
+    vdir = _agreed_version(path, group, next(iter(colls.values())).rank)
     prepared, error = None, None
     try:
-        prepared = _prepare_sharded(path, model, colls, optimizer, verify)
+        prepared = _prepare_sharded(vdir, model, colls, optimizer, verify)
     except Exception as e:  # noqa: BLE001 - every rank hears of it below
         error = _failure(e)
-    failed = [rep[0] for rep in _all_report(group, (error,))]
-    if any(f is not None for f in failed):
-        ranks: dict[str, list[int]] = {}
-        for r, f in enumerate(failed):
-            if f is not None:
-                ranks.setdefault(f, []).append(r)
-        lines = "\n".join(f"rank {', '.join(map(str, rs))}: {f}" for f, rs in ranks.items())
-        raise CheckpointError(f"checkpoint {path} cannot be loaded; no rank changed anything:\n{lines}")
+    _refuse_load(path, [rep[0] for rep in _all_report(group, (error,))])
     manifest, loaded, dense = prepared["manifest"], prepared["loaded"], prepared["dense"]
     # --- every rank checked its part; from here on, apply ---------------------------------------
     if dense:
