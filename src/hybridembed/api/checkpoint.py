@@ -1983,8 +1983,14 @@ def _all_report(group, mine: Any) -> list[Any]:
     """Every rank's ``mine`` on every rank (a collective: the status exchange of save and load)."""
     import torch.distributed as dist
 
+    from ..distributed import health
+
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    try:
+        dist.all_gather_object(everyone, mine, group=group)
+    except RuntimeError as e:  # (a peer died or stopped: named, within the job's timeout)
+        others = [r for r in range(len(everyone)) if r != dist.get_rank(group)]
+        raise health.lost(f"rank {dist.get_rank()}: the checkpoint's exchange of reports", others, e, group) from None
     return everyone
 
 
@@ -2034,6 +2040,8 @@ def _checkpoint_group(group):
     collectives run beside the training's. Made once per group (collectively, the first time)."""
     import torch.distributed as dist
 
+    from ..distributed import health
+
     ranks = tuple(dist.get_process_group_ranks(group))
     made = _CHECKPOINT_GROUPS.get(ranks)
     if made is None:
@@ -2042,7 +2050,9 @@ def _checkpoint_group(group):
         # belongs to: a rank outside another subgroup (a parameter server outside the trainers')
         # would name it differently from the others and wait for them forever
         local = len(ranks) != dist.get_world_size()
-        made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
+        made = dist.new_group(  # (its waits bounded by the job's timeout, as the training's)
+            list(ranks), backend="gloo", use_local_synchronization=local, timeout=health.job_timeout(group)
+        )
         _CHECKPOINT_GROUPS[ranks] = made
     return made
 
