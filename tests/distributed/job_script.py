@@ -6,7 +6,7 @@ Each rank trains a small model (two tables, an MLP: ``JOB_MODEL=plain`` for plai
 that ``he.distribute`` converts) for ``JOB_STEPS`` steps (default 6), with the last ``SERVERS``
 ranks as parameter servers (0: collective, sharded tables), DDP on (``JOB_DDP=0``: off) and a
 job timeout of ``JOB_TIMEOUT`` seconds (default 10). From step ``STEP`` on, rank ``VICTIM``
-meets the comma-separated ``FAULTS``, one per step:
+(a comma-separated list of ranks) meets the comma-separated ``FAULTS``, one per step:
 
 - ``none``: nothing; ``destroy``: every rank ends with ``dist.destroy_process_group()``;
 - ``raise``: an unhandled exception; ``kill``: SIGKILL; ``stop``: SIGSTOP (the test kills it);
@@ -99,7 +99,8 @@ def malformed(kind: str, x: dict):
 
 
 def main() -> None:
-    servers, faults, victim, at = int(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
+    servers, faults, at = int(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[4])
+    victims = {int(v) for v in sys.argv[3].split(",")}
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("JOB_TIMEOUT", "10"))))
     ddp = os.environ.get("JOB_DDP", "1") == "1"
@@ -109,7 +110,7 @@ def main() -> None:
     skipped = []
     for step in range(STEPS):
         x, y = batch(step, rank)
-        fault = faults[step - at] if rank == victim and 0 <= step - at < len(faults) else "none"
+        fault = faults[step - at] if rank in victims and 0 <= step - at < len(faults) else "none"
         if fault == "raise":
             raise RuntimeError("boom in the training loop")
         if fault == "kill":
