@@ -69,10 +69,10 @@ def test_bad_input_on_one_rank_fails_the_step_on_every_rank_and_a_skipping_loop_
 
 @pytest.mark.parametrize("fault", ["kill", "stop", "raise"])
 def test_a_lost_sharded_rank_is_named_by_every_survivor_within_the_timeout(fault):
-    timeout = 6.0
-    env = {"JOB_TIMEOUT": str(timeout), "JOB_STEPS": "5", "JOB_DDP": "0"}
-    ranks = run_job(SCRIPT, ["0", fault, "1", "2"], 3, timeout=timeout + 60, env=env, linger={1})
-    for r in (ranks[0], ranks[2]):
+    timeout = 4.0
+    env = {"JOB_TIMEOUT": str(timeout), "JOB_STEPS": "4", "JOB_DDP": "0"}
+    ranks = run_job(SCRIPT, ["0", fault, "1", "2"], 2, timeout=timeout + 60, env=env, linger={1})
+    for r in ranks[:1]:
         assert r.code == 1, (r.rank, r.code, r.err[-2000:])
         assert r.error.startswith("hybridembed.errors.RankLost: "), r.error
         why = {"kill": "rank 1 is dead or stopped", "stop": "rank 1 is dead or stopped", "raise": "rank 1 failed: "}
