@@ -214,6 +214,28 @@ def test_launch_bad_flags_are_one_line(argv, needle, tmp_path, capsys, monkeypat
     assert e.value.code == 2 and "--nproc: expected an int >= 1, got '0'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "endpoint", ["::::", "host:", ":29500", "host:99999", "host:port:extra", "h:0", "[zz]:1", "::1"]
+)
+def test_launch_malformed_rdzv_endpoint_is_one_line(endpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    with pytest.raises(SystemExit) as e:  # (before torchrun starts: it would end in its traceback)
+        launch.main(["--nnodes", "2", "--rdzv-endpoint", endpoint, "t.py"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("hybridembed launch: error: argument --rdzv-endpoint: expected HOST or HOST:PORT")
+    assert repr(endpoint) in err[0]
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["h0", "h0:29400", "10.0.0.1:29400", "node-1.cluster.local:1", "[::1]:29400", "[::1]"]
+)
+def test_launch_well_formed_rdzv_endpoints_reach_torchrun(endpoint):
+    args = launch.build_parser().parse_args(["--nnodes", "2", "--rdzv-endpoint", endpoint, "t.py"])
+    assert launch.torchrun_argv(args)[6:8] == ["--rdzv-endpoint", endpoint]
+
+
 def test_dispatcher_lists_launch(capsys):
     assert top.main([]) == 2
     assert "launch" in capsys.readouterr().out

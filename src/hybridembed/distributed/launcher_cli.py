@@ -17,6 +17,7 @@ the script calls ``torch.distributed.init_process_group("gloo" | "nccl")`` and
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import subprocess
@@ -60,6 +61,33 @@ def _port(text: str) -> int:
     return v
 
 
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?")
+
+
+def _endpoint(text: str) -> str:
+    """``--rdzv-endpoint``: HOST or HOST:PORT, an IPv6 address in brackets (``[::1]:29400``); PORT 1..65535."""
+    m = re.fullmatch(r"\[([^\[\]]*)\](?::([^:]*))?|([^:\[\]]*)(?::([^:]*))?", text.strip())
+    host = None if m is None else m.group(1) if m.group(1) is not None else m.group(3)
+    port = None if m is None else m.group(2) if m.group(1) is not None else m.group(4)
+    ok = m is not None and bool(_HOSTNAME.fullmatch(host) if m.group(1) is None else _is_ipv6(host))
+    if ok and port is not None:
+        ok = re.fullmatch(r"[0-9]{1,5}", port) is not None and 1 <= int(port) <= 65535
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST or HOST:PORT (a host name or IPv4 address, an IPv6 address in brackets as "
+            f"[::1]:29400; PORT 1..65535), got {text!r}"
+        )
+    return text.strip()
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = OneLineParser(
         prog=prog,
@@ -89,6 +117,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rdzv-endpoint",
+        type=_endpoint,
         metavar="HOST[:PORT]",
         help="instead of --master-addr/--node-rank: torchrun's c10d rendezvous at HOST:PORT (ranks given by arrival)",
     )
