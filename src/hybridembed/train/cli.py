@@ -117,13 +117,15 @@ def _device(text: str) -> str:
 
 
 def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer widths like 128,64, got {text!r}") from None
-    if not sizes or min(sizes) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive layer widths like 128,64, got {text!r}")
-    return sizes
+    """``--mlp``, ``--bottom-mlp``: comma-separated layer widths, each an int >= 1 (``128,64``)."""
+    parts = [x.strip() for x in text.split(",")]
+    bad = next((x for x in parts if not (x.isascii() and x.isdigit() and int(x) > 0)), None)
+    if bad is not None:
+        what = "an empty width" if not bad else f"width {bad!r}"
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer widths, each an int >= 1, like 128,64; got {text!r} ({what})"
+        )
+    return [int(x) for x in parts]
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
