@@ -344,6 +344,12 @@ BAD_CONFIGS = {
     "seed-beyond-int64": lambda: he.EmbeddingCollection([TC("a", 5, 4)], seed=2**70),
     "seed-beyond-int64-dynamic": lambda: he.EmbeddingCollection([TC("a", None, 4, dynamic=he.Dynamic())], seed=2**63),
     "convert-seed-beyond-int64": lambda: he.convert(torch.nn.Sequential(torch.nn.Embedding(5, 4)), seed=2**70),
+    # devices torch cannot make rows on (RuntimeError, AssertionError, TypeError or NotImplementedError before)
+    "device-not-a-name": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device="bogus"),
+    "device-negative-index": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device="cuda:-1"),
+    "device-not-str": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device=1.5),
+    "device-absent-accelerator": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device="xla"),
+    "device-meta-dynamic": lambda: he.EmbeddingCollection([TC("a", None, 4, dynamic=he.Dynamic())], device="meta"),
 }
 
 # the bad value each of those must name
@@ -361,6 +367,11 @@ BAD_CONFIG_VALUES = {
     "seed-beyond-int64": str(2**70),
     "seed-beyond-int64-dynamic": str(2**63),
     "convert-seed-beyond-int64": str(2**70),
+    "device-not-a-name": "device 'bogus' is not a device name; use 'cpu', 'cuda', 'cuda:N'",
+    "device-negative-index": "'cuda:-1'",
+    "device-not-str": "got 1.5",
+    "device-absent-accelerator": "device 'xla' is not available here",
+    "device-meta-dynamic": "'a' is dynamic and cannot be built on the meta device",
 }
 
 
@@ -371,6 +382,22 @@ def test_bad_config_raises_config_error(case):
     assert isinstance(info.value, ValueError) and isinstance(info.value, he.HybridEmbedError)
     assert str(info.value)
     assert BAD_CONFIG_VALUES.get(case, "") in str(info.value)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_gpu_this_machine_lacks_is_a_config_error(dynamic):
+    table = TC("a", None, 4, dynamic=he.Dynamic()) if dynamic else TC("a", 5, 4)
+    if torch.cuda.is_available():  # the first index past the last GPU
+        devices, needle = [f"cuda:{torch.cuda.device_count()}"], "this machine has"
+    else:  # (was torch's AssertionError "Torch not compiled with CUDA enabled", or a RuntimeError)
+        devices, needle = (
+            ["cuda", "cuda:0", torch.device("cuda", 1)],
+            "CUDA is not available in this torch build/machine",
+        )
+    for device in devices:
+        with pytest.raises(he.ConfigError, match=needle) as info:
+            he.EmbeddingCollection([table], device=device)
+        assert f"device {str(device)!r}" in str(info.value) and "EmbeddingCollection" in str(info.value)
 
 
 def test_config_errors_name_the_bad_value():

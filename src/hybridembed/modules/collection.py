@@ -33,7 +33,7 @@ from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
-from ..utils import device_tensor, kept_tensor
+from ..utils import check_device, device_tensor, kept_tensor
 
 __all__ = ["EmbeddingCollection"]
 
@@ -194,6 +194,13 @@ class EmbeddingCollection(nn.Module):
         tables = list(tables)
         features = check_arguments(tables, features, seed, pad, sequence_output)
         kernels = check_kernels(kernels)
+        device = check_device(device, "EmbeddingCollection")
+        if device is not None and device.type == "meta" and any(t.dynamic for t in tables):
+            name = next(t.name for t in tables if t.dynamic)
+            raise ConfigError(
+                f"EmbeddingCollection: table {name!r} is dynamic and cannot be built on the meta device (its hash "
+                "index needs real memory); build it on 'cpu' or 'cuda', or make only fixed-size tables on meta"
+            )
         if any(t.name == "storages" for t in tables):
             raise ConfigError("'storages' is reserved; rename that table")
         by_name = {t.name: t for t in tables}
