@@ -337,6 +337,12 @@ BAD_CONFIGS = {
     "evict-fraction-none": lambda: he.Dynamic(evict_fraction=None),
     "capacity-beyond-int32-slots": lambda: he.Dynamic(capacity=2**40),
     "initial-rows-beyond-int32-slots": lambda: he.Dynamic(initial_rows=2**31),
+    # (were accepted, then a raw RuntimeError or OverflowError when the table was built or first looked up)
+    "sketch-width-huge": lambda: he.Dynamic(sketch_width=2**62),
+    "sketch-depth-huge": lambda: he.Dynamic(sketch_depth=2**40, min_count=2),
+    "sketch-cells-beyond-2**31": lambda: he.Dynamic(sketch_depth=3, sketch_width=2**30),
+    "min-count-beyond-int32": lambda: he.Dynamic(min_count=2**31),
+    "ttl-steps-beyond-int64": lambda: he.Dynamic(eviction="ttl", ttl_steps=2**63),
     "group-capacity-beyond-int32-slots": lambda: he.EmbeddingCollection(
         [TC(n, None, 4, dynamic=he.Dynamic(capacity=2**30)) for n in "ab"]
     ),
@@ -362,6 +368,11 @@ BAD_CONFIG_VALUES = {
     "evict-fraction-none": "None",
     "capacity-beyond-int32-slots": str(2**40),
     "initial-rows-beyond-int32-slots": str(2**31),
+    "sketch-width-huge": "4 x 4611686018427387904 = 18446744073709551616 counters per table; at most 2**31",
+    "sketch-depth-huge": "1099511627776 x 65536",
+    "sketch-cells-beyond-2**31": "3 x 1073741824 = 3221225472",
+    "min-count-beyond-int32": "min_count must be at most 2147483647 (sketch counters are int32), got 2147483648",
+    "ttl-steps-beyond-int64": "ttl_steps must be at most 9223372036854775807 (the step clock is int64), got 9223372036854775808",
     "group-capacity-beyond-int32-slots": str(2**30),
     "pad-beyond-int64": str(2**70),
     "seed-beyond-int64": str(2**70),
@@ -398,6 +409,12 @@ def test_a_gpu_this_machine_lacks_is_a_config_error(dynamic):
         with pytest.raises(he.ConfigError, match=needle) as info:
             he.EmbeddingCollection([table], device=device)
         assert f"device {str(device)!r}" in str(info.value) and "EmbeddingCollection" in str(info.value)
+
+
+def test_dynamic_bounds_are_inclusive():
+    d = he.Dynamic(min_count=2, sketch_depth=2, sketch_width=2**30)  # 2**31 counters: allowed (not built here)
+    assert d.sketch_depth * d.sketch_width == 2**31
+    he.Dynamic(min_count=2**31 - 1, eviction="ttl", ttl_steps=2**63 - 1)
 
 
 def test_config_errors_name_the_bad_value():
