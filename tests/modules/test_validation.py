@@ -269,6 +269,44 @@ def test_inputs_not_a_mapping(inputs):
     assert_unchanged(ec, snap)
 
 
+META_IDS = {
+    "1d": lambda: T([1, 2], device="meta"),
+    "2d-padded": lambda: T([[1, -1], [2, 3]], device="meta"),
+    "jagged": lambda: he.Jagged(T([1, 2], device="meta"), T([0, 1, 2], device="meta")),
+    "tuple": lambda: (T([1, 2], device="meta"), T([0, 1, 2], device="meta")),
+    "sparse": lambda: torch.sparse_coo_tensor(T([[0, 1], [0, 0]]), T([1, 2]), (2, 1), check_invariants=True).to("meta"),
+}
+
+
+@pytest.mark.parametrize("form", list(META_IDS))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_meta_ids_are_refused_naming_the_feature(form, dynamic):
+    """(were a raw RuntimeError "Tensor.item() cannot be called on meta tensors" or NotImplementedError)"""
+    table = TC("t", None, 4, dynamic=he.Dynamic()) if dynamic else TC("t", 10, 4)
+    ec = he.EmbeddingCollection([table], features={"clicked_items": "t"})
+    before = dynamic_state(ec) if dynamic else snapshot(ec)
+    for call in (lambda x: ec({"clicked_items": x}), lambda x: ec.lookup("clicked_items", x)):
+        with pytest.raises(he.InvalidInputError, match="meta tensors hold no values") as info:
+            call(META_IDS[form]())
+        assert info.value.feature == "clicked_items" and str(info.value).startswith("feature 'clicked_items': ids")
+    if dynamic:
+        assert_same_state(before, dynamic_state(ec))
+    else:
+        assert_unchanged(ec, before)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_collection_built_on_meta_refuses_lookups(grouped):
+    ec = he.EmbeddingCollection([TC("t", 10, 4)], features={"clicked_items": "t"}, device="meta")
+    for ids in (T([1, 2]), T([1, 2], device="meta")):  # (its advice was .to('meta'), then a raw RuntimeError)
+        with pytest.raises(he.InvalidInputError, match="built on the meta device and has no rows") as info:
+            ec({"clicked_items": ids})
+        assert info.value.feature == "clicked_items"
+    model = he.convert(torch.nn.Sequential(torch.nn.Embedding(10, 4, device="meta")), grouped=grouped)
+    with pytest.raises(he.InvalidInputError, match="built on the meta device"):
+        model(T([1, 2], device="meta")).sum()
+
+
 def test_input_on_another_device():
     ec = make_collection()
     snap = snapshot(ec)

@@ -57,6 +57,16 @@ def _weights(weights: Any, ids: torch.Tensor) -> torch.Tensor | None:
     )
 
 
+def _refuse_meta(t: torch.Tensor, name: str, feature: str | None = None) -> None:
+    """Meta tensors have a shape and no values: nothing to look up (and any read of them fails)."""
+    if t.device.type == "meta":
+        raise InvalidInputError(
+            f"{_where(feature)}{name} are on the meta device, and meta tensors hold no values (only a shape): "
+            "there are no ids to look up; make them on the table's device (cpu or cuda)",
+            feature,
+        )
+
+
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """Run lengths (B,) -> int64 offsets (B+1,) starting at 0."""
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
@@ -94,6 +104,8 @@ class Jagged:
         """Ids (N,) and bag lengths (B,) summing to N; each a tensor or a list (weights: floats)."""
         values = _as_tensor(values, "values", "a 1-D integer tensor or a list of ints (the ids)")
         lengths = _as_tensor(lengths, "lengths", "a 1-D integer tensor or a list of ints (the bag lengths)")
+        _refuse_meta(values, "ids")
+        _refuse_meta(lengths, "lengths")
         if lengths.dim() != 1 or lengths.dtype not in _INT_DTYPES:
             raise InvalidInputError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
         if lengths.numel() and int(lengths.min()) < 0:
@@ -105,6 +117,7 @@ class Jagged:
         """Padded ids (B, H): every entry equal to ``pad`` is dropped. Weights, if any, are (B, H)
         (a tensor, or nested lists of floats)."""
         ids = _as_tensor(ids, "ids", "an integer tensor of shape (B, H) or a list of lists of ints")
+        _refuse_meta(ids, "ids")
         if ids.dim() != 2:
             raise InvalidInputError(f"from_dense expects ids of shape (B, H), got {tuple(ids.shape)}")
         if ids.dtype not in _INT_DTYPES:
@@ -168,6 +181,7 @@ class Jagged:
         ``tf.SparseTensor`` layout); ``weights`` an optional one with the same indices."""
         if not isinstance(ids, torch.Tensor) or ids.layout != torch.sparse_coo or ids.sparse_dim() != 2:
             raise InvalidInputError("from_sparse expects a 2-D torch.sparse_coo_tensor of ids")
+        _refuse_meta(ids, "ids")
         nnz = ids._nnz()
         ids = ids.coalesce()  # sorted by (row, column)
         if ids._nnz() != nnz:
@@ -235,6 +249,7 @@ class Jagged:
     def check_structure(self, feature: str | None = None) -> None:
         """Checks dtypes, shapes and devices (no pass over the data)."""
         v, o, w = self.values, self.offsets, self.weights
+        _refuse_meta(v, "ids", feature)
         if v.dtype not in _INT_DTYPES:
             raise InvalidInputError(f"{_where(feature)}ids must be integers, got dtype {v.dtype}", feature)
         if o.dtype not in _INT_DTYPES:

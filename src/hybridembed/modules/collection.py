@@ -283,9 +283,16 @@ class EmbeddingCollection(nn.Module):
 
     def _as_input(self, feat: _Feature, x: Any) -> Jagged:
         """One feature's input -> Jagged, with dtypes, shapes and device checked (no pass over data)."""
+        device = self.storages[feat.group].weight.device
+        if device.type == "meta":
+            raise InvalidInputError(
+                f"feature {feat.name!r}: its table {feat.table.name!r} was built on the meta device and has no "
+                "rows to look up; he.distribute(model) makes each rank's shards, or build the collection on cpu "
+                "or cuda",
+                feat.name,
+            )
         j = as_jagged(x, feat.name, self.pad)
         j.check_structure(feat.name)
-        device = self.storages[feat.group].weight.device
         if j.values.device != device:  # (check_structure put offsets and weights beside the ids)
             raise InvalidInputError(
                 f"feature {feat.name!r}: input is on {j.values.device} but its table is on {device}; "
@@ -371,7 +378,8 @@ class EmbeddingCollection(nn.Module):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
             raise InvalidInputError(f"feature {feature!r}: ids must be a 1-D integer tensor", feature)
         j = Jagged(ids, self._one_per_bag(ids.shape[0], ids.device))
-        if ids.dtype not in _INT_DTYPES or ids.device != self._storage_list[feat.group].weight.device:
+        dev = self._storage_list[feat.group].weight.device
+        if ids.dtype not in _INT_DTYPES or ids.device != dev or dev.type == "meta":
             self._as_input(feat, j)  # (raises, naming the problem)
         return self._lookup_dense(feat, j)
 
@@ -397,6 +405,7 @@ class EmbeddingCollection(nn.Module):
             and v.dim() == 1
             and v.dtype in _INT_DTYPES
             and v.device == device
+            and device.type != "meta"
         ):
             ids = self._as_input(feat, ids)
         return ids, feat.table.compute_dtype, device
