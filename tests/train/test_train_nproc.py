@@ -109,6 +109,40 @@ def test_bad_flags_exit_2_before_any_process_starts(tmp_path, capsys, monkeypatc
     assert not any(tmp_path.iterdir())
 
 
+class _Joined(Exception):
+    pass
+
+
+def test_timeout_is_the_jobs_process_group_timeout(generated, tmp_path, monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import hybridembed.distributed.launch as launch_mod
+
+    seen = {}
+
+    def fake_spawn(fn, nprocs, *args, **kwargs):
+        seen["spawn"] = kwargs["pg_timeout"]
+        return [0] * nprocs
+
+    def fake_init(backend, **kwargs):
+        seen["init"] = kwargs.get("timeout")
+        raise _Joined  # (no job to join here)
+
+    monkeypatch.setattr(launch_mod, "spawn", fake_spawn)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    assert cli.main(_argv(generated, tmp_path, "--nproc", "2")) == 0  # spawned ranks
+    assert seen["spawn"] == cli.JOB_PG_TIMEOUT == 1800  # torch's default for gloo, unless --timeout
+    assert cli.main(_argv(generated, tmp_path, "--nproc", "2", "--timeout", "7.5")) == 0
+    assert seen["spawn"] == 7.5
+    monkeypatch.setenv("RANK", "0")  # under torchrun: this process joins the job
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(_Joined):
+        cli.main(_argv(generated, tmp_path, "--timeout", "12"))
+    assert seen["init"] == timedelta(seconds=12)
+
+
 def test_an_error_in_the_ranks_ends_the_job_with_one_line(generated, tmp_path, capfd):
     lines = generated.read_text().splitlines()
     lines[2000] = lines[2000].replace("\t", "\t7\t", 1)  # 41 columns

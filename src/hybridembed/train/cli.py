@@ -83,7 +83,7 @@ PS_MODES = ("sync", "async")
 PS_FLAGS = ("ps_mode", "staleness", "cache_rows", "prefetch")  # parameter-server flags: only with --servers
 ONE_COLLECTION = ("dlrm", "dcnv2")  # the models whose tables form one collection (servers serve one per model)
 ADULT_SPLIT_SEED = 0  # the Adult train/test split is fixed, whatever --seed says
-JOB_PG_TIMEOUT = 1800  # seconds a collective of --nproc N waits for a rank that hangs
+JOB_PG_TIMEOUT = 1800  # seconds a collective of --nproc N waits for a rank that hangs: torch's default (--timeout)
 
 
 class UsageError(Exception):
@@ -266,6 +266,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="train on N processes of one gloo job: tables sharded with he.distribute, dense layers "
         "data-parallel, each rank on B/N rows of every batch of --batch-size B (default 1; under torchrun: "
         "its WORLD_SIZE, joined; `hybridembed launch` runs torchrun)",
+    )
+    t.add_argument(
+        "--timeout",
+        type=_number(float, 0.0, False),
+        metavar="SECONDS",
+        help="with --nproc N: how long a collective of the job waits for a rank that hangs before failing, the "
+        "process group's timeout (init_process_group(timeout=...); default: torch's, 1800)",
     )
     s = p.add_argument_group("parameter servers (with --nproc N)")
     s.add_argument(
@@ -1032,15 +1039,15 @@ def _spawn(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
 
     if args.dataset == "criteo" and not args.data:
         generate_if_needed(args)  # here, before the job's collectives start their clocks
-    # no time limit on the job; a collective waits at most JOB_PG_TIMEOUT for a rank that hangs
-    # (a rank that fails or dies stops the others within seconds)
+    # no time limit on the job; a collective waits at most --timeout (JOB_PG_TIMEOUT) for a rank that
+    # hangs (a rank that fails or dies stops the others within seconds)
     spawn(
         _rank_main,
         args.nproc,
         args,
         state,
         timeout=math.inf,
-        pg_timeout=JOB_PG_TIMEOUT,
+        pg_timeout=args.timeout or JOB_PG_TIMEOUT,
         threads=args.threads,
         start_method="spawn",  # (rank 0 prints where this command prints)
     )
@@ -1093,7 +1100,7 @@ def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, wor
 
     ours = not dist.is_initialized()
     if ours:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=JOB_PG_TIMEOUT))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout or JOB_PG_TIMEOUT))
     try:
         return run(args, state, Job(rank, world))
     except RuntimeError as e:
