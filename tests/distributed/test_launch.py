@@ -1,4 +1,6 @@
-"""``spawn``'s jobs listen on loopback only: the rendezvous store and gloo's connections.
+"""Jobs on one machine listen on loopback only: the rendezvous stores and gloo's connections, of
+``spawn`` (``hybridembed train --nproc N``) and of torchrun (``hybridembed launch --nproc N``,
+``hybridembed train --max-restarts K``).
 
     python -m pytest -q tests/distributed/test_launch.py
 
@@ -8,9 +10,14 @@ listening socket on 127.0.0.1, where no other machine can reach it.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
+import textwrap
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -18,15 +25,16 @@ import torch.distributed as dist
 from hybridembed.distributed import launch
 from hybridembed.distributed.launch import loopback_interface, spawn
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp (Linux)")
 
 
-def _listening() -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket this process listens on, from /proc/net/tcp{,6}."""
+def _listening(pid: int | str = "self") -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on, from /proc/net/tcp{,6}."""
     inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
         if target.startswith("socket:["):
@@ -109,3 +117,55 @@ def test_loopback_interface_is_flagged_loopback():
     assert name is not None and name in [n for _, n in socket.if_nameindex()]
     with open(f"/sys/class/net/{name}/flags") as f:
         assert int(f.read(), 16) & 0x8
+
+
+def test_the_store_of_a_train_rank_0_under_torchrun_listens_on_loopback(monkeypatch):
+    from hybridembed.train.cli import _loopback_store
+
+    port = launch.free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # (torchrun's with --max-restarts K: rank 0 hosts it)
+    store = _loopback_store(0, 1, timedelta(seconds=10))
+    store.set("k", "v")
+    assert (launch.LOOPBACK, port) in _listening() and not any(p == port and a != "127.0.0.1" for a, p in _listening())
+    del store
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # the agent's store: the ranks are its clients
+    assert _loopback_store(0, 2, timedelta(seconds=10)) is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")  # another machine's: torch's env:// rendezvous
+    assert _loopback_store(1, 2, timedelta(seconds=10)) is None
+
+
+JOB = """
+    import json, os, sys
+    import torch.distributed as dist
+    from tests.distributed.test_launch import _listening
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = {"env": {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")},
+           "ranks": _listening(), "agent": _listening(os.getppid())}
+    dist.barrier()  # (every rank listens before any reads: gloo's listeners, the stores)
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+"""
+
+
+def test_a_launched_job_on_one_machine_listens_on_loopback_only(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *sys.path])  # (the job imports _listening from here)
+    cmd = [sys.executable, "-m", "hybridembed.cli", "launch", "--nproc", "2", str(script), str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    out = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    agent = out[0]["agent"]  # torchrun's agent: its rendezvous store and the store shared with the ranks
+    assert len(agent) >= 2 and all(addr == "127.0.0.1" for addr, _ in agent), agent  # (were [::])
+    assert ["127.0.0.1", int(out[0]["env"]["MASTER_PORT"])] in agent
+    for r in out:
+        assert r["env"]["GLOO_SOCKET_IFNAME"] == loopback_interface() and r["env"]["MASTER_ADDR"] == "127.0.0.1"
+        assert r["ranks"] and all(addr == "127.0.0.1" for addr, _ in r["ranks"]), r["ranks"]

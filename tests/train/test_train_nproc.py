@@ -209,7 +209,8 @@ def test_launch_fails_when_a_rank_fails(tmp_path):
 @pytest.mark.parametrize(
     "argv, torchrun",
     [
-        (["--nproc", "4", "t.py", "--lr", "1"], ["--nproc-per-node", "4", "--standalone", "--max-restarts", "0", "--", "t.py", "--lr", "1"]),
+        (["--nproc", "4", "t.py", "--lr", "1"], ["--nproc-per-node", "4", "--standalone", "--local-addr", "127.0.0.1",
+                                                 "--max-restarts", "0", "--", "t.py", "--lr", "1"]),
         (
             ["--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port", "29400",
              "--max-restarts", "3", "t.py"],

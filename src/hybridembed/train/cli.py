@@ -1092,6 +1092,24 @@ class _LostRank(Exception):
 _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
+def _loopback_store(rank: int, world: int, timeout: Any) -> Any:
+    """The job's store when rank 0 of this torchrun job makes it (not the agent's, shared) at a loopback
+    MASTER_ADDR: one that listens on 127.0.0.1 alone (:func:`~hybridembed.distributed.launch.loopback_store`;
+    torch's env:// store listens on every interface). None otherwise: torch's env:// rendezvous."""
+    import ipaddress
+
+    from ..distributed.launch import loopback_store
+
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not port.isdigit():
+        return None
+    try:
+        loopback = addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        loopback = False
+    return loopback_store(int(port), world, rank == 0, timeout) if loopback else None
+
+
 def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, world: int) -> int:
     """One rank of a torchrun job (``hybridembed launch`` or torchrun itself)."""
     from datetime import timedelta
@@ -1100,7 +1118,10 @@ def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, wor
 
     ours = not dist.is_initialized()
     if ours:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout or JOB_PG_TIMEOUT))
+        timeout = timedelta(seconds=args.timeout or JOB_PG_TIMEOUT)
+        store = _loopback_store(rank, world, timeout)
+        where = {} if store is None else {"store": store, "rank": rank, "world_size": world}
+        dist.init_process_group("gloo", timeout=timeout, **where)
     try:
         return run(args, state, Job(rank, world))
     except RuntimeError as e:
