@@ -20,6 +20,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "MAX_ROWS",
     "MAX_SLOTS",
+    "MAX_SKETCH_CELLS",
 ]
 
 COMBINERS = ("sum", "mean", "sqrtn", "none")
@@ -30,10 +31,22 @@ EVICTION_POLICIES = ("lru", "lfu", "ttl")
 MAX_ROWS = 1 << 48
 # Most row slots of a dynamic group (capacity x tables, and initial_rows): slots are int32.
 MAX_SLOTS = (1 << 31) - 2
+# Most counters of a dynamic table's admission sketch (sketch_depth x sketch_width): 2**31 int32
+# counters are 8 GiB per table, made when the collection is built.
+MAX_SKETCH_CELLS = 1 << 31
+# min_count is compared with int32 sketch counters; ttl_steps with an int64 step clock.
+MAX_MIN_COUNT = (1 << 31) - 1
+MAX_TTL_STEPS = (1 << 63) - 1
 
 
 def _is_number(v: Any) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+_BOUNDS = {  # Dynamic's int fields beyond the slots' bound: the most each can be, and why
+    "min_count": (MAX_MIN_COUNT, "sketch counters are int32"),
+    "ttl_steps": (MAX_TTL_STEPS, "the step clock is int64"),
+}
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,8 @@ class Dynamic:
             full or not; LRU when still full).
         min_count: an id gets a row at its ``min_count``-th sighting (counted in a bounded
             count-min sketch of ``sketch_depth`` x ``sketch_width`` int32 counters per
-            table); until then it reads the default vector and gets no update.
+            table, at most ``MAX_SKETCH_CELLS`` = 2**31 of them: 8 GiB); until then it reads
+            the default vector and gets no update. At most 2**31 - 1 (the counters' range).
         admit_probability: a new id past ``min_count`` is admitted with this probability.
         default_value: every element of the default vector (read by ids without a row).
         initial_rows: rows allocated up front when ``capacity`` is None (doubles as needed).
@@ -81,12 +95,21 @@ class Dynamic:
                 raise ConfigError(f"Dynamic: {name} must be a positive int, got {v!r}")
             if name in ("capacity", "initial_rows") and v > MAX_SLOTS:
                 raise ConfigError(f"Dynamic: {name} must be at most {MAX_SLOTS} (row slots are int32), got {v!r}")
+            high, why = _BOUNDS.get(name, (None, ""))
+            if high is not None and v > high:
+                raise ConfigError(f"Dynamic: {name} must be at most {high} ({why}), got {v!r}")
 
         positive_int("capacity", self.capacity, allow_none=True)
         positive_int("min_count", self.min_count)
         positive_int("sketch_depth", self.sketch_depth)
         positive_int("sketch_width", self.sketch_width)
         positive_int("initial_rows", self.initial_rows)
+        cells = self.sketch_depth * self.sketch_width
+        if cells > MAX_SKETCH_CELLS:
+            raise ConfigError(
+                f"Dynamic: sketch_depth x sketch_width = {self.sketch_depth} x {self.sketch_width} = {cells} counters "
+                f"per table; at most 2**31 = {MAX_SKETCH_CELLS} (8 GiB of int32), typically 4 x 65536: lower them"
+            )
         if self.eviction not in EVICTION_POLICIES:
             raise ConfigError(f"Dynamic: eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.eviction == "ttl":

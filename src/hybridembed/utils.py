@@ -15,7 +15,14 @@ import torch
 from . import _env
 from .errors import ConfigError
 
-__all__ = ["tune_cpu_allocator", "allocator_tuned", "advise_huge_pages", "get_logger", "OneLineParser"]
+__all__ = [
+    "tune_cpu_allocator",
+    "allocator_tuned",
+    "advise_huge_pages",
+    "get_logger",
+    "OneLineParser",
+    "check_device",
+]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -127,6 +134,48 @@ def get_logger(name: str = "hybridembed") -> logging.Logger:
 
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # HYBRIDEMBED_LOG_LEVEL, any case
+
+
+DEVICE_FORMS = "'cpu', 'cuda', 'cuda:N' (N < the GPU count), 'meta' (no rows allocated) or a torch.device"
+
+
+def check_device(device: torch.device | str | None, owner: str) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None stays None), or a :class:`ConfigError` saying why
+    rows cannot live there: not a device name, CUDA not available in this torch build or on this
+    machine, a GPU index past the last, an accelerator this machine lacks. ``owner`` begins the
+    message (``"EmbeddingCollection"``).
+
+    >>> check_device("cpu", "EmbeddingCollection")
+    device(type='cpu')
+    """
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise ConfigError(f"{owner}: device must be a str or torch.device ({DEVICE_FORMS}), got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"{owner}: device {device!r} is not a device name; use {DEVICE_FORMS}") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ConfigError(
+                f"{owner}: device {str(device)!r}: CUDA is not available in this torch build/machine ({why}; "
+                f"torch {torch.__version__}); use device='cpu', or a machine with a GPU and a CUDA build of torch"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(
+                f"{owner}: device {str(device)!r}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                f"(cuda:0{f'..cuda:{count - 1}' if count > 1 else ''}); give one of those"
+            )
+    elif dev.type not in ("cpu", "meta"):
+        acc = getattr(torch, "accelerator", None)  # (torch >= 2.6)
+        here = acc.current_accelerator() if acc is not None and acc.is_available() else None
+        if here is None or here.type != dev.type:
+            also = f" or {here.type!r} (this machine's accelerator)" if here is not None else ""
+            raise ConfigError(f"{owner}: device {str(device)!r} is not available here; use {DEVICE_FORMS}{also}")
+    return dev
 
 
 def device_tensor(values: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -321,9 +321,37 @@ def test_from_sparse_rejects_duplicate_coordinates():
         he.Jagged.from_sparse(coo)
 
 
-def test_from_dense_rejects_non_tensor_weights():
-    with pytest.raises(he.InvalidInputError):
-        he.Jagged.from_dense(torch.tensor([[1, 2]]), weights=[[1.0, 2.0]])
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda w: he.Jagged.from_tensor(torch.tensor([4, -1, 6]), weights=w), id="tensor-1d"),
+        pytest.param(lambda w: he.Jagged.from_tensor(torch.tensor([[4], [-1], [6]]), weights=[[x] for x in w]), id="tensor-2d"),
+        pytest.param(lambda w: he.Jagged.from_dense(torch.tensor([[4], [-1], [6]]), weights=[[x] for x in w]), id="dense"),
+        pytest.param(lambda w: he.Jagged.from_lengths([4, 6], [1, 0, 1], weights=[w[0], w[2]]), id="lengths"),
+    ],
+)  # fmt: skip
+def test_constructors_take_list_weights_as_float32(build):
+    j = build([0.5, 9.0, 2.0])  # (the weight of the padded id is dropped with it)
+    assert j.weights.dtype == torch.float32 and j.weights.tolist() == [0.5, 2.0]
+    assert j.to_lists() == [[4], [], [6]]
+
+
+@pytest.mark.parametrize(
+    "build, needle",
+    [
+        (lambda: he.Jagged.from_tensor(torch.tensor([1, 2]), weights="ab"), "weights must be a float tensor or"),
+        (lambda: he.Jagged.from_dense(torch.tensor([[1, 2]]), weights=[["a", "b"]]), "weights must be a float tensor or"),
+        (lambda: he.Jagged.from_lengths(torch.tensor([1]), [1], weights={0: 1.0}), "weights must be a float tensor or"),
+        (lambda: he.Jagged.from_lists([[1], [2]], weights=[1.0, 2.0]), "weights must be a list of lists of floats"),
+        (lambda: he.Jagged.from_lists([[1]], weights=[["x"]]), "weights must be a list of lists of floats"),
+        (lambda: he.Jagged.from_tensor("12"), "ids must be an integer tensor"),
+        (lambda: he.Jagged.from_lengths("12", [2]), "values must be a 1-D integer tensor or a list of ints"),
+        (lambda: he.Jagged.from_lengths([1, 2], "2"), "lengths must be a 1-D integer tensor or a list of ints"),
+    ],
+)  # fmt: skip
+def test_constructors_refuse_what_is_no_number_naming_the_argument(build, needle):
+    with pytest.raises(he.InvalidInputError, match=needle):  # (was AttributeError, TypeError or ValueError)
+        build()
 
 
 def test_from_sparse_rejects_dense_weights():

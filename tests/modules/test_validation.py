@@ -269,6 +269,44 @@ def test_inputs_not_a_mapping(inputs):
     assert_unchanged(ec, snap)
 
 
+META_IDS = {
+    "1d": lambda: T([1, 2], device="meta"),
+    "2d-padded": lambda: T([[1, -1], [2, 3]], device="meta"),
+    "jagged": lambda: he.Jagged(T([1, 2], device="meta"), T([0, 1, 2], device="meta")),
+    "tuple": lambda: (T([1, 2], device="meta"), T([0, 1, 2], device="meta")),
+    "sparse": lambda: torch.sparse_coo_tensor(T([[0, 1], [0, 0]]), T([1, 2]), (2, 1), check_invariants=True).to("meta"),
+}
+
+
+@pytest.mark.parametrize("form", list(META_IDS))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_meta_ids_are_refused_naming_the_feature(form, dynamic):
+    """(were a raw RuntimeError "Tensor.item() cannot be called on meta tensors" or NotImplementedError)"""
+    table = TC("t", None, 4, dynamic=he.Dynamic()) if dynamic else TC("t", 10, 4)
+    ec = he.EmbeddingCollection([table], features={"clicked_items": "t"})
+    before = dynamic_state(ec) if dynamic else snapshot(ec)
+    for call in (lambda x: ec({"clicked_items": x}), lambda x: ec.lookup("clicked_items", x)):
+        with pytest.raises(he.InvalidInputError, match="meta tensors hold no values") as info:
+            call(META_IDS[form]())
+        assert info.value.feature == "clicked_items" and str(info.value).startswith("feature 'clicked_items': ids")
+    if dynamic:
+        assert_same_state(before, dynamic_state(ec))
+    else:
+        assert_unchanged(ec, before)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_collection_built_on_meta_refuses_lookups(grouped):
+    ec = he.EmbeddingCollection([TC("t", 10, 4)], features={"clicked_items": "t"}, device="meta")
+    for ids in (T([1, 2]), T([1, 2], device="meta")):  # (its advice was .to('meta'), then a raw RuntimeError)
+        with pytest.raises(he.InvalidInputError, match="built on the meta device and has no rows") as info:
+            ec({"clicked_items": ids})
+        assert info.value.feature == "clicked_items"
+    model = he.convert(torch.nn.Sequential(torch.nn.Embedding(10, 4, device="meta")), grouped=grouped)
+    with pytest.raises(he.InvalidInputError, match="built on the meta device"):
+        model(T([1, 2], device="meta")).sum()
+
+
 def test_input_on_another_device():
     ec = make_collection()
     snap = snapshot(ec)
@@ -337,6 +375,12 @@ BAD_CONFIGS = {
     "evict-fraction-none": lambda: he.Dynamic(evict_fraction=None),
     "capacity-beyond-int32-slots": lambda: he.Dynamic(capacity=2**40),
     "initial-rows-beyond-int32-slots": lambda: he.Dynamic(initial_rows=2**31),
+    # (were accepted, then a raw RuntimeError or OverflowError when the table was built or first looked up)
+    "sketch-width-huge": lambda: he.Dynamic(sketch_width=2**62),
+    "sketch-depth-huge": lambda: he.Dynamic(sketch_depth=2**40, min_count=2),
+    "sketch-cells-beyond-2**31": lambda: he.Dynamic(sketch_depth=3, sketch_width=2**30),
+    "min-count-beyond-int32": lambda: he.Dynamic(min_count=2**31),
+    "ttl-steps-beyond-int64": lambda: he.Dynamic(eviction="ttl", ttl_steps=2**63),
     "group-capacity-beyond-int32-slots": lambda: he.EmbeddingCollection(
         [TC(n, None, 4, dynamic=he.Dynamic(capacity=2**30)) for n in "ab"]
     ),
@@ -344,6 +388,12 @@ BAD_CONFIGS = {
     "seed-beyond-int64": lambda: he.EmbeddingCollection([TC("a", 5, 4)], seed=2**70),
     "seed-beyond-int64-dynamic": lambda: he.EmbeddingCollection([TC("a", None, 4, dynamic=he.Dynamic())], seed=2**63),
     "convert-seed-beyond-int64": lambda: he.convert(torch.nn.Sequential(torch.nn.Embedding(5, 4)), seed=2**70),
+    # devices torch cannot make rows on (RuntimeError, AssertionError, TypeError or NotImplementedError before)
+    "device-not-a-name": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device="bogus"),
+    "device-negative-index": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device="cuda:-1"),
+    "device-not-str": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device=1.5),
+    "device-absent-accelerator": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device="xla"),
+    "device-meta-dynamic": lambda: he.EmbeddingCollection([TC("a", None, 4, dynamic=he.Dynamic())], device="meta"),
 }
 
 # the bad value each of those must name
@@ -356,11 +406,21 @@ BAD_CONFIG_VALUES = {
     "evict-fraction-none": "None",
     "capacity-beyond-int32-slots": str(2**40),
     "initial-rows-beyond-int32-slots": str(2**31),
+    "sketch-width-huge": "4 x 4611686018427387904 = 18446744073709551616 counters per table; at most 2**31",
+    "sketch-depth-huge": "1099511627776 x 65536",
+    "sketch-cells-beyond-2**31": "3 x 1073741824 = 3221225472",
+    "min-count-beyond-int32": "min_count must be at most 2147483647 (sketch counters are int32), got 2147483648",
+    "ttl-steps-beyond-int64": "ttl_steps must be at most 9223372036854775807 (the step clock is int64), got 9223372036854775808",
     "group-capacity-beyond-int32-slots": str(2**30),
     "pad-beyond-int64": str(2**70),
     "seed-beyond-int64": str(2**70),
     "seed-beyond-int64-dynamic": str(2**63),
     "convert-seed-beyond-int64": str(2**70),
+    "device-not-a-name": "device 'bogus' is not a device name; use 'cpu', 'cuda', 'cuda:N'",
+    "device-negative-index": "'cuda:-1'",
+    "device-not-str": "got 1.5",
+    "device-absent-accelerator": "device 'xla' is not available here",
+    "device-meta-dynamic": "'a' is dynamic and cannot be built on the meta device",
 }
 
 
@@ -371,6 +431,28 @@ def test_bad_config_raises_config_error(case):
     assert isinstance(info.value, ValueError) and isinstance(info.value, he.HybridEmbedError)
     assert str(info.value)
     assert BAD_CONFIG_VALUES.get(case, "") in str(info.value)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_gpu_this_machine_lacks_is_a_config_error(dynamic):
+    table = TC("a", None, 4, dynamic=he.Dynamic()) if dynamic else TC("a", 5, 4)
+    if torch.cuda.is_available():  # the first index past the last GPU
+        devices, needle = [f"cuda:{torch.cuda.device_count()}"], "this machine has"
+    else:  # (was torch's AssertionError "Torch not compiled with CUDA enabled", or a RuntimeError)
+        devices, needle = (
+            ["cuda", "cuda:0", torch.device("cuda", 1)],
+            "CUDA is not available in this torch build/machine",
+        )
+    for device in devices:
+        with pytest.raises(he.ConfigError, match=needle) as info:
+            he.EmbeddingCollection([table], device=device)
+        assert f"device {str(device)!r}" in str(info.value) and "EmbeddingCollection" in str(info.value)
+
+
+def test_dynamic_bounds_are_inclusive():
+    d = he.Dynamic(min_count=2, sketch_depth=2, sketch_width=2**30)  # 2**31 counters: allowed (not built here)
+    assert d.sketch_depth * d.sketch_width == 2**31
+    he.Dynamic(min_count=2**31 - 1, eviction="ttl", ttl_steps=2**63 - 1)
 
 
 def test_config_errors_name_the_bad_value():

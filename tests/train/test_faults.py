@@ -278,9 +278,9 @@ def test_max_restarts_is_an_int_of_at_least_0_and_needs_checkpoints(tmp_path, ca
 
 def test_the_command_under_the_agent_is_torchrun_with_train_s_own_flags():
     cmd = elastic.torchrun_command(1, 4, ["--nproc", "1", "--max-restarts", "4"])
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert cmd[3:] == ["--nproc-per-node", "1", "--standalone", "--max-restarts", "4", "--module", "--",
-                       "hybridembed.cli", "train", "--nproc", "1", "--max-restarts", "4"]  # fmt: skip
+    assert cmd[:3] == [sys.executable, "-m", "hybridembed.distributed.local_run"]  # (torchrun, stores on loopback)
+    assert cmd[3:] == ["--nproc-per-node", "1", "--standalone", "--local-addr", "127.0.0.1", "--max-restarts", "4",
+                       "--module", "--", "hybridembed.cli", "train", "--nproc", "1", "--max-restarts", "4"]  # fmt: skip
 
 
 def test_a_start_under_the_agent_resumes_only_a_committed_checkpoint(tmp_path, monkeypatch):

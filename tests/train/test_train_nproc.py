@@ -109,6 +109,40 @@ def test_bad_flags_exit_2_before_any_process_starts(tmp_path, capsys, monkeypatc
     assert not any(tmp_path.iterdir())
 
 
+class _Joined(Exception):
+    pass
+
+
+def test_timeout_is_the_jobs_process_group_timeout(generated, tmp_path, monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import hybridembed.distributed.launch as launch_mod
+
+    seen = {}
+
+    def fake_spawn(fn, nprocs, *args, **kwargs):
+        seen["spawn"] = kwargs["pg_timeout"]
+        return [0] * nprocs
+
+    def fake_init(backend, **kwargs):
+        seen["init"] = kwargs.get("timeout")
+        raise _Joined  # (no job to join here)
+
+    monkeypatch.setattr(launch_mod, "spawn", fake_spawn)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    assert cli.main(_argv(generated, tmp_path, "--nproc", "2")) == 0  # spawned ranks
+    assert seen["spawn"] == cli.JOB_PG_TIMEOUT == 1800  # torch's default for gloo, unless --timeout
+    assert cli.main(_argv(generated, tmp_path, "--nproc", "2", "--timeout", "7.5")) == 0
+    assert seen["spawn"] == 7.5
+    monkeypatch.setenv("RANK", "0")  # under torchrun: this process joins the job
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(_Joined):
+        cli.main(_argv(generated, tmp_path, "--timeout", "12"))
+    assert seen["init"] == timedelta(seconds=12)
+
+
 def test_an_error_in_the_ranks_ends_the_job_with_one_line(generated, tmp_path, capfd):
     lines = generated.read_text().splitlines()
     lines[2000] = lines[2000].replace("\t", "\t7\t", 1)  # 41 columns
@@ -175,7 +209,8 @@ def test_launch_fails_when_a_rank_fails(tmp_path):
 @pytest.mark.parametrize(
     "argv, torchrun",
     [
-        (["--nproc", "4", "t.py", "--lr", "1"], ["--nproc-per-node", "4", "--standalone", "--max-restarts", "0", "--", "t.py", "--lr", "1"]),
+        (["--nproc", "4", "t.py", "--lr", "1"], ["--nproc-per-node", "4", "--standalone", "--local-addr", "127.0.0.1",
+                                                 "--max-restarts", "0", "--", "t.py", "--lr", "1"]),
         (
             ["--nproc", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port", "29400",
              "--max-restarts", "3", "t.py"],
@@ -212,6 +247,28 @@ def test_launch_bad_flags_are_one_line(argv, needle, tmp_path, capsys, monkeypat
     with pytest.raises(SystemExit) as e:
         launch.main(["--nproc", "0", "t.py"])
     assert e.value.code == 2 and "--nproc: expected an int >= 1, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["::::", "host:", ":29500", "host:99999", "host:port:extra", "h:0", "[zz]:1", "::1"]
+)
+def test_launch_malformed_rdzv_endpoint_is_one_line(endpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")
+    with pytest.raises(SystemExit) as e:  # (before torchrun starts: it would end in its traceback)
+        launch.main(["--nnodes", "2", "--rdzv-endpoint", endpoint, "t.py"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("hybridembed launch: error: argument --rdzv-endpoint: expected HOST or HOST:PORT")
+    assert repr(endpoint) in err[0]
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["h0", "h0:29400", "10.0.0.1:29400", "node-1.cluster.local:1", "[::1]:29400", "[::1]"]
+)
+def test_launch_well_formed_rdzv_endpoints_reach_torchrun(endpoint):
+    args = launch.build_parser().parse_args(["--nnodes", "2", "--rdzv-endpoint", endpoint, "t.py"])
+    assert launch.torchrun_argv(args)[6:8] == ["--rdzv-endpoint", endpoint]
 
 
 def test_dispatcher_lists_launch(capsys):

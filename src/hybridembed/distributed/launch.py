@@ -6,6 +6,11 @@ multi-process tests use. A rank that raises reports its traceback; the others ar
 after ``grace`` seconds instead of waiting in a collective for a peer that is gone; a job
 that outlives ``timeout`` is stopped and reported.
 
+The job listens on loopback only (docs/distributed.md, Trust model): rank 0 makes the rendezvous
+store (a ``TCPStore``) on a socket bound to 127.0.0.1 (torch's own binds every interface,
+whatever address it is given), and gloo's connections are pinned to the loopback interface
+(``GLOO_SOCKET_IFNAME``, unless set).
+
     >>> from hybridembed.distributed.launch import spawn
     >>> import operator
     >>> spawn(operator.add, 2, 10)   # fn(rank, world_size, *args) on each rank  # doctest: +SKIP
@@ -28,7 +33,10 @@ import torch.multiprocessing as mp
 
 from ..errors import HybridEmbedError
 
-__all__ = ["spawn", "free_port", "SpawnError"]
+__all__ = ["spawn", "free_port", "loopback_interface", "loopback_store", "SpawnError"]
+
+LOOPBACK = "127.0.0.1"
+_IFF_LOOPBACK = 0x8  # <linux/if.h>
 
 
 class SpawnError(HybridEmbedError):
@@ -50,22 +58,67 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads):
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface (``lo`` on Linux, ``lo0`` on macOS),
+    for ``GLOO_SOCKET_IFNAME``; None when there is none to be found."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):  # (no if_nameindex on this platform)
+        return None
+    for name in names:  # Linux: the interface flagged IFF_LOOPBACK, whatever its name
+        try:
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read().strip(), 16) & _IFF_LOOPBACK:
+                    return name
+        except (OSError, ValueError):
+            break
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta):
+    """The job's ``TCPStore`` at 127.0.0.1:``port``; the master's listens on 127.0.0.1 alone.
+
+    ``TCPStore(host_name="127.0.0.1", is_master=True)`` listens on every interface (``[::]``, both
+    of torch's backends: the host name is only where clients connect), so the master's listening
+    socket is made here, bound to 127.0.0.1, and handed over as ``master_listen_fd`` (which the
+    libuv backend, torch's default, serves).
+    """
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(LOOPBACK, port, world, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, port))
+        sock.listen(max(world, 128))
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()  # (the store owns it now: it closes it)
+    try:
+        return dist.TCPStore(LOOPBACK, port, world, True, timeout=timeout, master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, ifname):
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.setdefault("LOCAL_RANK", str(rank))
+    if ifname:  # gloo's pair connections on loopback (the caller's own value, when it set one)
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        if "nccl" in backend:  # (NCCL's bootstrap sockets; its data stays on the node's own links)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
     if threads:
         torch.set_num_threads(threads)
     try:
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=pg_timeout),
-            init_method=f"tcp://127.0.0.1:{port}",
-        )
+        timeout = timedelta(seconds=pg_timeout)
+        store = loopback_store(port, world, rank == 0, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         out = fn(rank, world, *args)
         # pickled to bytes here: a tensor put on a torch queue as is travels through shared memory
         # that dies with this process before the parent has read it
@@ -127,9 +180,12 @@ def spawn(
         ctx.set_forkserver_preload(["torch", "torch.distributed", "hybridembed"])
     results = ctx.Queue()
     port = free_port()
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME") or loopback_interface()
     procs = [
         ctx.Process(
-            target=_worker, args=(r, nprocs, port, backend, pg_timeout, fn, args, results, threads), daemon=True
+            target=_worker,
+            args=(r, nprocs, port, backend, pg_timeout, fn, args, results, threads, ifname),
+            daemon=True,
         )
         for r in range(nprocs)
     ]

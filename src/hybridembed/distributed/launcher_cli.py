@@ -5,9 +5,12 @@
     hybridembed launch --nproc 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
 
 A thin wrapper: the flags become ``torch.distributed.run``'s (``--nproc-per-node N
---standalone`` on one machine; ``--nnodes``, ``--node-rank``, ``--master-addr``,
-``--master-port`` or ``--rdzv-endpoint`` across machines; ``--max-restarts``), and
-``python -m torch.distributed.run ...`` runs in a child process. Every process gets
+--standalone --local-addr 127.0.0.1`` on one machine; ``--nnodes``, ``--node-rank``,
+``--master-addr``, ``--master-port`` or ``--rdzv-endpoint`` across machines; ``--max-restarts``),
+and ``python -m torch.distributed.run ...`` runs in a child process. On one machine the job
+listens on loopback only (docs/distributed.md, Trust model): torchrun runs through
+:mod:`~hybridembed.distributed.local_run` (its stores on 127.0.0.1) and the processes get
+``GLOO_SOCKET_IFNAME`` of the loopback interface (unless set). Every process gets
 torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...), so
 the script calls ``torch.distributed.init_process_group("gloo" | "nccl")`` and
 ``he.distribute(model)``. The exit code is torchrun's: 0 when every process exited 0, non-zero
@@ -17,6 +20,7 @@ the script calls ``torch.distributed.init_process_group("gloo" | "nccl")`` and
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import subprocess
@@ -24,8 +28,9 @@ import sys
 from collections.abc import Sequence
 
 from ..utils import OneLineParser
+from .launch import LOOPBACK, loopback_interface
 
-__all__ = ["main", "build_parser", "torchrun_argv", "restart_env"]
+__all__ = ["main", "build_parser", "torchrun_argv", "torchrun_command", "restart_env"]
 
 PROG = "hybridembed launch"
 
@@ -60,6 +65,33 @@ def _port(text: str) -> int:
     return v
 
 
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?")
+
+
+def _endpoint(text: str) -> str:
+    """``--rdzv-endpoint``: HOST or HOST:PORT, an IPv6 address in brackets (``[::1]:29400``); PORT 1..65535."""
+    m = re.fullmatch(r"\[([^\[\]]*)\](?::([^:]*))?|([^:\[\]]*)(?::([^:]*))?", text.strip())
+    host = None if m is None else m.group(1) if m.group(1) is not None else m.group(3)
+    port = None if m is None else m.group(2) if m.group(1) is not None else m.group(4)
+    ok = m is not None and bool(_HOSTNAME.fullmatch(host) if m.group(1) is None else _is_ipv6(host))
+    if ok and port is not None:
+        ok = re.fullmatch(r"[0-9]{1,5}", port) is not None and 1 <= int(port) <= 65535
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"expected HOST or HOST:PORT (a host name or IPv4 address, an IPv6 address in brackets as "
+            f"[::1]:29400; PORT 1..65535), got {text!r}"
+        )
+    return text.strip()
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = OneLineParser(
         prog=prog,
@@ -89,6 +121,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rdzv-endpoint",
+        type=_endpoint,
         metavar="HOST[:PORT]",
         help="instead of --master-addr/--node-rank: torchrun's c10d rendezvous at HOST:PORT (ranks given by arrival)",
     )
@@ -106,12 +139,15 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return p
 
 
+def _one_machine(args: argparse.Namespace) -> bool:
+    return not (args.nnodes not in (None, "1") or args.master_addr or args.rdzv_endpoint)
+
+
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
     """``torch.distributed.run``'s arguments for the parsed ``hybridembed launch`` flags."""
-    multi = args.nnodes not in (None, "1") or args.master_addr or args.rdzv_endpoint
     argv = ["--nproc-per-node", str(args.nproc)]
-    if not multi:
-        argv.append("--standalone")
+    if _one_machine(args):  # (MASTER_ADDR 127.0.0.1, not this machine's name)
+        argv += ["--standalone", "--local-addr", LOOPBACK]
     else:
         argv += ["--nnodes", str(args.nnodes or 1)]
         if args.rdzv_endpoint:
@@ -130,14 +166,25 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     return [*argv, "--", args.script, *args.script_args]
 
 
-def restart_env(max_restarts: int = 1) -> dict[str, str]:
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """The command that runs the job: ``python -m torch.distributed.run ARGV``, or on one machine
+    ``python -m hybridembed.distributed.local_run ARGV`` (torchrun, its stores on 127.0.0.1)."""
+    module = "hybridembed.distributed.local_run" if _one_machine(args) else "torch.distributed.run"
+    return [sys.executable, "-m", module, *torchrun_argv(args)]
+
+
+def restart_env(max_restarts: int = 1, one_machine: bool = False) -> dict[str, str]:
     """This process's environment for torchrun, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` when it
     may restart (unless set): the rendezvous store shared with the processes (torchrun's default) keeps
     the keys of the previous start, whose process groups the restarted ones then try to reach
-    (gloo: "connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712)."""
+    (gloo: "connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712). ``one_machine``:
+    ``GLOO_SOCKET_IFNAME`` is the loopback interface (unless set), so gloo listens on loopback only."""
     env = dict(os.environ)
     if max_restarts > 0:
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    lo = loopback_interface() if one_machine and not env.get("GLOO_SOCKET_IFNAME") else None
+    if lo:
+        env["GLOO_SOCKET_IFNAME"] = lo
     return env
 
 
@@ -167,9 +214,9 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         return 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(args)]
+    cmd = torchrun_command(args)
     try:
-        return subprocess.call(cmd, env=restart_env(args.max_restarts))
+        return subprocess.call(cmd, env=restart_env(args.max_restarts, _one_machine(args)))
     except KeyboardInterrupt:  # torchrun got the signal too and stops its processes
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -38,6 +38,35 @@ def _first_true(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
+def _as_tensor(x: Any, name: str, expected: str, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+    """``torch.as_tensor(x)`` for a ``from_*`` argument: a tensor, an array or a (nested) list of numbers."""
+    try:
+        return torch.as_tensor(x, dtype=dtype, device=device)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InvalidInputError(f"{name} must be {expected}, got {type(x).__name__} ({why})") from None
+
+
+def _weights(weights: Any, ids: torch.Tensor) -> torch.Tensor | None:
+    """Weights as given when a tensor (or None); a list or array of numbers becomes float32 (as
+    :meth:`Jagged.from_lists` makes them) on the ids' device."""
+    if weights is None or isinstance(weights, torch.Tensor):
+        return weights
+    return _as_tensor(
+        weights, "weights", "a float tensor or a (nested) list of floats, one per id", torch.float32, ids.device
+    )
+
+
+def _refuse_meta(t: torch.Tensor, name: str, feature: str | None = None) -> None:
+    """Meta tensors have a shape and no values: nothing to look up (and any read of them fails)."""
+    if t.device.type == "meta":
+        raise InvalidInputError(
+            f"{_where(feature)}{name} are on the meta device, and meta tensors hold no values (only a shape): "
+            "there are no ids to look up; make them on the table's device (cpu or cuda)",
+            feature,
+        )
+
+
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """Run lengths (B,) -> int64 offsets (B+1,) starting at 0."""
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
@@ -72,26 +101,28 @@ class Jagged:
     # --- constructors ------------------------------------------------------------------
     @classmethod
     def from_lengths(cls, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> Jagged:
-        """Ids (N,) and bag lengths (B,) summing to N."""
-        lengths = torch.as_tensor(lengths)
+        """Ids (N,) and bag lengths (B,) summing to N; each a tensor or a list (weights: floats)."""
+        values = _as_tensor(values, "values", "a 1-D integer tensor or a list of ints (the ids)")
+        lengths = _as_tensor(lengths, "lengths", "a 1-D integer tensor or a list of ints (the bag lengths)")
+        _refuse_meta(values, "ids")
+        _refuse_meta(lengths, "lengths")
         if lengths.dim() != 1 or lengths.dtype not in _INT_DTYPES:
             raise InvalidInputError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
         if lengths.numel() and int(lengths.min()) < 0:
             raise InvalidInputError(f"lengths must be >= 0; lengths[{_first_true(lengths < 0)}] is negative")
-        return cls(torch.as_tensor(values), offsets_from_lengths(lengths), weights)
+        return cls(values, offsets_from_lengths(lengths), _weights(weights, values))
 
     @classmethod
     def from_dense(cls, ids: torch.Tensor, pad: int = -1, weights: torch.Tensor | None = None) -> Jagged:
-        """Padded ids (B, H): every entry equal to ``pad`` is dropped. Weights, if any, are (B, H)."""
-        ids = torch.as_tensor(ids)
+        """Padded ids (B, H): every entry equal to ``pad`` is dropped. Weights, if any, are (B, H)
+        (a tensor, or nested lists of floats)."""
+        ids = _as_tensor(ids, "ids", "an integer tensor of shape (B, H) or a list of lists of ints")
+        _refuse_meta(ids, "ids")
         if ids.dim() != 2:
             raise InvalidInputError(f"from_dense expects ids of shape (B, H), got {tuple(ids.shape)}")
         if ids.dtype not in _INT_DTYPES:
             raise InvalidInputError(f"ids must be integers, got dtype {ids.dtype}; convert with .long()")
-        if weights is not None and not isinstance(weights, torch.Tensor):
-            raise InvalidInputError(
-                f"weights must be a tensor of shape {tuple(ids.shape)}, got {type(weights).__name__}"
-            )
+        weights = _weights(weights, ids)
         if weights is not None and tuple(weights.shape) != tuple(ids.shape):
             raise InvalidInputError(f"weights shape {tuple(weights.shape)} differs from ids shape {tuple(ids.shape)}")
         keep = ids != pad  # (B, H)
@@ -105,11 +136,14 @@ class Jagged:
 
     @classmethod
     def from_tensor(cls, ids: torch.Tensor, pad: int = -1, weights: torch.Tensor | None = None) -> Jagged:
-        """(B,) one id per sample, or (B, H) padded ids; ``pad`` entries are dropped."""
-        ids = torch.as_tensor(ids)
+        """(B,) one id per sample, or (B, H) padded ids; ``pad`` entries are dropped. Weights, if
+        any, have the ids' shape (a tensor, or a list of floats)."""
+        ids = _as_tensor(ids, "ids", "an integer tensor of shape (B,) or (B, H), or a list of ints")
+        weights = _weights(weights, ids)
         if ids.dim() == 1:
             ids = ids.unsqueeze(1)
-            weights = None if weights is None else weights.unsqueeze(1)
+            if weights is not None and weights.dim() == 1:
+                weights = weights.unsqueeze(1)  # (B,) -> (B, 1)
         return cls.from_dense(ids, pad=pad, weights=weights)
 
     @classmethod
@@ -130,9 +164,15 @@ class Jagged:
         values = values.to(torch.int64)
         w = None
         if weights is not None:
-            if [len(bag) for bag in weights] != lengths:
-                raise InvalidInputError("weights must have the same bag lengths as ids")
-            w = torch.tensor([x for bag in weights for x in bag], dtype=torch.float32)
+            expected = "a list of lists of floats with the same bag lengths as ids"
+            try:
+                same = [len(bag) for bag in weights] == lengths
+                flat_w = [x for bag in weights for x in bag] if same else []
+            except TypeError:
+                raise InvalidInputError(f"weights must be {expected}, got {type(weights).__name__}") from None
+            if not same:
+                raise InvalidInputError(f"weights must be {expected}; their bag lengths differ")
+            w = _as_tensor(flat_w, "weights", expected, torch.float32)
         return cls.from_lengths(values, torch.tensor(lengths, dtype=torch.int64), w)
 
     @classmethod
@@ -141,6 +181,7 @@ class Jagged:
         ``tf.SparseTensor`` layout); ``weights`` an optional one with the same indices."""
         if not isinstance(ids, torch.Tensor) or ids.layout != torch.sparse_coo or ids.sparse_dim() != 2:
             raise InvalidInputError("from_sparse expects a 2-D torch.sparse_coo_tensor of ids")
+        _refuse_meta(ids, "ids")
         nnz = ids._nnz()
         ids = ids.coalesce()  # sorted by (row, column)
         if ids._nnz() != nnz:
@@ -208,6 +249,7 @@ class Jagged:
     def check_structure(self, feature: str | None = None) -> None:
         """Checks dtypes, shapes and devices (no pass over the data)."""
         v, o, w = self.values, self.offsets, self.weights
+        _refuse_meta(v, "ids", feature)
         if v.dtype not in _INT_DTYPES:
             raise InvalidInputError(f"{_where(feature)}ids must be integers, got dtype {v.dtype}", feature)
         if o.dtype not in _INT_DTYPES:

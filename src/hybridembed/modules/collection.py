@@ -33,7 +33,7 @@ from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
-from ..utils import device_tensor, kept_tensor
+from ..utils import check_device, device_tensor, kept_tensor
 
 __all__ = ["EmbeddingCollection"]
 
@@ -167,7 +167,9 @@ class EmbeddingCollection(nn.Module):
         features: ``{feature name: table name}``; several features may share a table.
             Default: one feature per table, named like it.
         seed: the seed of every table's row-keyed initializer (an int64).
-        device: where the rows live.
+        device: where the rows live: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"meta"`` (fixed-size
+            tables only: no rows, for ``he.distribute`` to make each rank's shards). A device
+            this machine or torch build lacks is a :class:`ConfigError`.
         sequence_output: for ``combiner="none"`` tables, ``"jagged"`` (a :class:`Jagged`
             whose values are rows (N, D)) or ``"padded"`` (a zero-padded ``(B, T, D)`` tensor).
         pad: the id that marks padding in 2-D id tensors (an int64); dropped before lookup.
@@ -194,6 +196,13 @@ class EmbeddingCollection(nn.Module):
         tables = list(tables)
         features = check_arguments(tables, features, seed, pad, sequence_output)
         kernels = check_kernels(kernels)
+        device = check_device(device, "EmbeddingCollection")
+        if device is not None and device.type == "meta" and any(t.dynamic for t in tables):
+            name = next(t.name for t in tables if t.dynamic)
+            raise ConfigError(
+                f"EmbeddingCollection: table {name!r} is dynamic and cannot be built on the meta device (its hash "
+                "index needs real memory); build it on 'cpu' or 'cuda', or make only fixed-size tables on meta"
+            )
         if any(t.name == "storages" for t in tables):
             raise ConfigError("'storages' is reserved; rename that table")
         by_name = {t.name: t for t in tables}
@@ -276,9 +285,16 @@ class EmbeddingCollection(nn.Module):
 
     def _as_input(self, feat: _Feature, x: Any) -> Jagged:
         """One feature's input -> Jagged, with dtypes, shapes and device checked (no pass over data)."""
+        device = self.storages[feat.group].weight.device
+        if device.type == "meta":
+            raise InvalidInputError(
+                f"feature {feat.name!r}: its table {feat.table.name!r} was built on the meta device and has no "
+                "rows to look up; he.distribute(model) makes each rank's shards, or build the collection on cpu "
+                "or cuda",
+                feat.name,
+            )
         j = as_jagged(x, feat.name, self.pad)
         j.check_structure(feat.name)
-        device = self.storages[feat.group].weight.device
         if j.values.device != device:  # (check_structure put offsets and weights beside the ids)
             raise InvalidInputError(
                 f"feature {feat.name!r}: input is on {j.values.device} but its table is on {device}; "
@@ -364,7 +380,8 @@ class EmbeddingCollection(nn.Module):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
             raise InvalidInputError(f"feature {feature!r}: ids must be a 1-D integer tensor", feature)
         j = Jagged(ids, self._one_per_bag(ids.shape[0], ids.device))
-        if ids.dtype not in _INT_DTYPES or ids.device != self._storage_list[feat.group].weight.device:
+        dev = self._storage_list[feat.group].weight.device
+        if ids.dtype not in _INT_DTYPES or ids.device != dev or dev.type == "meta":
             self._as_input(feat, j)  # (raises, naming the problem)
         return self._lookup_dense(feat, j)
 
@@ -395,6 +412,7 @@ class EmbeddingCollection(nn.Module):
             and v.dim() == 1
             and v.dtype in _INT_DTYPES
             and v.device == device
+            and device.type != "meta"
         ):
             ids = self._as_input(feat, ids)
         return ids, feat.table.compute_dtype, device

@@ -83,7 +83,7 @@ PS_MODES = ("sync", "async")
 PS_FLAGS = ("ps_mode", "staleness", "cache_rows", "prefetch")  # parameter-server flags: only with --servers
 ONE_COLLECTION = ("dlrm", "dcnv2")  # the models whose tables form one collection (servers serve one per model)
 ADULT_SPLIT_SEED = 0  # the Adult train/test split is fixed, whatever --seed says
-JOB_PG_TIMEOUT = 1800  # seconds a collective of --nproc N waits for a rank that hangs
+JOB_PG_TIMEOUT = 1800  # seconds a collective of --nproc N waits for a rank that hangs: torch's default (--timeout)
 
 
 class UsageError(Exception):
@@ -117,13 +117,15 @@ def _device(text: str) -> str:
 
 
 def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer widths like 128,64, got {text!r}") from None
-    if not sizes or min(sizes) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive layer widths like 128,64, got {text!r}")
-    return sizes
+    """``--mlp``, ``--bottom-mlp``: comma-separated layer widths, each an int >= 1 (``128,64``)."""
+    parts = [x.strip() for x in text.split(",")]
+    bad = next((x for x in parts if not (x.isascii() and x.isdigit() and int(x) > 0)), None)
+    if bad is not None:
+        what = "an empty width" if not bad else f"width {bad!r}"
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated layer widths, each an int >= 1, like 128,64; got {text!r} ({what})"
+        )
+    return [int(x) for x in parts]
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -264,6 +266,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="train on N processes of one gloo job: tables sharded with he.distribute, dense layers "
         "data-parallel, each rank on B/N rows of every batch of --batch-size B (default 1; under torchrun: "
         "its WORLD_SIZE, joined; `hybridembed launch` runs torchrun)",
+    )
+    t.add_argument(
+        "--timeout",
+        type=_number(float, 0.0, False),
+        metavar="SECONDS",
+        help="with --nproc N: how long a collective of the job waits for a rank that hangs before failing, the "
+        "process group's timeout (init_process_group(timeout=...); default: torch's, 1800)",
     )
     s = p.add_argument_group("parameter servers (with --nproc N)")
     s.add_argument(
@@ -1030,15 +1039,15 @@ def _spawn(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
 
     if args.dataset == "criteo" and not args.data:
         generate_if_needed(args)  # here, before the job's collectives start their clocks
-    # no time limit on the job; a collective waits at most JOB_PG_TIMEOUT for a rank that hangs
-    # (a rank that fails or dies stops the others within seconds)
+    # no time limit on the job; a collective waits at most --timeout (JOB_PG_TIMEOUT) for a rank that
+    # hangs (a rank that fails or dies stops the others within seconds)
     spawn(
         _rank_main,
         args.nproc,
         args,
         state,
         timeout=math.inf,
-        pg_timeout=JOB_PG_TIMEOUT,
+        pg_timeout=args.timeout or JOB_PG_TIMEOUT,
         threads=args.threads,
         start_method="spawn",  # (rank 0 prints where this command prints)
     )
@@ -1083,6 +1092,24 @@ class _LostRank(Exception):
 _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
+def _loopback_store(rank: int, world: int, timeout: Any) -> Any:
+    """The job's store when rank 0 of this torchrun job makes it (not the agent's, shared) at a loopback
+    MASTER_ADDR: one that listens on 127.0.0.1 alone (:func:`~hybridembed.distributed.launch.loopback_store`;
+    torch's env:// store listens on every interface). None otherwise: torch's env:// rendezvous."""
+    import ipaddress
+
+    from ..distributed.launch import loopback_store
+
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not port.isdigit():
+        return None
+    try:
+        loopback = addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        loopback = False
+    return loopback_store(int(port), world, rank == 0, timeout) if loopback else None
+
+
 def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, world: int) -> int:
     """One rank of a torchrun job (``hybridembed launch`` or torchrun itself)."""
     from datetime import timedelta
@@ -1091,7 +1118,10 @@ def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, wor
 
     ours = not dist.is_initialized()
     if ours:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=JOB_PG_TIMEOUT))
+        timeout = timedelta(seconds=args.timeout or JOB_PG_TIMEOUT)
+        store = _loopback_store(rank, world, timeout)
+        where = {} if store is None else {"store": store, "rank": rank, "world_size": world}
+        dist.init_process_group("gloo", timeout=timeout, **where)
     try:
         return run(args, state, Job(rank, world))
     except RuntimeError as e:

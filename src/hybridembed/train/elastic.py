@@ -3,10 +3,11 @@
     hybridembed train --nproc 2 --max-restarts 3 --checkpoint runs/ckpt --checkpoint-every 500
     python -m pytest -q tests/train/test_faults.py
 
-The command runs ``python -m torch.distributed.run --nproc-per-node N --standalone
---max-restarts K -m hybridembed.cli train <the same flags>`` (built by ``hybridembed launch``'s
-:func:`~hybridembed.distributed.launcher_cli.torchrun_argv`; the rendezvous port comes from
-the OS). When a process fails or dies, the agent stops the others and starts all N again, at
+The command runs torchrun, ``python -m hybridembed.distributed.local_run --nproc-per-node N
+--standalone --local-addr 127.0.0.1 --max-restarts K -m hybridembed.cli train <the same flags>``
+(built by ``hybridembed launch``'s :func:`~hybridembed.distributed.launcher_cli.torchrun_command`;
+the rendezvous port comes from the OS; the job listens on loopback only, as ``hybridembed
+launch``'s on one machine). When a process fails or dies, the agent stops the others and starts all N again, at
 most K times; each start of ``train`` under the agent resumes from the last committed
 checkpoint in ``--checkpoint DIR`` (see :func:`checkpoint_to_resume`).
 
@@ -59,13 +60,13 @@ def checkpoint_to_resume(directory: str | None, model_dir: str) -> str | None:
 
 
 def torchrun_command(nproc: int, max_restarts: int, train_argv: Sequence[str]) -> list[str]:
-    """``python -m torch.distributed.run ... -m hybridembed.cli train <train_argv>`` on this machine."""
-    from ..distributed.launcher_cli import build_parser, torchrun_argv
+    """torchrun ``... -m hybridembed.cli train <train_argv>`` on this machine (its stores on 127.0.0.1)."""
+    from ..distributed.launcher_cli import build_parser, torchrun_command
 
     launch = build_parser().parse_args(
         ["--nproc", str(nproc), "--max-restarts", str(max_restarts), "-m", "hybridembed.cli", "train", *train_argv]
     )
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_argv(launch)]
+    return torchrun_command(launch)
 
 
 def _failure(exitcode: int, rank: int, pid: int) -> str:
@@ -89,7 +90,7 @@ def run_elastic(
     """
     from ..distributed.launcher_cli import restart_env
 
-    env = restart_env(max_restarts)
+    env = restart_env(max_restarts, one_machine=True)
     env.setdefault("OMP_NUM_THREADS", str(threads))  # (torchrun prints a banner when it sets it itself)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env, text=True, errors="replace", bufsize=1)
     failures: list[tuple[int, int, int]] = []  # (exit code, rank, pid) of each start that failed
