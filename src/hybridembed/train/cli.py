@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import __version__, _env
 from ..distributed.launch import SpawnError
-from ..errors import ConfigError, HybridEmbedError
+from ..errors import ConfigError, HybridEmbedError, RankLost
 from ..kernels.backend import KERNELS, check_kernels
 from ..utils import OneLineParser, get_logger
 from . import data as D
@@ -1124,6 +1124,8 @@ def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, wor
         dist.init_process_group("gloo", timeout=timeout, **where)
     try:
         return run(args, state, Job(rank, world))
+    except RankLost as e:  # (the library named the rank that died, stopped or failed)
+        raise _LostRank(str(e)) from None
     except RuntimeError as e:
         text = str(e)
         if "gloo" in text and any(k in text for k in _LOST_PEER):
@@ -1185,6 +1187,9 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         if isinstance(e.error, (UsageError, D.DataError, HybridEmbedError)):
             print(f"{prog}: error: {_one_line(e.error)} (rank {e.rank} of {args.nproc})", file=sys.stderr)
             return 2
+        if isinstance(e.error, RankLost):  # (a rank lost by another: named in the message, no traceback)
+            print(f"{prog}: error: {_one_line(e.error)} (rank {e.rank} of {args.nproc})", file=sys.stderr)
+            return 1
         print(f"{prog}: error: {e}", file=sys.stderr)  # a bug: the rank's traceback
         return 1
     except (UsageError, D.DataError, HybridEmbedError) as e:
