@@ -131,19 +131,30 @@ class _Heartbeat:
         self.rank = rank
         self.beat_store = dist.PrefixStore(_PREFIX, _clone(store))
         self.store = dist.PrefixStore(_PREFIX, _clone(store))
-        self.alive = True
+        self._stop = threading.Event()
         self._asking: threading.Thread | None = None
         self.beat_store.add(f"beat/{rank}", 1)  # (at once: the rank is known to beat from the start)
         self.thread = threading.Thread(target=self._run, name="hybridembed-heartbeat", daemon=True)
         self.thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return not self._stop.is_set()
+
     def _run(self) -> None:
-        while self.alive:
-            time.sleep(PERIOD)
+        while not self._stop.wait(PERIOD):
             try:
                 self.beat_store.add(f"beat/{self.rank}", 1)
             except Exception:  # noqa: BLE001 - the store is gone (the job ended): nothing to tell
-                self.alive = False
+                return
+
+    def stop(self) -> None:
+        """Stop beating, and wait for a beat in flight: a thread that returns from torch's C++ while
+        the interpreter shuts down aborts the process ("terminate called without an active
+        exception"), so none may be left in one."""
+        self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(STORE_WAIT)
 
     def ask(self, fn):
         """``fn(store)`` within :data:`STORE_WAIT` seconds; None when the store failed or did not
@@ -220,7 +231,7 @@ def heartbeat() -> _Heartbeat | None:
     with _lock:
         if _beat is None or _beat_store is not store:  # (a new job in this process: a new beat)
             if _beat is not None:
-                _beat.alive = False
+                _beat._stop.set()
             try:
                 _beat, _beat_store = _Heartbeat(store, dist.get_rank()), store
             except Exception as e:  # noqa: BLE001 - a store that refuses: the job runs without reports
@@ -236,9 +247,9 @@ def stop() -> None:
     does, and a beat into a closed store makes torch print a warning)."""
     global _beat, _beat_store
     with _lock:
-        if _beat is not None:
-            _beat.alive = False
-        _beat, _beat_store = None, None
+        beat, _beat, _beat_store = _beat, None, None
+    if beat is not None:
+        beat.stop()
 
 
 atexit.register(stop)

@@ -240,6 +240,7 @@ class ShardedCollection(nn.Module):
         timeout: float | datetime.timedelta | None = None,
     ):
         super().__init__()
+        kernels = check_kernels(kernels)  # (checked first: a rank without shards builds no collection)
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError(
                 "sharded tables need an initialised torch.distributed process group: call "
@@ -250,7 +251,6 @@ class ShardedCollection(nn.Module):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         problem = None
         try:  # (every check before the first collective: a rank that refuses tells the others in _agree)
-            kernels = check_kernels(kernels)
             timeout = health.as_timeout(timeout)
             if reduction not in REDUCTIONS:
                 raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")

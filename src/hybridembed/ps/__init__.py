@@ -34,6 +34,7 @@ from ..distributed import health
 from ..errors import ConfigError, HybridEmbedError
 from ..optim.wrapper import HybridOptimizer
 from ..utils import get_logger
+from . import wire
 from .remote import MODES, PSCollection, RemoteStorage
 from .server import TableServer
 from .transport import ServerLink, ServerLost
@@ -128,7 +129,8 @@ def serve(model: nn.Module, server: TableServer, link: ServerLink, timeout: date
     timeout = timeout if timeout is not None else health.job_timeout()
     log.info("parameter server rank %d: serving %d shard(s) to trainers %s", rank, len(server.held), server.trainers)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_receive, args=(link, inbox), name="hybridembed-ps-receive", daemon=True).start()
+    receiver = threading.Thread(target=_receive, args=(link, inbox, server.trainers), daemon=True)
+    receiver.start()
     glob = {t: t for t in server.trainers}  # (the trainers' global ranks: their heartbeats' keys)
     watch = health.Watch(glob.values(), health.lost_after(timeout))
     checked = time.monotonic()
@@ -154,17 +156,19 @@ def serve(model: nn.Module, server: TableServer, link: ServerLink, timeout: date
                 break
         if item is None:
             continue
-        if isinstance(item, BaseException):  # (the transport's: a trainer's connection closed)
+        if item is _DEAF:  # (nothing more can be received: the trainers left are told by their timeouts)
+            if not server.failed:
+                _send(link, server, server.trainers_lost({-1: "broke the servers' connections"}))
+            break
+        if isinstance(item, BaseException):  # (the transport's: a trainer's connection broke)
             text = str(item).splitlines()[0] if str(item) else type(item).__name__
             found = health.diagnose(glob[t] for t in server.active)  # (which one: its heartbeat stopped)
             named = {t: found.get(glob[t], found.get(-1)) for t in server.active}
             named = {t: why for t, why in named.items() if why is not None}
-            _send(link, server, server.trainers_lost(named or {-1: f"connection failed ({text[:200]})"}))
-            raise health.RankLost(
-                f"parameter server rank {rank}: lost a trainer ({server.lost}); the job cannot go on, a restart "
-                "resumes from the last committed checkpoint",
-                named,
-            )
+            _send(link, server, server.trainers_lost(named or {-1: f"lost a trainer ({text[:200]})"}))
+            log.error("parameter server rank %d: %s", rank, server.lost)
+            lost_at = lost_at or time.monotonic()
+            continue
         replies, checkpoint = server.handle(*item)
         _send(link, server, replies)
         if checkpoint is not None:
@@ -173,6 +177,11 @@ def serve(model: nn.Module, server: TableServer, link: ServerLink, timeout: date
         link.sends.wait()
     except RuntimeError:  # (a trainer that left before reading a reply it no longer needed)
         pass
+    # the receiving thread ends once it has read every goodbye; a thread still running torch code
+    # when the interpreter shuts down aborts the process, so it is waited for (one left blocked in a
+    # receive, after a trainer was lost, stays there harmlessly)
+    if server.said_bye >= set(server.trainers):
+        receiver.join(health.STORE_WAIT)
     if server.failed:
         raise health.RankLost(server.lost, [t for t in server.trainers if t not in server.active])
     ck.wait_pending(model)
@@ -180,14 +189,30 @@ def serve(model: nn.Module, server: TableServer, link: ServerLink, timeout: date
     log.info("parameter server rank %d: every trainer left; stopping", rank)
 
 
-def _receive(link: ServerLink, inbox: queue.SimpleQueue) -> None:
-    """The server's receiving thread: every request into ``inbox``; a failed receive ends it."""
-    while True:
+_DEAF = object()  # what the receiving thread says when receives keep failing
+
+
+def _receive(link: ServerLink, inbox: queue.SimpleQueue, trainers: list[int]) -> None:
+    """The server's receiving thread: every request into ``inbox``, until every trainer has said bye
+    (no receive is left waiting in gloo when the process ends). A failed receive (a trainer's
+    connection broke) goes into ``inbox`` too, and receiving goes on for the other trainers, unless
+    receives keep failing at once."""
+    left: set[int] = set()
+    failures: list[float] = []
+    while left < set(trainers):
         try:
-            inbox.put(link.recv())
-        except Exception as e:  # noqa: BLE001 - handed to the serving loop, which raises
+            src, header, payload = link.recv()
+        except Exception as e:  # noqa: BLE001 - handed to the serving loop
             inbox.put(e)
-            return
+            now = time.monotonic()
+            failures = [t for t in failures if now - t < 1.0] + [now]
+            if len(failures) >= 3:  # (the group is broken: nothing more can be received)
+                inbox.put(_DEAF)
+                return
+            continue
+        inbox.put((src, header, payload))
+        if int(header[1]) == wire.BYE and not isinstance(payload, Exception):
+            left.add(src)
 
 
 def _send(link: ServerLink, server: TableServer, replies: list) -> None:

@@ -168,6 +168,7 @@ class TableServer:
         self.stats_["dropped_rows"] = 0  # gradients of dynamic rows no longer held (evicted)
         self.lost: str | None = None  # why the trainers' steps can no longer complete
         self.failed = False  # a trainer failed or vanished: every request is refused with `lost`
+        self.said_bye: set[int] = set()  # trainers whose goodbye arrived
 
     # --- the handler ---------------------------------------------------------------------
     def handle(
@@ -541,6 +542,7 @@ class TableServer:
         return [(src, self._ok(m.req, meta=self.stats()))], None
 
     def _bye(self, src: int, m: Message) -> tuple[list, None]:
+        self.said_bye.add(src)
         failed = m.meta.get("failed")
         if failed:  # a trainer that failed: the job cannot go on, in either mode
             return self.trainers_lost({src: f"failed ({str(failed)[:300]}) at step {self.done[src]}"}), None
@@ -561,13 +563,14 @@ class TableServer:
         return out, None
 
     def trainers_lost(self, gone: dict[int, str]) -> list:
-        """Trainers that failed, died, stopped or vanished (``{rank: what happened}``): no step can
+        """Trainers that failed, died, stopped or vanished (``{rank: what happened}``, -1: one that
+        cannot be told apart): no step can
         complete any more, so every waiting request of the others is answered with an error naming
         them, and so is every request from now on (but a goodbye). Returns those replies."""
         self.active -= set(gone)
         if self.failed:  # (the first cause stays: the others fail because of it)
             return []
-        why = "; ".join(f"trainer {r} {text}" for r, text in sorted(gone.items()))
+        why = "; ".join(f"trainer {r} {text}" if r >= 0 else text for r, text in sorted(gone.items()))
         self.lost = f"server rank {self.rank}: {why}; the job cannot go on (a restart resumes from the last checkpoint)"
         self.failed = True
         for r in gone:

@@ -170,12 +170,19 @@ class TrainerLink:
     def _lost(self, e: BaseException) -> ServerLost:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         why = "did not answer within the timeout" if "Timed out" in text else "is gone (its connection closed)"
-        state = diagnose([dist.get_global_rank(self.group, self.server)]) if "Timed out" in text else {}
-        seen = f" ({'; '.join(state.values())})" if state else ""
+        state = {}
+        if "Timed out" in text:  # (the server, or a trainer a synchronous step waits for: the job's ranks)
+            me = dist.get_rank(self.group)
+            state = diagnose(
+                dist.get_global_rank(self.group, r) for r in range(dist.get_world_size(self.group)) if r != me
+            )
+        seen = (
+            f" ({'; '.join(f'rank {r} {why}' if r >= 0 else why for r, why in sorted(state.items()))})" if state else ""
+        )
         return ServerLost(
             f"parameter server rank {self.server} {why}{seen}: {text[:200]}. Timeout: {self.seconds:g} s "
             "(he.distribute(..., ps_timeout=...)); a restart resumes from the last committed checkpoint",
-            [self.server],
+            [self.server, *(r for r in state if r >= 0)],
         )
 
     def close(self) -> None:
