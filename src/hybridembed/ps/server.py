@@ -545,7 +545,7 @@ class TableServer:
         self.said_bye.add(src)
         failed = m.meta.get("failed")
         if failed:  # a trainer that failed: the job cannot go on, in either mode
-            return self.trainers_lost({src: f"failed ({str(failed)[:300]}) at step {self.done[src]}"}), None
+            return self.trainers_lost({src: f"failed: {str(failed)[:300]} (at step {self.done[src]})"}), None
         self.active.discard(src)
         self.checkpoint.pop(src, None)
         out: list = []  # (no reply: the trainer is leaving)
