@@ -321,6 +321,23 @@ def test_from_sparse_rejects_duplicate_coordinates():
         he.Jagged.from_sparse(coo)
 
 
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: he.Jagged.from_tensor(torch.empty(4, dtype=torch.int64, device="meta")),
+        lambda: he.Jagged.from_dense(torch.empty(4, 3, dtype=torch.int64, device="meta")),
+        lambda: he.Jagged.from_lengths(torch.tensor([1, 2]), torch.empty(2, dtype=torch.int64, device="meta")),
+        lambda: as_jagged(torch.empty(2, 2, dtype=torch.int32, device="meta"), "user"),
+    ],
+)
+def test_constructors_refuse_ids_and_lengths_without_values(build):
+    """A tensor on the meta device has a shape and no values: the padding and lengths checks read
+    values, and raised a RuntimeError (found by benchmarks/fuzz_faults.py: at world 2 the bad rank's
+    loop, skipping ValueErrors, stopped, and every other rank with it)."""
+    with pytest.raises(he.InvalidInputError, match="meta device"):
+        build()
+
+
 def test_from_dense_rejects_non_tensor_weights():
     with pytest.raises(he.InvalidInputError):
         he.Jagged.from_dense(torch.tensor([[1, 2]]), weights=[[1.0, 2.0]])

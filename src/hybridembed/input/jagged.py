@@ -38,6 +38,16 @@ def _first_true(mask: torch.Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
+def _with_values(t: torch.Tensor, what: str) -> None:
+    """Refuses a tensor on the meta device where its values are read (padding, lengths): it has a
+    shape but no values (reading one raised a RuntimeError, which a loop skipping bad batches with
+    ``except ValueError`` does not catch)."""
+    if t.device.type == "meta":
+        raise InvalidInputError(
+            f"{what} are on the meta device (a shape without values); give them on the device of the table"
+        )
+
+
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     """Run lengths (B,) -> int64 offsets (B+1,) starting at 0."""
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
@@ -76,6 +86,7 @@ class Jagged:
         lengths = torch.as_tensor(lengths)
         if lengths.dim() != 1 or lengths.dtype not in _INT_DTYPES:
             raise InvalidInputError(f"lengths must be a 1-D integer tensor, got {tuple(lengths.shape)} {lengths.dtype}")
+        _with_values(lengths, "lengths")
         if lengths.numel() and int(lengths.min()) < 0:
             raise InvalidInputError(f"lengths must be >= 0; lengths[{_first_true(lengths < 0)}] is negative")
         return cls(torch.as_tensor(values), offsets_from_lengths(lengths), weights)
@@ -88,6 +99,7 @@ class Jagged:
             raise InvalidInputError(f"from_dense expects ids of shape (B, H), got {tuple(ids.shape)}")
         if ids.dtype not in _INT_DTYPES:
             raise InvalidInputError(f"ids must be integers, got dtype {ids.dtype}; convert with .long()")
+        _with_values(ids, "ids")
         if weights is not None and not isinstance(weights, torch.Tensor):
             raise InvalidInputError(
                 f"weights must be a tensor of shape {tuple(ids.shape)}, got {type(weights).__name__}"
