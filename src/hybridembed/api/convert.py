@@ -372,6 +372,10 @@ class HybridEmbeddingBag(_TableLayer):
     def forward(
         self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor):
+            raise InvalidInputError(
+                f"table {self.table!r}: input must be a tensor of ids, got {type(input).__name__}", self.table
+            )
         psw = per_sample_weights
         if psw is not None and self.mode != "sum":
             raise InvalidInputError(
