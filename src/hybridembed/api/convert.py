@@ -119,6 +119,7 @@ from .. import init as _init
 from ..config import STORAGE_DTYPES, Dynamic, TableConfig
 from ..errors import ConfigError, InvalidInputError
 from ..input import Jagged, bag_index, offsets_from_lengths
+from ..input.jagged import _INT_DTYPES
 from ..modules import EmbeddingCollection
 from ..modules.grouped import LookupQueue
 from ..storage import serial
@@ -403,6 +404,10 @@ class HybridEmbeddingBag(_TableLayer):
                     f"table {self.table!r}: 1-D input needs 1-D offsets (B,) giving where each bag starts"
                 )
             ids = input
+            if offsets.dtype not in _INT_DTYPES:  # (torch refuses them too; a cast would truncate 1.5 to 1)
+                raise InvalidInputError(
+                    f"table {self.table!r}: offsets must be integers, got dtype {offsets.dtype}", self.table
+                )
             offsets = offsets.to(torch.int64)
             if not self.include_last_offset:
                 offsets = torch.cat([offsets, torch.tensor([ids.numel()], dtype=torch.int64, device=offsets.device)])
