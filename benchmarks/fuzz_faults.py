@@ -409,9 +409,9 @@ def _malform(kind: str, name: str, x: dict, r: random.Random):
             v.weights if weights is None else weights,
         )
 
-    def bad_offsets(o, n):  # offsets (B+1,) of n ids, broken one way (never left valid)
+    def bad_offsets(o, n, hows=("decrease", "first", "last", "last-huge", "past")):  # (B+1,) of n ids, broken
         o = o.clone()
-        how = r.choice(["decrease", "first", "last", "last-huge", "past"] if o.numel() > 2 else ["first", "last"])
+        how = r.choice(hows if o.numel() > 2 else [h for h in hows if h in ("first", "last")])
         if how == "decrease":
             i = r.randrange(1, o.numel() - 1)
             o[i] = o[i + 1] + r.randrange(1, 5)
@@ -429,7 +429,8 @@ def _malform(kind: str, name: str, x: dict, r: random.Random):
         w = x["b_w"]
         if name == "offsets":
             n = x["b"].numel()
-            return {**x, "b_off": bad_offsets(torch.cat([x["b_off"], torch.tensor([n])]), n)[:-1]}
+            starts = bad_offsets(torch.cat([x["b_off"], torch.tensor([n])]), n, ("decrease", "first", "past"))[:-1]
+            return {**x, "b_off": starts}  # (the starts: torch's form; the end is the ids' count)
         change = {
             "dtype": lambda: (ids, x[ids].to(r.choice(floats))),
             "offsets-dtype": lambda: ("b_off", x["b_off"].to(r.choice(floats[:2]))),
