@@ -37,23 +37,25 @@ run"). Trials are drawn from ``(seed, case, trial)`` alone: ``--only T`` runs tr
    tables (read back whole, bit for bit) and counters (rows pulled and pushed, steps applied,
    the tables' own stats) unchanged; then both trainers train 6 steps and equal one process (if
    not, every frame of that job is silent); **silent**: an OK reply or a change; **crash**: the
-   server died; **hang**: no reply within 10 s. Excluded (see EXCLUDED): frames larger than the
-   server's buffer, payloads that parse on STATS and BYE, a valid frame followed by more bytes
-   (what the server does with it is measured and reported under "probes").
+   server died; **hang**: no reply within 10 s. Not fuzzed (NOT_FUZZED, with why): frames larger
+   than the server's buffer, payloads that parse on STATS and BYE, a valid frame followed by more
+   bytes (what the server does with one is measured and reported under "probes").
 3. ``ckpt``: checkpoint races. ``threads``: two models of one process saving into one directory
    from two threads (each writer at random: blocking or background, incremental or not, keep
    1-3); ``procs``: two processes doing the same; ``dload``: a world-2 job loading again and
    again while another process commits; ``kill``: a committed version, then a writer (a forked
    process) SIGKILLed at a random point of its save (a file write, before, inside or right after
-   its commit, or a random delay), then another model's save and a load. Every save first
-   changes its model's rows (a training step), copies them to ``snaps/<tag>.pt`` and tags the
-   save (``extra``). **clear**: a second writer is refused with a CheckpointError (or succeeds
+   its commit, while its cleanup deletes the older version, or a random delay), then another
+   model's save and a load. Every save first changes its model's rows (a training step), copies
+   them to ``snaps/<tag>.pt`` and tags the save (``extra``). **clear**: a second writer is refused with a CheckpointError (or succeeds
    after the first finished); every load returns a committed version whose rows are its save's
    copy, exactly, and the same version on every rank (or is refused on every rank: a version
    deleted by the writer's ``keep`` while it was read); LATEST is the last commit; no committed
    version is gone unless a later save's ``keep`` let it go; no version holds a refused save's
    rows; **silent**: otherwise; **crash**: a save or load raised another error, or a process
-   died; **hang**: as above.
+   died; **hang**: as above. Listed under "notable" (clear, and worth knowing): an older version
+   a killed writer's cleanup was deleting, left damaged (a load of it is refused, naming the
+   damage), versions never committed, temporary files the next save did not remove.
 
 Output: a table per family and case (tried / clear / silent / crash / hang), and with ``--json``
 every trial that was not clear (its case, trial and what happened: rerun it with ``--only``), the
@@ -1247,9 +1249,11 @@ def _ck_kill(root: Path, rng: random.Random) -> dict:
     victim = Writer(root, "k1", *_ck_model(_seed(root, 1)), random.Random(rng.random()))
     # where it dies: at its k-th file write (7 per save), before its commit (its version renamed into
     # place), inside it (LATEST.tmp written, not yet renamed), right after it (lock held, no cleanup),
-    # or after a random delay (sent by this process)
-    point = rng.choice(["write", "write", "write", "before-commit", "in-commit", "after-commit", "delay", "delay"])
-    at_write, delay = rng.randrange(1, 8), rng.random() * 0.1
+    # while its cleanup deletes the older version (keep=1: one file of it gone), or after a random delay
+    points = ["write", "write", "write", "before-commit", "in-commit", "after-commit", "in-cleanup", "delay", "delay"]
+    point, at_write, delay = rng.choice(points), rng.randrange(1, 8), rng.random() * 0.1
+    if point == "in-cleanup":
+        victim.keep = 1
     pid = os.fork()
     if pid == 0:  # the victim
         try:
@@ -1267,6 +1271,14 @@ def _ck_kill(root: Path, rng: random.Random) -> dict:
                     die()
                 real_replace(src, dst, *args, **kwargs)
 
+            def rmtree(path, *args, **kwargs):
+                if ck._VERSION_RE.match(Path(path).name):  # (a committed version, no longer kept)
+                    next(f for f in sorted(Path(path).rglob("*")) if f.is_file()).unlink()
+                    die()
+                real_rmtree(path, *args, **kwargs)
+
+            real_rmtree = shutil.rmtree
+
             if point == "write":
                 ck._write_file = write
             elif point == "before-commit":
@@ -1275,6 +1287,8 @@ def _ck_kill(root: Path, rng: random.Random) -> dict:
                 os.replace = replace
             elif point == "after-commit":
                 ck._commit = lambda root, version: (real_commit(root, version), die())
+            elif point == "in-cleanup":
+                shutil.rmtree = rmtree
             victim.save(0)
         finally:
             os._exit(0)
@@ -1469,6 +1483,11 @@ def _exclusions(results: list[dict]) -> dict[str, int]:
 
 
 FAMILIES = ("input", "ps", "ckpt")
+NOTABLE = (  # what a clear checkpoint trial may leave, listed by trial
+    "damaged_versions_left",  # an older version a killed writer's cleanup was deleting: a load refuses it
+    "uncommitted_versions_left",  # a version written, never committed (the next save removes it)
+    "leftovers_after_next_save",  # temporary files of a dead save that the next save did not remove
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1507,10 +1526,21 @@ def main(argv: list[str] | None = None) -> dict:
             bad = [r for r in results if r["outcome"] not in ("clear",)]
             for r in bad:
                 print(f"  {r['outcome']}: case {r['case']} trial {r['trial']}: {r['why'][:300]}")
+            notable = [
+                {"case": r["case"], "trial": r["trial"], **{k: r[k] for k in NOTABLE if k in r}}
+                for r in results
+                if any(k in r for k in NOTABLE)
+            ]
+            for r in notable:
+                print(
+                    f"  note: case {r['case']} trial {r['trial']}: "
+                    + ", ".join(f"{k} {r[k]}" for k in NOTABLE if k in r)
+                )
             report["families"][family] = {
                 "counts": table,
                 "seconds": round(time.monotonic() - t0, 1),
                 "not_clear": bad,
+                "notable": notable,
                 "excluded_draws": _exclusions(results),
                 "not_fuzzed": NOT_FUZZED.get(family, []),
                 "kinds": _kinds(results),
