@@ -374,6 +374,29 @@ def test_module_apply_on_a_converted_model_visits_every_layer():
     )
 
 
+@pytest.mark.parametrize("bad", ["cuda:0", None, [1, 2, 3], 7])
+def test_a_bag_layer_refuses_input_that_is_not_a_tensor_as_the_embedding_layer_does(bad):
+    """It raised AttributeError ('str' object has no attribute 'device'): at world 2 the bad rank's
+    loop, skipping ValueErrors, stopped, and every other rank with it (benchmarks/fuzz_faults.py)."""
+    model = he.convert(nn.ModuleDict({"bag": nn.EmbeddingBag(10, D, mode="sum"), "emb": nn.Embedding(10, D)}))
+    with pytest.raises(he.InvalidInputError, match="table 'bag': input must be a tensor of ids, got"):
+        model["bag"](bad, torch.tensor([0, 1]))
+    with pytest.raises(he.InvalidInputError, match="table 'bag': input must be a tensor of ids, got"):
+        model["bag"](bad, torch.tensor([0, 1]), torch.ones(3))
+    with pytest.raises(he.InvalidInputError, match="table 'emb': input must be a tensor of ids, got"):
+        model["emb"](bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_a_bag_layer_refuses_offsets_that_are_not_integers_as_torch_does(dtype):
+    """They were cast to int64: offsets [0, 1.5] read as [0, 1], a silently different batch (found
+    by benchmarks/fuzz_faults.py: one process accepted what torch's nn.EmbeddingBag refuses)."""
+    model = he.convert(nn.Sequential(nn.EmbeddingBag(10, D, mode="sum")))
+    with pytest.raises(he.InvalidInputError, match=f"offsets must be integers, got dtype {dtype}"):
+        model[0](torch.tensor([1, 2, 3]), torch.tensor([0, 1.5]).to(dtype))
+    assert model[0](torch.tensor([1, 2, 3]), torch.tensor([0, 1], dtype=torch.int32)).shape == (2, D)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_per_sample_weights_on_another_device_are_refused_before_any_row_changes(padded):
     model = he.convert(nn.Sequential(nn.EmbeddingBag(10, D, mode="sum", padding_idx=0 if padded else None)))

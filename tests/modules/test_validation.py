@@ -147,6 +147,8 @@ BAD_INPUTS = {
     "ids-2d-in-jagged": ("clicked_items", he.Jagged(T([[1, 2, 3]]), T([0, 3])), None),
     "ids-3d": ("viewed_items", torch.zeros(2, 2, 2, dtype=torch.int64), None),
     "ids-0d": ("user_id", T(3), None),
+    "meta-ids-1d": ("user_id", torch.empty(2, dtype=torch.int64, device="meta"), None),
+    "meta-ids-padded": ("viewed_items", torch.empty(2, 2, dtype=torch.int64, device="meta"), None),
     # not ids at all
     "string": ("user_id", "6,0", None),
     "int": ("user_id", 6, None),

@@ -119,6 +119,7 @@ from .. import init as _init
 from ..config import STORAGE_DTYPES, Dynamic, TableConfig
 from ..errors import ConfigError, InvalidInputError
 from ..input import Jagged, bag_index, offsets_from_lengths
+from ..input.jagged import _INT_DTYPES
 from ..modules import EmbeddingCollection
 from ..modules.grouped import LookupQueue
 from ..storage import serial
@@ -372,6 +373,10 @@ class HybridEmbeddingBag(_TableLayer):
     def forward(
         self, input: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor):
+            raise InvalidInputError(
+                f"table {self.table!r}: input must be a tensor of ids, got {type(input).__name__}", self.table
+            )
         psw = per_sample_weights
         if psw is not None and self.mode != "sum":
             raise InvalidInputError(
@@ -399,6 +404,10 @@ class HybridEmbeddingBag(_TableLayer):
                     f"table {self.table!r}: 1-D input needs 1-D offsets (B,) giving where each bag starts"
                 )
             ids = input
+            if offsets.dtype not in _INT_DTYPES:  # (torch refuses them too; a cast would truncate 1.5 to 1)
+                raise InvalidInputError(
+                    f"table {self.table!r}: offsets must be integers, got dtype {offsets.dtype}", self.table
+                )
             offsets = offsets.to(torch.int64)
             if not self.include_last_offset:
                 offsets = torch.cat([offsets, torch.tensor([ids.numel()], dtype=torch.int64, device=offsets.device)])

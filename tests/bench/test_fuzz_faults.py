@@ -1,0 +1,76 @@
+"""``benchmarks/fuzz_faults.py`` at a tiny size: every family runs end to end and every trial is
+clear (none silent, crashed or hung), and planted failures are reported as what they are, so the
+counts in docs/distributed.md ("Faults across ranks: fuzz counts") stay honest.
+
+    python -m pytest -q tests/bench/test_fuzz_faults.py
+
+Each family is its own run of the script (jobs of fresh processes: ~10-25 s each here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hybridembed as he
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "fuzz_faults.py"
+SRC = str(Path(he.__file__).resolve().parents[1])  # the jobs import the hybridembed under test
+
+
+def _fuzz(tmp_path: Path, argv: list[str], env: dict | None = None) -> dict:
+    out = tmp_path / "fuzz.json"
+    full = dict(os.environ)
+    full["PYTHONPATH"] = os.pathsep.join([SRC, str(ROOT), full.get("PYTHONPATH", "")])
+    full.update(env or {})
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv, "--json", str(out)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    "family, argv",
+    [
+        ("input", ["--trials", "6", "--case", "ec2", "plain2", "ec3"]),
+        ("ps", ["--trials", "20"]),
+        ("ckpt", ["--trials", "8"]),
+    ],
+)
+def test_every_trial_is_clear(tmp_path, family, argv):
+    res = _fuzz(tmp_path, ["--families", family, "--seed", "5", *argv])
+    fam = res["families"][family]
+    total = fam["counts"]["all"]
+    assert total["tried"] == int(argv[1]), fam["counts"]
+    assert total["clear"] == total["tried"], json.dumps(fam["not_clear"], indent=1)[:4000]
+    assert not fam["not_clear"]
+    assert set(fam["counts"]) == {
+        *({"input": argv[3:], "ps": ["ps"], "ckpt": ["threads", "procs", "dload", "kill"]}[family]),
+        "all",
+    }
+
+
+def test_planted_failures_are_reported_as_silent_crash_and_hang(tmp_path):
+    """The fuzzer is not vacuous: a reference that trains on the step every rank skipped is silent,
+    a rank that exits is a crash, ranks that stop making progress are a hang; the trials around
+    them (in new jobs) are clear."""
+    env = {"FUZZ_INJECT": "ec2:1:silent,ec2:2:crash,ec2:3:hang", "FUZZ_STALL": "8"}
+    res = _fuzz(tmp_path, ["--families", "input", "--case", "ec2", "--trials", "5"], env)
+    fam = res["families"]["input"]
+    assert fam["counts"]["ec2"] == {"tried": 5, "clear": 2, "silent": 1, "crash": 1, "hang": 1}, fam["counts"]
+    outcome = {r["trial"]: r["outcome"] for r in fam["not_clear"]}
+    assert outcome == {1: "silent", 2: "crash", 3: "hang"}, fam["not_clear"]
+    silent = next(r for r in fam["not_clear"] if r["trial"] == 1)
+    assert "tables differ from one process" in silent["why"], silent
