@@ -282,6 +282,31 @@ def test_keep_and_loading_an_older_version_by_its_directory(tmp_path):
     assert_identical(snapshot(fresh, fresh_opt), snaps[2])
 
 
+def test_a_writer_stopped_while_deleting_an_old_version_leaves_no_half_version(tmp_path, monkeypatch):
+    """An old version is renamed away before it is deleted: a writer that dies mid-delete leaves a
+    leftover the next writer removes, never a version directory missing files (which a later writer
+    keeping more versions would keep, and a load by its directory would find broken)."""
+    model, opt = trained("adagrad", steps=1)
+    he.save(tmp_path / "c", model, opt)
+    real = ckpt.shutil.rmtree
+
+    def dies_midway(path, *args, **kwargs):  # one file deleted, then the process "dies"
+        next(p for p in Path(path).rglob("*") if p.is_file()).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        he.save(tmp_path / "c", model, opt)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real)
+    names = _versions(tmp_path / "c")
+    assert "v-000001" not in names and "v-000002" in names, names  # (the half-deleted one has no version name)
+    train(model, opt, range(1, 2))
+    he.save(tmp_path / "c", model, opt, keep=3)
+    assert _versions(tmp_path / "c") == ["v-000002", "v-000003"]  # (the leftover removed)
+    fresh, fresh_opt = build("adagrad")
+    he.load(tmp_path / "c" / "v-000002", fresh, fresh_opt)
+
+
 def test_shards_written_by_several_ranks_load_as_one_table(tmp_path):
     """Split every table in two shards, as two ranks would write them: it loads the same."""
     model, opt = trained("adam")

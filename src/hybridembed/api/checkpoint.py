@@ -150,6 +150,7 @@ MANIFEST = "manifest.json"
 CHECKSUM_KEY = "manifest_sha256"  # sha256 of the manifest's canonical JSON without this key
 _VERSION_RE = re.compile(r"^v-(\d{6,})$")
 _TMP_RE = re.compile(r"^\.tmp-v-\d+-(\d+)$")
+_DROPPED = ".drop-"  # a version being deleted (renamed first; leftovers removed by the next writer)
 _CHUNK = 1 << 22
 
 
@@ -396,7 +397,7 @@ def _clean(root: Path, keep: int) -> None:
     (never a version that a kept incremental version is saved on top of)."""
     for p in root.iterdir():
         m = _TMP_RE.match(p.name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not _pid_alive(int(m.group(1))) or p.name.startswith(_DROPPED):  # (under the writer lock)
             shutil.rmtree(p, ignore_errors=True)
         elif p.name.startswith(f"{POINTER}.tmp-"):
             pid = p.name.rsplit("-", 1)[1]
@@ -417,8 +418,13 @@ def _clean(root: Path, keep: int) -> None:
                 break
             needed.add(v)
     drop = [v for v in versions if int(v[2:]) > n or v not in needed]
-    for v in drop:
-        shutil.rmtree(root / v, ignore_errors=True)
+    for v in drop:  # renamed first: a writer killed while deleting leaves no half version behind a version's name
+        gone = root / f"{_DROPPED}{v}-{os.getpid()}"
+        try:
+            os.replace(root / v, gone)
+        except OSError:
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 # --- one writer per directory ------------------------------------------------------------------
