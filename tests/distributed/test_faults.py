@@ -67,7 +67,9 @@ def test_bad_input_on_one_rank_fails_the_step_on_every_rank_and_a_skipping_loop_
             torch.testing.assert_close(torch.tensor(r.result["tables"][name]), want[name], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop", "raise"])
+@pytest.mark.parametrize(
+    "fault", ["stop", "raise"]
+)  # (a killed rank fails the exchange the same way, at once: tests/ps/test_trainer_faults.py kills)
 def test_a_lost_sharded_rank_is_named_by_every_survivor_within_the_timeout(fault):
     timeout = 4.0
     env = {"JOB_TIMEOUT": str(timeout), "JOB_STEPS": "4", "JOB_DDP": "0"}
