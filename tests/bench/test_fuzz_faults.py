@@ -4,7 +4,7 @@ counts in docs/distributed.md ("Faults across ranks: fuzz counts") stay honest.
 
     python -m pytest -q tests/bench/test_fuzz_faults.py
 
-Each family is its own run of the script (jobs of fresh processes: ~5-15 s each here).
+Two runs of the script (jobs of fresh processes: ~10-25 s each here).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 import hybridembed as he
 
@@ -41,25 +39,15 @@ def _fuzz(tmp_path: Path, argv: list[str], env: dict | None = None) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize(
-    "family, argv",
-    [
-        # (the input family's clear trials run in the planted test below, and in tests/distributed/test_faults.py)
-        ("ps", ["--trials", "10"]),
-        ("ckpt", ["--trials", "2", "--case", "procs", "kill"]),  # (threads, dload: tests/api, tests/distributed)
-    ],
-)
-def test_every_trial_is_clear(tmp_path, family, argv):
-    res = _fuzz(tmp_path, ["--families", family, "--seed", "5", *argv])
-    fam = res["families"][family]
-    total = fam["counts"]["all"]
-    assert total["tried"] == int(argv[1]), fam["counts"]
-    assert total["clear"] == total["tried"], json.dumps(fam["not_clear"], indent=1)[:4000]
-    assert not fam["not_clear"]
-    assert set(fam["counts"]) == {
-        *(argv[3:] if "--case" in argv else ["ps"]),
-        "all",
-    }
+def test_the_other_families_run_end_to_end_and_every_trial_is_clear(tmp_path):
+    """(The input family's clear trials run in the planted test below, and in
+    tests/distributed/test_faults.py; the checkpoint races' other cases in tests/api.)"""
+    res = _fuzz(tmp_path, ["--families", "ps", "ckpt", "--seed", "5", "--trials", "2", "--case", "ps", "kill"])
+    for family in ("ps", "ckpt"):
+        fam = res["families"][family]
+        total = fam["counts"]["all"]
+        assert total["tried"] == 2 and total["clear"] == 2, fam["counts"]
+        assert not fam["not_clear"], json.dumps(fam["not_clear"], indent=1)[:4000]
 
 
 def test_planted_failures_are_reported_as_silent_crash_and_hang(tmp_path):
