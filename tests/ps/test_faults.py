@@ -157,6 +157,9 @@ def _flood_then_train(rank: int, world: int, idle: float) -> dict:
         longer = torch.cat([h, torch.tensor([wire.MAGIC])])
         frames = [_frame(h, p[:-8]), _frame(h, torch.cat([p, p[:8]])), _frame(longer, p), _frame(h[:7], p)]
         frames.append(torch.tensor([3], dtype=torch.int64).view(torch.uint8))
+        # a goodbye whose payload does not parse: refused, and the trainer is still served
+        bye = torch.tensor([wire.MAGIC, wire.BYE, 77, 0, 0, 0, 4, -1])
+        frames.append(_frame(bye, torch.frombuffer(bytearray(b"{{{{"), dtype=torch.uint8)))
         out["framing"] = []
         for f in frames:
             dist.send(f, 2, group=link.group, tag=transport.REQ)
@@ -178,8 +181,9 @@ def _flood_then_train(rank: int, world: int, idle: float) -> dict:
 def test_malformed_requests_over_gloo_then_training_equals_one_process():
     results = spawn(_flood_then_train, T + 1, 4.5, timeout=120)
     first, server = results[0], results[2]
-    assert first["errors"] == 1005 and first["errors_after"] == 1005  # (1,000 malformed and 5 misframed)
-    short, long, head9, head7, bare = first["framing"]
+    assert first["errors"] == 1006 and first["errors_after"] == 1006  # (1,000 malformed, 5 misframed, a bad bye)
+    short, long, head9, head7, bare, bye = first["framing"]
+    assert "meta is not JSON" in bye, bye
     for text in (short, long, head9):
         assert "does not end where its header says" in text, first["framing"]
     assert "bad magic" in head7 or "does not end" in head7, head7

@@ -211,7 +211,11 @@ def _receive(link: ServerLink, inbox: queue.SimpleQueue, trainers: list[int]) ->
                 return
             continue
         inbox.put((src, header, payload))
-        if int(header[1]) == wire.BYE and not isinstance(payload, Exception):
+        if int(header[1]) == wire.BYE and not isinstance(payload, Exception) and src in trainers:
+            try:  # (a goodbye the handler takes: one whose payload parses)
+                wire.unpack(header, payload, link.limit)
+            except wire.WireError:
+                continue
             left.add(src)
 
 
