@@ -1925,24 +1925,17 @@ def _shard_pieces(path: str, sc) -> list[_Piece]:
     """This rank's pieces of the ShardedCollection ``sc`` at ``path``: its shards (every rank),
     and the data-parallel tables (written by rank 0, read by every rank)."""
     out = []
-    for name, route in sc._routes.items():
+    for name, route in sc.routes().items():
         q = f"{path}.{name}" if path else name
         t = sc.tables[name]
-        if route.kind == "local":
-            spec = {"shard": 0, "rank": None, "replicated": True, "col_start": 0, "col_end": t.embedding_dim}
-            if t.dynamic is None:
-                spec.update(row_start=0, row_end=t.num_embeddings, row_step=1)
+        if route.replicated:
+            spec = {"shard": 0, "rank": None, "replicated": True, **route.span(0).spec()}
             out.append(_Piece(q, sc.replicated, name, spec, t))
             continue
         for pos, (i, s) in enumerate(route.shards):
-            if s.rank != sc.rank:
-                continue
-            spec = {"shard": i, "rank": s.rank, "col_start": s.col_start, "col_end": s.col_stop}
-            if t.dynamic is None:
-                spec.update(row_start=s.row_start, row_end=s.row_stop, row_step=s.row_step)
-            elif route.kind == "rows":  # hash placement: the ids whose hash residue of row_step is row_start
-                spec.update(residue=s.row_start, residues=s.row_step)
-            out.append(_Piece(q, sc.local, sc._local_names[(name, pos)], spec, t))
+            if s.rank == sc.rank:
+                spec = {"shard": i, "rank": s.rank, **route.span(pos).spec()}
+                out.append(_Piece(q, sc.local, route.local_name(pos), spec, t))
     return out
 
 
@@ -1976,13 +1969,13 @@ def _group_of(colls: Mapping[str, nn.Module], model: nn.Module | None = None):
             "of a distributed model needs every collection sharded (he.distribute shards them all)"
         )
 
-    groups = {tuple(dist.get_process_group_ranks(sc._group)) for sc in colls.values()}
+    groups = {tuple(dist.get_process_group_ranks(sc.process_group)) for sc in colls.values()}
     if len(groups) > 1:
         raise CheckpointError(
             f"the model's sharded collections span different sets of ranks {sorted(groups)}; a checkpoint of a "
             "distributed model needs them sharded over the same process group"
         )
-    return next(iter(colls.values()))._group
+    return next(iter(colls.values())).process_group
 
 
 def _all_report(group, mine: Any) -> list[Any]:

@@ -735,7 +735,7 @@ def _export_distributed(model, inner, sharded, path, args, served_args, format, 
         except Exception as e:  # noqa: BLE001 - raised below, after every rank heard of it
             error = e
     # (parameter servers: the trainers export, the servers take no part)
-    group = getattr(sharded[0], "trainers_group", None) or sharded[0]._group
+    group = getattr(sharded[0], "trainers_group", None) or sharded[0].process_group
     report: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(report, None if error is None else f"{type(error).__name__}: {error}", group=group)
     if error is not None:

@@ -43,6 +43,7 @@ __all__ = [
     "PLACEMENTS",
     "shard_table",
     "register_sharding",
+    "ROUTE_TYPES",
 ]
 
 PLACEMENTS = ("block", "mod", "hash")
@@ -282,11 +283,18 @@ def _check_table_plan(tp: TablePlan, t: TableConfig, world_size: int) -> None:
 # --- sharding types: plain functions in a registry ------------------------------------------------
 ShardingFn = Callable[..., TablePlan]
 SHARDING_TYPES: dict[str, ShardingFn] = {}
+ROUTE_TYPES: dict[str, type] = {}  # sharding type -> its Route class (hybridembed.distributed.routes)
 
 
-def register_sharding(name: str) -> Callable[[ShardingFn], ShardingFn]:
+def register_sharding(name: str, route: type | None = None) -> Callable[[ShardingFn], ShardingFn]:
+    """Register a sharding type's plan function under ``name`` and, for a new kind, the
+    :class:`~hybridembed.distributed.routes.Route` that looks tables placed by it up (the built-in
+    kinds' routes are registered by :mod:`hybridembed.distributed.routes`)."""
+
     def put(fn: ShardingFn) -> ShardingFn:
         SHARDING_TYPES[name] = fn
+        if route is not None:
+            ROUTE_TYPES[name] = route
         return fn
 
     return put

@@ -33,61 +33,30 @@ import hashlib
 import itertools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import init as _init
-from ..config import ShardOf, TableConfig
+from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged, offsets_from_lengths
-from ..input.jagged import bag_index
 from ..kernels import bag_scale
 from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
 from ..modules.collection import check_arguments
 from ..utils import kept_tensor
 from . import health
-from .plan import Plan, Shard, TablePlan
+from .plan import Plan, Shard
+from .routes import Route, Sends, assemble, hash_residue, route_for
 
 __all__ = ["ShardedCollection", "REDUCTIONS", "hash_residue"]
 
 REDUCTIONS = ("mean", "sum")
-_HASH_MASK = (1 << 62) - 1
 _PER_PAIR = 3  # sizes sent per pair before the ids: bags, ids, one id per bag (then no lengths are sent)
-
-
-def hash_residue(ids: torch.Tensor, k: int) -> torch.Tensor:
-    """(N,) int64 ids of a dynamic table -> the residue (N,) in ``0..k-1`` of their hash,
-    which picks their shard under hash placement (splitmix64, so sequential ids spread)."""
-    return (_init.mix64(ids) & _HASH_MASK).remainder_(k)
-
-
-@dataclass
-class _Route:
-    """How a table's ids find their shards: the plan's shards that hold rows (an empty
-    row block holds none and gets no ids), the partition kind and, for rows, the map."""
-
-    plan: TablePlan
-    shards: list[tuple[int, Shard]]  # (shard index in the plan, shard), active only
-    kind: str  # "local" (data parallel), "whole" (table-wise), "columns", "rows"
-    starts: torch.Tensor | None = None  # block placement: row_start per active shard, ascending
-    order: torch.Tensor | None = None  # block placement: active shard position of each start
-    residue_to: torch.Tensor | None = None  # mod / hash placement: residue -> active shard position
-
-    def split(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(N,) global ids -> (active shard position (N,), the id in its shard's local space (N,))."""
-        p = self.plan.placement
-        k = self.plan.shards[0].row_step if p in ("mod", "hash") else 0
-        if p == "hash":
-            return self.residue_to.index_select(0, hash_residue(ids, k)), ids
-        if p == "mod":
-            return self.residue_to.index_select(0, ids.remainder(k)), ids.div(k, rounding_mode="floor")
-        pos = torch.searchsorted(self.starts, ids, right=True).sub_(1)
-        return self.order.index_select(0, pos), ids - self.starts.index_select(0, pos)
 
 
 @dataclass
@@ -174,7 +143,7 @@ def _exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], g
 def _digest(items: Sequence[str]) -> int:
     """A 62-bit digest of a sequence of names (the same on every rank for the same names)."""
     h = hashlib.sha256("\x00".join(items).encode()).digest()
-    return int.from_bytes(h[:8], "little") & _HASH_MASK
+    return int.from_bytes(h[:8], "little") & ((1 << 62) - 1)
 
 
 def _describe(t: TableConfig) -> dict[str, Any]:
@@ -275,31 +244,23 @@ class ShardedCollection(nn.Module):
         health.heartbeat()
         self._scale = 1.0 / self.world_size if reduction == "mean" else 1.0
 
-        self._routes: dict[str, _Route] = {}
-        local_tables: list[TableConfig] = []
-        local_names: dict[tuple[str, int], str] = {}
-        replicated: list[TableConfig] = []
-        for tp in plan.tables:
-            t = self.tables[tp.table]
-            route = self._route(tp, t)
-            self._routes[t.name] = route
-            if route.kind == "local":
-                replicated.append(t)
-                continue
-            for pos, (i, s) in enumerate(route.shards):
-                name = t.name if route.kind == "whole" else f"{t.name}@{i}"
-                local_names[(t.name, pos)] = name
-                if s.rank == self.rank:
-                    local_tables.append(_shard_config(t, s, name, len(route.shards) if route.kind == "rows" else 1))
-        self._local_names = local_names
-        self._column_tables = [tp.table for tp in plan.tables if self._routes[tp.table].kind == "columns"]
+        self._routes: dict[str, Route] = {tp.table: route_for(tp, self.tables[tp.table]) for tp in plan.tables}
+        self._column_tables = [n for n, route in self._routes.items() if route.slices_columns]
+        local_tables = [
+            route.local_config(pos)
+            for route in self._routes.values()
+            if not route.replicated
+            for pos, (_, s) in enumerate(route.shards)
+            if s.rank == self.rank
+        ]
+        replicated = [self.tables[n] for n, route in self._routes.items() if route.replicated]
         mine = {c.name for c in local_tables}
         local_features = {
-            f"{f}@{pos}": local_names[(t, pos)]
+            f"{f}@{pos}": route.local_name(pos)
             for f, t in self.features.items()
-            if self._routes[t].kind != "local"
-            for pos in range(len(self._routes[t].shards))
-            if local_names[(t, pos)] in mine
+            if not (route := self._routes[t]).replicated
+            for pos in range(len(route))
+            if route.local_name(pos) in mine
         }
         self.local = (
             EmbeddingCollection(
@@ -308,7 +269,7 @@ class ShardedCollection(nn.Module):
             if local_tables
             else None
         )
-        rep_features = {f: t for f, t in self.features.items() if self._routes[t].kind == "local"}
+        rep_features = {f: t for f, t in self.features.items() if self._routes[t].replicated}
         self.replicated = (
             EmbeddingCollection(
                 replicated,
@@ -330,28 +291,6 @@ class ShardedCollection(nn.Module):
             self._copy_weights(weights)
 
     # --- construction ---------------------------------------------------------------------
-    def _route(self, tp: TablePlan, t: TableConfig) -> _Route:
-        if tp.sharding == "data_parallel":
-            return _Route(tp, [(0, tp.shards[0])], "local")
-        if tp.partitioned == "none":
-            return _Route(tp, [(0, tp.shards[0])], "whole")
-        if tp.partitioned == "columns":
-            ordered = sorted(enumerate(tp.shards), key=lambda x: x[1].col_start)
-            return _Route(tp, ordered, "columns")
-        active = [(i, s) for i, s in enumerate(tp.shards) if s.num_rows != 0]
-        route = _Route(tp, active, "rows")
-        if tp.placement in ("mod", "hash"):
-            k = len(tp.shards)
-            to = torch.full((k,), -1, dtype=torch.int64)
-            for pos, (_, s) in enumerate(active):
-                to[s.row_start] = pos
-            route.residue_to = to
-        else:
-            by_start = sorted(range(len(active)), key=lambda p: (active[p][1].row_start, active[p][1].row_stop))
-            route.starts = torch.tensor([active[p][1].row_start for p in by_start], dtype=torch.int64)
-            route.order = torch.tensor(by_start, dtype=torch.int64)
-        return route
-
     def _agree(self, group, problem, tables, features, seed, reduction, plan) -> None:
         """Every rank must shard the same tables by the same plan: compared once, here (and a rank
         that refused its arguments makes every rank refuse)."""
@@ -378,13 +317,13 @@ class ShardedCollection(nn.Module):
                         f"weights[{name!r}]: shape {tuple(w.shape)}, the table is {(t.num_embeddings, t.embedding_dim)}"
                     )
                 route = self._routes[name]
-                if route.kind == "local":
+                if route.replicated:
                     self.replicated.weight(name).copy_(w)
                     continue
-                for pos, (_, s) in enumerate(route.shards):
-                    if s.rank == self.rank:
-                        rows = w[s.row_start : s.row_stop : s.row_step, s.col_start : s.col_stop]
-                        self.local.weight(self._local_names[(name, pos)]).copy_(rows)
+                for pos in self._positions_here(route):
+                    span = route.span(pos)
+                    rows = w[span.rows.start : span.rows.stop : span.rows.step, span.cols.start : span.cols.stop]
+                    self.local.weight(route.local_name(pos)).copy_(rows)
 
     # --- inspection -------------------------------------------------------------------------
     @property
@@ -405,17 +344,22 @@ class ShardedCollection(nn.Module):
         group it was built over)."""
         return self._group
 
+    def routes(self) -> dict[str, Route]:
+        """``{table: its Route}``: how each table's lookups cross its shards (read-only)."""
+        return dict(self._routes)
+
+    def _positions_here(self, route: Route) -> list[int]:
+        return [pos for pos, (_, s) in enumerate(route.shards) if s.rank == self.rank]
+
     def shards_here(self) -> list[tuple[str, int, Shard, str]]:
         """This rank's shards: (table, shard index in its plan, :class:`Shard`, the local table's
         name in ``self.local``); replicated tables are in ``self.replicated``."""
-        out = []
-        for name, route in self._routes.items():
-            if route.kind == "local":
-                continue
-            for pos, (i, s) in enumerate(route.shards):
-                if s.rank == self.rank:
-                    out.append((name, i, s, self._local_names[(name, pos)]))
-        return out
+        return [
+            (name, route.shards[pos][0], route.shards[pos][1], route.local_name(pos))
+            for name, route in self._routes.items()
+            if not route.replicated
+            for pos in self._positions_here(route)
+        ]
 
     def gather_table(self, name: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The whole table ``name`` on every rank (a collective: every rank calls it): dense
@@ -424,31 +368,21 @@ class ShardedCollection(nn.Module):
         if t is None:
             raise ConfigError(f"unknown table {name!r}; tables: {', '.join(self.tables)}")
         route = self._routes[name]
-        if route.kind == "local":
+        if route.replicated:
             return self.replicated.weight(name).clone() if t.dynamic is None else self.replicated.dynamic_rows(name)
-        mine = [(pos, s) for pos, (_, s) in enumerate(route.shards) if s.rank == self.rank]
-        if t.dynamic is None:
-            full = torch.zeros(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=self._device)
-            for pos, s in mine:
-                rows = self.local.weight(self._local_names[(name, pos)])
-                full[s.row_start : s.row_stop : s.row_step, s.col_start : s.col_stop] = rows
+        here = self._positions_here(route)
+        if t.dynamic is None:  # (the shards are disjoint: a sum of what each rank holds is the table)
+            full = assemble(route, [(pos, self.local.weight(route.local_name(pos)).detach()) for pos in here])
+            full = full.to(self._device)
             dist.all_reduce(full, group=self._group)
             return full
-        parts = []
-        for pos, s in mine:
-            ids, rows = self.local.dynamic_rows(self._local_names[(name, pos)])
-            parts.append((s.col_start, ids, rows))
+        mine = []
+        for pos in here:
+            ids, rows = self.local.dynamic_rows(route.local_name(pos))
+            mine.append((pos, (ids.cpu(), rows.cpu())))
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, [(c, i.cpu(), r.cpu()) for c, i, r in parts], group=self._group)
-        pieces = [p for rank_parts in everyone for p in rank_parts]
-        if route.kind == "columns":  # every slice holds the same ids
-            pieces.sort(key=lambda p: p[0])
-            ids = pieces[0][1]
-            return ids, torch.cat([r for _, _, r in pieces], 1)
-        ids = torch.cat([i for _, i, _ in pieces])
-        rows = torch.cat([r for _, _, r in pieces])
-        order = torch.argsort(ids)
-        return ids[order], rows[order]
+        dist.all_gather_object(everyone, mine, group=self._group)
+        return assemble(route, [p for rank_parts in everyone for p in rank_parts])
 
     # --- forward -----------------------------------------------------------------------------
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
@@ -547,58 +481,34 @@ class ShardedCollection(nn.Module):
                         except InvalidInputError as e:
                             error = e
                             break
-        # 2. routing: per (request, shard) the bag lengths, ids and per-id weights it sends
+        # 2. routing: per (request, shard) what it sends (its route splits the request's ids)
         pairs: list[_Pair] = []
-        sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]] = []  # lengths, ids, w, one
-        unroute: dict[int, tuple] = {}  # row-wise: where each shard's rows go back
+        sends: list[Sends] = []
+        back: dict[int, Any] = {}  # per request: what its route needs to put its rows back
         for q, ((f, j), t) in enumerate(zip(reqs, tabs)):
             route = self._routes[t.name]
-            if route.kind == "local":
+            if route.replicated:
                 continue
-            psw = None
-            if error is None:
-                n = j.values.numel()
-                psw = bag_scale(t.combiner, j.offsets, j.weights, n, t.compute_dtype)
-                psw = None if psw is None else psw.detach()
             for pos, (_, s) in enumerate(route.shards):
                 pairs.append(_Pair(s.rank, f"{f}@{pos}", s.width))
-            if error is not None:
-                empty = torch.zeros(0, dtype=torch.int64, device=self._device)
-                sends.extend((empty, empty, None, True) for _ in route.shards)
+            if error is not None:  # (nothing is sent: the header tells every rank)
+                sends.extend(Sends(self._empty_ids, self._empty_ids, None, True) for _ in route.shards)
                 continue
+            n = j.values.numel()
+            psw = bag_scale(t.combiner, j.offsets, j.weights, n, t.compute_dtype)
+            psw = None if psw is None else psw.detach()
             ids = j.values.to(torch.int64)
-            seq = t.combiner == "none"
-            one = seq or self._trusted(j)  # one id per bag
+            one = t.combiner == "none" or self._trusted(j)  # one id per bag
             lengths = self._ones(n, ids.device) if one else j.lengths().to(torch.int64)
-            if route.kind != "rows":
-                sends.extend((lengths, ids, psw, one) for _ in route.shards)
-                continue
-            k = len(route.shards)
-            where, local = route.split(ids)
-            order = torch.argsort(where, stable=True)
-            per_shard = torch.bincount(where, minlength=k).tolist()
-            ids_s = local.index_select(0, order).split(per_shard)
-            w_s = psw.index_select(0, order).split(per_shard) if psw is not None else [None] * k
-            # each shard is sent only the bags that have ids on it, and returns one row for each
-            if one:  # one id per bag: each id's row, from its shard, goes back to its position
-                unroute[q] = (order, per_shard, n)
-                sends.extend((self._ones(c, ids.device), x, w, True) for c, x, w in zip(per_shard, ids_s, w_s))
-            else:
-                b = j.batch_size
-                cell = where * b + bag_index(j.offsets, n)
-                counts = torch.bincount(cell, minlength=k * b).view(k, b)  # (k, B) ids per shard and bag
-                full = counts.ne(0)
-                bags_s = [m.nonzero().squeeze(1) for m in full.unbind(0)]  # the bags each shard sees
-                unroute[q] = (bags_s, None, b)
-                sends.extend(
-                    (c.index_select(0, bs), x, w, False) for c, bs, x, w in zip(counts.unbind(0), bags_s, ids_s, w_s)
-                )
+            parts, back[q] = route.split(j, ids, lengths, psw, one, partial(self._ones, device=ids.device))
+            sends.extend(parts)
         # deduplicated per destination: a pair with fewer distinct ids than bags asks for the rows of
         # its distinct ids (bags of one) and pools them here: fewer rows cross, each way
         pooled_here: dict[int, tuple] = {}
         if error is None and self.dedup:
             distinct: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for i, (lengths, ids, w, single) in enumerate(sends):
+            for i, x in enumerate(sends):
+                lengths, ids, w, single = x.lengths, x.ids, x.weights, x.one
                 n, b = ids.numel(), lengths.numel()
                 if n < 2 or n > 2 * b:  # (many ids per bag: pooling on the owner sends fewer rows)
                     continue
@@ -607,7 +517,7 @@ class ShardedCollection(nn.Module):
                 uniq, inv = distinct[id(ids)]
                 if uniq.numel() < b:
                     pooled_here[i] = (inv, None if single else lengths, w)  # (one id per bag: no pooling)
-                    sends[i] = (self._ones(uniq.numel(), ids.device), uniq, None, True)
+                    sends[i] = Sends(self._ones(uniq.numel(), ids.device), uniq, None, True)
         if pairs:
             rows_of = self._exchange_rows(reqs, pairs, sends, pooled_here, error, train)
         else:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
@@ -616,9 +526,7 @@ class ShardedCollection(nn.Module):
             got = self._header(INVALID if error is not None else 0, False, _digest([f for f, _ in reqs]), why=why)
             self._raise_if_failed(got, error, reqs)
         outputs: list[Any] = []
-        local_reqs = [
-            (q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].kind == "local"
-        ]
+        local_reqs = [(q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].replicated]
         local_out = {}
         if local_reqs:
             res = self.replicated._lookup_many([(f, j) for _, f, j in local_reqs], train, checked=True)
@@ -626,25 +534,11 @@ class ShardedCollection(nn.Module):
         first = 0
         for q, ((_, j), t) in enumerate(zip(reqs, tabs)):
             route = self._routes[t.name]
-            if route.kind == "local":
+            if route.replicated:
                 outputs.append(local_out[q])
                 continue
-            k = len(route.shards)
-            parts = [rows_of[first + pos] for pos in range(k)]
-            first += k
-            if route.kind == "whole":
-                x = parts[0]
-            elif route.kind == "columns":
-                x = torch.cat(parts, 1)
-            else:  # row-wise: each shard's rows back to the positions (one id per bag) or bags they pool
-                where, per_shard, size = unroute[q]
-                width = parts[0].shape[1]
-                x = torch.zeros(size, width, dtype=parts[0].dtype, device=parts[0].device)
-                if per_shard is not None:  # ids sorted by shard: the rows in that order, scattered back
-                    x = x.index_copy(0, where, torch.cat(parts))
-                else:  # bags seen by several shards get each one's partial sum
-                    for bags, p in zip(where, parts):
-                        x.index_add_(0, bags, p)
+            x = route.combine([rows_of[first + pos] for pos in range(len(route))], back[q])
+            first += len(route)
             x = x.to(t.compute_dtype)
             if t.combiner == "none":
                 jx = Jagged(x, j.offsets.to(torch.int64))
@@ -710,7 +604,7 @@ class ShardedCollection(nn.Module):
         rows back. Returns each pair's rows (its bags', or pooled here from distinct ids' rows)."""
         group, world = self._group, self.world_size
         digest = _digest([f for f, _ in reqs])
-        has_w = any(x[2] is not None for x in sends)
+        has_w = any(x.weights is not None for x in sends)
         by_rank: list[list[int]] = [[] for _ in range(world)]
         for i, p in enumerate(pairs):
             by_rank[p.rank].append(i)
@@ -726,12 +620,16 @@ class ShardedCollection(nn.Module):
                             [
                                 v
                                 for i in by_rank[r]
-                                for v in (sends[i][0].numel(), sends[i][1].numel(), int(sends[i][3]))
+                                for v in (sends[i].lengths.numel(), sends[i].ids.numel(), int(sends[i].one))
                             ],
                             dtype=torch.int64,
                             device=self._device,
                         ),
-                        *(x for i in by_rank[r] for x in (sends[i][1:2] if sends[i][3] else sends[i][:2])),
+                        *(
+                            x
+                            for i in by_rank[r]
+                            for x in ((sends[i].ids,) if sends[i].one else (sends[i].lengths, sends[i].ids))
+                        ),
                     ]
                 )
                 for r in range(world)
@@ -759,9 +657,9 @@ class ShardedCollection(nn.Module):
                 torch.cat(
                     [
                         (
-                            sends[i][2]
-                            if sends[i][2] is not None
-                            else torch.ones(sends[i][1].numel(), dtype=cdt, device=self._device)
+                            sends[i].weights
+                            if sends[i].weights is not None
+                            else torch.ones(sends[i].ids.numel(), dtype=cdt, device=self._device)
                         ).to(cdt)
                         for i in by_rank[r]
                     ]
@@ -783,8 +681,8 @@ class ShardedCollection(nn.Module):
         # 6. rows back: per source, its bags of every pair this rank owns (the kernels' outputs as
         # they are), then the owners' status (a lookup that failed on one rank fails on every rank)
         send_splits = [sum(b[k] * w for k, w in enumerate(width)) for b in bags]
-        recv_pieces = [sends[i][0].numel() * pairs[i].width for r in range(world) for i in by_rank[r]]
-        recv_splits = [sum(sends[i][0].numel() * pairs[i].width for i in by_rank[r]) for r in range(world)]
+        recv_pieces = [sends[i].lengths.numel() * pairs[i].width for r in range(world) for i in by_rank[r]]
+        recv_splits = [sum(sends[i].lengths.numel() * pairs[i].width for i in by_rank[r]) for r in range(world)]
         if torch.is_grad_enabled() and not flat_send.requires_grad:  # (every rank joins the backward exchange)
             flat_send = flat_send + torch.zeros((), dtype=flat_send.dtype, device=flat_send.device, requires_grad=True)
         if world == 1:  # (nothing to exchange: the rows are this rank's own)
@@ -904,7 +802,7 @@ class ShardedCollection(nn.Module):
             for pos, (_, s) in enumerate(route.shards):
                 if s.rank != self.rank:
                     continue
-                local = self._local_names[(name, pos)]
+                local = route.local_name(pos)
                 st = self.local.storage_of(local)
                 k = where.get(id(st))
                 if k is None or rows[k] is None or not getattr(st.optimizer, "row_wise", False):
@@ -942,27 +840,6 @@ class ShardedCollection(nn.Module):
             kinds[r.plan.sharding] = kinds.get(r.plan.sharding, 0) + 1
         shown = ", ".join(f"{k}: {v}" for k, v in kinds.items())
         return f"rank={self.rank}/{self.world_size}, tables={len(self.tables)} ({shown}), reduction={self.reduction}"
-
-
-def _shard_config(t: TableConfig, s: Shard, name: str, shards: int) -> TableConfig:
-    """The local table of shard ``s`` of ``t``: its rows and columns; pooled by sum (the
-    requester applies the combiner's per-id weights; a row shard sees part of each bag)."""
-    dynamic = t.dynamic
-    if dynamic is not None and dynamic.capacity is not None and shards > 1:
-        dynamic = replace(dynamic, capacity=-(-dynamic.capacity // shards))
-    if dynamic is not None:
-        shard = ShardOf(t.name, 0, 1, s.col_start)
-    else:
-        shard = ShardOf(t.name, s.row_start, s.row_step, s.col_start)
-    return replace(
-        t,
-        name=name,
-        num_embeddings=None if dynamic is not None else s.num_rows,
-        embedding_dim=s.width,
-        combiner="sum",
-        dynamic=dynamic,
-        shard=shard,
-    )
 
 
 def _check_budget(plan: Plan, tables: list[TableConfig], memory_per_rank: int) -> None:

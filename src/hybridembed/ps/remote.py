@@ -34,6 +34,7 @@ from torch import nn
 from .. import init as _init
 from ..config import TableConfig
 from ..distributed import health
+from ..distributed.routes import assemble
 from ..distributed.runtime import ShardedCollection
 from ..errors import ConfigError, HybridEmbedError
 from ..input import Jagged
@@ -126,11 +127,11 @@ class _Client:
             name = names[t]
             route = self.routes[name]
             x = ids.index_select(0, pos)
-            if route.kind == "whole":
+            if len(route) == 1:  # (one shard holds every id: nothing to split)
                 ref = self.ref_of[(name, 0)]
                 out.setdefault(ref.rank, []).append((ref, pos, x))
                 continue
-            where, local = route.split(x)
+            where, local = route.locate(x)
             o = torch.argsort(where, stable=True)
             for p, piece in enumerate(o.split(torch.bincount(where, minlength=len(route.shards)).tolist())):
                 if piece.numel():
@@ -741,7 +742,7 @@ class PSCollection(ShardedCollection):
         groups = trainer_groups(self.tables.values())
         links = {s: TrainerLink(ps_group, s, timeout, limit) for s in self.servers}
         self.__dict__["trainers_group"] = trainers_group  # the trainers' collectives (an export's report)
-        self.__dict__["client"] = _Client(links, shard_index(self), self._routes, self._wire)
+        self.__dict__["client"] = _Client(links, shard_index(self), self.routes(), self._wire)
         for i, st in enumerate(self.remote.storages):
             st.client, st.group, st.mode, st.staleness = self.client, groups[st.tables[0].name], mode, self.staleness
             assert st.group == i
@@ -862,10 +863,9 @@ class PSCollection(ShardedCollection):
         t = self.tables.get(name)
         if t is None:
             raise ConfigError(f"unknown table {name!r}; tables: {', '.join(self.tables)}")
-        route = self._routes[name]
+        route = self.routes()[name]
         self.client.drain()
-        full = None if t.dynamic else torch.zeros(t.num_embeddings, t.embedding_dim, dtype=t.dtype)
-        ids_all, rows_all = [], []
+        pieces = []
         for server in sorted({s.rank for _, s in route.shards}):
             m = self.client.call(server, wire.READ, meta={"table": name})
             n = int(m.ints[0])
@@ -873,22 +873,12 @@ class PSCollection(ShardedCollection):
             pos, fpos = 1 + 3 * n, 0
             for shard, nids, nrows in head:
                 ref = self.client.refs[shard]
-                s = route.shards[ref.pos][1]
                 rows = m.floats[fpos : fpos + nrows * ref.width].view(nrows, ref.width).to(t.dtype)
                 fpos += nrows * ref.width
                 ids = m.ints[pos : pos + nids]
                 pos += nids
-                if full is not None:
-                    full[s.row_start : s.row_stop : s.row_step, s.col_start : s.col_stop] = rows
-                else:
-                    ids_all.append(ids)
-                    rows_all.append(rows)
-        if full is not None:
-            return full
-        ids = torch.cat(ids_all) if ids_all else torch.zeros(0, dtype=torch.int64)
-        rows = torch.cat(rows_all) if rows_all else torch.zeros(0, t.embedding_dim, dtype=t.dtype)
-        order = torch.argsort(ids)
-        return ids[order], rows[order]
+                pieces.append((ref.pos, rows if t.dynamic is None else (ids, rows)))
+        return assemble(route, pieces)
 
     def server_stats(self) -> list[dict[str, Any]]:
         """Each server's counters (requests, rows pulled and pushed, bytes, errors, memory, tables)."""

@@ -73,11 +73,11 @@ class ShardRef:
 def shard_index(sc) -> list[ShardRef]:
     """Every shard of a sharded collection's plan, in plan order (the same on every rank)."""
     out = []
-    for name, route in sc._routes.items():
-        if route.kind == "local":
+    for name, route in sc.routes().items():
+        if route.replicated:
             continue
         for pos, (_, s) in enumerate(route.shards):
-            out.append(ShardRef(len(out), name, pos, s.rank, sc._local_names[(name, pos)], s.num_rows, s.width))
+            out.append(ShardRef(len(out), name, pos, s.rank, route.local_name(pos), s.num_rows, s.width))
     return out
 
 
