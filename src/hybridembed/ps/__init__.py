@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import health
+from ..distributed.routes import route_for
 from ..errors import ConfigError, HybridEmbedError
 from ..optim.wrapper import HybridOptimizer
 from ..utils import get_logger
@@ -100,8 +101,10 @@ def ps_plan(plan, tables: list, world: int, servers: list[int]):
             f"the plan is for {plan.world_size} ranks; a parameter-server job takes a plan for its {s} server(s) "
             f"or for all {world} ranks"
         )
+    by_name = {t.name: t for t in tables}
     for tp in plan.tables:
-        if tp.sharding in ("data_parallel", "column_wise"):
+        route = route_for(tp, by_name[tp.table]) if tp.table in by_name else None
+        if route is not None and (route.replicated or route.slices_columns):  # (a server answers by row)
             raise ConfigError(
                 f"table {tp.table!r}: {tp.sharding} sharding is not supported on parameter servers; use table_wise "
                 "or row_wise"
