@@ -108,7 +108,7 @@ def _opt(name: str, model: nn.Module):
     return he.wrap_optimizer(OPTIMIZERS[name](model.parameters()), model)
 
 
-def _train(ec: nn.Module, batches: list[dict], optimizer: str, scale: float, features) -> None:
+def _train(ec: nn.Module, batches: list[dict], optimizer: str, scale: float, features):
     model = nn.ModuleDict({"ec": ec, "dense": nn.Linear(1, 1)})
     opt = _opt(optimizer, model)
     proj = _projections(features)
@@ -116,6 +116,7 @@ def _train(ec: nn.Module, batches: list[dict], optimizer: str, scale: float, fea
         opt.zero_grad()
         _loss(ec(b), proj, scale).backward()
         opt.step()
+    return opt
 
 
 def _run_sharded(rank: int, world: int, case: dict) -> dict:
@@ -138,7 +139,7 @@ def _run_sharded(rank: int, world: int, case: dict) -> dict:
         lo = sum(sizes[:rank])
         batches.append({f: _slice(j, lo, lo + sizes[rank]) for f, j in full.items()})
     scale = 1.0 / case["sizes"][rank] if case["reduction"] == "mean" else 1.0
-    _train(ec, batches, case["optimizer"], scale, features)
+    opt = _train(ec, batches, case["optimizer"], scale, features)
     ec.eval()
     probe = _batch(99, sum(case["sizes"]), features, case["weighted"])
     lo = sum(case["sizes"][:rank])
@@ -146,6 +147,8 @@ def _run_sharded(rank: int, world: int, case: dict) -> dict:
     return {
         "tables": {t.name: ec.gather_table(t.name) for t in tables},
         "out": {f: (x.values if isinstance(x, he.Jagged) else x) for f, x in mine.items()},
+        "fused": dict(opt.fused_steps),
+        "here": [local for _, _, _, local in ec.shards_here()],
     }
 
 
@@ -186,9 +189,12 @@ def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     return [_run_sharded(rank, world, case) for case in cases]  # (one job: spawning costs seconds)
 
 
-def _check_all(cases: list[dict], world: int) -> None:
+def _check_all(cases: list[dict], world: int) -> list[list[dict]]:
+    out = []
     for case, results in zip(cases, zip(*spawn(_run_cases, world, cases, timeout=240))):
         _check(case, list(results))
+        out.append(list(results))
+    return out
 
 
 def test_mixed_plan_world2_equals_world1_every_optimizer():
@@ -196,7 +202,12 @@ def test_mixed_plan_world2_equals_world1_every_optimizer():
     cases += [{**BASE, "optimizer": o, "sizes": [6, 6], "dedup": True} for o in ("adagrad", "adam")]
     if triton_available():  # the shards' Triton kernels (interpreted on the CPU): the same as one eager process
         cases.append({**BASE, "optimizer": "adagrad", "sizes": [6, 6], "kernels": "triton", "steps": 2})
-    _check_all(cases, 2)
+    results = _check_all(cases, 2)
+    if triton_available():  # the fused update reached the table-wise and row-wise shards, not the replicas
+        for r in results[-1]:
+            dense_shards = [n for n in r["here"] if n.split("@")[0] in ("a", "c", "d")]
+            assert dense_shards and all(r["fused"].get(n) == 2 for n in dense_shards), (r["here"], r["fused"])
+            assert "f" not in r["fused"], r["fused"]  # (data-parallel: its rows are all-reduced first)
 
 
 def test_world4_unequal_batches_sum_and_each_sharding_type():

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from ..errors import ConfigError, HybridEmbedError
 from ..kernels import reduce_rows
 from ..storage import RowStorage
 from . import sparse as so
+from .hooks import RowGrads, SparseStepHook
 
 __all__ = ["HybridOptimizer", "wrap_optimizer", "clip_grad_norm_", "sparse_equivalent"]
 
@@ -74,6 +76,10 @@ def sparse_equivalent(torch_optimizer: torch.optim.Optimizer, group: dict | None
     return sparse_cls(**{k: _as_float(group[k]) for k in keys if k in group})
 
 
+def _row_grads(pending: tuple[torch.Tensor, torch.Tensor] | None) -> RowGrads | None:
+    return None if pending is None else RowGrads(pending[0], pending[1])
+
+
 def _storages(model: nn.Module) -> list[tuple[str, RowStorage]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, RowStorage)]
 
@@ -90,7 +96,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         self,
         dense: torch.optim.Optimizer,
         storages: list[tuple[str, RowStorage, so.SparseOptimizer]],
-        hooks: Sequence[Any] = (),
+        hooks: Sequence[SparseStepHook] = (),
     ):
         if not storages and not hooks:
             raise ConfigError("the model holds no hybridembed tables; use the torch optimizer directly")
@@ -109,6 +115,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         # it all-reduces its replicated tables' rows, and completes column slices' row statistics);
         # on every rank of a job, in the same order
         self._hooks = list(hooks)
+        self.fused_steps: Counter[str] = Counter()  # per table: steps it took by the fused pass (where it runs)
         self._sparse_groups = list(self.param_groups) if sparse_groups else []
         self.param_groups = list(dense.param_groups) + self._sparse_groups
         self.state = dense.state  # dense per-parameter state; sparse state lives in the storages
@@ -125,19 +132,26 @@ class HybridOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Triton kernels' kept lookup gradients: reduced and applied in one pass, unless hooks need the rows
-        fused = [not self._hooks and storage.fused_ready() for storage in self._storages]
+        # kept lookup gradients (the fused kernels') are reduced and applied in one pass, unless a hook
+        # declares it needs a storage's rows
+        fused = [
+            storage.fused_ready() and not any(h.needs_rows(storage) for h in self._hooks) for storage in self._storages
+        ]
         # (grad_rows raises on a dense gradient: before any update)
-        rows = [None if f else storage.grad_rows() for f, storage in zip(fused, self._storages)]
+        rows = [None if f else _row_grads(storage.grad_rows()) for f, storage in zip(fused, self._storages)]
         for hook in self._hooks:
             rows = hook.before_sparse_step(self._storages, rows)
         if any(p.grad is not None for g in self.dense.param_groups for p in g["params"]):
             self.dense.step()
         for storage, group, r, f in zip(self._storages, self._sparse_groups, rows, fused):
             if f:
-                storage.apply_fused(group)
-            elif r is not None:  # (ids, rows) or (ids, rows, each row's statistic for a row-wise optimizer)
-                storage.apply_gradient(r[0], r[1], group, *r[2:])
+                scale = 1.0
+                for h in self._hooks:
+                    scale *= h.grad_scale(storage)
+                storage.apply_fused(group, scale)
+                self.fused_steps.update(t.name for t in storage.tables)
+            elif r is not None:
+                storage.apply_gradient(r.ids, r.rows, group, *(() if r.row_stat is None else (r.row_stat,)))
             storage.after_step()
         return loss
 
@@ -266,7 +280,7 @@ def wrap_optimizer(
         for p in filter(ours, group["params"]):
             torch_optimizer.state.pop(p, None)
         group["params"] = [p for p in group["params"] if not ours(p)]
-    hooks = [m for m in model.modules() if hasattr(m, "before_sparse_step")]
+    hooks = [m for m in model.modules() if isinstance(m, SparseStepHook)]
     return HybridOptimizer(torch_optimizer, chosen, hooks)
 
 

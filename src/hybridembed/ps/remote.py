@@ -797,6 +797,13 @@ class PSCollection(ShardedCollection):
             b.storage.prefetch(b.ids, [f.table_index for f in b.feats], b.counts, train)
 
     # --- the optimizer step ---------------------------------------------------------------------
+    def needs_rows(self, storage) -> bool:
+        """Every remote storage's gradient is pushed, as rows, to the servers that apply it."""
+        return any(storage is st for st in self.storages)
+
+    def grad_scale(self, storage) -> float:
+        return 1.0  # (the servers divide a synchronous step's sum by the number of trainers)
+
     def before_sparse_step(self, storages: list, rows: list) -> list:
         """Pushes this step's row gradients to the servers (every server gets one push per step)
         and leaves nothing for the local update."""
@@ -813,7 +820,7 @@ class PSCollection(ShardedCollection):
                 hp[st.group] = st.hparams_now()
             if r is not None:
                 had.append(st.group)
-            ids, tabs, grad = st.take_gradient(r)
+            ids, tabs, grad = st.take_gradient(None if r is None else (r.ids, r.rows))
             self._route_push(st, ids, tabs, grad, items)
         self.client.push(items, had, hp)
         return rows

@@ -179,9 +179,9 @@ class RowStorage(nn.Module):
         )
 
     @torch.no_grad()
-    def apply_fused(self, hparams: dict) -> None:
-        """One optimizer step from the kept lookup gradients: duplicates summed and rows updated
-        in one pass (:func:`hybridembed.kernels.triton_lookup.apply_fused`); no host sync."""
+    def apply_fused(self, hparams: dict, scale: float = 1.0) -> None:
+        """One optimizer step from the kept lookup gradients, times ``scale``: duplicates summed and
+        rows updated in one pass (:func:`hybridembed.kernels.triton_lookup.apply_fused`); no host sync."""
         from ..kernels.triton_lookup import apply_fused
 
         entries = self._take_deferred()
@@ -202,6 +202,8 @@ class RowStorage(nn.Module):
                 psw = torch.cat([e[3] if e[3] is not None else grad.new_ones(e[0].numel()) for e in entries])
         if ids.numel() == 0:
             return
+        if scale != 1.0:  # (a sharded job's mean over ranks: one pass over the (S, D) output gradient)
+            grad = grad * scale
         self._mark(ids)
         apply_fused(self, ids, grad, bag_of, psw, hparams)
 
