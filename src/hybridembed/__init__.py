@@ -4,9 +4,8 @@
 """
 
 from . import _env, init, optim
-from .api import convert, export, load, save
+from .api import convert, distribute, export, load, save
 from .config import Dynamic, TableConfig
-from .distributed.api import distribute
 from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError, RankLost
 from .input import Jagged
 from .modules import EmbeddingCollection

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +9,7 @@ import torch
 
 from . import init as _init
 from .errors import ConfigError
+from .utils import is_number as _is_number
 
 __all__ = [
     "TableConfig",
@@ -37,10 +37,6 @@ MAX_SKETCH_CELLS = 1 << 31
 # min_count is compared with int32 sketch counters; ttl_steps with an int64 step clock.
 MAX_MIN_COUNT = (1 << 31) - 1
 MAX_TTL_STEPS = (1 << 63) - 1
-
-
-def _is_number(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 _BOUNDS = {  # Dynamic's int fields beyond the slots' bound: the most each can be, and why

@@ -6,6 +6,7 @@ import argparse
 import ctypes
 import ctypes.util
 import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,11 @@ def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 <
         return False
     _tuned = _tuned or ok
     return ok
+
+
+def is_number(v: Any) -> bool:
+    """A finite int or float (not a bool): a hyper-parameter or setting's plain number."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def allocator_tuned() -> bool:

@@ -1,7 +1,8 @@
-"""The adoption and shipping API: convert, save/load, export."""
+"""The verbs: convert, distribute, save/load, export."""
 
 from .checkpoint import load, save
 from .convert import convert
+from .distribute import distribute
 from .export import export
 
-__all__ = ["convert", "export", "load", "save"]
+__all__ = ["convert", "distribute", "export", "load", "save"]

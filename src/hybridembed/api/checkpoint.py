@@ -129,10 +129,10 @@ except ImportError:  # not POSIX: the lock file made with O_EXCL (see _lock)
 
 from ..errors import CheckpointError
 from ..modules import EmbeddingCollection
+from ..modules.converted import _TableLayer
 from ..optim.wrapper import HybridOptimizer
 from ..storage import RowStorage, serial
 from ..utils import get_logger
-from .convert import _TableLayer
 from .shards import Target, assemble, files_for
 from .shards import span as _span
 from .shards import torch_load as _torch_load
@@ -2437,6 +2437,6 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    from ..distributed.api import unwrap  # (lazy: distributed.api imports this package)
+    from ..distributed.shard import unwrap
 
     return unwrap(model)

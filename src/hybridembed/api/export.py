@@ -92,8 +92,8 @@ from torch.utils import _pytree as pytree
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged
 from ..modules import EmbeddingCollection
+from ..modules.converted import HybridEmbeddingBag, _TableLayer
 from ..utils import get_logger
-from .convert import HybridEmbeddingBag, _TableLayer
 
 __all__ = ["export", "ServedEmbeddingCollection", "FORMATS", "WEIGHTS_SUFFIX"]
 
@@ -672,7 +672,7 @@ def export(
             f"export path {str(path)!r}: directory {str(path.parent)!r} does not exist; create it first "
             "(os.makedirs(..., exist_ok=True))"
         )
-    from ..distributed.api import unwrap  # (lazy: distributed.api imports this package)
+    from ..distributed.shard import unwrap
 
     inner = unwrap(model)
     sharded = _sharded(inner)

@@ -1,9 +1,18 @@
 """Hybrid-parallel training over ``torch.distributed``: plans, sharded tables, the runtime."""
 
-from .api import distribute, unwrap
 from .plan import PLACEMENTS, SHARDING_TYPES, Plan, Shard, TablePlan, register_sharding, shard_table
 from .planner import make_plan, plan_costs
 from .runtime import ShardedCollection
+from .shard import unwrap
+
+
+def __getattr__(name: str):
+    if name == "distribute":  # (the verb lives with the others, in hybridembed.api: imported when asked for)
+        from ..api.distribute import distribute
+
+        return distribute
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ShardedCollection",

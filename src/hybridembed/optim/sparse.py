@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..config import _is_number
 from ..errors import ConfigError
+from ..utils import is_number as _is_number
 
 __all__ = [
     "SparseOptimizer",

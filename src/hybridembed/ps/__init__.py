@@ -32,6 +32,7 @@ from torch import nn
 
 from ..distributed import health
 from ..distributed.routes import route_for
+from ..distributed.shard import rows_device, shard_collection, swap_collection
 from ..errors import ConfigError, HybridEmbedError
 from ..optim.wrapper import HybridOptimizer
 from ..utils import get_logger
@@ -267,13 +268,10 @@ def setup(
     reduction: str,
     budget: int | None,
     job_timeout: datetime.timedelta | None = None,
-    shard,
-    swap,
 ):
     """``he.distribute(model, servers=S)`` on every rank: the last S ranks of ``group`` serve
     (and return only when the trainers are done), the others get their :class:`PSCollection`.
     Returns (the trainers' process group, this rank's collection or None on a server)."""
-    from ..distributed.api import _rows_device
 
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     world = len(ranks)
@@ -298,10 +296,10 @@ def setup(
     ps_group = health.new_group(ranks, job, backend="gloo")
     trainer_group = health.new_group(trainers, job)
     wire_dtype = torch.float64 if any(t.compute_dtype == torch.float64 for t in tables) else torch.float32
-    device = _rows_device(model, ec)  # (tables built on the meta device: no rank allocates a whole table)
+    device = rows_device(model, ec)  # (tables built on the meta device: no rank allocates a whole table)
     if rank in server_ranks:
-        sc = shard(ec, plan, group, reduction, False, None, device, job)
-        swap(model, ec, sc)
+        sc = shard_collection(ec, plan, group, reduction, False, None, device, job)
+        swap_collection(model, ec, sc)
         server = TableServer(
             sc, trainers, mode=mode, staleness=staleness, reduction=reduction, limit=limit, wire_dtype=wire_dtype
         )
@@ -332,5 +330,5 @@ def setup(
         job_timeout=job,
     )
     pc.train(ec.training)
-    swap(model, ec, pc)
+    swap_collection(model, ec, pc)
     return trainer_group, pc, None

@@ -869,7 +869,7 @@ def _prefetcher(model: nn.Module, remote) -> Callable[[D.Batch], None]:
 def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE) -> int:
     """Reads the data and builds the model (distributed in a job), then :func:`_train` on it;
     a parameter server serves instead, until the trainers leave."""
-    from ..distributed.api import unwrap
+    from ..distributed import unwrap
 
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads)
@@ -923,7 +923,7 @@ def _train(
     """The epochs, checkpoints and export of ``model`` (built, and distributed in a job)."""
     import hybridembed as he
 
-    from ..distributed.api import unwrap
+    from ..distributed import unwrap
 
     def say(*parts: Any, **kwargs: Any) -> None:
         if job.main:

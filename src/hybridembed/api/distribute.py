@@ -22,27 +22,21 @@ import gc
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..api.convert import ConvertedCollection, _TableLayer, convert
+from ..distributed import health
+from ..distributed.plan import Plan
+from ..distributed.runtime import REDUCTIONS, ShardedCollection
+from ..distributed.shard import rows_device, shard_collection, swap_collection, unwrap
 from ..errors import ConfigError, HybridEmbedError
 from ..modules import EmbeddingCollection
-from ..modules.grouped import LookupQueue
-from . import health
-from .plan import Plan
-from .runtime import REDUCTIONS, ShardedCollection
+from .convert import convert
 
 __all__ = ["distribute", "unwrap"]
 
 _CONVERT_ARGS = ("tables", "seed", "dynamic", "copy_dynamic_rows")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a ``DistributedDataParallel`` wrapper (the model itself otherwise)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def distribute(
@@ -180,11 +174,11 @@ def distribute(
             timeout,
         )
     for path, ec in collections.items():
-        where = _rows_device(model, ec)
-        sharded = _shard(
+        where = rows_device(model, ec)
+        sharded = shard_collection(
             ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank, where, timeout
         )
-        _swap(model, ec, sharded)
+        swap_collection(model, ec, sharded)
     return _wrap_ddp(model, ddp, process_group)
 
 
@@ -310,8 +304,6 @@ def _distribute_ps(
         reduction=reduction,
         budget=budget,
         job_timeout=job_timeout,
-        shard=_shard,
-        swap=_swap,
     )
     if pc is None:  # a server: it serves with the unsharded collection's rows freed
         collections.clear()
@@ -345,64 +337,3 @@ def _plan_for(plan, path: str, ec: EmbeddingCollection) -> Plan | None:
     if path not in plan:
         raise ConfigError(f"plan: no plan for the collection at {path!r}; plans given for: {', '.join(plan)}")
     return plan[path]
-
-
-def _rows_device(model: nn.Module, ec: EmbeddingCollection) -> torch.device:
-    """Where a rank keeps the rows of ``ec``'s tables (its shards, or a trainer's pulled rows):
-    beside the tables, or, for tables built on the meta device (no rows allocated: each rank
-    makes only its shards), beside the model's dense parameters (the CPU if it has none)."""
-    device = ec.storages[0].weight.device
-    if device.type != "meta":
-        return device
-    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-
-
-def _shard(
-    ec: EmbeddingCollection,
-    plan: Plan | None,
-    group,
-    reduction: str,
-    dedup: bool,
-    budget,
-    where: torch.device | None = None,
-    timeout=None,
-) -> ShardedCollection:
-    device = ec.storages[0].weight.device
-    if device.type == "meta":  # built without rows: each shard starts from the row-keyed init alone
-        weights = {}
-        device = where if where is not None else torch.device("cpu")
-    else:
-        weights = {n: ec.weight(n) for n, t in ec.tables.items() if t.dynamic is None}
-    sharded = ShardedCollection(
-        list(ec.tables.values()),
-        ec.features,
-        plan,
-        process_group=group,
-        seed=ec.seed,
-        device=device,
-        sequence_output=ec.sequence_output,
-        pad=ec.pad,
-        reduction=reduction,
-        weights=weights,
-        dedup=dedup,
-        memory_per_rank=budget,
-        kernels=getattr(ec, "kernels", "auto"),
-        timeout=timeout,
-    )
-    sharded.train(ec.training)
-    return sharded
-
-
-def _swap(model: nn.Module, old: EmbeddingCollection, new: ShardedCollection) -> None:
-    """Put ``new`` wherever ``old`` is registered, and point converted layers at it."""
-    for _, parent in model.named_modules(remove_duplicate=False):
-        for name, child in list(parent._modules.items()):
-            if child is old:
-                parent._modules[name] = new
-        if isinstance(parent, _TableLayer) and parent.collection is old:
-            parent.__dict__["_collection"] = new
-    if isinstance(old, ConvertedCollection) and old.lookup_queue is not None:
-        new.lookup_queue = LookupQueue(new)
-    if model is old:
-        raise ConfigError("distribute a model holding the EmbeddingCollection, not the collection itself")
-    torch.nn.Module.train(new, old.training)
