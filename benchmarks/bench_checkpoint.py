@@ -58,8 +58,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hybridembed as he
-from hybridembed.api.checkpoint import read_manifest
 from hybridembed.bench.system import cpu_busy, machine
+from hybridembed.checkpoint import read_manifest
 from hybridembed.distributed import ShardedCollection
 from hybridembed.distributed.launch import SpawnError, spawn
 from hybridembed.synthetic import powerlaw_ids

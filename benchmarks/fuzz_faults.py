@@ -90,7 +90,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hybridembed as he
-from hybridembed.api import checkpoint as ck
+from hybridembed.checkpoint import layout as ck
 from hybridembed.distributed import make_plan, unwrap
 from hybridembed.input import offsets_from_lengths
 from hybridembed.ps import ServerLost, transport, wire

@@ -19,7 +19,10 @@ import torch
 from torch import nn
 
 import hybridembed as he
-from hybridembed.api import checkpoint as ckpt
+from hybridembed import checkpoint as ckpt
+from hybridembed.checkpoint import layout as ck_layout
+from hybridembed.checkpoint import lock as ck_lock
+from hybridembed.checkpoint import manifest as ck_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 HE_SRC = str(Path(he.__file__).resolve().parents[1])  # the subprocesses import the hybridembed tested here
@@ -208,7 +211,7 @@ def test_a_save_that_fails_midway_leaves_the_old_checkpoint(tmp_path, monkeypatc
     before = snapshot(model, opt)
     train(model, opt, range(1, 2))
     calls = {"n": 0}
-    real_write, real_commit = ckpt._write_file, ckpt._commit
+    real_write, real_commit = ck_layout._write_file, ck_layout._commit
 
     def write(path, obj):
         calls["n"] += 1
@@ -219,14 +222,14 @@ def test_a_save_that_fails_midway_leaves_the_old_checkpoint(tmp_path, monkeypatc
     def commit(root, version):
         raise OSError("crash before the pointer flip (injected)")
 
-    monkeypatch.setattr(ckpt, "_write_file", write)
+    monkeypatch.setattr(ck_layout, "_write_file", write)
     if fail_at == "commit":
-        monkeypatch.setattr(ckpt, "_commit", commit)
+        monkeypatch.setattr(ck_layout, "_commit", commit)
     with pytest.raises(he.CheckpointError, match=r"cannot write the checkpoint .*injected.*previous version"):
         he.save(tmp_path / "c", model, opt)
     assert _versions(tmp_path / "c") == ["v-000001"]  # the partial version is gone, the old one intact
-    monkeypatch.setattr(ckpt, "_write_file", real_write)
-    monkeypatch.setattr(ckpt, "_commit", real_commit)
+    monkeypatch.setattr(ck_layout, "_write_file", real_write)
+    monkeypatch.setattr(ck_layout, "_commit", real_commit)
     fresh, fresh_opt = build("adagrad")
     he.load(tmp_path / "c", fresh, fresh_opt)  # checksums verified
     assert_identical(snapshot(fresh, fresh_opt), before)
@@ -237,20 +240,21 @@ def test_a_process_killed_midway_leaves_the_old_checkpoint(tmp_path):
 import os, sys, torch
 sys.path[:0] = [{str(ROOT)!r}, {HE_SRC!r}]
 import hybridembed as he
-from hybridembed.api import checkpoint as ckpt
+from hybridembed import checkpoint as ckpt
+from hybridembed.checkpoint import layout as ck_layout, lock as ck_lock, manifest as ck_manifest, snapshot as ck_snapshot
 from tests.api.test_checkpoint import trained, train, snapshot
 torch.set_num_threads(1)
 model, opt = trained("adam", steps=1)
 he.save({str(tmp_path / "c")!r}, model, opt)
 torch.save(snapshot(model, opt), {str(tmp_path / "v1.pt")!r})
 train(model, opt, range(1, 3))
-real, n = ckpt._write_file, [0]
+real, n = ck_layout._write_file, [0]
 def dying(path, obj):
     n[0] += 1
     if n[0] == 4:
         os._exit(17)  # no cleanup, no finally: as a kill -9 would
     real(path, obj)
-ckpt._write_file = dying
+ck_layout._write_file = dying
 he.save({str(tmp_path / "c")!r}, model, opt)
 """
     env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
@@ -288,16 +292,16 @@ def test_a_writer_stopped_while_deleting_an_old_version_leaves_no_half_version(t
     keeping more versions would keep, and a load by its directory would find broken)."""
     model, opt = trained("adagrad", steps=1)
     he.save(tmp_path / "c", model, opt)
-    real = ckpt.shutil.rmtree
+    real = ck_layout.shutil.rmtree
 
     def dies_midway(path, *args, **kwargs):  # one file deleted, then the process "dies"
         next(p for p in Path(path).rglob("*") if p.is_file()).unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckpt.shutil, "rmtree", dies_midway)
+    monkeypatch.setattr(ck_layout.shutil, "rmtree", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         he.save(tmp_path / "c", model, opt)
-    monkeypatch.setattr(ckpt.shutil, "rmtree", real)
+    monkeypatch.setattr(ck_layout.shutil, "rmtree", real)
     names = _versions(tmp_path / "c")
     assert "v-000001" not in names and "v-000002" in names, names  # (the half-deleted one has no version name)
     train(model, opt, range(1, 2))
@@ -326,7 +330,7 @@ def test_shards_written_by_several_ranks_load_as_one_table(tmp_path):
                 part["stats"] = torch.zeros_like(data["stats"])
             rel = shard["file"].replace(".00000.pt", f".rank{r}.pt")
             torch.save(part, vdir / rel)
-            manifest["files"][rel] = {"bytes": (vdir / rel).stat().st_size, "sha256": ckpt._sha256(vdir / rel)}
+            manifest["files"][rel] = {"bytes": (vdir / rel).stat().st_size, "sha256": ck_layout._sha256(vdir / rel)}
             pieces.append({"file": rel, "row_start": lo, "row_end": hi} if spec["kind"] == "dense" else {"file": rel})
         os.remove(vdir / shard["file"])
         del manifest["files"][shard["file"]]
@@ -445,13 +449,13 @@ def _rewrite(vdir: Path, rel: str, change) -> None:
     obj = torch.load(vdir / rel, weights_only=True)
     torch.save(change(obj), vdir / rel)
     manifest = json.loads((vdir / "manifest.json").read_text())
-    manifest["files"][rel] = {"bytes": (vdir / rel).stat().st_size, "sha256": ckpt._sha256(vdir / rel)}
+    manifest["files"][rel] = {"bytes": (vdir / rel).stat().st_size, "sha256": ck_layout._sha256(vdir / rel)}
     _write_manifest(vdir, manifest)
 
 
 def _write_manifest(vdir: Path, manifest: dict) -> None:
     """Write an edited manifest with a checksum that matches it (as a writer of shards would)."""
-    (vdir / "manifest.json").write_text(json.dumps(ckpt._sealed(manifest)))
+    (vdir / "manifest.json").write_text(json.dumps(ck_manifest._sealed(manifest)))
 
 
 def _bad_state(shard):
@@ -712,7 +716,7 @@ def test_a_second_writer_is_refused_and_the_first_commits_its_rows(tmp_path, mon
     expected = snapshot(first, first_opt)
     other, other_opt = trained("adagrad", steps=3)  # another writer's model: other rows
     reached, go = threading.Event(), threading.Event()
-    real_commit = ckpt._commit
+    real_commit = ck_layout._commit
 
     def slow_commit(root, version):  # the background save: v-000002 published, LATEST not yet replaced
         if threading.current_thread().name == "hybridembed-save":
@@ -720,7 +724,7 @@ def test_a_second_writer_is_refused_and_the_first_commits_its_rows(tmp_path, mon
             go.wait(30)
         real_commit(root, version)
 
-    monkeypatch.setattr(ckpt, "_commit", slow_commit)
+    monkeypatch.setattr(ck_layout, "_commit", slow_commit)
     handle = he.save(path, first, first_opt, background=True)
     try:
         assert reached.wait(30)
@@ -749,8 +753,9 @@ def test_a_lock_held_by_another_process_refuses_writers_until_it_is_killed(tmp_p
 import os, signal, sys, time
 sys.path[:0] = [{HE_SRC!r}]
 from pathlib import Path
-from hybridembed.api import checkpoint as ckpt
-lock = ckpt._lock(Path({str(path)!r}))
+from hybridembed import checkpoint as ckpt
+from hybridembed.checkpoint import layout as ck_layout, lock as ck_lock, manifest as ck_manifest, snapshot as ck_snapshot
+lock = ck_lock._lock(Path({str(path)!r}))
 child = os.fork()
 if child == 0:
     time.sleep(30)
@@ -788,11 +793,11 @@ os.kill(os.getpid(), signal.SIGKILL)  # dies holding it: no release, no cleanup
 
 
 def test_without_flock_the_lock_file_itself_is_the_lock(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "fcntl", None)  # as where flock is missing
+    monkeypatch.setattr(ck_lock, "fcntl", None)  # as where flock is missing
     path = tmp_path / "c"
     path.mkdir()
     model, opt = trained("adagrad", steps=1)
-    lock = ckpt._lock(path)
+    lock = ck_lock._lock(path)
     with pytest.raises(he.CheckpointError, match=r"this process \(pid \d+, .*one writer at a time"):
         he.save(path, model, opt)
     lock.release()

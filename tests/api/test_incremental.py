@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 import hybridembed as he
-from hybridembed.api import checkpoint as ckpt
+from hybridembed import checkpoint as ckpt
+from hybridembed.checkpoint import layout as ck_layout
+from hybridembed.checkpoint import manifest as ck_manifest
+from hybridembed.checkpoint import snapshot as ck_snapshot
 from tests.api.test_checkpoint import assert_identical, batch, build, snapshot, train
 
 EVICTING = {"query_dynamic": he.Dynamic(capacity=6, eviction="lru")}  # rows dropped between saves too
@@ -122,17 +126,17 @@ def test_max_chain_and_a_model_not_saved_there_start_a_full_version(tmp_path):
     for i in range(5):
         train(model, opt, range(i, i + 1))
         v = he.save(path, model, opt, incremental=True, max_chain=2)
-        kinds.append(json.loads((ckpt.Path(v) / "manifest.json").read_text()).get("incremental", {}).get("length", 0))
+        kinds.append(json.loads((Path(v) / "manifest.json").read_text()).get("incremental", {}).get("length", 0))
     assert kinds == [0, 1, 2, 0, 1]
     # a model that was never saved to or loaded from this checkpoint: its next save is full
     other, other_opt = build("adagrad")
     v = he.save(path, other, other_opt, incremental=True)
-    assert "incremental" not in json.loads((ckpt.Path(v) / "manifest.json").read_text())
+    assert "incremental" not in json.loads((Path(v) / "manifest.json").read_text())
     # loading the current version makes the next save incremental on top of it
     he.load(path, model, opt)
     train(model, opt, range(9, 10))
     v = he.save(path, model, opt, incremental=True)
-    assert json.loads((ckpt.Path(v) / "manifest.json").read_text())["incremental"]["length"] == 1
+    assert json.loads((Path(v) / "manifest.json").read_text())["incremental"]["length"] == 1
     with pytest.raises(he.CheckpointError, match="max_chain must be an int >= 1"):
         he.save(path, model, opt, incremental=True, max_chain=0)
     with pytest.raises(he.CheckpointError, match="incremental must be True or False"):
@@ -145,17 +149,17 @@ def test_a_failed_incremental_save_counts_its_rows_as_changed_again(tmp_path, mo
     train(model, opt, range(2))
     he.save(path, model, opt, incremental=True)
     train(model, opt, range(2, 4))
-    real = ckpt._write_file
+    real = ck_layout._write_file
 
     def failing(p, obj):
         if p.parent.name == "tables":
-            raise ckpt._WriteError(p, OSError(28, "No space left on device"))
+            raise ck_layout._WriteError(p, OSError(28, "No space left on device"))
         real(p, obj)
 
-    monkeypatch.setattr(ckpt, "_write_file", failing)
+    monkeypatch.setattr(ck_layout, "_write_file", failing)
     with pytest.raises(he.CheckpointError, match="No space left on device"):
         he.save(path, model, opt, incremental=True)
-    monkeypatch.setattr(ckpt, "_write_file", real)
+    monkeypatch.setattr(ck_layout, "_write_file", real)
     assert (path / "LATEST").read_text().strip() == "v-000001"
     train(model, opt, range(4, 5))
     he.save(path, model, opt, incremental=True)  # holds the rows of steps 2..4, not only step 4's
@@ -190,18 +194,18 @@ def test_a_failed_background_save_raises_at_wait_and_keeps_the_previous_version(
     path = tmp_path / "c"
     train(model, opt, range(2))
     he.save(path, model, opt)
-    real = ckpt._write_file
+    real = ck_layout._write_file
 
     def failing(p, obj):
         if p.name == "dense.pt":
-            raise ckpt._WriteError(p, OSError(28, "No space left on device"))
+            raise ck_layout._WriteError(p, OSError(28, "No space left on device"))
         real(p, obj)
 
-    monkeypatch.setattr(ckpt, "_write_file", failing)
+    monkeypatch.setattr(ck_layout, "_write_file", failing)
     handle = he.save(path, model, opt, background=True, incremental=True)
     with pytest.raises(he.CheckpointError, match="No space left on device"):
         handle.wait()
-    monkeypatch.setattr(ckpt, "_write_file", real)
+    monkeypatch.setattr(ck_layout, "_write_file", real)
     assert (path / "LATEST").read_text().strip() == "v-000001"
     assert sorted(p.name for p in path.iterdir()) == ["LATEST", "v-000001"]
     # the next save of the model does not hang on the failed one and writes every change since v-000001
@@ -223,7 +227,7 @@ def test_an_incremental_manifest_is_format_3_and_its_chain_fields_are_checked(tm
     assert m["format_version"] == 3 and isinstance(m["id"], str) and m["id"] != _manifest(path, "v-000001")["id"]
     m.pop("manifest_sha256")
     m["incremental"]["parent"]["version"] = 7
-    (path / "v-000002" / "manifest.json").write_text(json.dumps(ckpt._sealed(m)))
+    (path / "v-000002" / "manifest.json").write_text(json.dumps(ck_manifest._sealed(m)))
     fresh, fresh_opt = build("adagrad")
     with pytest.raises(he.CheckpointError, match=r"field 'incremental.parent.version': expected a string, got 7"):
         he.load(path, fresh, fresh_opt)
@@ -247,7 +251,7 @@ def test_compact_writes_a_chain_again_as_one_full_version(tmp_path):
     # the model's next incremental save: a full one (it did not save or load the compacted version)
     train(model, opt, range(5, 6))
     assert "incremental" not in json.loads(
-        (ckpt.Path(he.save(path, model, opt, incremental=True)) / "manifest.json").read_text()
+        (Path(he.save(path, model, opt, incremental=True)) / "manifest.json").read_text()
     )
     with pytest.raises(he.CheckpointError, match="keep must be an int >= 1"):
         ckpt.compact(path, keep=0)
@@ -270,11 +274,11 @@ def test_a_save_whose_copy_fails_counts_its_rows_as_changed_again(tmp_path, monk
     def boom(*a, **k):
         raise RuntimeError("out of memory (simulated)")
 
-    real = ckpt._snapshot_dense
-    monkeypatch.setattr(ckpt, "_snapshot_dense", boom)
+    real = ck_snapshot._snapshot_dense
+    monkeypatch.setattr(ck_snapshot, "_snapshot_dense", boom)
     with pytest.raises(RuntimeError, match="out of memory"):
         he.save(tmp_path / "c", model, opt, incremental=True)
-    monkeypatch.setattr(ckpt, "_snapshot_dense", real)
+    monkeypatch.setattr(ck_snapshot, "_snapshot_dense", real)
     train(model, opt, range(3, 4))
     he.save(tmp_path / "c", model, opt, incremental=True)
     _chain_equals_model(tmp_path / "c", model, opt)
@@ -289,7 +293,7 @@ def test_state_the_model_did_not_load_or_a_new_optimizer_makes_the_next_delta_wh
     he.load(tmp_path / "c", fresh)
     train(fresh, fresh_opt, range(2, 3))
     v = he.save(tmp_path / "c", fresh, fresh_opt, incremental=True)
-    assert "incremental" not in json.loads((ckpt.Path(v) / "manifest.json").read_text())
+    assert "incremental" not in json.loads((Path(v) / "manifest.json").read_text())
     _chain_equals_model(tmp_path / "c", fresh, fresh_opt)
     # a new optimizer after a save: every row's state is new, the next delta holds every row
     new_opt = he.wrap_optimizer(torch.optim.Adagrad(fresh.parameters(), lr=0.1, lr_decay=0.01), fresh)
@@ -304,5 +308,5 @@ def test_a_save_without_then_with_the_optimizer_commits_a_full_version_and_says_
     he.save(tmp_path / "c", model, incremental=True)  # no optimizer state
     train(model, opt, range(2, 3))
     v = he.save(tmp_path / "c", model, opt, incremental=True)  # the state changed: a full version
-    assert v.endswith("v-000002") and "incremental" not in json.loads((ckpt.Path(v) / "manifest.json").read_text())
+    assert v.endswith("v-000002") and "incremental" not in json.loads((Path(v) / "manifest.json").read_text())
     _chain_equals_model(tmp_path / "c", model, opt)

@@ -1,4 +1,4 @@
-"""``api.shards.assemble``: any target span of a table, put together from saved shards of any
+"""``checkpoint.pieces.assemble``: any target span of a table, put together from saved shards of any
 layout (row blocks, residues, column slices) and deltas, equals slicing the whole table; only
 the files that overlap the target are read."""
 
@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from hybridembed.api.shards import Target, _progression, assemble, files_for
+from hybridembed.checkpoint.pieces import Target, _progression, assemble, files_for
 
 ROWS, DIM = 37, 6
 
@@ -119,7 +119,7 @@ def test_a_file_that_does_not_hold_its_rows_is_a_problem_not_a_crash(tmp_path):
 
 
 def test_dynamic_shards_must_tile_columns_and_hash_residues():
-    from hybridembed.api.checkpoint import _check_shards
+    from hybridembed.checkpoint.manifest import _check_shards
 
     def table(*shards):
         return {"kind": "dynamic", "shape": [None, 4], "shards": [{"file": f"{i}", **s} for i, s in enumerate(shards)]}

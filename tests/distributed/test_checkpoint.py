@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hybridembed as he
-from hybridembed.api.checkpoint import read_manifest
+from hybridembed.checkpoint import read_manifest
 from hybridembed.distributed import Plan, shard_table, unwrap
 from hybridembed.distributed.launch import spawn
 
@@ -163,7 +163,7 @@ def _damage_then_resume(rank: int, world: int, path: str, damaged: str) -> dict:
 
 
 def _load_at(rank: int, world: int, path: str, other: str) -> dict:
-    from hybridembed.api import checkpoint
+    from hybridembed.checkpoint import layout as ck_layout
 
     model = he.distribute(Ranker(), plan=_plan(world))
     opt = _optimizer(model)
@@ -172,14 +172,14 @@ def _load_at(rank: int, world: int, path: str, other: str) -> dict:
     # a rank that cannot write its shard: every rank raises, the previous version stays current
     he.save(other, model, opt)
     if rank == 1:
-        real = checkpoint._write_file
+        real = ck_layout._write_file
 
         def failing(p, obj):
             if p.parent.name == "tables":
-                raise checkpoint._WriteError(p, OSError(28, "No space left on device"))
+                raise ck_layout._WriteError(p, OSError(28, "No space left on device"))
             real(p, obj)
 
-        checkpoint._write_file = failing
+        ck_layout._write_file = failing
     try:
         he.save(other, model, opt)
         failed = None
@@ -249,7 +249,7 @@ def _load_while_another_job_commits(rank: int, world: int, path: str) -> dict:
 
     import torch.distributed as dist
 
-    from hybridembed.api import checkpoint
+    from hybridembed.checkpoint import layout as ck_layout
 
     model = he.distribute(Ranker(), plan=_plan(world))
     opt = _optimizer(model)
@@ -260,15 +260,15 @@ def _load_while_another_job_commits(rank: int, world: int, path: str) -> dict:
     _steps(model, opt, range(1, 2), rank, world)
     he.save(path, model, opt, keep=2)  # v-000002
     if rank == 0:
-        checkpoint._commit(Path(path), "v-000001")  # LATEST names v-000001 again
+        ck_layout._commit(Path(path), "v-000001")  # LATEST names v-000001 again
     dist.barrier()
     # another job commits v-000002 right after rank 0 read LATEST, and before rank 1 looks
-    flag, real = Path(path + ".committed"), checkpoint._read_pointer
+    flag, real = Path(path + ".committed"), ck_layout._read_pointer
 
     def on_rank_0(root):
         name = real(root)
         if not flag.exists():
-            checkpoint._commit(Path(path), "v-000002")
+            ck_layout._commit(Path(path), "v-000002")
             flag.touch()
         return name
 
@@ -278,10 +278,10 @@ def _load_while_another_job_commits(rank: int, world: int, path: str) -> dict:
             time.sleep(0.01)
         return real(root)
 
-    checkpoint._read_pointer = on_rank_0 if rank == 0 else on_rank_1
+    ck_layout._read_pointer = on_rank_0 if rank == 0 else on_rank_1
     fresh = he.distribute(Ranker(), plan=_plan(world))
     manifest = he.load(path, fresh, _optimizer(fresh))
-    checkpoint._read_pointer = real
+    ck_layout._read_pointer = real
     loaded = _snapshot(fresh)
     return {
         "version": Path(manifest["path"]).name,
@@ -312,14 +312,14 @@ def _save_while_another_process_writes(rank: int, world: int, path: str) -> dict
 
     import torch.distributed as dist
 
-    from hybridembed.api import checkpoint
+    from hybridembed.checkpoint import lock as ck_lock
 
     model = he.distribute(Ranker(), plan=_plan(world))
     opt = _optimizer(model)
     lock = None
     if rank == 1:  # a process that is not the one committing (rank 0) holds the directory
         Path(path).mkdir()
-        lock = checkpoint._lock(Path(path))
+        lock = ck_lock._lock(Path(path))
     dist.barrier()
     try:
         he.save(path, model, opt)
@@ -417,7 +417,7 @@ def test_export_of_a_distributed_model_serves_its_outputs(tmp_path):
 
 def test_shards_must_tile_every_row_and_column():
     """A manifest's residue and column shards are checked before anything is read (no job needed)."""
-    from hybridembed.api.checkpoint import _check_shards
+    from hybridembed.checkpoint.manifest import _check_shards
 
     def table(*shards):
         return {"kind": "dense", "shape": [5, 4], "shards": [{"file": f"{i}", **s} for i, s in enumerate(shards)]}

@@ -135,7 +135,7 @@ def test_a_setup_one_rank_refuses_or_that_differs_on_one_rank_is_refused_on_ever
 def _timeouts(rank: int, world: int) -> dict:
     out = {}
     model = he.distribute(job_script.Model(), ddp=False)
-    from hybridembed.api.checkpoint import _checkpoint_group
+    from hybridembed.checkpoint.collective import _checkpoint_group
 
     group = he.distributed.unwrap(model).ec.process_group
     out["exchange"] = health.job_timeout(group).total_seconds()

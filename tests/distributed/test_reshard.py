@@ -166,7 +166,7 @@ def test_an_incremental_chain_of_three_ranks_loads_at_two_under_another_plan(tmp
     path = str(tmp_path / "ckpt")
     results = spawn(_train_save, 3, path, "B", True, timeout=240)
     assert results[0]["written"].endswith("v-000003")
-    from hybridembed.api.checkpoint import compact, read_manifest
+    from hybridembed.checkpoint import compact, read_manifest
 
     m = read_manifest(path)
     assert m["incremental"]["length"] == 2 and m["world_size"] == 3
@@ -183,21 +183,21 @@ def test_an_incremental_chain_of_three_ranks_loads_at_two_under_another_plan(tmp
 
 
 def _background_failure(rank: int, world: int, path: str) -> dict:
-    from hybridembed.api import checkpoint
+    from hybridembed.checkpoint import layout as ck_layout
 
     model, opt = _model(world, "A")
     _steps(model, opt, range(1), rank, world)
     he.save(path, model, opt)
     _steps(model, opt, range(1, 2), rank, world)
-    real = checkpoint._write_file
+    real = ck_layout._write_file
     if rank == 1:  # rank 1 cannot write its shards: every rank's wait() raises, naming it
 
         def failing(p, obj):
             if p.parent.name == "tables":
-                raise checkpoint._WriteError(p, OSError(28, "No space left on device"))
+                raise ck_layout._WriteError(p, OSError(28, "No space left on device"))
             real(p, obj)
 
-        checkpoint._write_file = failing
+        ck_layout._write_file = failing
     handle = he.save(path, model, opt, incremental=True, background=True)
     _steps(model, opt, range(2, K), rank, world)  # the failure arrives while training goes on
     try:
@@ -205,13 +205,13 @@ def _background_failure(rank: int, world: int, path: str) -> dict:
         failed = None
     except he.CheckpointError as e:
         failed = str(e)
-    checkpoint._write_file = real
+    ck_layout._write_file = real
     he.save(path, model, opt, incremental=True)  # holds every row changed since the full version
     return {"failed": failed, "saved": _snapshot(model)}
 
 
 def test_a_background_save_that_fails_on_one_rank_fails_on_every_rank_and_the_next_one_has_every_row(tmp_path):
-    from hybridembed.api.checkpoint import read_manifest
+    from hybridembed.checkpoint import read_manifest
 
     path = str(tmp_path / "ckpt")
     results = spawn(_background_failure, 2, path, timeout=240)

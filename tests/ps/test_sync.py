@@ -86,7 +86,7 @@ def test_sync_servers_equal_one_process_and_checkpoint_anywhere(tmp_path, server
     assert all(s["errors"] == 0 and s["applied_steps"] == 2 * K for s in per_server)
     assert sum(len(s["tables"]) for s in per_server) >= 6  # every table (or its shards) on a server
     # the checkpoint is a sharded checkpoint of the whole job: it loads in one process ...
-    from hybridembed.api.checkpoint import read_manifest
+    from hybridembed.checkpoint import read_manifest
 
     m = read_manifest(path)
     assert m["world_size"] == T + servers

@@ -5,7 +5,7 @@
 Start ``g`` of the job (``TORCHELASTIC_RESTART_COUNT``) for ``g < 2K`` kills one rank of itself,
 at a moment drawn from ``random.Random((SEED, g))``: even starts while training (a timer fired
 ``0..50`` ms after the n-th step of this start), odd ones while saving (this module patches
-``hybridembed.api.checkpoint``: before the k-th file written, between the rename of the
+``hybridembed.checkpoint.layout``: before the k-th file written, between the rename of the
 version and its commit, right after ``os.replace`` of ``LATEST``, or right after the commit
 returned). Start ``2K`` runs to the end. LOG gets one line per event, appended and fsynced:
 ``kill G RANK WHERE`` before each kill and ``commit G STEP`` by rank 0 once a version is
@@ -104,23 +104,23 @@ def plant_in_saves(ckpt, rng: random.Random) -> None:
 
 def main() -> int:
     global LOG, START, RANK
-    from hybridembed.api import checkpoint as ckpt
+    from hybridembed.checkpoint import layout as ck_layout
     from hybridembed.train import cli
 
     LOG, kills, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     START, RANK = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
     if START < 2 * kills:
         rng = random.Random(f"{seed}-{START}")
-        (plant_in_training(cli, rng) if START % 2 == 0 else plant_in_saves(ckpt, rng))
+        (plant_in_training(cli, rng) if START % 2 == 0 else plant_in_saves(ck_layout, rng))
     if RANK == 0:  # each commit logged when LATEST names it (saves run in the background)
-        commit = ckpt._commit
+        commit = ck_layout._commit
 
         def logged_commit(root, version):
             commit(root, version)
             manifest = json.loads((root / version / "manifest.json").read_text())
             note(f"commit {START} {manifest['extra']['hybridembed_train']['step']}")
 
-        ckpt._commit = logged_commit
+        ck_layout._commit = logged_commit
     return cli.main(sys.argv[4:])
 
 

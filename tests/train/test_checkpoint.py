@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("pyarrow", reason="the train tests need pyarrow (pip install 'hybridembed[train]')")
 
 import hybridembed.api as api  # noqa: E402
-from hybridembed.api.checkpoint import read_manifest  # noqa: E402
+from hybridembed.checkpoint import read_manifest  # noqa: E402
 from hybridembed.train import cli  # noqa: E402
 from hybridembed.train import data as D  # noqa: E402
 from hybridembed.train import models as M  # noqa: E402

@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("pyarrow", reason="the train tests need pyarrow (pip install 'hybridembed[train]')")
 
 import hybridembed  # noqa: E402
-from hybridembed.api.checkpoint import compact, read_manifest  # noqa: E402
+from hybridembed.checkpoint import compact, read_manifest  # noqa: E402
 from hybridembed.distributed import launcher_cli as launch  # noqa: E402
 from hybridembed.errors import CheckpointError  # noqa: E402
 from hybridembed.train import cli, elastic  # noqa: E402

@@ -1,6 +1,6 @@
-"""The verbs: convert, distribute, save/load, export."""
+"""The verbs: convert, distribute, save/load (from :mod:`hybridembed.checkpoint`), export."""
 
-from .checkpoint import load, save
+from ..checkpoint import load, save
 from .convert import convert
 from .distribute import distribute
 from .export import export

@@ -163,7 +163,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         """Dense optimizer state + per-table sparse state, keyed by table name and row id."""
         tables = {}
         for storage, group in zip(self._storages, self._sparse_groups):
-            if getattr(storage, "remote", False):  # (rows and state on parameter servers)
+            if storage.remote:  # (rows and state on parameter servers)
                 continue
             hp = {k: v for k, v in group.items() if k != "params"}
             for t in storage.tables:
@@ -185,7 +185,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         mine = {
             t.name: (s, g)
             for s, g in zip(self._storages, self._sparse_groups)
-            if not getattr(s, "remote", False)  # (rows and state on parameter servers)
+            if not s.remote  # (rows and state on parameter servers)
             for t in s.tables
         }
         missing, extra = sorted(set(mine) - set(sparse)), sorted(set(sparse) - set(mine))

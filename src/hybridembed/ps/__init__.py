@@ -127,7 +127,7 @@ def serve(model: nn.Module, server: TableServer, link: ServerLink, timeout: date
     service; the other trainers' waiting and later requests are answered with an error naming
     it, and this raises :class:`~hybridembed.distributed.health.RankLost` once they have left
     (or after ``timeout``)."""
-    from ..api import checkpoint as ck
+    from .. import checkpoint as ck
 
     rank = server.rank
     timeout = timeout if timeout is not None else health.job_timeout()

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import init as _init
+from ..checkpoint.participant import CheckpointParticipant
 from ..config import TableConfig
 from ..distributed import health
 from ..distributed.routes import assemble
@@ -684,7 +685,7 @@ def close_all(failed: str | None = None) -> None:
         client.bye(failed)
 
 
-class PSCollection(ShardedCollection):
+class PSCollection(ShardedCollection, CheckpointParticipant):
     """A trainer's embedding tables served by parameter servers (see :func:`hybridembed.distribute`
     with ``servers=``); looked up and trained like an :class:`~hybridembed.EmbeddingCollection`.
 

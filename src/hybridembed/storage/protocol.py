@@ -78,10 +78,13 @@ class Storage(Protocol):
             :func:`hybridembed.kernels.pooled_lookup`): None for autograd's accumulation
             into ``weight.grad``, or :meth:`accumulate_grad` for a matrix that may grow
             between forward and backward.
+        remote: the rows live elsewhere (a parameter-server trainer's storage holds only the
+            rows of its current step): no state of its own to save, no update applied here.
     """
 
     kind: str
     keyed: bool
+    remote: bool
     tables: list
     dim: int
     dtype: torch.dtype

@@ -373,7 +373,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 # --- resolving the flags ------------------------------------------------------------------------
 def _read_state(ckpt: str, flag: str = "--resume") -> dict[str, Any]:
     """The run's state (model flags, position) stored in the checkpoint's manifest by :class:`Checkpointer`."""
-    from ..api.checkpoint import read_manifest
+    from ..checkpoint import read_manifest
 
     if not os.path.isdir(ckpt):
         raise UsageError(f"{flag} {ckpt}: no such checkpoint directory")

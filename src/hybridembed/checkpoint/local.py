@@ -1,0 +1,302 @@
+"""The model of one process: its save and load, and the compaction of a directory's chain into one full version."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed.shard import unwrap as _unwrap
+from ..errors import CheckpointError
+from ..optim.wrapper import HybridOptimizer
+from ..storage import RowStorage, serial
+from ..utils import get_logger
+from . import layout
+from .background import (
+    SaveHandle,
+)
+from .chain import (
+    _chain,
+    _check_chain,
+    _check_chain_files,
+    _state_names,
+    _versions_of,
+    _whole,
+)
+from .layout import (
+    MANIFEST,
+    POINTER,
+    _clean,
+    _current,
+    _encode_floats,
+    _fsync_dir,
+    _model_tables,
+    _os_reason,
+    _sha256,
+    _table_of_storage,
+    _WriteError,
+)
+from .lock import (
+    _lock,
+)
+from .manifest import (
+    _check_dense_file,
+    _check_model,
+    _check_optimizer_file,
+    _raise,
+    _sealed,
+    read_manifest,
+)
+from .pieces import Target, assemble
+from .pieces import span as _span
+from .pieces import torch_load as _torch_load
+from .snapshot import (
+    _header,
+    _How,
+    _next_version,
+    _parent_candidate,
+    _publish,
+    _snapshot,
+    _storages,
+    _write_snapshot,
+)
+
+log = get_logger("hybridembed.checkpoint")
+
+
+def _cannot_write(root: Path, e: OSError) -> CheckpointError:
+    what = str(e) if isinstance(e, _WriteError) else f"{e.filename or root}: {_os_reason(e)}"
+    return CheckpointError(
+        f"cannot write the checkpoint {root} ({what}); the previous version, if any, is intact; "
+        "check that the directory is writable and has free space"
+    )
+
+
+def save_local(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _How) -> str | SaveHandle:
+    root.mkdir(parents=True, exist_ok=True)
+    lock = _lock(root)  # held from choosing the version name to the cleanup after the commit
+    try:
+        _clean(root, how.keep)
+        version = _next_version(root)
+        parent = _parent_candidate(root, how)
+        storages = _storages(model)
+        if parent is not None and any(st.checkpoint_base != parent["id"] for st in storages):
+            parent = None  # the model was not saved to or loaded from the current version: a full one
+        snap = _snapshot(model, optimizer, extra_json, parent)
+    except BaseException:
+        lock.release()
+        raise
+
+    def run() -> str:
+        try:
+            tmp = root / f".tmp-{version}-{os.getpid()}"
+            try:
+                tmp.mkdir()
+                manifest = _write_snapshot(tmp, snap)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            final = _publish(root, tmp, version)
+            _clean(root, how.keep)
+        finally:
+            lock.release()
+        inc = manifest.get("incremental")
+        kind = f"incremental, {inc['length']} on top of a full one" if inc else "full"
+        log.info("saved checkpoint %s (%d tables, %s)", final, len(manifest["tables"]), kind)
+        return str(final)
+
+    if how.background:
+        try:
+            return SaveHandle(_unwrap(model), snap, run, lambda e: _cannot_write(root, e))
+        except BaseException:
+            lock.release()
+            raise
+    try:
+        out = run()
+    except BaseException:
+        snap.finish(False)
+        raise
+    snap.finish(True)
+    return out
+
+
+@torch.no_grad()
+def _load_tables(items: list) -> None:
+    """Writes checked entries ``[(storage, table, entry)]``: a storage's tables at once; a dynamic
+    storage's clock is then the saved one (the latest of its tables'), not max(saved, current)."""
+    by_storage: dict[int, tuple[RowStorage, dict]] = {}
+    for storage, name, entry in items:
+        by_storage.setdefault(id(storage), (storage, {}))[1][name] = entry
+    for storage, entries in by_storage.values():
+        serial.load_entries(storage, entries)
+        if storage.keyed:
+            storage.clock = max(int(e["clock"]) for e in entries.values())
+
+
+def _loaded_from(manifest: dict, storages, optimizer) -> None:
+    """The model now holds version ``manifest``: its tables' changes are counted from it (not
+    for a storage whose optimizer state was not loaded: it differs from the version's)."""
+    for st in storages:
+        st.track_changes()
+        loaded_state = not st.state or (
+            isinstance(optimizer, HybridOptimizer) and any(x is st for x in optimizer._storages)
+        )
+        st.checkpoint_base = manifest.get("id") if loaded_state else None
+
+
+def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any]:
+    """:func:`hybridembed.checkpoint.load` of a model of one process."""
+    manifest = read_manifest(path)
+    vdir = Path(manifest["path"])
+    chain = _chain(manifest)
+    tables = _model_tables(model)
+    _raise(vdir, _check_model(manifest, model, optimizer, tables) + _check_chain(chain), "does not match the model")
+    wanted = {q: (_whole(t.config, t.keyed), t.keyed, _state_names(manifest, q, optimizer)) for q, t in tables.items()}
+    reads = [(q, target, keyed) for q, (target, keyed, _) in wanted.items()]
+    _raise(vdir, _check_chain_files(chain, reads, optimizer is not None, verify)[0], "is damaged")
+
+    problems: list[str] = []
+    entries = {}
+    for q, (target, keyed, names) in wanted.items():
+        entries[q], p = assemble(q, _versions_of(chain, q), target, tables[q].config.embedding_dim, keyed, names)
+        problems.extend(p)
+    dense = _torch_load(vdir, manifest["dense"]["file"])
+    if not isinstance(dense, dict):
+        problems.append(f"file {manifest['dense']['file']!r} does not hold a state_dict")
+    opt_file = None
+    if optimizer is not None:
+        opt_file = _torch_load(vdir, manifest["optimizer"]["file"])
+        if not isinstance(opt_file, dict) or opt_file.get("kind") != manifest["optimizer"]["kind"]:
+            problems.append(f"file {manifest['optimizer']['file']!r} does not hold the optimizer state")
+    _raise(vdir, problems, "is damaged")
+    # every table entry, the dense state and the optimizer state against the model, before
+    # anything is written: a refused load leaves model and optimizer as they were
+    for q, t in tables.items():
+        missing, errors = serial.check_entry(
+            t.storage, t.name, {k: v for k, v in entries[q].items() if k != "state"}, f"{q}.", strict_dtype=True
+        )
+        problems.extend([f"{k}: missing from the table's files" for k in missing] + errors)
+    problems.extend(_check_dense_file(manifest["dense"]["file"], dense, model))
+    if optimizer is not None:
+        problems.extend(_check_optimizer_file(opt_file, optimizer, tables, entries))
+    _raise(vdir, problems, "does not match the model")
+
+    # --- nothing was changed so far; from here on, apply ---------------------------------------
+    if dense:
+        model.load_state_dict(dense, strict=False)
+    _load_tables([(t.storage, t.name, entries[q]) for q, t in tables.items()])
+    if optimizer is not None:
+        if opt_file["kind"] == "torch":
+            optimizer.load_state_dict(opt_file["state_dict"])
+        else:
+            by_name = _table_of_storage(tables)
+            sparse = {}
+            for name, q in by_name.items():
+                meta = opt_file["sparse"].get(q)
+                if meta is None:
+                    continue
+                e = entries[q]
+                sparse[name] = {
+                    **meta,
+                    "ids": e["ids"] if tables[q].keyed else None,
+                    "state": e["state"],
+                }
+            optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
+    _loaded_from(manifest, {id(t.storage): t.storage for t in tables.values()}.values(), optimizer)
+    log.info("loaded checkpoint %s (%d tables)", vdir, len(tables))
+    return manifest
+
+
+# --- compaction: a chain written again as one full version, without the model -----------------------
+def compact(path: str | os.PathLike, *, keep: int = 1, verify: bool = True) -> str:
+    """Write the current version of the checkpoint at ``path`` again as a full version (the
+    chain of incremental versions it builds on put together, shard by shard, in the current
+    version's layout) and commit it; no model is needed. Returns the new version's directory
+    (the current one, unchanged, when it is already full). Loading it equals loading the chain,
+    bit for bit. It is a writer like :func:`save`: it holds the directory's writer lock, and is
+    refused (a CheckpointError naming the writer) while a job saves there."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise CheckpointError(f"keep must be an int >= 1, got {keep!r}")
+    if not isinstance(verify, bool):
+        raise CheckpointError(f"verify must be True or False, got {verify!r}")
+    root = Path(path)
+    read_manifest(root)  # (a CheckpointError saying what is missing there)
+    if not (root / POINTER).is_file():
+        raise CheckpointError(f"compact takes a checkpoint directory (with {POINTER}), got {path}")
+    lock = _lock(root)
+    try:
+        return _compact(root, keep, verify)
+    finally:
+        lock.release()
+
+
+def _compact(root: Path, keep: int, verify: bool) -> str:
+    manifest = read_manifest(root)
+    vdir = Path(manifest["path"])
+    if vdir.parent != root or _current(root) != vdir.name:
+        raise CheckpointError(f"compact takes a checkpoint directory (with {POINTER}), got {root}")
+    if "incremental" not in manifest:
+        return str(vdir)
+    chain = _chain(manifest)
+    problems = _check_chain(chain)
+    wanted = {}
+    for q, t in manifest["tables"].items():
+        keyed, dim = t["kind"] == "dynamic", t["shape"][1]
+        for sh in t["shards"]:
+            wanted[(q, sh["file"])] = (_shard_target(sh, keyed, dim), keyed, sorted(t.get("optimizer_state", [])))
+    reads = [(q, target, keyed) for (q, _), (target, keyed, _) in wanted.items()]
+    found, needed = _check_chain_files(chain, reads, True, verify)
+    _raise(vdir, problems + found, "cannot be compacted")
+    _clean(root, keep)
+    version = _next_version(root)
+    tmp = root / f".tmp-{version}-{os.getpid()}"
+    tables = copy.deepcopy(manifest["tables"])
+    try:
+        tmp.mkdir()
+        files = {}
+        for q, t in tables.items():
+            for sh in t["shards"]:
+                target, keyed, names = wanted[(q, sh["file"])]
+                entry, probs = assemble(q, _versions_of(chain, q), target, t["shape"][1], keyed, names)
+                _raise(vdir, probs, "cannot be compacted")
+                layout._write_file(tmp / sh["file"], entry)
+                files[sh["file"]] = {"bytes": (tmp / sh["file"]).stat().st_size, "sha256": _sha256(tmp / sh["file"])}
+                sh.pop("changed", None)
+                sh.pop("removed", None)
+                if keyed:
+                    sh["rows"] = int(entry["ids"].numel())
+        for rel in needed[vdir] - set(files):  # the dense state and the optimizer's, as they are
+            shutil.copyfile(vdir / rel, tmp / rel)
+            files[rel] = manifest["files"][rel]
+        body = {k: v for k, v in manifest.items() if k not in ("path", "incremental", "files")}
+        body["extra"] = _encode_floats(body["extra"], "extra")  # (read_manifest decoded it)
+        body.update(_header(manifest["world_size"], uuid.uuid4().hex), created=body["created"], tables=tables)
+        body["files"] = dict(sorted(files.items()))
+        layout._write_file(tmp / MANIFEST, (json.dumps(_sealed(body), indent=1) + "\n").encode())
+        for d in {tmp, *(p.parent for p in tmp.rglob("*") if p.is_file())}:
+            _fsync_dir(d)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = _publish(root, tmp, version)
+    _clean(root, keep)
+    log.info("compacted checkpoint %s (%d versions) into %s", vdir, len(chain), final)
+    return str(final)
+
+
+def _shard_target(sh: dict, keyed: bool, dim: int) -> Target:
+    """The rows and columns a saved shard entry holds, as a target to put together again."""
+    cols = (int(sh.get("col_start", 0)), int(sh.get("col_end", dim)))
+    if not keyed:
+        a, b, step, *_ = _span(sh, dim)
+        return Target((a, b, step), cols)
+    if sh.get("residue") is not None:
+        return Target(None, cols, (sh["residue"], sh["residues"]), first=sh["residue"] == 0)
+    return Target(None, cols)
