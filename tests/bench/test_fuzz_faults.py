@@ -54,7 +54,7 @@ def test_planted_failures_are_reported_as_silent_crash_and_hang(tmp_path):
     """The fuzzer is not vacuous: a reference that trains on the step every rank skipped is silent,
     a rank that exits is a crash, ranks that stop making progress are a hang; the trials around
     them (in new jobs) are clear."""
-    env = {"FUZZ_INJECT": "ec2:1:silent,ec2:2:crash,ec2:3:hang", "FUZZ_STALL": "5"}
+    env = {"FUZZ_INJECT": "ec2:1:silent,ec2:2:crash,ec2:3:hang", "FUZZ_STALL": "10"}
     res = _fuzz(tmp_path, ["--families", "input", "--case", "ec2", "--trials", "5"], env)
     fam = res["families"]["input"]
     assert fam["counts"]["ec2"] == {"tried": 5, "clear": 2, "silent": 1, "crash": 1, "hang": 1}, fam["counts"]
