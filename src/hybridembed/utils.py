@@ -175,6 +175,8 @@ def check_device(device: torch.device | str | None, owner: str) -> torch.device 
                 f"{owner}: device {str(device)!r}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
                 f"(cuda:0{f'..cuda:{count - 1}' if count > 1 else ''}); give one of those"
             )
+        if dev.index is None:  # 'cuda' is the current GPU: named by index, as its tensors' .device is
+            dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type not in ("cpu", "meta"):
         acc = getattr(torch, "accelerator", None)  # (torch >= 2.6)
         here = acc.current_accelerator() if acc is not None and acc.is_available() else None

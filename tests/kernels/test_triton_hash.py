@@ -18,6 +18,7 @@ import hybridembed as he  # noqa: E402
 from hybridembed.kernels import triton_hash  # noqa: E402
 
 DIM = 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter on the CPU)
 _INT64 = torch.iinfo(torch.int64)
 
 
@@ -77,8 +78,10 @@ def test_find_and_insert_match_the_eager_index_when_nearly_full():
     empty_index(st, h)
     st._insert(k, t, slots)
     eager = st._hrow
-    tri = torch.full((h, 2), -1, dtype=torch.int64)
-    triton_hash.insert(tri, h - 1, k, t, slots, home[chosen])
+    on = lambda *xs: [x.to(DEVICE) for x in xs]  # noqa: E731
+    tri = torch.full((h, 2), -1, dtype=torch.int64, device=DEVICE)
+    triton_hash.insert(tri, h - 1, *on(k, t, slots, home[chosen]))
+    tri = tri.cpu()
     assert torch.equal(index_rows(tri), index_rows(eager))  # the same pairs, maybe elsewhere
     at = (tri[:, 1] >= 0).nonzero().squeeze(1)
     at_home = st._hash(tri[at, 0], (tri[at, 1] >> 32).to(torch.int32)) & (h - 1)
@@ -93,14 +96,14 @@ def test_find_and_insert_match_the_eager_index_when_nearly_full():
     qhome = st._hash(qk, qt) & (h - 1)
     for index in (eager, tri):
         st._hrow = index
-        got = triton_hash.find(index, h - 1, qk, qt, qhome)  # (3 programs)
-        assert torch.equal(got, want)
+        got = triton_hash.find(*on(index), h - 1, *on(qk, qt, qhome))  # (3 programs)
+        assert torch.equal(got.cpu(), want)
         assert torch.equal(st._find(qk, qt), want)  # the eager reference on the same index
 
 
 def test_find_of_no_keys_and_insert_of_none():
-    hrow = torch.full((16, 2), -1, dtype=torch.int64)
-    e = torch.zeros(0, dtype=torch.int64)
+    hrow = torch.full((16, 2), -1, dtype=torch.int64, device=DEVICE)
+    e = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     assert triton_hash.find(hrow, 15, e, e.to(torch.int32), e).shape == (0,)
     triton_hash.insert(hrow, 15, e, e.to(torch.int32), e, e)
     assert bool((hrow == -1).all())
@@ -168,6 +171,7 @@ def assert_same_storage(a, b, exact: bool = True):
     assert torch.equal(index_rows(a._hrow).cpu(), index_rows(b._hrow).cpu())
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's form; on a GPU: the _on_the_gpu test below")
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_triton_storage_trains_like_eager(name, calls):
     """The index, slots, counters and sketch bit-identical; rows and optimizer state equal up to the

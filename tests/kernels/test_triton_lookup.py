@@ -41,6 +41,13 @@ def test_forward_matches_eager(dtype, weighted):
     psw1 = None if psw is None else psw[:37]
     got = tk.pool(weight, ids1, off1, psw1, cdt, one_per_bag=True)
     torch.testing.assert_close(got, pooled_lookup(weight, ids1, off1, psw1, cdt), rtol=tol, atol=tol)
+    # short bags (at most two ids a bag on average, over several programs of bags): read together
+    short = [1, 0, 2, 1, 5, 1, 1, 0] * 9  # 72 bags, 99 ids
+    ids2, off2 = _bags(short, 50, hot=0.3)
+    assert ids2.numel() <= tk._SHORT * len(short) and len(short) > 2 * tk._BAGS
+    psw2 = torch.rand(ids2.numel(), device=DEVICE, dtype=cdt) if weighted else None
+    got = tk.pool(weight, ids2, off2, psw2, cdt, one_per_bag=False)
+    torch.testing.assert_close(got, pooled_lookup(weight, ids2, off2, psw2, cdt), rtol=tol, atol=tol)
 
 
 def test_forward_empty():

@@ -210,13 +210,25 @@ class Rows(Route):
             return Span(range(s.col_start, s.col_stop), None, s.row_start, s.row_step)
         return super().span(pos)
 
+    def _on(self, name: str, device: torch.device) -> torch.Tensor:
+        """The small lookup tensor ``name`` on ``device`` (copied there once, then kept)."""
+        t = getattr(self, name)
+        if t.device == device:
+            return t
+        kept = self.__dict__.setdefault("_kept", {})
+        if (name, device) not in kept:
+            kept[name, device] = t.to(device)
+        return kept[name, device]
+
     def locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.placement == "hash":
-            return self.residue_to.index_select(0, hash_residue(ids, self.k)), ids
-        if self.placement == "mod":
-            return self.residue_to.index_select(0, ids.remainder(self.k)), ids.div(self.k, rounding_mode="floor")
-        pos = torch.searchsorted(self.starts, ids, right=True).sub_(1)
-        return self.order.index_select(0, pos), ids - self.starts.index_select(0, pos)
+        if self.placement in ("hash", "mod"):
+            to = self._on("residue_to", ids.device)
+            if self.placement == "hash":
+                return to.index_select(0, hash_residue(ids, self.k)), ids
+            return to.index_select(0, ids.remainder(self.k)), ids.div(self.k, rounding_mode="floor")
+        starts = self._on("starts", ids.device)
+        pos = torch.searchsorted(starts, ids, right=True).sub_(1)
+        return self._on("order", ids.device).index_select(0, pos), ids - starts.index_select(0, pos)
 
     def split(self, j, ids, lengths, weights, one, ones):
         k, n = len(self.shards), ids.numel()

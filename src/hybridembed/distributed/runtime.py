@@ -49,7 +49,7 @@ from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
 from ..modules.collection import check_arguments
 from ..optim.hooks import RowGrads, SparseStepHook
-from ..utils import kept_tensor
+from ..utils import check_device, kept_tensor
 from . import health
 from .plan import Plan, Shard
 from .routes import Route, Sends, assemble, hash_residue, route_for
@@ -284,7 +284,7 @@ class ShardedCollection(nn.Module, SparseStepHook):
             if replicated
             else None
         )
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._device = check_device(device, "ShardedCollection") or torch.device("cpu")
         self._empty_ids = torch.zeros(0, dtype=torch.int64, device=self._device)
         wire = {t.compute_dtype for t in tables}
         self._wire = torch.float64 if torch.float64 in wire else torch.float32
@@ -462,7 +462,7 @@ class ShardedCollection(nn.Module, SparseStepHook):
         """0-d bool: ``j`` is valid input of ``t`` (ids checked in global id space)."""
         if self._trusted(j) and j.weights is None:  # one id per bag, offsets made here: the ids alone
             if t.dynamic is not None or j.values.numel() == 0:
-                return torch.ones((), dtype=torch.bool)
+                return torch.ones((), dtype=torch.bool, device=j.values.device)
             lo, hi = (m.to(torch.int64) for m in torch.aminmax(j.values))
             return (lo >= 0) & (hi < t.num_embeddings)
         return j.ok(t.num_embeddings, allow_negative=t.dynamic is not None)

@@ -52,6 +52,13 @@ FUSED = {"SGD": 0, "Adagrad": 1, "RowWiseAdagrad": 2, "Adam": 3}
 _CHUNK = 32  # sorted ids per program of the update
 _ROWS = 32  # rows per program of the one-id-per-bag gather
 _BLOCK_N = 16  # ids read at once per bag of the pooled forward
+# launch parameters of the pooled forward, swept on an H200 (benchmarks/sweep_pool.py, bench_gpu.py's
+# sizes): one-hot bags 0.097 ms with 8 bags a program and 1 warp (1.18 ms one bag a program, 4
+# warps); multi-hot bags of 0..40 ids 0.83 ms with 16 ids at once and 2 warps (2.1 ms with 4)
+_BAGS = 8  # bags per program of the pooled forward of short bags (32 with 2+ warps: Triton 3.6 fails to compile)
+_SHORT = 2  # mean ids per bag up to which the forward reads many bags a program
+_SHORT_WARPS = 1  # warps per program of the short bags' kernel
+_POOL_WARPS = 2  # warps per program of the one-bag-a-program kernel
 
 
 def _acc(dtype: torch.dtype):
@@ -118,6 +125,41 @@ def _pool_bags(
     tl.store(out + b.to(tl.int64) * D + d, acc, mask=dm)
 
 
+@triton.jit
+def _pool_short_bags(
+    weight,
+    ids,
+    offsets,
+    psw,
+    out,
+    s,
+    D,
+    stride_w,
+    HAS_PSW: tl.constexpr,
+    ACC: tl.constexpr,
+    BAGS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[b] = sum over the ids of bag b of weight[id] * psw[id], BAGS bags a program: their
+    k-th ids are read together, for k up to the longest of them (bags of one or two ids)."""
+    b = tl.program_id(0) * BAGS + tl.arange(0, BAGS)  # (BAGS,)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    bm, dm = b < s, d < D
+    start = tl.load(offsets + b, mask=bm, other=0)
+    end = tl.load(offsets + b + 1, mask=bm, other=0)
+    acc = tl.zeros([BAGS, BLOCK_D], dtype=ACC)
+    for k in range(0, tl.max(end - start, 0)):
+        pos = start + k
+        pm = pos < end
+        row = tl.load(ids + pos, mask=pm, other=0).to(tl.int64)
+        x = tl.load(weight + row[:, None] * stride_w + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0)
+        x = x.to(ACC)  # (BAGS, BLOCK_D)
+        if HAS_PSW:
+            x = x * tl.load(psw + pos, mask=pm, other=0.0).to(ACC)[:, None]
+        acc += x
+    tl.store(out + b.to(tl.int64)[:, None] * D + d[None, :], acc, mask=bm[:, None] & dm[None, :])
+
+
 def pool(
     weight: torch.Tensor,
     ids: torch.Tensor,
@@ -151,6 +193,23 @@ def pool(
             ROWS=_ROWS,
             BLOCK_D=block_d,
         )
+    elif n <= _SHORT * s:  # short bags (one-hot features given as bags): many bags a program
+        grid = (triton.cdiv(s, _BAGS), triton.cdiv(dim, block_d))
+        _pool_short_bags[grid](
+            weight,
+            ids,
+            offsets,
+            psw,
+            out,
+            s,
+            dim,
+            weight.stride(0),
+            HAS_PSW=psw is not None,
+            ACC=acc,
+            BAGS=_BAGS,
+            BLOCK_D=block_d,
+            num_warps=_SHORT_WARPS,
+        )
     else:
         grid = (s, triton.cdiv(dim, block_d))
         _pool_bags[grid](
@@ -165,6 +224,7 @@ def pool(
             ACC=acc,
             BLOCK_N=_BLOCK_N,
             BLOCK_D=block_d,
+            num_warps=_POOL_WARPS,
         )
     return out
 

@@ -87,28 +87,26 @@ def _pool(storage: RowStorage, ids, offsets, psw, cdt, sink, segments=None, one_
     """The group's kernel call (:func:`~hybridembed.kernels.pooled_lookup`): Triton kernels when the
     storage's backend runs them on its device (not for per-id weights that need a gradient of
     their own, nor a parameter server's rows), else the eager ops."""
-    if (
-        uses_triton(storage.kernels, storage.weight)
-        and (psw is None or not psw.requires_grad)
-        and not getattr(storage, "remote", False)
-    ):
+    if uses_triton(storage.kernels, storage.weight) and (psw is None or not psw.requires_grad) and not storage.remote:
         from ..kernels import triton_lookup  # (imports Triton)
 
         return triton_lookup.pooled_lookup(storage, ids, offsets, psw, cdt, one_per_bag)
     return pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, one_per_bag)
 
 
-def _all(checks: list[torch.Tensor]) -> torch.Tensor:
+def _all(checks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """0-d bool: every check holds (True for none)."""
-    return torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool)
+    return torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool, device=device)
 
 
 # devices where forward takes id tensors whole, checking for padding in the validation's one sync
 # (EmbeddingCollection._unpadded); on the CPU, dropping padding costs no wait
 _WHOLE_DEVICES = ("cuda",)
 
-# below this many ids per feature on average, a group is assembled with per-group ops (_assemble_small)
+# below this many ids per feature on average, a group is assembled with per-group ops (_assemble_small);
+# on a GPU always (its passes over the ids cost microseconds, each op's launch more)
 _SMALL_PER_FEATURE = 2048
+_FEW_OPS_DEVICES = ("cuda",)
 
 
 def _group_key(t: TableConfig) -> tuple:
@@ -515,7 +513,7 @@ class EmbeddingCollection(nn.Module):
         counts = [j.values.numel() for j in js]
         sizes = [j.offsets.numel() - 1 for j in js[: len(pooled)]] + counts[len(pooled) :]  # bags per feature
         n, s = sum(counts), sum(sizes)
-        if not seq and n < _SMALL_PER_FEATURE * len(feats):
+        if not seq and (n < _SMALL_PER_FEATURE * len(feats) or device.type in _FEW_OPS_DEVICES):
             return self._assemble_small(storage, feats, js, counts, sizes)
         ids = torch.empty(n, dtype=torch.int64, device=device)  # (N,) rows of the group's storage
         offsets = torch.empty(s + 1, dtype=torch.int64, device=device)
@@ -582,7 +580,7 @@ class EmbeddingCollection(nn.Module):
                     ids = ids + consts[0].repeat_interleave(cnt, output_size=n)
         if all(self._trusted(j) for j in js):  # one id per bag, offsets made here: nothing to check
             offsets = self._one_per_bag(n, device)
-            return _GroupBatch(storage, feats, [], ids, offsets, sizes, counts, _all(checks), one_per_bag=True)
+            return _GroupBatch(storage, feats, [], ids, offsets, sizes, counts, _all(checks, device), one_per_bag=True)
         cnt = device_tensor(counts, device)
         offsets = torch.cat([*(j.offsets[:-1] for j in js), device_tensor([n], device)])  # (S+1,)
         if offsets.dtype != torch.int64:
