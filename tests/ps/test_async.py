@@ -124,12 +124,13 @@ class _FakeClient:
 
 
 def test_the_cache_index_stays_exact_under_random_lookups():
-    from hybridembed.ps.remote import RemoteStorage, _Cache
+    from hybridembed.ps.cache import RowCache
+    from hybridembed.ps.remote import RemoteStorage
 
     tables = [he.TableConfig("x", None, 4, dynamic=he.Dynamic()), he.TableConfig("y", None, 4, dynamic=he.Dynamic())]
     st = RemoteStorage(tables)
     st.client, st.staleness = _FakeClient(), 3
-    st.cache = _Cache(st, 50)
+    st.cache = RowCache(st, 50)
     g = torch.Generator().manual_seed(3)
     for step in range(60):
         st.client.step = step

@@ -135,7 +135,7 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, 
     finally:
         if dist.is_initialized():
             try:  # trainers of parameter servers leave first (the servers wait for them)
-                from ..ps.remote import close_all
+                from ..ps.collection import close_all
 
                 close_all()
             except Exception:

@@ -674,3 +674,33 @@ def tables_for_model(spec: Any) -> tuple[list[TableConfig], dict[str, float], di
             hotness[name] = float(sum(e.nnz))
             bags[name] = len(e.nnz)
     return tables, hotness, bags
+
+
+def check_memory(plan: Plan, tables: list[TableConfig], memory_per_rank: int) -> None:
+    """Refuses a plan that puts more than ``memory_per_rank`` bytes of rows and optimizer state on a rank."""
+    if isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, int) or memory_per_rank <= 0:
+        raise ConfigError(f"memory_per_rank must be a positive int (bytes), got {memory_per_rank!r}")
+    costs = plan_costs(plan, tables)
+    worst = max(costs, key=lambda c: c.memory_bytes)
+    if worst.memory_bytes > memory_per_rank:
+        over = sum(c.memory_bytes > memory_per_rank for c in costs)
+        raise ConfigError(
+            f"the plan puts {format_bytes(worst.memory_bytes)} of rows and optimizer state on rank {worst.rank}, "
+            f"{format_bytes(worst.memory_bytes - memory_per_rank)} over memory_per_rank="
+            f"{format_bytes(memory_per_rank)} ({over} rank(s) over); nothing was allocated. Plan with "
+            "make_plan(..., memory_per_rank=...) or shard the largest tables row_wise"
+        )
+
+
+def checked_plan(plan: Plan | None, tables: list[TableConfig], world: int, memory_per_rank: int | None) -> Plan:
+    """``plan`` (the planner's when None) checked against the tables, the world size and the budget."""
+    if plan is None:
+        plan = make_plan(tables, world)
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan must be a hybridembed.distributed.Plan, got {type(plan).__name__}")
+    if plan.world_size != world:
+        raise ConfigError(f"the plan is for world size {plan.world_size}, this process group has {world} ranks")
+    plan.check(tables)
+    if memory_per_rank is not None:
+        check_memory(plan, tables, memory_per_rank)
+    return plan

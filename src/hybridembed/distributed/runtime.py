@@ -29,13 +29,10 @@ ranks' gradients (SOK's convention; equal to world 1 on a summed loss).
 from __future__ import annotations
 
 import datetime
-import hashlib
-import itertools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,103 +45,17 @@ from ..kernels import bag_scale
 from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
 from ..modules.collection import check_arguments
-from ..optim.hooks import RowGrads, SparseStepHook
 from ..utils import check_device, kept_tensor
 from . import health
+from .exchange import FAILED, INVALID, PER_PAIR, Header, Pair, RowsExchange, exchange, features_digest
 from .plan import Plan, Shard
+from .planner import checked_plan
 from .routes import Route, Sends, assemble, hash_residue, route_for
+from .step import ShardedStep
 
 __all__ = ["ShardedCollection", "REDUCTIONS", "hash_residue"]
 
 REDUCTIONS = ("mean", "sum")
-_PER_PAIR = 3  # sizes sent per pair before the ids: bags, ids, one id per bag (then no lengths are sent)
-
-
-@dataclass
-class _Pair:
-    """One (request, shard) of a lookup: what one rank asks one owner for."""
-
-    rank: int  # the owner
-    local: str  # the owner's feature name for it
-    width: int
-
-
-@dataclass(frozen=True)
-class Header:
-    """What each rank tells each other rank first in an exchange. Its size is fixed, so ranks that
-    disagree on the step (one could not make its lookups, or looked up other features) still
-    read each other's, and every rank raises instead of waiting or misreading what follows.
-
-    ``failed``: 0, or :data:`INVALID` (this rank's input was refused) or :data:`FAILED` (it failed
-    otherwise before the exchange); ``weights``: per-id weights follow the ids; ``digest``: of the
-    features looked up, in order; ``nints``: int64s this rank sends the other next (the sizes of
-    each pair the other owns, then their bag lengths and ids).
-
-        >>> h = Header(0, 1, 12345, 7)
-        >>> Header.unpack(torch.tensor([h.pack(), Header(INVALID, 0, 0, 0).pack()]))
-        [Header(failed=0, weights=1, digest=12345, nints=7), Header(failed=1, weights=0, digest=0, nints=0)]
-    """
-
-    failed: int
-    weights: int
-    digest: int
-    nints: int
-
-    SIZE: ClassVar[int] = 4
-
-    def pack(self) -> list[int]:
-        return [self.failed, self.weights, self.digest, self.nints]
-
-    @staticmethod
-    def unpack(rows: torch.Tensor) -> list[Header]:
-        """(W, SIZE) int64 -> one header per rank (one host sync)."""
-        return [Header(*row) for row in rows.view(-1, Header.SIZE).tolist()]
-
-
-INVALID, FAILED = 1, 2  # Header.failed: the rank's input was refused / it failed otherwise
-
-
-def _a2a(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, group) -> None:
-    """``all_to_all_single``; a peer that died, stopped or failed -> :class:`RankLost` naming it."""
-    try:
-        dist.all_to_all_single(out, t, recv_splits, send_splits, group=group)
-    except RuntimeError as e:
-        peers = [r for r in range(dist.get_world_size(group)) if r != dist.get_rank(group)]
-        raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, group) from None
-
-
-class _Exchange(torch.autograd.Function):
-    """``all_to_all_single`` of a flat tensor whose backward is the reverse exchange: rows go
-    out to requesters, gradients come back to owners (summed over requesters; the ``mean``
-    reduction's 1/W is applied to the owner's reduced rows at the optimizer step, fewer than
-    the pooled rows that cross)."""
-
-    @staticmethod
-    def forward(ctx, send, send_splits, recv_splits, group):  # (sum send_splits,) -> (sum recv_splits,)
-        recv = send.new_empty(sum(recv_splits))
-        _a2a(recv, send.contiguous(), recv_splits, send_splits, group)
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        return recv
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits = ctx.splits
-        g = grad.contiguous()
-        out = g.new_empty(sum(send_splits))
-        _a2a(out, g, send_splits, recv_splits, ctx.group)
-        return out, None, None, None
-
-
-def _exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    out = t.new_empty(sum(recv_splits))
-    _a2a(out, t, recv_splits, send_splits, group)
-    return out
-
-
-def _digest(items: Sequence[str]) -> int:
-    """A 62-bit digest of a sequence of names (the same on every rank for the same names)."""
-    h = hashlib.sha256("\x00".join(items).encode()).digest()
-    return int.from_bytes(h[:8], "little") & ((1 << 62) - 1)
 
 
 def _describe(t: TableConfig) -> dict[str, Any]:
@@ -159,7 +70,7 @@ def _describe(t: TableConfig) -> dict[str, Any]:
     }
 
 
-class ShardedCollection(nn.Module, SparseStepHook):
+class ShardedCollection(nn.Module, ShardedStep):
     """Tables sharded over a process group, looked up like an :class:`EmbeddingCollection`.
 
     Args:
@@ -228,7 +139,7 @@ class ShardedCollection(nn.Module, SparseStepHook):
                 raise ConfigError(f"dedup must be True or False, got {dedup!r}")
             tables = list(tables)
             _check_like_collection(tables, features, seed, pad, sequence_output)
-            plan = _checked_plan(plan, tables, self.world_size, memory_per_rank)
+            plan = checked_plan(plan, tables, self.world_size, memory_per_rank)
         except HybridEmbedError as e:
             problem = e
         self._agree(group, problem, tables, features, seed, reduction, plan)
@@ -469,30 +380,50 @@ class ShardedCollection(nn.Module, SparseStepHook):
 
     # --- the exchange ------------------------------------------------------------------------
     def _run(self, reqs: list[tuple[str, Jagged]], train: bool) -> list[torch.Tensor | Jagged]:
+        """One exchange: the lookups of ``reqs`` (checked structurally), every rank's in the same step."""
         tabs = [self.tables[self.features[f]] for f, _ in reqs]
-        # 1. validation in global id space: one sync; the error travels in the header
-        error: InvalidInputError | None = None
-        if reqs:
-            oks = [self._ok(j, t) for (_, j), t in zip(reqs, tabs)]
-            if not bool(torch.stack(oks).all()):
-                for (f, j), t, ok in zip(reqs, tabs, oks):
-                    if not bool(ok):
-                        try:
-                            j.raise_first_error(f, t.num_embeddings, allow_negative=t.dynamic is not None)
-                        except InvalidInputError as e:
-                            error = e
-                            break
-        # 2. routing: per (request, shard) what it sends (its route splits the request's ids)
-        pairs: list[_Pair] = []
+        error = self._validate(reqs, tabs)  # 1. (the error travels in the header)
+        pairs, sends, back = self._route(reqs, tabs, error)  # 2.
+        pooled_here = self._dedup(sends) if error is None and self.dedup else {}
+        if pairs:
+            rows_of = self._exchange_rows(reqs, pairs, sends, pooled_here, error, train)  # 3. to 7.
+        else:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
+            rows_of = {}
+            why = health.first_line(error) if error is not None else ""
+            digest = features_digest([f for f, _ in reqs])
+            self._raise_if_failed(
+                self._header(INVALID if error is not None else 0, False, digest, why=why), error, reqs
+            )
+        return self._combine(reqs, tabs, rows_of, back, train)
+
+    def _validate(self, reqs: list[tuple[str, Jagged]], tabs: list[TableConfig]) -> InvalidInputError | None:
+        """Phase 1: every request's ids in global id space (one host sync); the first bad one's error."""
+        if not reqs:
+            return None
+        oks = [self._ok(j, t) for (_, j), t in zip(reqs, tabs)]
+        if bool(torch.stack(oks).all()):
+            return None
+        for (f, j), t, ok in zip(reqs, tabs, oks):
+            if not bool(ok):
+                try:
+                    j.raise_first_error(f, t.num_embeddings, allow_negative=t.dynamic is not None)
+                except InvalidInputError as e:
+                    return e
+        return None
+
+    def _route(self, reqs, tabs, error) -> tuple[list[Pair], list[Sends], dict[int, Any]]:
+        """Phase 2: per (request, shard) what it sends, its route splitting the request's ids; per
+        request, what its route needs to put its rows back. After an error nothing is sent."""
+        pairs: list[Pair] = []
         sends: list[Sends] = []
-        back: dict[int, Any] = {}  # per request: what its route needs to put its rows back
+        back: dict[int, Any] = {}
         for q, ((f, j), t) in enumerate(zip(reqs, tabs)):
             route = self._routes[t.name]
             if route.replicated:
                 continue
             for pos, (_, s) in enumerate(route.shards):
-                pairs.append(_Pair(s.rank, f"{f}@{pos}", s.width))
-            if error is not None:  # (nothing is sent: the header tells every rank)
+                pairs.append(Pair(s.rank, f"{f}@{pos}", s.width))
+            if error is not None:  # (the header tells every rank)
                 sends.extend(Sends(self._empty_ids, self._empty_ids, None, True) for _ in route.shards)
                 continue
             n = j.values.numel()
@@ -503,35 +434,36 @@ class ShardedCollection(nn.Module, SparseStepHook):
             lengths = self._ones(n, ids.device) if one else j.lengths().to(torch.int64)
             parts, back[q] = route.split(j, ids, lengths, psw, one, partial(self._ones, device=ids.device))
             sends.extend(parts)
-        # deduplicated per destination: a pair with fewer distinct ids than bags asks for the rows of
-        # its distinct ids (bags of one) and pools them here: fewer rows cross, each way
+        return pairs, sends, back
+
+    def _dedup(self, sends: list[Sends]) -> dict[int, tuple]:
+        """``dedup``: a pair with fewer distinct ids than bags asks for the rows of its distinct ids
+        (bags of one) and pools them here: fewer rows cross, each way. ``sends`` is changed in
+        place; returns per such pair (inverse, bag lengths or None, weights) for :meth:`_pool_here`."""
         pooled_here: dict[int, tuple] = {}
-        if error is None and self.dedup:
-            distinct: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for i, x in enumerate(sends):
-                lengths, ids, w, single = x.lengths, x.ids, x.weights, x.one
-                n, b = ids.numel(), lengths.numel()
-                if n < 2 or n > 2 * b:  # (many ids per bag: pooling on the owner sends fewer rows)
-                    continue
-                if id(ids) not in distinct:  # (column slices share their request's ids)
-                    distinct[id(ids)] = torch.unique(ids, return_inverse=True)
-                uniq, inv = distinct[id(ids)]
-                if uniq.numel() < b:
-                    pooled_here[i] = (inv, None if single else lengths, w)  # (one id per bag: no pooling)
-                    sends[i] = Sends(self._ones(uniq.numel(), ids.device), uniq, None, True)
-        if pairs:
-            rows_of = self._exchange_rows(reqs, pairs, sends, pooled_here, error, train)
-        else:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
-            rows_of = {}
-            why = health.first_line(error) if error is not None else ""
-            got = self._header(INVALID if error is not None else 0, False, _digest([f for f, _ in reqs]), why=why)
-            self._raise_if_failed(got, error, reqs)
-        outputs: list[Any] = []
+        distinct: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, x in enumerate(sends):
+            lengths, ids, w, single = x.lengths, x.ids, x.weights, x.one
+            n, b = ids.numel(), lengths.numel()
+            if n < 2 or n > 2 * b:  # (many ids per bag: pooling on the owner sends fewer rows)
+                continue
+            if id(ids) not in distinct:  # (column slices share their request's ids)
+                distinct[id(ids)] = torch.unique(ids, return_inverse=True)
+            uniq, inv = distinct[id(ids)]
+            if uniq.numel() < b:
+                pooled_here[i] = (inv, None if single else lengths, w)  # (one id per bag: no pooling)
+                sends[i] = Sends(self._ones(uniq.numel(), ids.device), uniq, None, True)
+        return pooled_here
+
+    def _combine(self, reqs, tabs, rows_of: dict[int, torch.Tensor], back, train: bool) -> list:
+        """Phase 8: each request's output: its rows put back by its route (summed over row shards,
+        joined over column slices), or a replicated table's own lookup."""
         local_reqs = [(q, f, j) for q, ((f, j), t) in enumerate(zip(reqs, tabs)) if self._routes[t.name].replicated]
         local_out = {}
         if local_reqs:
             res = self.replicated._lookup_many([(f, j) for _, f, j in local_reqs], train, checked=True)
             local_out = {q: x for (q, _, _), x in zip(local_reqs, res)}
+        outputs: list[Any] = []
         first = 0
         for q, ((_, j), t) in enumerate(zip(reqs, tabs)):
             route = self._routes[t.name]
@@ -560,7 +492,7 @@ class ShardedCollection(nn.Module, SparseStepHook):
             return [Header(failed, int(has_w), digest, nints[0])]
         send = [Header(failed, int(has_w), digest, n).pack() for n in nints]
         send_h = torch.tensor(send, dtype=torch.int64, device=self._device).view(-1)  # (NCCL sends device tensors only)
-        return Header.unpack(_exchange(send_h, [Header.SIZE] * world, [Header.SIZE] * world, self._group))
+        return Header.unpack(exchange(send_h, [Header.SIZE] * world, [Header.SIZE] * world, self._group))
 
     def _step_key(self, rank: int) -> str:
         return f"step/{self._group.group_name}/{self._exchanges}/{rank}"
@@ -601,100 +533,98 @@ class ShardedCollection(nn.Module, SparseStepHook):
         self._header(code, False, 0, why=health.first_line(error))
 
     def _exchange_rows(self, reqs, pairs, sends, pooled_here, error, train) -> dict[int, torch.Tensor]:
-        """Phases 3 to 6 of :meth:`_run`: header, ids (and weights) to the owners, their lookups,
+        """Phases 3 to 7 of :meth:`_run`: header, ids (and weights) to the owners, their lookups,
         rows back. Returns each pair's rows (its bags', or pooled here from distinct ids' rows)."""
-        group, world = self._group, self.world_size
-        digest = _digest([f for f, _ in reqs])
-        has_w = any(x.weights is not None for x in sends)
-        by_rank: list[list[int]] = [[] for _ in range(world)]
+        by_rank: list[list[int]] = [[] for _ in range(self.world_size)]
         for i, p in enumerate(pairs):
             by_rank[p.rank].append(i)
         mine = by_rank[self.rank]
-        # 3. to each owner: the sizes of each of its pairs (bags, ids, one id per bag), then their bag
-        # lengths (unless one id per bag) and ids; the header first says how many int64s that is
+        sizes, recv_ids, recv_w = self._ids_to_owners(reqs, sends, by_rank, error)  # 3., 4.
+        flat_send, failure = self._owner_rows(mine, pairs, sizes, recv_ids, recv_w, train)  # 5.
+        flat = self._rows_back(flat_send, failure, pairs, sends, by_rank, sizes[0])  # 6.
+        order = [i for r in range(self.world_size) for i in by_rank[r]]
+        recv_pieces = [sends[i].lengths.numel() * pairs[i].width for i in order]
+        rows_of = {i: piece.view(-1, pairs[i].width) for i, piece in zip(order, flat.split(recv_pieces))}
+        self._pool_here(rows_of, pooled_here)  # 7.
+        return rows_of
+
+    def _ids_to_owners(self, reqs, sends: list[Sends], by_rank: list[list[int]], error) -> tuple:
+        """Phases 3 and 4: to each owner the sizes of each of its pairs (bags, ids, one id per bag),
+        then their bag lengths (unless one id per bag) and ids, the header first saying how many
+        int64s that is (and whether per-id weights follow, sent next). Returns what this rank
+        received: per source (bags, ids, one-per-bag flags of each pair here, payload piece
+        sizes), the ids and lengths, and the weights (or None)."""
+        world, group = self.world_size, self._group
         out_ints = [self._empty_ids] * world
         if error is None:
-            out_ints = [
-                torch.cat(
-                    [
-                        torch.tensor(
-                            [
-                                v
-                                for i in by_rank[r]
-                                for v in (sends[i].lengths.numel(), sends[i].ids.numel(), int(sends[i].one))
-                            ],
-                            dtype=torch.int64,
-                            device=self._device,
-                        ),
-                        *(
-                            x
-                            for i in by_rank[r]
-                            for x in ((sends[i].ids,) if sends[i].one else (sends[i].lengths, sends[i].ids))
-                        ),
-                    ]
-                )
-                for r in range(world)
-            ]
+            out_ints = [self._ints_to(by_rank[r], sends) for r in range(world)]
         send_sizes = [int(x.numel()) for x in out_ints]
+        has_w = any(x.weights is not None for x in sends)
         why = health.first_line(error) if error is not None else ""
+        digest = features_digest([f for f, _ in reqs])
         got = self._header(INVALID if error is not None else 0, has_w, digest, send_sizes, why)
         self._raise_if_failed(got, error, reqs)
-        any_w = any(h.weights for h in got)
-        # 4. ids (and weights) to their owners
         recv_sizes = [h.nints for h in got]
-        recv = out_ints[0] if world == 1 else _exchange(torch.cat(out_ints), send_sizes, recv_sizes, group)
-        m = _PER_PAIR * len(mine)
+        recv = out_ints[0] if world == 1 else exchange(torch.cat(out_ints), send_sizes, recv_sizes, group)
+        m = PER_PAIR * len(by_rank[self.rank])
         chunks = recv.split(recv_sizes)
-        sizes = torch.cat([c[:m] for c in chunks]).view(world, len(mine), _PER_PAIR).tolist()
-        bags = [[x[0] for x in row] for row in sizes]  # per source: bags, ids and one-per-bag of each pair here
-        nids = [[x[1] for x in row] for row in sizes]
-        ones = [[x[2] for x in row] for row in sizes]
+        table = torch.cat([c[:m] for c in chunks]).view(world, len(by_rank[self.rank]), PER_PAIR).tolist()
+        bags = [[x[0] for x in row] for row in table]  # per source: bags, ids and one-per-bag of each pair here
+        nids = [[x[1] for x in row] for row in table]
+        ones = [[x[2] for x in row] for row in table]
         payload = [[x for b, n, o in zip(*z) for x in (0 if o else b, n)] for z in zip(bags, nids, ones)]
-        recv_ids = [c[m:] for c in chunks]
         recv_w = None
-        if any_w:
-            cdt = self._wire
-            ws = [
-                torch.cat(
-                    [
-                        (
-                            sends[i].weights
-                            if sends[i].weights is not None
-                            else torch.ones(sends[i].ids.numel(), dtype=cdt, device=self._device)
-                        ).to(cdt)
-                        for i in by_rank[r]
-                    ]
-                    or [torch.zeros(0, dtype=cdt, device=self._device)]
-                )
-                for r in range(world)
-            ]
-            recv_w = _exchange(torch.cat(ws), [w.numel() for w in ws], [sum(n) for n in nids], group)
-        # 5. the owner's lookups: one request per (source, pair), in the order the rows go back
-        status = 1.0
-        width = [pairs[i].width for i in mine]
+        if any(h.weights for h in got):
+            ws = [self._weights_to(by_rank[r], sends) for r in range(world)]
+            recv_w = exchange(torch.cat(ws), [w.numel() for w in ws], [sum(n) for n in nids], group)
+        return (bags, nids, ones, payload), [c[m:] for c in chunks], recv_w
+
+    def _ints_to(self, pairs_there: list[int], sends: list[Sends]) -> torch.Tensor:
+        """The int64s for one owner: the sizes of each of its pairs, then their lengths and ids."""
+        head = [v for i in pairs_there for v in (sends[i].lengths.numel(), sends[i].ids.numel(), int(sends[i].one))]
+        body = (x for i in pairs_there for x in ((sends[i].ids,) if sends[i].one else (sends[i].lengths, sends[i].ids)))
+        return torch.cat([torch.tensor(head, dtype=torch.int64, device=self._device), *body])
+
+    def _weights_to(self, pairs_there: list[int], sends: list[Sends]) -> torch.Tensor:
+        """The per-id weights for one owner (ones where a pair has none), in the wire dtype."""
+        cdt, dev = self._wire, self._device
+        parts = [
+            (x.weights if x.weights is not None else torch.ones(x.ids.numel(), dtype=cdt, device=dev)).to(cdt)
+            for x in (sends[i] for i in pairs_there)
+        ]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=cdt, device=dev)
+
+    def _owner_rows(self, mine, pairs, sizes, recv_ids, recv_w, train) -> tuple[torch.Tensor, Exception | None]:
+        """Phase 5: the owner's lookups, one request per (source, pair), in the order the rows go
+        back. A lookup that fails sends zero rows (and its failure, raised after phase 6)."""
         try:
-            flat_send = self._own_lookups(mine, pairs, (bags, nids, ones, payload), recv_ids, recv_w, train)
+            return self._own_lookups(mine, pairs, sizes, recv_ids, recv_w, train), None
         except Exception as e:  # the others get zero rows and a failed status, then everyone raises
-            status, failure = 0.0, e
             health.tell(self._step_key(self.rank) + "/lookup", health.first_line(e))
-            total = sum(b[k] * w for b in bags for k, w in enumerate(width))
-            flat_send = torch.zeros(total, dtype=self._wire, device=self._device)
-        # 6. rows back: per source, its bags of every pair this rank owns (the kernels' outputs as
-        # they are), then the owners' status (a lookup that failed on one rank fails on every rank)
+            width = [pairs[i].width for i in mine]
+            total = sum(b[k] * w for b in sizes[0] for k, w in enumerate(width))
+            return torch.zeros(total, dtype=self._wire, device=self._device), e
+
+    def _rows_back(self, flat_send, failure, pairs, sends, by_rank, bags) -> torch.Tensor:
+        """Phase 6: rows back: per source, its bags of every pair this rank owns (the kernels'
+        outputs as they are), then the owners' status: a lookup that failed on one rank fails on
+        every rank. Returns the rows this rank asked for, flat, owner by owner."""
+        world = self.world_size
+        width = [pairs[i].width for i in by_rank[self.rank]]
         send_splits = [sum(b[k] * w for k, w in enumerate(width)) for b in bags]
-        recv_pieces = [sends[i].lengths.numel() * pairs[i].width for r in range(world) for i in by_rank[r]]
         recv_splits = [sum(sends[i].lengths.numel() * pairs[i].width for i in by_rank[r]) for r in range(world)]
         if torch.is_grad_enabled() and not flat_send.requires_grad:  # (every rank joins the backward exchange)
             flat_send = flat_send + torch.zeros((), dtype=flat_send.dtype, device=flat_send.device, requires_grad=True)
+        status = 0.0 if failure is not None else 1.0
         if world == 1:  # (nothing to exchange: the rows are this rank's own)
-            flat, statuses = flat_send, torch.full((1,), status)
+            flat, statuses = flat_send, [status]
         else:
-            flat = _Exchange.apply(flat_send, send_splits, recv_splits, group)
+            flat = RowsExchange.apply(flat_send, send_splits, recv_splits, self._group)
             mine_ok = torch.full((world,), status, dtype=torch.float32, device=self._device)
-            statuses = _exchange(mine_ok, [1] * world, [1] * world, group)
-        if status == 0.0:
+            statuses = exchange(mine_ok, [1] * world, [1] * world, self._group).tolist()
+        if failure is not None:
             raise failure
-        bad = [r for r, x in enumerate(statuses.tolist()) if x != 1.0]
+        bad = [r for r, x in enumerate(statuses) if x != 1.0]
         if bad:
             why = "; ".join(
                 f"rank {r}: {health.told(self._step_key(r) + '/lookup') or 'its error names it'}" for r in bad
@@ -702,12 +632,13 @@ class ShardedCollection(nn.Module, SparseStepHook):
             raise HybridEmbedError(
                 f"the lookup failed on rank(s) {', '.join(map(str, bad))} ({why}); no row was changed"
             )
-        # 7. per request: its rows, summed over row shards or joined over column slices
-        order = [i for r in range(world) for i in by_rank[r]]
-        rows_of = {i: piece.view(-1, pairs[i].width) for i, piece in zip(order, flat.split(recv_pieces))}
-        for i, (inv, lengths, w) in pooled_here.items():  # rows of distinct ids -> the pair's bags
-            # (gather and index_add: their backwards measured ~10x faster here than embedding_bag's
-            # dense backward)
+        return flat
+
+    @staticmethod
+    def _pool_here(rows_of: dict[int, torch.Tensor], pooled_here: dict[int, tuple]) -> None:
+        """Phase 7 (``dedup``): the rows of a pair's distinct ids -> its bags, in place (gather and
+        index_add: their backwards measured ~10x faster here than embedding_bag's dense backward)."""
+        for i, (inv, lengths, w) in pooled_here.items():
             x = rows_of[i].index_select(0, inv)  # (N, w)
             if w is not None:
                 x = x * w.unsqueeze(1)
@@ -717,7 +648,6 @@ class ShardedCollection(nn.Module, SparseStepHook):
                 )
                 x = x.new_zeros(lengths.numel(), x.shape[1]).index_add(0, bag, x)
             rows_of[i] = x
-        return rows_of
 
     def _own_lookups(self, mine, pairs, sizes, recv_ids, recv_w, train) -> torch.Tensor:
         """The pooled rows of every pair this rank owns, flat, source by source and pair by pair
@@ -751,157 +681,12 @@ class ShardedCollection(nn.Module, SparseStepHook):
                 where[q] = part
         return torch.cat([where[q].reshape(-1).to(self._wire) for q in range(len(requests))])
 
-    # --- the optimizer step (he.wrap_optimizer calls this on every rank, before any update) -----
-    def needs_rows(self, storage) -> bool:
-        """A replicated table's storage (its row gradients are all-reduced) and a shard's storage
-        holding a column slice under a row-wise optimizer (its rows' statistic is completed across
-        slices) need their rows; every other shard keeps the fused update (:class:`SparseStepHook`)."""
-        if self.replicated is not None and any(storage is st for st in self.replicated.storages):
-            return True
-        return any(storage is st for st in self._column_storages())
-
-    def grad_scale(self, storage) -> float:
-        """A shard's gradient is the sum of the ranks' (``mean``: divided by the world size)."""
-        return self._scale if self.local is not None and any(storage is st for st in self.local.storages) else 1.0
-
-    def _column_storages(self) -> list:
-        """This rank's storages holding a column slice under a row-wise optimizer."""
-        if not self._column_tables or self.local is None:
-            return []
-        names = {
-            self._routes[t].local_name(pos)
-            for t in self._column_tables
-            for pos in self._positions_here(self._routes[t])
-        }
-        out = []
-        for st in self.local.storages:
-            if getattr(st.optimizer, "row_wise", False) and any(t.name in names for t in st.tables):
-                out.append(st)
-        return out
-
-    def before_sparse_step(self, storages: list, rows: list[RowGrads | None]) -> list[RowGrads | None]:
-        """Every storage's pending :class:`RowGrads` (or None) -> the same, completed across ranks:
-        a shard's scaled by :meth:`grad_scale` (those applied fused are scaled there), a replicated
-        table's row gradients all-reduced (every replica then makes the same update to the rows any
-        rank touched), and a column slice under a row-wise optimizer given the mean square of its
-        whole rows' gradients (every slice's squares, summed across ranks) as ``row_stat``.
-        Collective: every rank calls it each step."""
-        rows = list(rows)
-        where = {id(st): k for k, st in enumerate(storages)}
-        if self._scale != 1.0 and self.local is not None:  # the mean over ranks of the shards' gradients
-            for st in self.local.storages:
-                k = where.get(id(st))
-                if k is not None and rows[k] is not None:
-                    rows[k] = RowGrads(rows[k].ids, rows[k].rows * self._scale)
-        if self.replicated is not None:
-            for st in self.replicated.storages:
-                k = where.get(id(st))
-                if k is not None:
-                    rows[k] = self._sync_replica(st, rows[k])
-        if self._column_tables:
-            self._row_statistics(where, storages, rows)
-        return rows
-
-    def _sync_replica(self, st, pending: RowGrads | None) -> RowGrads | None:
-        if self.world_size == 1:  # (the only replica)
-            return pending
-        nrows, dim = st.weight.shape
-        buf = torch.zeros(nrows, dim + 1, dtype=st.compute_dtype, device=st.weight.device)  # rows | touched
-        if pending is not None:
-            ids, grad = pending.ids, pending.rows
-            buf[ids, :dim] = grad.to(buf.dtype)
-            buf[ids, dim] = 1.0
-        dist.all_reduce(buf, group=self._group)
-        touched = buf[:, dim].nonzero().squeeze(1)
-        if touched.numel() == 0:
-            return None
-        grad = buf.index_select(0, touched)[:, :dim]
-        if self.reduction == "mean":
-            grad = grad / self.world_size
-        return RowGrads(touched, grad.to(st.weight.dtype))
-
-    def _row_statistics(self, where: dict, storages: list, rows: list) -> None:
-        """Column slices under a row-wise optimizer: each slice's per-row sum of squares, summed
-        over the slices (ranks) of its table, divided by the table's width. Two all-reduces over
-        every rank: the rows each table touched (the same for all its slices), then the sums."""
-        slices = []  # (table index, storage index, its pending rows of that table, by ascending id)
-        counts = torch.zeros(len(self._column_tables), dtype=torch.int64, device=self._device)
-        for ti, name in enumerate(self._column_tables):
-            route = self._routes[name]
-            for pos, (_, s) in enumerate(route.shards):
-                if s.rank != self.rank:
-                    continue
-                local = route.local_name(pos)
-                st = self.local.storage_of(local)
-                k = where.get(id(st))
-                if k is None or rows[k] is None or not getattr(st.optimizer, "row_wise", False):
-                    continue
-                ids = rows[k].ids
-                start = st.row_offset[local]
-                sel = ((ids >= start) & (ids < start + self.local.tables[local].num_embeddings)).nonzero().squeeze(1)
-                sel = sel.index_select(0, torch.argsort(ids.index_select(0, sel)))  # ascending ids: slices agree
-                slices.append((ti, k, sel))
-                counts[ti] = sel.numel()
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self._group)
-        sizes = counts.tolist()
-        if not any(sizes):
-            return
-        starts = [0, *itertools.accumulate(sizes)]
-        sums = torch.zeros(starts[-1], dtype=torch.float64, device=self._device)
-        for ti, k, sel in slices:
-            sums[starts[ti] : starts[ti + 1]] = storages[k].optimizer.row_stat(
-                rows[k].rows.index_select(0, sel).to(torch.float64)
-            )
-        dist.all_reduce(sums, group=self._group)
-        stats: dict[int, torch.Tensor] = {}
-        for ti, k, sel in slices:
-            grad = rows[k].rows
-            if k not in stats:  # rows of other tables in this storage: their own mean square
-                stats[k] = storages[k].optimizer.row_stat(grad.to(torch.float64)).div_(grad.shape[1])
-            width = self.tables[self._column_tables[ti]].embedding_dim
-            stats[k][sel] = sums[starts[ti] : starts[ti + 1]] / width
-        for k, stat in stats.items():
-            rows[k] = RowGrads(rows[k].ids, rows[k].rows, stat.to(storages[k].compute_dtype))
-
     def extra_repr(self) -> str:
         kinds = {}
         for r in self._routes.values():
             kinds[r.plan.sharding] = kinds.get(r.plan.sharding, 0) + 1
         shown = ", ".join(f"{k}: {v}" for k, v in kinds.items())
         return f"rank={self.rank}/{self.world_size}, tables={len(self.tables)} ({shown}), reduction={self.reduction}"
-
-
-def _check_budget(plan: Plan, tables: list[TableConfig], memory_per_rank: int) -> None:
-    from .planner import format_bytes, plan_costs
-
-    if isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, int) or memory_per_rank <= 0:
-        raise ConfigError(f"memory_per_rank must be a positive int (bytes), got {memory_per_rank!r}")
-    costs = plan_costs(plan, tables)
-    worst = max(costs, key=lambda c: c.memory_bytes)
-    if worst.memory_bytes > memory_per_rank:
-        over = sum(c.memory_bytes > memory_per_rank for c in costs)
-        raise ConfigError(
-            f"the plan puts {format_bytes(worst.memory_bytes)} of rows and optimizer state on rank {worst.rank}, "
-            f"{format_bytes(worst.memory_bytes - memory_per_rank)} over memory_per_rank="
-            f"{format_bytes(memory_per_rank)} ({over} rank(s) over); nothing was allocated. Plan with "
-            "make_plan(..., memory_per_rank=...) or shard the largest tables row_wise"
-        )
-
-
-def _checked_plan(plan: Plan | None, tables: list[TableConfig], world: int, memory_per_rank: int | None) -> Plan:
-    """``plan`` (the planner's when None) checked against the tables, the world size and the budget."""
-    if plan is None:
-        from .planner import make_plan
-
-        plan = make_plan(tables, world)
-    if not isinstance(plan, Plan):
-        raise ConfigError(f"plan must be a hybridembed.distributed.Plan, got {type(plan).__name__}")
-    if plan.world_size != world:
-        raise ConfigError(f"the plan is for world size {plan.world_size}, this process group has {world} ranks")
-    plan.check(tables)
-    if memory_per_rank is not None:
-        _check_budget(plan, tables, memory_per_rank)
-    return plan
 
 
 def _check_like_collection(tables, features, seed, pad, sequence_output) -> None:

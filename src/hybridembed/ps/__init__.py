@@ -37,7 +37,8 @@ from ..errors import ConfigError, HybridEmbedError
 from ..optim.wrapper import HybridOptimizer
 from ..utils import get_logger
 from . import wire
-from .remote import MODES, PSCollection, RemoteStorage
+from .collection import MODES, PSCollection
+from .remote import RemoteStorage
 from .server import TableServer
 from .transport import ServerLink, ServerLost
 
@@ -284,9 +285,9 @@ def setup(
             raise ConfigError(f"servers={servers} leaves no trainer in a job of {world} rank(s)")
         plan = ps_plan(plan, tables, world, list(range(world - servers, world)))
         if budget is not None:
-            from ..distributed.runtime import _check_budget
+            from ..distributed.planner import check_memory
 
-            _check_budget(plan, tables, budget)
+            check_memory(plan, tables, budget)
     except HybridEmbedError as e:
         problem = e
     health.agree(group if group is not None else dist.group.WORLD, "the parameter-server plan", problem)

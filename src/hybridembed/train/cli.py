@@ -1134,7 +1134,7 @@ def _join(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, wor
         raise
     finally:
         if ours:
-            from ..ps.remote import close_all
+            from ..ps.collection import close_all
 
             close_all()  # (a trainer of parameter servers leaves them first: they serve until it does)
             try:

@@ -1,0 +1,122 @@
+"""The wire of the sharded runtime's exchange (:mod:`hybridembed.distributed.runtime`): the
+fixed-size :class:`Header` every rank sends every rank first, the autograd-aware all-to-all of
+rows (:class:`RowsExchange`), and the plain one of ids and sizes. Failures of a peer become
+:class:`~hybridembed.RankLost` naming it (:mod:`hybridembed.distributed.health`).
+
+On NCCL every tensor sent here lives on the rank's GPU (the runtime makes them on its device);
+on gloo, on the CPU or a GPU alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from . import health
+
+__all__ = [
+    "Header",
+    "INVALID",
+    "FAILED",
+    "PER_PAIR",
+    "Pair",
+    "RowsExchange",
+    "all_to_all",
+    "exchange",
+    "features_digest",
+]
+
+PER_PAIR = 3  # sizes sent per pair before the ids: bags, ids, one id per bag (then no lengths are sent)
+
+
+@dataclass
+class Pair:
+    """One (request, shard) of a lookup: what one rank asks one owner for."""
+
+    rank: int  # the owner
+    local: str  # the owner's feature name for it
+    width: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """What each rank tells each other rank first in an exchange. Its size is fixed, so ranks that
+    disagree on the step (one could not make its lookups, or looked up other features) still
+    read each other's, and every rank raises instead of waiting or misreading what follows.
+
+    ``failed``: 0, or :data:`INVALID` (this rank's input was refused) or :data:`FAILED` (it failed
+    otherwise before the exchange); ``weights``: per-id weights follow the ids; ``digest``: of the
+    features looked up, in order; ``nints``: int64s this rank sends the other next (the sizes of
+    each pair the other owns, then their bag lengths and ids).
+
+        >>> h = Header(0, 1, 12345, 7)
+        >>> Header.unpack(torch.tensor([h.pack(), Header(INVALID, 0, 0, 0).pack()]))
+        [Header(failed=0, weights=1, digest=12345, nints=7), Header(failed=1, weights=0, digest=0, nints=0)]
+    """
+
+    failed: int
+    weights: int
+    digest: int
+    nints: int
+
+    SIZE: ClassVar[int] = 4
+
+    def pack(self) -> list[int]:
+        return [self.failed, self.weights, self.digest, self.nints]
+
+    @staticmethod
+    def unpack(rows: torch.Tensor) -> list[Header]:
+        """(W, SIZE) int64 -> one header per rank (one host sync)."""
+        return [Header(*row) for row in rows.view(-1, Header.SIZE).tolist()]
+
+
+INVALID, FAILED = 1, 2  # Header.failed: the rank's input was refused / it failed otherwise
+
+
+def all_to_all(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, group) -> None:
+    """``all_to_all_single``; a peer that died, stopped or failed -> :class:`RankLost` naming it."""
+    try:
+        dist.all_to_all_single(out, t, recv_splits, send_splits, group=group)
+    except RuntimeError as e:
+        peers = [r for r in range(dist.get_world_size(group)) if r != dist.get_rank(group)]
+        raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, group) from None
+
+
+class RowsExchange(torch.autograd.Function):
+    """``all_to_all_single`` of a flat tensor whose backward is the reverse exchange: rows go
+    out to requesters, gradients come back to owners (summed over requesters; the ``mean``
+    reduction's 1/W is applied to the owner's reduced rows at the optimizer step, fewer than
+    the pooled rows that cross)."""
+
+    @staticmethod
+    def forward(ctx, send, send_splits, recv_splits, group):  # (sum send_splits,) -> (sum recv_splits,)
+        recv = send.new_empty(sum(recv_splits))
+        all_to_all(recv, send.contiguous(), recv_splits, send_splits, group)
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        g = grad.contiguous()
+        out = g.new_empty(sum(send_splits))
+        all_to_all(out, g, send_splits, recv_splits, ctx.group)
+        return out, None, None, None
+
+
+def exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """``t`` split by ``send_splits`` to the ranks of ``group``; what they send back, by ``recv_splits``."""
+    out = t.new_empty(sum(recv_splits))
+    all_to_all(out, t, recv_splits, send_splits, group)
+    return out
+
+
+def features_digest(items: Sequence[str]) -> int:
+    """A 62-bit digest of a sequence of names (the same on every rank for the same names)."""
+    h = hashlib.sha256("\x00".join(items).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 62) - 1)

@@ -1,0 +1,137 @@
+"""The optimizer's side of a sharded collection: what :class:`~hybridembed.optim.SparseStepHook`
+asks of it (:class:`ShardedStep`, a base of :class:`~hybridembed.distributed.ShardedCollection`).
+
+``he.wrap_optimizer`` calls :meth:`ShardedStep.before_sparse_step` on every rank before any
+update: a shard's row gradients are scaled by the ``mean`` reduction (shards updated by the
+fused Triton step are scaled there, by :meth:`ShardedStep.grad_scale`), a replicated table's
+are all-reduced, and a column slice under a row-wise optimizer gets its whole rows' statistic.
+Only the storages :meth:`ShardedStep.needs_rows` names hand their rows over; every other shard
+keeps the fused update.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from ..optim.hooks import RowGrads, SparseStepHook
+
+__all__ = ["ShardedStep"]
+
+
+class ShardedStep(SparseStepHook):
+    """The step hook of a sharded collection. Reads the collection's ``local`` (its shards),
+    ``replicated``, ``tables``, routes and process group; holds no state of its own."""
+
+    def needs_rows(self, storage) -> bool:
+        """A replicated table's storage (its row gradients are all-reduced) and a shard's storage
+        holding a column slice under a row-wise optimizer (its rows' statistic is completed across
+        slices) need their rows; every other shard keeps the fused update (:class:`SparseStepHook`)."""
+        if self.replicated is not None and any(storage is st for st in self.replicated.storages):
+            return True
+        return any(storage is st for st in self._column_storages())
+
+    def grad_scale(self, storage) -> float:
+        """A shard's gradient is the sum of the ranks' (``mean``: divided by the world size)."""
+        return self._scale if self.local is not None and any(storage is st for st in self.local.storages) else 1.0
+
+    def _column_storages(self) -> list:
+        """This rank's storages holding a column slice under a row-wise optimizer."""
+        if not self._column_tables or self.local is None:
+            return []
+        names = {
+            self._routes[t].local_name(pos)
+            for t in self._column_tables
+            for pos in self._positions_here(self._routes[t])
+        }
+        out = []
+        for st in self.local.storages:
+            if getattr(st.optimizer, "row_wise", False) and any(t.name in names for t in st.tables):
+                out.append(st)
+        return out
+
+    def before_sparse_step(self, storages: list, rows: list[RowGrads | None]) -> list[RowGrads | None]:
+        """Every storage's pending :class:`RowGrads` (or None) -> the same, completed across ranks:
+        a shard's scaled by :meth:`grad_scale` (those applied fused are scaled there), a replicated
+        table's row gradients all-reduced (every replica then makes the same update to the rows any
+        rank touched), and a column slice under a row-wise optimizer given the mean square of its
+        whole rows' gradients (every slice's squares, summed across ranks) as ``row_stat``.
+        Collective: every rank calls it each step."""
+        rows = list(rows)
+        where = {id(st): k for k, st in enumerate(storages)}
+        if self._scale != 1.0 and self.local is not None:  # the mean over ranks of the shards' gradients
+            for st in self.local.storages:
+                k = where.get(id(st))
+                if k is not None and rows[k] is not None:
+                    rows[k] = RowGrads(rows[k].ids, rows[k].rows * self._scale)
+        if self.replicated is not None:
+            for st in self.replicated.storages:
+                k = where.get(id(st))
+                if k is not None:
+                    rows[k] = self._sync_replica(st, rows[k])
+        if self._column_tables:
+            self._row_statistics(where, storages, rows)
+        return rows
+
+    def _sync_replica(self, st, pending: RowGrads | None) -> RowGrads | None:
+        if self.world_size == 1:  # (the only replica)
+            return pending
+        nrows, dim = st.weight.shape
+        buf = torch.zeros(nrows, dim + 1, dtype=st.compute_dtype, device=st.weight.device)  # rows | touched
+        if pending is not None:
+            ids, grad = pending.ids, pending.rows
+            buf[ids, :dim] = grad.to(buf.dtype)
+            buf[ids, dim] = 1.0
+        dist.all_reduce(buf, group=self._group)
+        touched = buf[:, dim].nonzero().squeeze(1)
+        if touched.numel() == 0:
+            return None
+        grad = buf.index_select(0, touched)[:, :dim]
+        if self.reduction == "mean":
+            grad = grad / self.world_size
+        return RowGrads(touched, grad.to(st.weight.dtype))
+
+    def _row_statistics(self, where: dict, storages: list, rows: list) -> None:
+        """Column slices under a row-wise optimizer: each slice's per-row sum of squares, summed
+        over the slices (ranks) of its table, divided by the table's width. Two all-reduces over
+        every rank: the rows each table touched (the same for all its slices), then the sums."""
+        slices = []  # (table index, storage index, its pending rows of that table, by ascending id)
+        counts = torch.zeros(len(self._column_tables), dtype=torch.int64, device=self._device)
+        for ti, name in enumerate(self._column_tables):
+            route = self._routes[name]
+            for pos, (_, s) in enumerate(route.shards):
+                if s.rank != self.rank:
+                    continue
+                local = route.local_name(pos)
+                st = self.local.storage_of(local)
+                k = where.get(id(st))
+                if k is None or rows[k] is None or not getattr(st.optimizer, "row_wise", False):
+                    continue
+                ids = rows[k].ids
+                start = st.row_offset[local]
+                sel = ((ids >= start) & (ids < start + self.local.tables[local].num_embeddings)).nonzero().squeeze(1)
+                sel = sel.index_select(0, torch.argsort(ids.index_select(0, sel)))  # ascending ids: slices agree
+                slices.append((ti, k, sel))
+                counts[ti] = sel.numel()
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self._group)
+        sizes = counts.tolist()
+        if not any(sizes):
+            return
+        starts = [0, *itertools.accumulate(sizes)]
+        sums = torch.zeros(starts[-1], dtype=torch.float64, device=self._device)
+        for ti, k, sel in slices:
+            sums[starts[ti] : starts[ti + 1]] = storages[k].optimizer.row_stat(
+                rows[k].rows.index_select(0, sel).to(torch.float64)
+            )
+        dist.all_reduce(sums, group=self._group)
+        stats: dict[int, torch.Tensor] = {}
+        for ti, k, sel in slices:
+            grad = rows[k].rows
+            if k not in stats:  # rows of other tables in this storage: their own mean square
+                stats[k] = storages[k].optimizer.row_stat(grad.to(torch.float64)).div_(grad.shape[1])
+            width = self.tables[self._column_tables[ti]].embedding_dim
+            stats[k][sel] = sums[starts[ti] : starts[ti + 1]] / width
+        for k, stat in stats.items():
+            rows[k] = RowGrads(rows[k].ids, rows[k].rows, stat.to(storages[k].compute_dtype))

@@ -1,0 +1,294 @@
+"""A trainer's embedding module over the parameter servers: :class:`PSCollection` (built by
+:func:`hybridembed.distribute` with ``servers=``) and :func:`close_all` (every trainer says
+goodbye to its servers at exit, or before its process group is destroyed). Its rows live in
+:class:`~hybridembed.ps.remote.RemoteStorage`."""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..checkpoint.participant import CheckpointParticipant
+from ..config import TableConfig
+from ..distributed import health
+from ..distributed.routes import assemble
+from ..distributed.runtime import ShardedCollection
+from ..errors import ConfigError
+from ..input import Jagged
+from . import wire
+from .cache import RowCache
+from .client import CLIENTS, Client
+from .remote import RemoteCollection
+from .server import shard_index, trainer_groups
+from .transport import TrainerLink
+from .wire import Message
+
+__all__ = ["PSCollection", "MODES", "close_all"]
+
+MODES = ("sync", "async")
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # collections (their cached gradients are written back)
+
+
+@atexit.register
+def close_all(failed: str | None = None) -> None:
+    """Every open :class:`PSCollection` of this process leaves its servers: at exit, and before a
+    process group is destroyed (``torch.distributed.destroy_process_group()``, the usual last line
+    of a script: see :func:`~hybridembed.distributed.health.before_shutdown`); the servers serve until every trainer has
+    left. A process that is ending with an unhandled exception says so (``failed``, by default the
+    exception :mod:`~hybridembed.distributed.health` recorded): the servers then fail the job
+    instead of letting the other trainers go on alone."""
+    failed = failed if failed is not None else health.failure()
+    for pc in list(_OPEN):
+        try:
+            pc.close(failed)
+        except Exception:  # noqa: BLE001 - leaving
+            pass
+    for client in list(CLIENTS):
+        client.bye(failed)
+
+
+class PSCollection(ShardedCollection, CheckpointParticipant):
+    """A trainer's embedding tables served by parameter servers (see :func:`hybridembed.distribute`
+    with ``servers=``); looked up and trained like an :class:`~hybridembed.EmbeddingCollection`.
+
+    Built by every rank of the job at once (trainers build this, servers the
+    :class:`~hybridembed.distributed.ShardedCollection` that holds their shards, by the same
+    plan), so a checkpoint of it is the same as a collective job's: it loads at any world
+    size, with or without servers.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        features: Mapping[str, str] | None,
+        plan,
+        *,
+        servers: Sequence[int],
+        ps_group,
+        mode: str = "sync",
+        staleness: int = 1,
+        cache_rows: int = 0,
+        timeout: float = 300.0,
+        limit: int = 1 << 30,
+        process_group=None,
+        trainers_group=None,
+        seed: int = 0,
+        device=None,
+        sequence_output: str = "jagged",
+        pad: int = -1,
+        reduction: str = "mean",
+        job_timeout=None,
+    ):
+        super().__init__(
+            tables,
+            features,
+            plan,
+            process_group=process_group,
+            seed=seed,
+            device=device,
+            sequence_output=sequence_output,
+            pad=pad,
+            reduction=reduction,
+            timeout=job_timeout,
+        )
+        if self.local is not None or self.replicated is not None:
+            raise ConfigError("a parameter-server plan places no table on a trainer")
+        self.mode, self.staleness, self.servers = mode, int(staleness), list(servers)
+        self.remote = RemoteCollection(
+            list(self.tables.values()),
+            self.features,
+            seed=self.seed,
+            device=device,
+            sequence_output=sequence_output,
+            pad=pad,
+        )
+        groups = trainer_groups(self.tables.values())
+        links = {s: TrainerLink(ps_group, s, timeout, limit) for s in self.servers}
+        self.__dict__["trainers_group"] = trainers_group  # the trainers' collectives (an export's report)
+        self.__dict__["client"] = Client(links, shard_index(self), self.routes(), self._wire)
+        for i, st in enumerate(self.remote.storages):
+            st.client, st.group, st.mode, st.staleness = self.client, groups[st.tables[0].name], mode, self.staleness
+            assert st.group == i
+            if cache_rows:
+                st.cache = RowCache(st, cache_rows)
+        _OPEN.add(self)
+        CLIENTS.add(self.client)
+        health.before_shutdown(close_all)  # (destroy_process_group() would leave the servers waiting)
+        weakref.finalize(self, self.client.bye)  # (a model dropped: its trainer is done)
+
+    # --- lookups: the remote collection's ---------------------------------------------------------
+    def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
+        return self.remote(inputs)
+
+    def lookup(self, feature: str, ids: Any):
+        return self.remote.lookup(feature, ids)
+
+    def lookup_rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.remote.lookup(feature, Jagged(ids, self.remote._one_per_bag(ids.shape[0], ids.device)))
+
+    def lookup_many(self, requests, train: bool | None = None) -> list:
+        return self.remote.lookup_many(requests, train)
+
+    def _lookup_many(self, requests, train, checked: bool) -> list:
+        return self.remote._lookup_many(requests, train, checked)
+
+    def _request_input(self, feature: str, ids: Jagged):
+        return self.remote._request_input(feature, ids)
+
+    def step_failed(self, error: BaseException) -> None:
+        """A trainer's lookups reach the servers only: no other trainer waits for them."""
+
+    @property
+    def storages(self) -> list:
+        return list(self.remote.storages) if "remote" in self._modules else []
+
+    def prefetch(self, inputs: Mapping[str, Any], train: bool | None = None) -> None:
+        """Send the pulls of ``inputs`` (the next step's ``forward`` input) now, so their rows
+        travel while this step computes; the next ``forward`` with the same ids uses them.
+        Call it before ``optimizer.step()`` of the current step."""
+        rc = self.remote
+        jagged = rc._prepare(inputs)
+        per_group: dict[int, tuple[list, list]] = {}
+        for f in jagged:
+            feat = rc._features[f]
+            pooled, seq = per_group.setdefault(feat.group, ([], []))
+            (seq if feat.table.combiner == "none" else pooled).append(feat)
+        batches = [rc._assemble(rc.storages[g], *per_group[g], jagged) for g in sorted(per_group)]
+        rc._validate(batches, jagged)
+        train = self.training if train is None else train
+        for b in batches:
+            b.storage.prefetch(b.ids, [f.table_index for f in b.feats], b.counts, train)
+
+    # --- the optimizer step ---------------------------------------------------------------------
+    def needs_rows(self, storage) -> bool:
+        """Every remote storage's gradient is pushed, as rows, to the servers that apply it."""
+        return any(storage is st for st in self.storages)
+
+    def grad_scale(self, storage) -> float:
+        return 1.0  # (the servers divide a synchronous step's sum by the number of trainers)
+
+    def before_sparse_step(self, storages: list, rows: list) -> list:
+        """Pushes this step's row gradients to the servers (every server gets one push per step)
+        and leaves nothing for the local update."""
+        rows = list(rows)
+        mine = {id(st) for st in self.storages}
+        items: dict[int, list] = {}
+        had: list[int] = []
+        hp: dict[int, dict] = {}
+        for k, st in enumerate(storages):
+            if id(st) not in mine:
+                continue
+            r, rows[k] = rows[k], None
+            if st.optimizer is not None:
+                hp[st.group] = st.hparams_now()
+            if r is not None:
+                had.append(st.group)
+            ids, tabs, grad = st.take_gradient(None if r is None else (r.ids, r.rows))
+            self._route_push(st, ids, tabs, grad, items)
+        self.client.push(items, had, hp)
+        return rows
+
+    def _route_push(self, st, ids, tabs, grad, items: dict) -> None:
+        if grad is None or ids.numel() == 0:
+            return
+        names = [t.name for t in st.tables]
+        for server, parts in self.client.route(ids, tabs, names).items():
+            for ref, pos, local in parts:
+                items.setdefault(server, []).append((ref, local, grad.index_select(0, pos)))
+
+    def write_back(self) -> None:
+        """Push every cached gradient now (a checkpoint or the end of training)."""
+        items: dict[int, list] = {}
+        had = []
+        for st in self.storages:
+            if st.cache is not None:
+                ids, tabs, grad = st.cache.write_back()
+                if grad is not None:
+                    had.append(st.group)
+                self._route_push(st, ids, tabs, grad, items)
+        if items:
+            self.client.push(items, had, {st.group: st.hparams_now() for st in self.storages if st.optimizer})
+
+    # --- checkpoints, reads, stats, close --------------------------------------------------------
+    def before_checkpoint(self, action: str, path: str, options: dict) -> None:
+        """Every trainer tells every server to join the collective ``he.save`` / ``he.load``."""
+        self.client.drain()
+        if action == "save":
+            self.write_back()
+        for st in self.storages:
+            st._prefetched = None
+        for server in self.client.links:
+            m = Message(wire.CHECKPOINT, self.client.req(), self.client.step, torch.zeros(0, dtype=torch.int64))
+            m.meta = {"action": action, "path": str(path), **options}
+            self.client.links[server].send(m)
+
+    def after_load(self) -> None:
+        self.client.step = 0
+        for st in self.storages:
+            st.reset()
+
+    def gather_table(self, name: str):
+        """The whole table ``name`` from its servers (not a collective: this trainer alone asks):
+        dense (rows, dim); dynamic (ids ascending, rows)."""
+        t = self.tables.get(name)
+        if t is None:
+            raise ConfigError(f"unknown table {name!r}; tables: {', '.join(self.tables)}")
+        route = self.routes()[name]
+        self.client.drain()
+        pieces = []
+        for server in sorted({s.rank for _, s in route.shards}):
+            m = self.client.call(server, wire.READ, meta={"table": name})
+            n = int(m.ints[0])
+            head = m.ints[1 : 1 + 3 * n].view(n, 3).tolist()
+            pos, fpos = 1 + 3 * n, 0
+            for shard, nids, nrows in head:
+                ref = self.client.refs[shard]
+                rows = m.floats[fpos : fpos + nrows * ref.width].view(nrows, ref.width).to(t.dtype)
+                fpos += nrows * ref.width
+                ids = m.ints[pos : pos + nids]
+                pos += nids
+                pieces.append((ref.pos, rows if t.dynamic is None else (ids, rows)))
+        return assemble(route, pieces)
+
+    def server_stats(self) -> list[dict[str, Any]]:
+        """Each server's counters (requests, rows pulled and pushed, bytes, errors, memory, tables)."""
+        self.client.drain()
+        return [self.client.call(s, wire.STATS).meta for s in self.servers]
+
+    def stats(self) -> dict[str, Any]:
+        """This trainer's side: lookups, rows pulled, the cache's hits, bytes sent and received."""
+        out: dict[str, Any] = {}
+        for st in self.storages:
+            for k, v in st.counters.items():
+                out[k] = out.get(k, 0) + v
+        cached = [st.cache for st in self.storages if st.cache is not None]
+        if cached:
+            lookups = sum(c.lookups for c in cached)
+            out["cache_hit_rate"] = sum(c.st.counters["cache_hits"] for c in cached) / lookups if lookups else 0.0
+        out["bytes_sent"] = sum(link.bytes_out for link in self.client.links.values())
+        out["bytes_received"] = sum(link.bytes_in for link in self.client.links.values())
+        out["step"] = self.client.step
+        return out
+
+    def close(self, failed: str | None = None) -> None:
+        """Leave the job: write back cached gradients and say bye to every server (at exit too)."""
+        if self.client.closed:
+            return
+        try:
+            if failed is None:
+                self.client.drain()
+                self.write_back()
+        finally:
+            self.client.bye(failed)
+            _OPEN.discard(self)
+
+    def extra_repr(self) -> str:
+        return (
+            f"rank={self.rank}/{self.world_size}, tables={len(self.tables)}, servers={self.servers}, "
+            f"mode={self.mode}, reduction={self.reduction}"
+        )
