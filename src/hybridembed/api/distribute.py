@@ -28,8 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed import health
 from ..distributed.plan import Plan
-from ..distributed.runtime import REDUCTIONS, ShardedCollection
+from ..distributed.runtime import REDUCTIONS
 from ..distributed.shard import rows_device, shard_collection, swap_collection, unwrap
+from ..distributed.sharded import ShardedTables
 from ..errors import ConfigError, HybridEmbedError
 from ..modules import EmbeddingCollection
 from .convert import convert
@@ -204,7 +205,7 @@ def _check_args(model, plan, reduction, ddp, dedup, memory_per_rank, convert_arg
         isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, int) or memory_per_rank <= 0
     ):
         raise ConfigError(f"memory_per_rank must be a positive int (bytes) or None, got {memory_per_rank!r}")
-    if any(isinstance(m, ShardedCollection) for m in model.modules()):  # (all checked before the model changes)
+    if any(isinstance(m, ShardedTables) for m in model.modules()):  # (all checked before the model changes)
         raise ConfigError("this model is distributed already")
 
 
@@ -223,7 +224,7 @@ def _wrap_ddp(model: nn.Module, ddp: bool | Mapping[str, Any], group) -> nn.Modu
     buffers left out (they train through the exchange or the servers)."""
     if ddp is False:
         return model
-    ours = {id(t) for m in model.modules() if isinstance(m, ShardedCollection) for t in (*m.parameters(), *m.buffers())}
+    ours = {id(t) for m in model.modules() if isinstance(m, ShardedTables) for t in (*m.parameters(), *m.buffers())}
     ignore = [n for n, p in model.named_parameters() if id(p) in ours]
     ignore += [n for n, b in model.named_buffers() if id(b) in ours]
     if not any(p.requires_grad and id(p) not in ours for p in model.parameters()):

@@ -399,9 +399,9 @@ def _sharded(model: nn.Module) -> list[nn.Module]:
     """The ShardedCollections of ``model`` (a distributed model's), in module order."""
     if not any(getattr(type(m), "sharded", False) is True for m in model.modules()):
         return []
-    from ..distributed.runtime import ShardedCollection
+    from ..distributed.sharded import ShardedTables
 
-    return [m for m in model.modules() if isinstance(m, ShardedCollection)]
+    return [m for m in model.modules() if isinstance(m, ShardedTables)]
 
 
 def _collections(model: nn.Module) -> list[EmbeddingCollection]:

@@ -100,12 +100,13 @@ def _tell_servers(colls: dict, action: str, path, options: dict, optimizer) -> N
 
 
 def _sharded_collections(model: nn.Module) -> dict[str, nn.Module]:
-    """``{path: ShardedCollection}`` of ``model`` (empty for a model of one process)."""
+    """``{path: sharded module}`` of ``model`` (its ShardedCollections and PSCollections; empty for
+    a model of one process)."""
     if not any(getattr(type(m), "sharded", False) is True for m in model.modules()):
         return {}
-    from ..distributed.runtime import ShardedCollection
+    from ..distributed.sharded import ShardedTables
 
-    return {p: m for p, m in model.named_modules() if isinstance(m, ShardedCollection)}
+    return {p: m for p, m in model.named_modules() if isinstance(m, ShardedTables)}
 
 
 class _Piece:

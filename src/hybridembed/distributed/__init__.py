@@ -4,6 +4,7 @@ from .plan import PLACEMENTS, SHARDING_TYPES, Plan, Shard, TablePlan, register_s
 from .planner import make_plan, plan_costs
 from .runtime import ShardedCollection
 from .shard import unwrap
+from .sharded import ShardedTables
 
 
 def __getattr__(name: str):
@@ -16,6 +17,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ShardedCollection",
+    "ShardedTables",
     "distribute",
     "make_plan",
     "plan_costs",

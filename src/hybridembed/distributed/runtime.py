@@ -29,14 +29,12 @@ ranks' gradients (SOK's convention; equal to world 1 on a summed loss).
 from __future__ import annotations
 
 import datetime
-import json
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
@@ -44,33 +42,18 @@ from ..input import Jagged, as_jagged, offsets_from_lengths
 from ..kernels import bag_scale
 from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
-from ..modules.collection import check_arguments
 from ..utils import check_device, kept_tensor
 from . import health
 from .exchange import FAILED, INVALID, PER_PAIR, Header, Pair, RowsExchange, exchange, features_digest
-from .plan import Plan, Shard
-from .planner import checked_plan
-from .routes import Route, Sends, assemble, hash_residue, route_for
+from .plan import Plan
+from .routes import Sends, assemble, hash_residue
+from .sharded import REDUCTIONS, ShardedTables
 from .step import ShardedStep
 
 __all__ = ["ShardedCollection", "REDUCTIONS", "hash_residue"]
 
-REDUCTIONS = ("mean", "sum")
 
-
-def _describe(t: TableConfig) -> dict[str, Any]:
-    return {
-        "rows": t.num_embeddings,
-        "dim": t.embedding_dim,
-        "combiner": t.combiner,
-        "dtype": str(t.dtype),
-        "init": repr(t.init),
-        "optimizer": repr(t.optimizer),
-        "dynamic": repr(t.dynamic),
-    }
-
-
-class ShardedCollection(nn.Module, ShardedStep):
+class ShardedCollection(ShardedTables, ShardedStep):
     """Tables sharded over a process group, looked up like an :class:`EmbeddingCollection`.
 
     Args:
@@ -99,9 +82,6 @@ class ShardedCollection(nn.Module, ShardedStep):
     same order each step (checked by a digest in every exchange).
     """
 
-    sharded = True
-    lookup_queue = None  # set by distribute on a converted model (one exchange per forward)
-
     def __init__(
         self,
         tables: Sequence[TableConfig],
@@ -120,43 +100,26 @@ class ShardedCollection(nn.Module, ShardedStep):
         kernels: str = "auto",
         timeout: float | datetime.timedelta | None = None,
     ):
-        super().__init__()
         kernels = check_kernels(kernels)  # (checked first: a rank without shards builds no collection)
-        if not dist.is_available() or not dist.is_initialized():
-            raise ConfigError(
-                "sharded tables need an initialised torch.distributed process group: call "
-                "torch.distributed.init_process_group(...) first (torchrun sets the environment), "
-                "or use he.convert for one process"
-            )
-        group = process_group if process_group is not None else dist.group.WORLD
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         problem = None
-        try:  # (every check before the first collective: a rank that refuses tells the others in _agree)
-            timeout = health.as_timeout(timeout)
-            if reduction not in REDUCTIONS:
-                raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-            if not isinstance(dedup, bool):
-                raise ConfigError(f"dedup must be True or False, got {dedup!r}")
-            tables = list(tables)
-            _check_like_collection(tables, features, seed, pad, sequence_output)
-            plan = checked_plan(plan, tables, self.world_size, memory_per_rank)
-        except HybridEmbedError as e:
-            problem = e
-        self._agree(group, problem, tables, features, seed, reduction, plan)
-        self.tables: dict[str, TableConfig] = {t.name: t for t in tables}
-        self.features: dict[str, str] = dict(features) if features is not None else {n: n for n in self.tables}
-        self.seed, self.pad, self.sequence_output, self.reduction = int(seed), int(pad), sequence_output, reduction
+        if not isinstance(dedup, bool):
+            problem = ConfigError(f"dedup must be True or False, got {dedup!r}")
+        super().__init__(
+            tables,
+            features,
+            plan,
+            process_group=process_group,
+            seed=seed,
+            sequence_output=sequence_output,
+            pad=pad,
+            reduction=reduction,
+            memory_per_rank=memory_per_rank,
+            timeout=timeout,
+            problem=problem,
+        )
         self.dedup = dedup
-        self.plan = plan
-        # the exchange runs on a group of its own, so DDP's all-reduce of dense gradients never
-        # waits in line behind it (and the other way round); its timeout is the job's (or `timeout`)
-        ranks = dist.get_process_group_ranks(group) if process_group is not None else list(range(self.world_size))
-        self.__dict__["_group"] = health.new_group(ranks, timeout or health.job_timeout(group))
         self._exchanges = 0  # exchanges made (the same count on every rank)
-        health.heartbeat()
         self._scale = 1.0 / self.world_size if reduction == "mean" else 1.0
-
-        self._routes: dict[str, Route] = {tp.table: route_for(tp, self.tables[tp.table]) for tp in plan.tables}
         self._column_tables = [n for n, route in self._routes.items() if route.slices_columns]
         local_tables = [
             route.local_config(pos)
@@ -197,27 +160,10 @@ class ShardedCollection(nn.Module, ShardedStep):
         )
         self._device = check_device(device, "ShardedCollection") or torch.device("cpu")
         self._empty_ids = torch.zeros(0, dtype=torch.int64, device=self._device)
-        wire = {t.compute_dtype for t in tables}
-        self._wire = torch.float64 if torch.float64 in wire else torch.float32
         if weights:
             self._copy_weights(weights)
 
     # --- construction ---------------------------------------------------------------------
-    def _agree(self, group, problem, tables, features, seed, reduction, plan) -> None:
-        """Every rank must shard the same tables by the same plan: compared once, here (and a rank
-        that refused its arguments makes every rank refuse)."""
-        mine = None
-        if problem is None:
-            mine = {
-                "tables": {t.name: _describe(t) for t in tables},
-                "features": dict(features) if features is not None else {t.name: t.name for t in tables},
-                "seed": int(seed),
-                "reduction": reduction,
-                "plan": plan.to_dict() | {"notes": {}},
-            }
-            mine = json.loads(json.dumps(mine, default=str))  # (in this order: the first difference is the first cause)
-        health.agree(group, "the model", problem, mine)
-
     def _copy_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for name, w in weights.items():
@@ -249,29 +195,6 @@ class ShardedCollection(nn.Module, ShardedStep):
             self._device = self.storages[0].weight.device
             self._empty_ids = self._empty_ids.to(self._device)
         return out
-
-    @property
-    def process_group(self) -> dist.ProcessGroup:
-        """The process group of this collection's exchanges (its own; the same ranks as the
-        group it was built over)."""
-        return self._group
-
-    def routes(self) -> dict[str, Route]:
-        """``{table: its Route}``: how each table's lookups cross its shards (read-only)."""
-        return dict(self._routes)
-
-    def _positions_here(self, route: Route) -> list[int]:
-        return [pos for pos, (_, s) in enumerate(route.shards) if s.rank == self.rank]
-
-    def shards_here(self) -> list[tuple[str, int, Shard, str]]:
-        """This rank's shards: (table, shard index in its plan, :class:`Shard`, the local table's
-        name in ``self.local``); replicated tables are in ``self.replicated``."""
-        return [
-            (name, route.shards[pos][0], route.shards[pos][1], route.local_name(pos))
-            for name, route in self._routes.items()
-            if not route.replicated
-            for pos in self._positions_here(route)
-        ]
 
     def gather_table(self, name: str) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The whole table ``name`` on every rank (a collective: every rank calls it): dense
@@ -687,12 +610,3 @@ class ShardedCollection(nn.Module, ShardedStep):
             kinds[r.plan.sharding] = kinds.get(r.plan.sharding, 0) + 1
         shown = ", ".join(f"{k}: {v}" for k, v in kinds.items())
         return f"rank={self.rank}/{self.world_size}, tables={len(self.tables)} ({shown}), reduction={self.reduction}"
-
-
-def _check_like_collection(tables, features, seed, pad, sequence_output) -> None:
-    """The checks :class:`EmbeddingCollection` makes of its arguments, and '@' kept for shard names."""
-    features = check_arguments(tables, features, seed, pad, sequence_output)
-    for what, names in (("table name", [t.name for t in tables]), ("feature", list(features))):
-        bad = [n for n in names if "@" in n]
-        if bad:
-            raise ConfigError(f"{what} {bad[0]!r}: '@' is reserved for shard names in a sharded collection")

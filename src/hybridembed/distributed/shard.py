@@ -21,6 +21,7 @@ from ..modules.converted import ConvertedCollection, _TableLayer
 from ..modules.grouped import LookupQueue
 from .plan import Plan
 from .runtime import ShardedCollection
+from .sharded import ShardedTables
 
 __all__ = ["shard_collection", "swap_collection", "rows_device", "unwrap"]
 
@@ -76,7 +77,7 @@ def shard_collection(
     return sharded
 
 
-def swap_collection(model: nn.Module, old: EmbeddingCollection, new: ShardedCollection) -> None:
+def swap_collection(model: nn.Module, old: EmbeddingCollection, new: ShardedTables) -> None:
     """Put ``new`` wherever ``old`` is registered, and point converted layers at it."""
     for _, parent in model.named_modules(remove_duplicate=False):
         for name, child in list(parent._modules.items()):

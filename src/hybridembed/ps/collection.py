@@ -16,9 +16,10 @@ from ..checkpoint.participant import CheckpointParticipant
 from ..config import TableConfig
 from ..distributed import health
 from ..distributed.routes import assemble
-from ..distributed.runtime import ShardedCollection
+from ..distributed.sharded import ShardedTables
 from ..errors import ConfigError
 from ..input import Jagged
+from ..optim.hooks import SparseStepHook
 from . import wire
 from .cache import RowCache
 from .client import CLIENTS, Client
@@ -52,14 +53,17 @@ def close_all(failed: str | None = None) -> None:
         client.bye(failed)
 
 
-class PSCollection(ShardedCollection, CheckpointParticipant):
+class PSCollection(ShardedTables, SparseStepHook, CheckpointParticipant):
     """A trainer's embedding tables served by parameter servers (see :func:`hybridembed.distribute`
     with ``servers=``); looked up and trained like an :class:`~hybridembed.EmbeddingCollection`.
 
     Built by every rank of the job at once (trainers build this, servers the
     :class:`~hybridembed.distributed.ShardedCollection` that holds their shards, by the same
     plan), so a checkpoint of it is the same as a collective job's: it loads at any world
-    size, with or without servers.
+    size, with or without servers. It is the tables and routes every sharded module shares
+    (:class:`~hybridembed.distributed.sharded.ShardedTables`) with, for the lookups, an
+    ordinary collection whose storages are remote (``self.remote``): none of the collective
+    exchange.
     """
 
     def __init__(
@@ -90,14 +94,14 @@ class PSCollection(ShardedCollection, CheckpointParticipant):
             plan,
             process_group=process_group,
             seed=seed,
-            device=device,
             sequence_output=sequence_output,
             pad=pad,
             reduction=reduction,
             timeout=job_timeout,
         )
-        if self.local is not None or self.replicated is not None:
+        if self.shards_here() or any(r.replicated for r in self._routes.values()):
             raise ConfigError("a parameter-server plan places no table on a trainer")
+        self.local = self.replicated = None  # (no shard here: the collective pieces of a checkpoint skip it)
         self.mode, self.staleness, self.servers = mode, int(staleness), list(servers)
         self.remote = RemoteCollection(
             list(self.tables.values()),
@@ -139,6 +143,9 @@ class PSCollection(ShardedCollection, CheckpointParticipant):
 
     def _request_input(self, feature: str, ids: Jagged):
         return self.remote._request_input(feature, ids)
+
+    def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
+        return self.remote._one_per_bag(n, device)
 
     def step_failed(self, error: BaseException) -> None:
         """A trainer's lookups reach the servers only: no other trainer waits for them."""
