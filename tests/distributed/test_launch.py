@@ -120,7 +120,7 @@ def test_loopback_interface_is_flagged_loopback():
 
 
 def test_the_store_of_a_train_rank_0_under_torchrun_listens_on_loopback(monkeypatch):
-    from hybridembed.train.cli import _loopback_store
+    from hybridembed.train.multiproc import _loopback_store
 
     port = launch.free_port()
     monkeypatch.setenv("MASTER_PORT", str(port))

@@ -40,12 +40,12 @@ def die(where: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def plant_in_training(cli, rng: random.Random) -> None:
+def plant_in_training(job_module, rng: random.Random) -> None:
     victim, n, delay = rng.randrange(2), rng.randint(1, 8), rng.uniform(0.0, 0.05)
     if RANK != victim:
         return
     steps = [0]
-    train_epoch = cli.train_epoch
+    train_epoch = job_module.train_epoch
 
     def patched(model, optimizer, batches, on_step=None, job=None, **options):
         def counted(rows: int, loss: float) -> None:
@@ -57,7 +57,7 @@ def plant_in_training(cli, rng: random.Random) -> None:
 
         return train_epoch(model, optimizer, batches, counted, job, **options)
 
-    cli.train_epoch = patched
+    job_module.train_epoch = patched
 
 
 def plant_in_saves(ckpt, rng: random.Random) -> None:
@@ -106,12 +106,13 @@ def main() -> int:
     global LOG, START, RANK
     from hybridembed.checkpoint import layout as ck_layout
     from hybridembed.train import cli
+    from hybridembed.train import job as train_job
 
     LOG, kills, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     START, RANK = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
     if START < 2 * kills:
         rng = random.Random(f"{seed}-{START}")
-        (plant_in_training(cli, rng) if START % 2 == 0 else plant_in_saves(ck_layout, rng))
+        (plant_in_training(train_job, rng) if START % 2 == 0 else plant_in_saves(ck_layout, rng))
     if RANK == 0:  # each commit logged when LATEST names it (saves run in the background)
         commit = ck_layout._commit
 

@@ -15,6 +15,7 @@ import pytest
 
 from hybridembed import cli as top
 from hybridembed.train import cli
+from hybridembed.train import job as train_job
 
 PROG = "hybridembed train"
 
@@ -176,8 +177,8 @@ def test_outputs_that_cannot_be_written_fail_before_training(flag, target, needl
     def no_training(*a, **k):
         raise AssertionError("trained before checking the outputs")
 
-    monkeypatch.setattr(cli, "load_data", no_training)
-    monkeypatch.setattr(cli, "train_epoch", no_training)
+    monkeypatch.setattr(train_job, "load_data", no_training)
+    monkeypatch.setattr(train_job, "train_epoch", no_training)
     data = [] if flag == "--workdir" else ["--data", str(tmp_path / "day_0.tsv")]
     given = str(tmp_path / target)
     workdir = given if flag == "--workdir" else str(tmp_path / "w")

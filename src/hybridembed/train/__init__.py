@@ -4,7 +4,9 @@
 
 ``data`` (streamed Criteo reading, the generator, Adult), ``models`` (DLRM, Wide & Deep,
 DeepFM, DCNv2 over dynamic hybridembed tables or ``nn.Embedding``), ``metrics`` (AUC, log
-loss), ``loop`` (train and evaluate), ``cli`` (the command), ``compare`` (plain PyTorch vs
+loss), ``loop`` (train and evaluate), ``cli`` (the command; its
+flags in ``options``, checked in ``checks``, one process's run in ``job``, its output in ``report``,
+the job of several processes in ``multiproc``), ``compare`` (plain PyTorch vs
 ``he.convert`` on Adult). Reading data needs pyarrow: ``pip install 'hybridembed[train]'``.
 """
 

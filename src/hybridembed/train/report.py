@@ -1,0 +1,105 @@
+"""What a run prints: the progress bar of an epoch, the line describing the model, the line after
+each epoch (losses, AUC, throughput, table rows) and the tables' statistics behind them
+(with parameter servers, asked of them: :func:`ps_collection`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from torch import nn
+
+from . import models as M
+from .loop import EpochStats, EvalStats
+from .parallel import ONE, Job
+
+
+def ps_collection(model: nn.Module):
+    """The model's PSCollection (its tables on parameter servers), or None."""
+    from ..ps import PSCollection
+
+    return next((m for m in model.modules() if isinstance(m, PSCollection)), None)
+
+
+def progress(total: int | None, initial: int, desc: str, disable: bool):
+    if disable:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(
+        total=total, initial=initial, desc=desc, unit=" rows", unit_scale=True, leave=False, dynamic_ncols=True,
+        disable=None, smoothing=0.1, mininterval=0.5,
+    )  # fmt: skip
+
+
+def table_stats(model: nn.Module, job: Job = ONE) -> tuple[int, int, int]:
+    """(rows held, rows evicted, tables) over every dynamic table of ``model``: of all ranks'
+    shards in a job (every rank calls it); with parameter servers, of the servers' shards (asked)."""
+    rows = evicted = tables = 0
+    remote = ps_collection(model)
+    if remote is not None:
+        for server in remote.server_stats():
+            for s in server["tables"].values():
+                rows += int(s.get("size") or 0)
+                evicted += int(s.get("evicted") or 0)
+        return rows, evicted, len(remote.tables)
+    for m in model.modules():
+        if isinstance(m, M.DynamicEmbeddings):
+            c = m.collection
+            tables += len(c.tables)
+            local = c.local if getattr(c, "sharded", False) else c
+            for s in local.dynamic_stats().values() if local is not None else ():
+                rows += int(s["size"])
+                evicted += int(s["evicted"])
+    if job.parallel:
+        rows, evicted = (int(v) for v in job.sum(rows, evicted))
+    return rows, evicted, tables
+
+
+def epoch_line(
+    epoch: int, epochs: int, tr: EpochStats | None, ev: EvalStats | None, model: nn.Module, job: Job = ONE
+) -> str:
+    parts = [f"epoch {epoch}/{epochs}"]
+    if tr is not None:
+        parts.append(f"train loss {tr.loss:.4f}")
+    if ev is not None and ev.rows:
+        parts.append(f"test loss {ev.loss:.4f}  AUC {ev.auc:.4f}")
+    if tr is not None:
+        parts.append(f"{tr.rows:,} samples in {tr.seconds:.1f} s = {tr.samples_per_s:,.0f} samples/s")
+    rows, evicted, _ = table_stats(model, job)
+    parts.append(f"table rows {rows:,}" + (f" ({evicted:,} evicted)" if evicted else ""))
+    return "  ".join(parts)
+
+
+def describe_model(args: argparse.Namespace, model: nn.Module, features: int, job: Job = ONE) -> str:
+    dense = sum(p.numel() for n, p in model.named_parameters() if "storages" not in n)
+    cap = "unbounded" if not args.capacity else f"<= {args.capacity:,} rows each"
+    opt = {"adagrad": "Adagrad", "adam": "Adam"}[args.optimizer]
+    _, _, tables = table_stats(model, job)
+    threads = f"{args.threads} thread{'s' if args.threads > 1 else ''}"
+    if getattr(args, "servers", 0):
+        s = args.servers
+        how = args.ps_mode + (f", staleness {args.staleness}" if args.ps_mode == "async" else "")
+        how += (f", {args.cache_rows:,} cached rows per trainer" if args.cache_rows else "") + (
+            ", prefetch" if args.prefetch else ""
+        )
+        return (
+            f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
+            f"on {s} parameter server{'s' if s > 1 else ''}, {how}), {dense:,} dense parameters (data-parallel over "
+            f"{job.world} trainer{'s' if job.world > 1 else ''}); {opt} lr {args.lr:g} via he.wrap_optimizer, batch "
+            f"{args.batch_size:,} (~{args.batch_size // job.world:,} per trainer, gloo), {threads} per process"
+        )
+    if job.parallel:
+        return (
+            f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
+            f"sharded over {job.world} processes), {dense:,} dense parameters (data-parallel); {opt} lr {args.lr:g} "
+            f"via he.wrap_optimizer, batch {args.batch_size:,} (~{args.batch_size // job.world:,} per process, gloo), "
+            f"{threads} per process"
+        )
+    kernels = getattr(args, "kernels_resolved", "eager")
+    return (
+        f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}), "
+        f"{dense:,} dense parameters; {opt} lr {args.lr:g} via he.wrap_optimizer, batch {args.batch_size:,}, "
+        f"{threads}; on {getattr(args, 'device', 'cpu')}, {kernels} kernels"
+    )
