@@ -1,7 +1,8 @@
 """A parameter server's handler against bad requests, in one process (no spawn): 1,000 malformed
 requests (seeded) each get an error reply and change nothing (rows, optimizer state, step
 counters); then valid pulls and pushes still give the rows a plain EmbeddingCollection gives.
-And the wire format's round trips and header checks."""
+And the wire format's round trips and header checks; the pull and push payloads' round trips
+and the malformed payloads they refuse."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import hybridembed as he
 from hybridembed.distributed import ShardedCollection
 from hybridembed.distributed.launch import free_port
 from hybridembed.ps import TableServer, ps_plan, wire
+from hybridembed.ps.payload import PullItem, PullRequest, PushItem, PushRequest
 from hybridembed.ps.server import ShardRef
 from hybridembed.ps.wire import Message, WireError
 
@@ -447,3 +449,119 @@ def test_check_header_limits():
     with pytest.raises(WireError, match="over the limit of 1024"):
         wire.unpack(h, p, 1024)
     assert json.loads(bytes(p.numpy()).decode()) == m.meta
+
+
+# --- the payloads of a pull and a push -----------------------------------------------------------
+def _dynamic(shard: int) -> bool:  # (in these tests shard 2 is the dynamic one, as in TABLES)
+    return shard == 2
+
+
+def _width(shard: int) -> int:
+    return {0: 8, 1: 4, 2: 4}[shard]
+
+
+def test_pull_payload_round_trip_in_the_format_of_the_wire():
+    rng = random.Random(5)
+    for _ in range(30):
+        items = []
+        for _ in range(rng.randrange(4)):
+            shard = rng.randrange(3)
+            ids = torch.tensor([rng.randrange(-(1 << 40), 1 << 40) for _ in range(rng.randrange(4))], dtype=torch.int64)
+            seen = torch.randint(1, 9, ids.shape) if _dynamic(shard) else None
+            items.append(PullItem(shard, ids, seen))
+        pull = PullRequest(rng.random() < 0.5, items)
+        ints, floats = pull.pack()
+        assert floats is None
+        seen = [int(x) for it in items if it.seen is not None for x in it.seen]
+        old = _pull(0, [(it.shard, it.ids.tolist()) for it in items], seen, train=pull.train)  # (the format as was)
+        assert torch.equal(ints, old.ints)
+        assert PullRequest.unpack(ints, floats, dynamic=_dynamic) == pull
+    # a message's round trip as well
+    pull = PullRequest(False, [PullItem(0, torch.tensor([1, 2]))])
+    m = wire.unpack(*wire.pack(Message(wire.PULL, 1, 0, *pull.pack())), LIMIT)
+    assert PullRequest.unpack(m.ints, m.floats, dynamic=_dynamic) == pull
+
+
+@pytest.mark.parametrize("dtype", wire.DTYPES)
+def test_push_payload_round_trip_in_the_format_of_the_wire(dtype):
+    rng = random.Random(6)
+    for _ in range(30):
+        items = []
+        for _ in range(rng.randrange(4)):
+            shard = rng.randrange(3)
+            ids = torch.tensor([rng.randrange(1 << 40) for _ in range(rng.randrange(4))], dtype=torch.int64)
+            items.append(PushItem(shard, ids, torch.randn(ids.numel(), _width(shard)).to(dtype)))
+        push = PushRequest(items)
+        ints, floats = push.pack()
+        assert (floats is None) == (not items)
+        old = _push(0, [(it.shard, it.ids.tolist()) for it in items], floats)  # (the format as was)
+        assert torch.equal(ints, old.ints)
+        back = PushRequest.unpack(ints, floats, width=_width)
+        assert back == push and all(it.rows.dtype == dtype for it in back.items)
+    assert PushRequest.unpack(*PushRequest([]).pack(), width=_width) == PushRequest([])
+
+
+def test_a_pulls_items_that_a_server_refuses():
+    def refuse(shard: int) -> bool:
+        raise WireError(f"shard {shard} is not held here")
+
+    with pytest.raises(WireError, match="shard 1 is not held here"):
+        PullRequest.unpack(_ints(1, 1, 1, 1, 5), None, dynamic=refuse)
+    with pytest.raises(WireError, match="shard 0 is not held here"):
+        PushRequest.unpack(_ints(0, 1, 0, 1, 5), torch.ones(8), width=refuse)
+
+
+@pytest.mark.parametrize(
+    "ints, floats, match",
+    [
+        (_ints(), None, r"a pull needs ints \[flags, n, \(shard, count\) \* n, ids...\], got 0"),
+        (_ints(1), None, "a pull needs ints"),
+        (torch.tensor([1, 0], dtype=torch.int32), None, "a pull's ints must be int64 of one dimension"),
+        (_ints(1, 0).view(1, 2), None, "a pull's ints must be int64 of one dimension"),
+        (_ints(1, -1), None, "-1 pairs do not fit in the 2 ints of a pull"),
+        (_ints(1, 5, 0, 1), None, "5 pairs do not fit in the 4 ints of a pull"),
+        (_ints(1, 1, 0, -1, 1), None, r"shard 0: -1 ids do not fit in the request \(1 ints left\)"),
+        (_ints(1, 1, 0, 9, 1), None, "shard 0: 9 ids do not fit"),
+        (_ints(1, 2, 0, 1, 1, 1, 5), None, "shard 1: 1 ids do not fit"),
+        (_ints(1, 1, 0, 1, 1, 7), None, "1 ints left over after 1 pairs"),
+        (_ints(1, 1, 2, 2, 11, 12), None, r"shard 2: a dynamic table's pull needs a count per id \(2 ids, 0 ints"),
+        (_ints(1, 1, 2, 2, 11, 12, 1), None, "needs a count per id"),
+        (_ints(1, 1, 2, 2, 11, 12, 1, 0), None, "shard 2: times seen must be >= 1, got 0"),
+        (_ints(1, 1, 2, 1, 11, -4), None, "times seen must be >= 1, got -4"),
+        (_ints(1, 1, 2, 1, 11, 1, 1), None, "1 ints left over"),
+        (_ints(1, 1, 0, 1, 1, 3), None, "1 ints left over"),  # (a dense shard's ids have no times seen)
+        (_ints(1, 0), torch.ones(2), "a pull carries no floats, got 2"),
+    ],
+)
+def test_malformed_pull_payloads_are_refused(ints, floats, match):
+    with pytest.raises(WireError, match=match):
+        PullRequest.unpack(ints, floats, dynamic=_dynamic)
+
+
+@pytest.mark.parametrize(
+    "ints, floats, match",
+    [
+        (_ints(0), None, "a push needs ints"),
+        (_ints(0, 2, 1, 0), None, "2 pairs do not fit in the 4 ints of a push"),
+        (_ints(0, 1, 1, 3, 1, 2), torch.ones(12), "shard 1: 3 ids do not fit"),
+        (_ints(0, 1, 1, 1, 1, 2), torch.ones(4), "1 ints left over after 1 pairs"),
+        (_ints(0, 1, 1, 2, 1, 2), torch.ones(7), "a push of these ids needs 8 gradient values, got 7"),
+        (_ints(0, 1, 0, 2, 1, 2), torch.ones(17), "needs 16 gradient values, got 17"),
+        (_ints(0, 1, 1, 1, 1), None, "needs 4 gradient values, got 0"),
+        (_ints(0, 0), torch.ones(1), "needs 0 gradient values, got 1"),
+    ],
+)
+def test_malformed_push_payloads_are_refused(ints, floats, match):
+    with pytest.raises(WireError, match=match):
+        PushRequest.unpack(ints, floats, width=_width)
+
+
+def test_payload_items_check_their_shapes():
+    with pytest.raises(WireError, match="shard 0: 1 times seen for 2 ids"):
+        PullItem(0, torch.tensor([1, 2]), torch.tensor([1]))
+    with pytest.raises(WireError, match="ids must be of one dimension"):
+        PullItem(0, torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(WireError, match=r"rows \(U, D\), got ids of shape \(2,\) and rows of shape \(3, 4\)"):
+        PushItem(1, torch.tensor([1, 2]), torch.ones(3, 4))
+    with pytest.raises(WireError, match="rows of shape"):
+        PushItem(1, torch.tensor([1, 2]), torch.ones(8))

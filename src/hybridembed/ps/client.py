@@ -9,13 +9,12 @@ import torch
 from ..errors import HybridEmbedError
 from ..storage import RowStorage
 from . import wire
+from .payload import PullItem, PullRequest, PushItem, PushRequest
 from .server import ShardRef
 from .transport import TrainerLink
 from .wire import Message
 
 __all__ = ["CLIENTS", "Client", "Pull"]
-
-_TRAIN = 1
 
 
 class Pull:
@@ -119,16 +118,7 @@ class Client:
             pull.sent = True
         self._queued = []
         for (server, train, step), items in batches.items():
-            head = [int(train) * _TRAIN, len(items)]
-            for _, ref, _, local, _ in items:
-                head += [ref.index, local.numel()]
-            ints = torch.cat(
-                [
-                    torch.tensor(head, dtype=torch.int64),
-                    *(x[3] for x in items),
-                    *(x[4] for x in items if x[4] is not None),
-                ]
-            )
+            ints, _ = PullRequest(train, [PullItem(ref.index, local, seen) for _, ref, _, local, seen in items]).pack()
             m = Message(wire.PULL, self.req(), step, ints)
             self.links[server].send(m)
             self._waiting[(server, m.req)] = [(pull, ref, pos) for pull, ref, pos, _, _ in items]
@@ -158,17 +148,15 @@ class Client:
 
     # --- pushes -------------------------------------------------------------------------------
     def push(self, items_by_server: dict[int, list], had: list[int], hp: dict[int, dict]) -> None:
-        """One push per server (every server, every step: synchronous mode counts them)."""
+        """One push per server (every server, every step: synchronous mode counts them).
+        ``items_by_server``: ``{server: [(ShardRef, local ids (U,), gradient rows (U, D))]}``."""
         for server, link in self.links.items():
             items = items_by_server.get(server, [])
-            head = [0, len(items)]
-            for ref, local, _ in items:
-                head += [ref.index, local.numel()]
-            ints = torch.cat([torch.tensor(head, dtype=torch.int64), *(x[1] for x in items)])
-            floats = torch.cat([x[2].reshape(-1).to(self.wire_dtype) for x in items]) if items else None
-            m = Message(
-                wire.PUSH, self.req(), self.step, ints, floats, {"had": had, "hp": {str(k): v for k, v in hp.items()}}
-            )
+            ints, floats = PushRequest(
+                [PushItem(r.index, ids, rows.to(self.wire_dtype)) for r, ids, rows in items]
+            ).pack()
+            meta = {"had": had, "hp": {str(k): v for k, v in hp.items()}}
+            m = Message(wire.PUSH, self.req(), self.step, ints, floats, meta)
             link.send(m)
         self.step += 1
 

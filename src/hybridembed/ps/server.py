@@ -9,7 +9,7 @@ by the same plan as a collective job's), so the optimizer formulas, dynamic tabl
 checkpoints are the single-process ones. The trainers address a shard by its index in
 the plan (:func:`shard_index`) and send ids in the shard's local id space.
 
-Requests (see :mod:`hybridembed.ps.wire`):
+Requests (see :mod:`hybridembed.ps.wire`; what a pull and a push carry: :mod:`hybridembed.ps.payload`):
 
 - ``attach``: a trainer group's sparse optimizer (name, hyper-parameters): its shards here
   allocate their optimizer state.
@@ -42,6 +42,7 @@ from ..modules.collection import _group_key
 from ..optim import sparse as so
 from ..utils import get_logger
 from . import wire
+from .payload import PullRequest, PushRequest
 from .wire import Message, WireError
 
 __all__ = ["TableServer", "ShardRef", "shard_index", "trainer_groups"]
@@ -239,54 +240,38 @@ class TableServer:
         return [(src, self._ok(m.req))], None
 
     # --- pull -------------------------------------------------------------------------------
-    def _pairs(self, m: Message, with_counts: bool) -> list[tuple[_Held, torch.Tensor, torch.Tensor | None]]:
-        """A pull's or push's ints ``[flags, n, (shard, count) * n, ids..., (per keyed id: seen)...]``
-        -> [(shard held here, local ids, times seen or None)], every part checked."""
-        ints = m.ints
-        if ints.numel() < 2:
-            raise WireError("a pull or push needs ints [flags, pairs, ...]")
-        n = int(ints[1])
-        if n < 0 or 2 + 2 * n > ints.numel():
-            raise WireError(f"{n} pairs do not fit in {ints.numel()} ints")
-        head = ints[2 : 2 + 2 * n].view(n, 2).tolist()
-        pos = 2 + 2 * n
-        out = []
-        for shard, count in head:
-            h = self.held.get(shard)
-            if h is None:
-                where = "no such shard" if not 0 <= shard < len(self.refs) else f"shard of rank {self.refs[shard].rank}"
-                raise WireError(f"shard {shard} is not held here ({where})")
-            if count < 0 or pos + count > ints.numel():
-                raise WireError(f"shard {shard}: {count} ids do not fit in the request")
-            ids = ints[pos : pos + count]
-            pos += count
-            if h.ref.rows is not None and count and (int(ids.min()) < 0 or int(ids.max()) >= h.ref.rows):
-                raise WireError(
-                    f"table {h.ref.table!r} shard {shard}: ids must be in [0, {h.ref.rows}), got "
-                    f"{int(ids.min())}..{int(ids.max())}"
-                )
-            out.append([h, ids, None])
-        if with_counts:
-            total, most = 0, self.limit // 8  # (the ids with their repeats are resolved one by one)
-            for p in out:
-                if p[0].storage.keyed:
-                    count = p[1].numel()
-                    if pos + count > ints.numel():
-                        raise WireError("a dynamic table's pull needs a count per id")
-                    seen = ints[pos : pos + count]
-                    pos += count
-                    if count and int(seen.min()) < 1:
-                        raise WireError("times seen must be >= 1")
-                    if count and int(seen.max()) > most or total + int(seen.sum()) > most:
-                        raise WireError(
-                            f"a pull's dynamic ids seen more than {most} times in all (times seen up to "
-                            f"{int(seen.max())}): over the limit of {self.limit} bytes / 8 (max_request_bytes)"
-                        )
-                    total += int(seen.sum())
-                    p[2] = seen
-        if pos != ints.numel():
-            raise WireError(f"{ints.numel() - pos} ints left over after {n} pairs")
-        return [tuple(p) for p in out]
+    def _shard(self, shard: int) -> _Held:
+        """Shard ``shard`` of a request, held here (a :class:`WireError` naming where it is, if not)."""
+        h = self.held.get(shard)
+        if h is None:
+            where = "no such shard" if not 0 <= shard < len(self.refs) else f"shard of rank {self.refs[shard].rank}"
+            raise WireError(f"shard {shard} is not held here ({where})")
+        return h
+
+    def _check_ids(self, shard: int, ids: torch.Tensor) -> None:
+        """A dense shard's ids are rows it holds."""
+        ref = self.held[shard].ref
+        if ref.rows is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= ref.rows):
+            raise WireError(
+                f"table {ref.table!r} shard {shard}: ids must be in [0, {ref.rows}), got "
+                f"{int(ids.min())}..{int(ids.max())}"
+            )
+
+    def _pull_request(self, m: Message) -> PullRequest:
+        """A pull's items, every part checked (the wire's structure, then: shards held here, dense
+        ids in range, and the times seen of dynamic ids within the limit)."""
+        req = PullRequest.unpack(m.ints, m.floats, dynamic=lambda shard: self._shard(shard).storage.keyed)
+        total, most = 0, self.limit // 8  # (the ids with their repeats are resolved one by one)
+        for it in req.items:
+            self._check_ids(it.shard, it.ids)
+            if it.seen is not None and it.seen.numel():
+                if int(it.seen.max()) > most or total + int(it.seen.sum()) > most:
+                    raise WireError(
+                        f"a pull's dynamic ids seen more than {most} times in all (times seen up to "
+                        f"{int(it.seen.max())}): over the limit of {self.limit} bytes / 8 (max_request_bytes)"
+                    )
+                total += int(it.seen.sum())
+        return req
 
     def _ready(self, m: Message) -> bool:
         if self.mode == "sync":
@@ -303,17 +288,18 @@ class TableServer:
             )
 
     def _pull(self, src: int, m: Message) -> tuple[list, None]:
-        pairs = self._pairs(m, with_counts=True)  # (checked now: a bad pull is refused at once)
+        req = self._pull_request(m)  # (checked now: a bad pull is refused at once)
         self._check_step(src, m)
         if self.lost is not None and not self._ready(m):
             raise HybridEmbedError(self.lost)
         if not self._ready(m):
             self.deferred.append((src, m))
             return [], None
-        return [(src, self._answer_pull(m, pairs))], None
+        return [(src, self._answer_pull(m, req))], None
 
-    def _answer_pull(self, m: Message, pairs) -> Message:
-        train = bool(int(m.ints[0]) & 1)
+    def _answer_pull(self, m: Message, req: PullRequest) -> Message:
+        train = req.train
+        pairs = [(self.held[it.shard], it.ids, it.seen) for it in req.items]
         by_storage: dict[int, list] = {}
         for k, (h, ids, seen) in enumerate(pairs):
             by_storage.setdefault(h.storage_pos, []).append((k, h, ids, seen))
@@ -360,7 +346,7 @@ class TableServer:
                 if m.op == wire.READ:
                     out.append((src, self._read_now(m)))
                 else:
-                    out.append((src, self._answer_pull(m, self._pairs(m, with_counts=True))))
+                    out.append((src, self._answer_pull(m, self._pull_request(m))))
             except Exception as e:  # noqa: BLE001
                 self.stats_["errors"] += 1
                 out.append((src, self.error(m.req, f"server rank {self.rank}: {e}")))
@@ -369,20 +355,15 @@ class TableServer:
 
     # --- push -------------------------------------------------------------------------------
     def _push(self, src: int, m: Message) -> tuple[list, None]:
-        pairs = self._pairs(m, with_counts=False)
+        req = PushRequest.unpack(m.ints, m.floats, width=lambda shard: self._shard(shard).ref.width)
+        for it in req.items:
+            self._check_ids(it.shard, it.ids)
         groups, hps = m.meta.get("had"), m.meta.get("hp", {})
         if not isinstance(groups, list) or not all(isinstance(g, int) for g in groups) or not isinstance(hps, dict):
             raise WireError("a push needs meta {had: [groups with a gradient], hp: {group: hparams}}")
         if any(not 0 <= g < self.ngroups for g in groups):
             raise WireError(f"a push names groups {groups}; the tables make groups 0..{self.ngroups - 1}")
-        flat = m.floats
-        width = [h.ref.width for h, _, _ in pairs]
-        need = sum(ids.numel() * w for (_, ids, _), w in zip(pairs, width))
-        if flat is None and need or flat is not None and flat.numel() != need:
-            raise WireError(
-                f"a push of these ids needs {need} gradient values, got {0 if flat is None else flat.numel()}"
-            )
-        if flat is not None and not _finite(flat):
+        if m.floats is not None and not _finite(m.floats):
             raise WireError(
                 f"trainer {src}'s push of step {m.step} holds non-finite gradients (nan or inf): nothing of it was "
                 "applied; check the loss and the learning rate"
@@ -393,11 +374,12 @@ class TableServer:
         if m.step != self.done[src]:
             raise WireError(f"trainer {src} pushed step {m.step}, expected step {self.done[src]}")
         hparams = self._push_hparams(hps)
-        grads = flat.split([ids.numel() * w for (_, ids, _), w in zip(pairs, width)]) if flat is not None else []
         per_storage: dict[int, list] = {}
-        for (h, ids, _), g, w in zip(pairs, grads, width):
-            per_storage.setdefault(h.storage_pos, []).append((h, ids, g.view(-1, w)))
-        self.stats_["pushed_rows"] += sum(ids.numel() for _, ids, _ in pairs)
+        for it in req.items:
+            if it.ids.numel():  # (an item without ids adds nothing)
+                h = self.held[it.shard]
+                per_storage.setdefault(h.storage_pos, []).append((h, it.ids, it.rows))  # rows (U, D)
+        self.stats_["pushed_rows"] += sum(it.ids.numel() for it in req.items)
         self.done[src] += 1
         if self.mode == "async":
             self._apply({src: per_storage}, set(groups), hparams)
