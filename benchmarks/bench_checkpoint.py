@@ -13,7 +13,7 @@ first sight; capacity 2x ``--rows`` so that nothing is evicted), its bottom and 
 ``he.wrap_optimizer(torch.optim.Adagrad(lr=0.02))`` (tables: Adagrad, per-row accumulators
 of dim 16 beside the rows). World 1 is that model in one process; world W > 1 is
 ``he.distribute(model)`` with the default plan (every table row-wise by hash over the W
-ranks) under DDP. Each world is its own job (``hybridembed.distributed.launch.spawn``: fresh
+ranks) under DDP. Each world is its own job (``hybridembed.launch.spawn``: fresh
 processes, gloo, one intra-op thread per rank) that, on every rank:
 
 1. fills every table with ``--rows`` ids (0 .. rows-1, each rank a share, forward passes in
@@ -61,7 +61,7 @@ import hybridembed as he
 from hybridembed.bench.system import cpu_busy, machine
 from hybridembed.checkpoint import read_manifest
 from hybridembed.distributed import ShardedCollection
-from hybridembed.distributed.launch import SpawnError, spawn
+from hybridembed.launch import SpawnError, spawn
 from hybridembed.synthetic import powerlaw_ids
 
 TABLES = 26

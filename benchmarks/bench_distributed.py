@@ -6,7 +6,7 @@ process and against TorchRec's DistributedModelParallel, plus the bytes each ran
     python benchmarks/bench_distributed.py --world 2 --contenders default table_wise --profile
     python benchmarks/bench_distributed.py --quick --world 2                  # seconds: the smoke test
 
-Each contender at each world size is its own job (``hybridembed.distributed.launch.spawn``:
+Each contender at each world size is its own job (``hybridembed.launch.spawn``:
 fresh processes, gloo, one intra-op thread per rank). The model, as users write it: 26
 separate ``nn.EmbeddingBag(rows, 64, mode="sum")`` layers called one by one, their pooled
 rows concatenated (B, 26 * 64); by default no MLP: the backward of a fixed upstream gradient
@@ -66,7 +66,7 @@ from torch import nn
 import hybridembed as he
 from hybridembed.bench.system import cpu_busy, machine
 from hybridembed.distributed import Plan, ShardedCollection, shard_table
-from hybridembed.distributed.launch import SpawnError, spawn
+from hybridembed.launch import SpawnError, spawn
 from hybridembed.synthetic import powerlaw_ids
 
 TABLES = 26

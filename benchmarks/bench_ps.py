@@ -6,7 +6,7 @@ cache, and prefetch.
     PYTHONPATH=src python benchmarks/bench_ps.py --contenders sync_1 --profile  # where the 2+1 step's time goes
     PYTHONPATH=src python benchmarks/bench_ps.py --quick                        # seconds: the smoke test
 
-Every contender is its own job (``hybridembed.distributed.launch.spawn``: fresh processes,
+Every contender is its own job (``hybridembed.launch.spawn``: fresh processes,
 gloo, one intra-op thread per process) on the same model: 26 ``nn.EmbeddingBag(rows, 16,
 mode="sum")`` tables (100k rows by default), their pooled rows concatenated into an MLP
 ``26*16 -> 64 -> 1``, BCE loss on random labels; ``torch.optim.Adagrad`` (the tables: the
@@ -63,7 +63,7 @@ from torch import nn
 import hybridembed as he
 from hybridembed.bench.system import cpu_busy, machine
 from hybridembed.distributed import Plan, shard_table
-from hybridembed.distributed.launch import SpawnError, spawn
+from hybridembed.launch import SpawnError, spawn
 from hybridembed.ps import PSCollection
 from hybridembed.synthetic import powerlaw_ids
 

@@ -30,7 +30,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import unwrap
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 
 MIB = 1 << 20
 

@@ -18,7 +18,7 @@ import torch
 
 import hybridembed as he
 from hybridembed.distributed import Plan, ShardedCollection, shard_table
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 
 
 def _status(key: str) -> int:

@@ -15,7 +15,6 @@ import traceback
 import torch
 import torch.distributed as dist
 
-import hybridembed as he
 from hybridembed.distributed import ShardedCollection
 from tests.distributed import test_runtime as T
 
@@ -56,7 +55,9 @@ def main() -> None:
                     ids, rows = ref.dynamic_rows(name)
                     assert torch.equal(got[0].cpu(), ids), name
                     worst = max(worst, float((got[1].cpu() - rows).abs().max()))
-            print(f"nccl world 1, {optimizer}: max |sharded - one process| = {worst:.2e}", "fused", dict(opt.fused_steps))
+            print(
+                f"nccl world 1, {optimizer}: max |sharded - one process| = {worst:.2e}", "fused", dict(opt.fused_steps)
+            )
         except Exception:
             print(f"nccl world 1, {optimizer}: FAILED")
             traceback.print_exc()

@@ -7,6 +7,7 @@ float32 rows, batch 16,384, power-law ids), to choose the defaults of kernels/tr
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import torch
 from triton.testing import do_bench
@@ -18,7 +19,9 @@ T, R, D, B = 26, 1_000_000, 128, 16_384
 
 
 def batch(max_len: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.ones(T * B, dtype=torch.int64) if max_len == 1 else torch.randint(0, max_len + 1, (T * B,), generator=g)
+    lengths = (
+        torch.ones(T * B, dtype=torch.int64) if max_len == 1 else torch.randint(0, max_len + 1, (T * B,), generator=g)
+    )
     per_table = lengths.view(T, B).sum(1)
     ids = torch.cat([powerlaw_ids(int(n), R, generator=g) + t * R for t, n in enumerate(per_table.tolist())])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
@@ -29,9 +32,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weight = torch.empty(T * R, D, device="cuda").normal_()
     src, dst = weight.view(-1)[: 2**28], torch.empty(2**28, device="cuda")  # 1 GiB
-    bw = 2 * dst.numel() * 4 / do_bench(lambda: dst.copy_(src)) / 1e6  # GB/s
+    bw = 2 * dst.numel() * 4 / do_bench(partial(dst.copy_, src)) / 1e6  # GB/s
     print(f"copy {bw:,.0f} GB/s (read + written)")
-    del dst
+    dst = None
     for label, max_len, grid in (
         ("one-hot as bags", 1, {"_BAGS": [4, 8, 16, 64], "_SHORT_WARPS": [1, 2, 4], "_SHORT": [2]}),
         ("one-hot as bags, per-bag kernel", 1, {"_BLOCK_N": [1, 2, 16], "_POOL_WARPS": [1, 4], "_SHORT": [0]}),
@@ -48,7 +51,7 @@ def main() -> None:
                 setattr(tk, k, v)
             cfg = " ".join(f"{k.strip('_').lower()}={v}" for k, v in zip(keys, values))
             try:
-                ms = do_bench(lambda: tk.pool(weight, ids, offsets, None, torch.float32, False))
+                ms = do_bench(partial(tk.pool, weight, ids, offsets, None, torch.float32, False))
             except Exception as e:  # (a launch parameter the compiler refuses)
                 print(f"  {cfg:<40} failed: {type(e).__name__}: {str(e)[:100]}")
                 continue

@@ -36,6 +36,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
+            missing = [t for t in targets if t.startswith(PACKAGE + ".") and t not in modules]
+            assert not missing, f"{name} (line {node.lineno}) imports {missing[0]}, which is not a module here"
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".") if is_package else name.split(".")[:-1]
@@ -43,6 +45,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 stem = ".".join(base + ([node.module] if node.module else []))
             else:
                 stem = node.module or ""
+            if (stem == PACKAGE or stem.startswith(PACKAGE + ".")) and stem not in modules:
+                raise AssertionError(f"{name} (line {node.lineno}) imports from {stem}, which is not a module here")
             # `from pkg import sub` imports the submodule; `from mod import name` the module
             targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
         else:
@@ -90,7 +94,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_import_graph_has_no_circle():
+def test_the_import_graph_has_no_circle_and_every_import_is_there():
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     # a package's __init__ re-exports its modules: an import of the package by one of its own

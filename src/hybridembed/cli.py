@@ -25,7 +25,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _launch(argv: list[str]) -> int:
-    from .distributed.launcher_cli import main
+    from .launch.cli import main
 
     return main(argv, prog="hybridembed launch")
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridembed.distributed.launch import free_port
+from hybridembed.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

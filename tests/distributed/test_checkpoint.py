@@ -15,7 +15,7 @@ from torch import nn
 import hybridembed as he
 from hybridembed.checkpoint import read_manifest
 from hybridembed.distributed import Plan, shard_table, unwrap
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 
 N, K = 8, 3  # global batch, steps before and after the save
 

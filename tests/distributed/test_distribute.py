@@ -9,7 +9,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import Plan, ShardedCollection, shard_table, unwrap
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 
 
 class Plain(nn.Module):

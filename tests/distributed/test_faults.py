@@ -16,7 +16,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import health
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 from tests.distributed import job_script
 from tests.distributed.jobs import run_job
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hybridembed.distributed import launch
-from hybridembed.distributed.launch import loopback_interface, spawn
+from hybridembed import launch
+from hybridembed.launch import loopback_interface, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp (Linux)")

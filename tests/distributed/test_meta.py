@@ -7,7 +7,7 @@ import torch
 
 import hybridembed as he
 from hybridembed.distributed import Plan, shard_table, unwrap
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 from tests.ps.test_memory import Big, _reference, _steps
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import Plan, Shard, ShardedCollection, TablePlan, make_plan, shard_table
-from hybridembed.distributed.launch import free_port
+from hybridembed.launch import free_port
 
 
 @pytest.fixture
@@ -161,7 +161,7 @@ def test_distribute_refuses_bad_options_before_changing_the_model(world1):
 
 
 def test_spawn_refuses_a_timeout_that_would_never_fire():
-    from hybridembed.distributed.launch import spawn
+    from hybridembed.launch import spawn
 
     with pytest.raises(he.HybridEmbedError, match="timeout must be"):
         spawn(print, 2, timeout=float("nan"))

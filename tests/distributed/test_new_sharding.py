@@ -13,9 +13,9 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import Plan, TablePlan, register_sharding, shard_table, unwrap
-from hybridembed.distributed.launch import spawn
 from hybridembed.distributed.plan import Shard
 from hybridembed.distributed.routes import Rows
+from hybridembed.launch import spawn
 
 
 class ReversedBlocks(Rows):

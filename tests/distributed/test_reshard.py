@@ -12,7 +12,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import Plan, shard_table
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 from tests.distributed.test_checkpoint import _close, _snapshot
 
 N, K = 12, 3  # global batch (divisible by 1..4), steps before and after the save

@@ -9,8 +9,8 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import Plan, ShardedCollection, shard_table
-from hybridembed.distributed.launch import SpawnError, spawn
 from hybridembed.kernels.backend import triton_available
+from hybridembed.launch import SpawnError, spawn
 
 DYN = he.Dynamic()
 

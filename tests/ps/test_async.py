@@ -11,8 +11,8 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import unwrap
-from hybridembed.distributed.launch import spawn
 from hybridembed.errors import ConfigError
+from hybridembed.launch import spawn
 
 W = torch.linspace(-1.0, 1.0, 4)  # the loss's fixed weights: d loss / d row = W per id
 

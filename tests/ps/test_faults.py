@@ -21,7 +21,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import unwrap
-from hybridembed.distributed.launch import SpawnError, spawn
+from hybridembed.launch import SpawnError, spawn
 from hybridembed.ps import ServerLost, transport, wire
 from tests.ps.test_wire import TABLES, _named_cases, _pull, _random_cases
 

@@ -19,7 +19,7 @@ from torch import nn
 import hybridembed as he
 from hybridembed import init as _init
 from hybridembed.distributed import unwrap
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 from hybridembed.ps import PSCollection
 
 T = 2  # trainers

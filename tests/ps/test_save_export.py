@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import hybridembed as he
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 from tests.distributed.test_checkpoint import _close, _snapshot
 from tests.ps.test_sync import Shared, T, _shared_batch, _train_shared
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import hybridembed as he
 from hybridembed.distributed import Plan, ShardedCollection, shard_table
-from hybridembed.distributed.launch import free_port
+from hybridembed.launch import free_port
 from hybridembed.ps import TableServer, wire
 from hybridembed.ps.wire import Message
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import Plan, shard_table, unwrap
-from hybridembed.distributed.launch import spawn
+from hybridembed.launch import spawn
 from hybridembed.ps import PSCollection
 from tests.distributed.test_checkpoint import _close, _snapshot
 from tests.distributed.test_distribute import Plain, _slice, _train

@@ -17,7 +17,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import ShardedCollection
-from hybridembed.distributed.launch import free_port
+from hybridembed.launch import free_port
 from hybridembed.ps import TableServer, ps_plan, wire
 from hybridembed.ps.payload import PullItem, PullRequest, PushItem, PushRequest
 from hybridembed.ps.server import ShardRef

@@ -28,8 +28,8 @@ pytest.importorskip("pyarrow", reason="the train tests need pyarrow (pip install
 
 import hybridembed  # noqa: E402
 from hybridembed.checkpoint import compact, read_manifest  # noqa: E402
-from hybridembed.distributed import launcher_cli as launch  # noqa: E402
 from hybridembed.errors import CheckpointError  # noqa: E402
+from hybridembed.launch import cli as launch  # noqa: E402
 from hybridembed.train import cli, elastic  # noqa: E402
 
 KILLS = int(os.environ.get("HYBRIDEMBED_FAULT_KILLS", "2"))  # (more for a longer stress run)
@@ -278,7 +278,7 @@ def test_max_restarts_is_an_int_of_at_least_0_and_needs_checkpoints(tmp_path, ca
 
 def test_the_command_under_the_agent_is_torchrun_with_train_s_own_flags():
     cmd = elastic.torchrun_command(1, 4, ["--nproc", "1", "--max-restarts", "4"])
-    assert cmd[:3] == [sys.executable, "-m", "hybridembed.distributed.local_run"]  # (torchrun, stores on loopback)
+    assert cmd[:3] == [sys.executable, "-m", "hybridembed.launch.local_run"]  # (torchrun, stores on loopback)
     assert cmd[3:] == ["--nproc-per-node", "1", "--standalone", "--local-addr", "127.0.0.1", "--max-restarts", "4",
                        "--module", "--", "hybridembed.cli", "train", "--nproc", "1", "--max-restarts", "4"]  # fmt: skip
 

@@ -20,8 +20,8 @@ import torch
 pytest.importorskip("pyarrow", reason="the train tests need pyarrow (pip install 'hybridembed[train]')")
 
 from hybridembed import cli as top  # noqa: E402
-from hybridembed.distributed import launcher_cli as launch  # noqa: E402
-from hybridembed.distributed.launch import SpawnError, spawn  # noqa: E402
+from hybridembed.launch import SpawnError, spawn  # noqa: E402
+from hybridembed.launch import cli as launch  # noqa: E402
 from hybridembed.train import cli  # noqa: E402
 from hybridembed.train.data import Batch  # noqa: E402
 from hybridembed.train.parallel import Job  # noqa: E402
@@ -118,7 +118,7 @@ def test_timeout_is_the_jobs_process_group_timeout(generated, tmp_path, monkeypa
 
     import torch.distributed as dist
 
-    import hybridembed.distributed.launch as launch_mod
+    import hybridembed.launch as launch_mod
 
     seen = {}
 

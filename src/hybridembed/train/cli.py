@@ -36,8 +36,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from ..distributed.launch import SpawnError
 from ..errors import HybridEmbedError, RankLost
+from ..launch import SpawnError
 from . import data as D
 from . import elastic
 from .checks import resolve, torchrun_world

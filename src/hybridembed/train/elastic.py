@@ -3,9 +3,9 @@
     hybridembed train --nproc 2 --max-restarts 3 --checkpoint runs/ckpt --checkpoint-every 500
     python -m pytest -q tests/train/test_faults.py
 
-The command runs torchrun, ``python -m hybridembed.distributed.local_run --nproc-per-node N
+The command runs torchrun, ``python -m hybridembed.launch.local_run --nproc-per-node N
 --standalone --local-addr 127.0.0.1 --max-restarts K -m hybridembed.cli train <the same flags>``
-(built by ``hybridembed launch``'s :func:`~hybridembed.distributed.launcher_cli.torchrun_command`;
+(built by ``hybridembed launch``'s :func:`~hybridembed.launch.cli.torchrun_command`;
 the rendezvous port comes from the OS; the job listens on loopback only, as ``hybridembed
 launch``'s on one machine). When a process fails or dies, the agent stops the others and starts all N again, at
 most K times; each start of ``train`` under the agent resumes from the last committed
@@ -61,7 +61,7 @@ def checkpoint_to_resume(directory: str | None, model_dir: str) -> str | None:
 
 def torchrun_command(nproc: int, max_restarts: int, train_argv: Sequence[str]) -> list[str]:
     """torchrun ``... -m hybridembed.cli train <train_argv>`` on this machine (its stores on 127.0.0.1)."""
-    from ..distributed.launcher_cli import build_parser, torchrun_command
+    from ..launch.cli import build_parser, torchrun_command
 
     launch = build_parser().parse_args(
         ["--nproc", str(nproc), "--max-restarts", str(max_restarts), "-m", "hybridembed.cli", "train", *train_argv]
@@ -88,7 +88,7 @@ def run_elastic(
     Returns 0 when the job finished; when the restarts ran out, 2 if the last failure was the
     command's own error exit (bad flags or data: exit code 2), else 1.
     """
-    from ..distributed.launcher_cli import restart_env
+    from ..launch.cli import restart_env
 
     env = restart_env(max_restarts, one_machine=True)
     env.setdefault("OMP_NUM_THREADS", str(threads))  # (torchrun prints a banner when it sets it itself)

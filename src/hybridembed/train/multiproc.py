@@ -23,7 +23,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, state: dict[str,
 
 
 def spawn_job(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
-    from ..distributed.launch import spawn
+    from ..launch import spawn
 
     if args.dataset == "criteo" and not args.data:
         generate_if_needed(args)  # here, before the job's collectives start their clocks
@@ -82,11 +82,11 @@ _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 def _loopback_store(rank: int, world: int, timeout: Any) -> Any:
     """The job's store when rank 0 of this torchrun job makes it (not the agent's, shared) at a loopback
-    MASTER_ADDR: one that listens on 127.0.0.1 alone (:func:`~hybridembed.distributed.launch.loopback_store`;
+    MASTER_ADDR: one that listens on 127.0.0.1 alone (:func:`~hybridembed.launch.loopback_store`;
     torch's env:// store listens on every interface). None otherwise: torch's env:// rendezvous."""
     import ipaddress
 
-    from ..distributed.launch import loopback_store
+    from ..launch import loopback_store
 
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not port.isdigit():

@@ -11,7 +11,7 @@ store (a ``TCPStore``) on a socket bound to 127.0.0.1 (torch's own binds every i
 whatever address it is given), and gloo's connections are pinned to the loopback interface
 (``GLOO_SOCKET_IFNAME``, unless set).
 
-    >>> from hybridembed.distributed.launch import spawn
+    >>> from hybridembed.launch import spawn
     >>> import operator
     >>> spawn(operator.add, 2, 10)   # fn(rank, world_size, *args) on each rank  # doctest: +SKIP
     [10, 11]
@@ -124,7 +124,7 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, 
         # that dies with this process before the parent has read it
         results.put((rank, True, pickle.dumps(out)))
     except BaseException as e:  # reported, then this rank leaves (the others stop)
-        from .health import note_failure
+        from ..distributed.health import note_failure
 
         note_failure(e)  # (the other ranks' errors name this one and why; its servers hear it failed)
         try:  # the exception itself, for callers that tell usage errors from bugs

@@ -1,4 +1,4 @@
-"""``python -m hybridembed.distributed.local_run ARGS``: torchrun (``python -m torch.distributed.run
+"""``python -m hybridembed.launch.local_run ARGS``: torchrun (``python -m torch.distributed.run
 ARGS``) for a job on this machine alone, whose rendezvous stores listen on 127.0.0.1 only.
 
 What ``hybridembed launch --nproc N`` on one machine and ``hybridembed train --max-restarts K``
@@ -9,7 +9,7 @@ every interface (``[::]``) whatever host name it is given, and torchrun has no f
 that; so this wraps the two places where the agent makes them
 (``c10d_rendezvous_backend.TCPStore``, ``DynamicRendezvousHandler._create_tcp_store_server``): a
 server's socket is made here, bound to 127.0.0.1, and handed over as ``master_listen_fd``, as
-:func:`~hybridembed.distributed.launch.loopback_store` does. Where this torch lacks either, torchrun
+:func:`~hybridembed.launch.loopback_store` does. Where this torch lacks either, torchrun
 runs unchanged and a warning says that its stores listen on every interface.
 """
 
@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..utils import get_logger
-from .launch import LOOPBACK
+from . import LOOPBACK
 
 __all__ = ["main", "patch_agent_stores"]
 

@@ -9,7 +9,7 @@ A thin wrapper: the flags become ``torch.distributed.run``'s (``--nproc-per-node
 ``--master-addr``, ``--master-port`` or ``--rdzv-endpoint`` across machines; ``--max-restarts``),
 and ``python -m torch.distributed.run ...`` runs in a child process. On one machine the job
 listens on loopback only (docs/distributed.md, Trust model): torchrun runs through
-:mod:`~hybridembed.distributed.local_run` (its stores on 127.0.0.1) and the processes get
+:mod:`~hybridembed.launch.local_run` (its stores on 127.0.0.1) and the processes get
 ``GLOO_SOCKET_IFNAME`` of the loopback interface (unless set). Every process gets
 torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...), so
 the script calls ``torch.distributed.init_process_group("gloo" | "nccl")`` and
@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 
 from ..utils import OneLineParser
-from .launch import LOOPBACK, loopback_interface
+from . import LOOPBACK, loopback_interface
 
 __all__ = ["main", "build_parser", "torchrun_argv", "torchrun_command", "restart_env"]
 
@@ -168,8 +168,8 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The command that runs the job: ``python -m torch.distributed.run ARGV``, or on one machine
-    ``python -m hybridembed.distributed.local_run ARGV`` (torchrun, its stores on 127.0.0.1)."""
-    module = "hybridembed.distributed.local_run" if _one_machine(args) else "torch.distributed.run"
+    ``python -m hybridembed.launch.local_run ARGV`` (torchrun, its stores on 127.0.0.1)."""
+    module = "hybridembed.launch.local_run" if _one_machine(args) else "torch.distributed.run"
     return [sys.executable, "-m", module, *torchrun_argv(args)]
 
 
