@@ -36,6 +36,7 @@ from .planner import (
     plan_costs,
     tables_for_model,
 )
+from .routes import ROUTE_TYPES
 
 __all__ = ["main", "build_parser", "parse_bytes", "parse_override", "load_tables", "format_plan"]
 
@@ -300,7 +301,7 @@ def format_plan(
     mem_by: Counter[str] = Counter()
     for tp in plan.tables:
         t = info[tp.table]
-        mem_by[tp.sharding] += t.nbytes * (W if tp.sharding == "data_parallel" else 1)
+        mem_by[tp.sharding] += t.nbytes * (W if ROUTE_TYPES[tp.sharding].replicated else 1)  # (a copy per rank)
     count = Counter(tp.sharding for tp in plan.tables)
     for sh in SHARDING_TYPES:
         if count[sh]:
