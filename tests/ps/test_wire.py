@@ -565,3 +565,13 @@ def test_payload_items_check_their_shapes():
         PushItem(1, torch.tensor([1, 2]), torch.ones(3, 4))
     with pytest.raises(WireError, match="rows of shape"):
         PushItem(1, torch.tensor([1, 2]), torch.ones(8))
+
+
+def test_unknown_flag_bits_are_refused():
+    pull_ints, _ = PullRequest(True, [PullItem(0, torch.tensor([1, 2]))]).pack()
+    push_ints, push_floats = PushRequest([PushItem(0, torch.tensor([1]), torch.ones(1, 3))]).pack()
+    PullRequest.unpack(pull_ints, None, dynamic=lambda s: False)  # (train: the one known bit)
+    with pytest.raises(WireError, match="flags 7 set bits"):
+        PullRequest.unpack(torch.cat([torch.tensor([7]), pull_ints[1:]]), None, dynamic=lambda s: False)
+    with pytest.raises(WireError, match="flags 1 set bits"):
+        PushRequest.unpack(torch.cat([torch.tensor([1]), push_ints[1:]]), push_floats, width=lambda s: 3)

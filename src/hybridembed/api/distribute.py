@@ -33,6 +33,7 @@ from ..distributed.shard import rows_device, shard_collection, swap_collection, 
 from ..distributed.sharded import ShardedTables
 from ..errors import ConfigError, HybridEmbedError
 from ..modules import EmbeddingCollection
+from ..ps.collection import check_ps_args
 from .convert import convert
 
 __all__ = ["distribute", "unwrap"]
@@ -114,7 +115,7 @@ def distribute(
         _check_args(model, plan, reduction, ddp, dedup, memory_per_rank, convert_args)
         timeout = health.as_timeout(timeout)
         if servers is not None:
-            _check_ps_args(servers, mode, staleness, cache_rows, ps_timeout, max_request_bytes, server_exit)
+            check_ps_args(servers, mode, staleness, cache_rows, ps_timeout, max_request_bytes, server_exit)
         if job and any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules()):
             model = convert(model, grouped=True, **convert_args)
         collections = _collections(model) if job else {}
@@ -232,33 +233,6 @@ def _wrap_ddp(model: nn.Module, ddp: bool | Mapping[str, Any], group) -> nn.Modu
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     kwargs = dict(ddp) if isinstance(ddp, Mapping) else {}
     return DistributedDataParallel(model, process_group=group, **kwargs)
-
-
-def _check_ps_args(servers, mode, staleness, cache_rows, timeout, limit, server_exit) -> None:
-    from ..ps import MODES
-
-    def count(v, low: int) -> bool:
-        return not isinstance(v, bool) and isinstance(v, int) and v >= low
-
-    if not count(servers, 0):
-        raise ConfigError(f"servers must be an int >= 0 (the last ranks of the job), got {servers!r}")
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
-    if not count(staleness, 1):
-        raise ConfigError(f"staleness must be an int >= 1 (steps), got {staleness!r}")
-    if not count(cache_rows, 0):
-        raise ConfigError(f"cache_rows must be an int >= 0, got {cache_rows!r}")
-    if cache_rows and mode != "async":
-        raise ConfigError(
-            "cache_rows needs mode='async': in synchronous mode every row a step reads was updated by the step "
-            "before, so a cache could only serve stale rows"
-        )
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-        raise ConfigError(f"ps_timeout must be a number of seconds > 0 (or None: the job's timeout), got {timeout!r}")
-    if not count(limit, 1024):
-        raise ConfigError(f"max_request_bytes must be an int >= 1024, got {limit!r}")
-    if not isinstance(server_exit, bool):
-        raise ConfigError(f"server_exit must be True or False, got {server_exit!r}")
 
 
 def _distribute_ps(

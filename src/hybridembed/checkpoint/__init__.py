@@ -109,8 +109,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed.shard import unwrap
 from ..errors import CheckpointError
-from ..utils import get_logger
 from .background import SaveHandle, wait_pending
 from .collective import _load_sharded, _save_sharded, _sharded_collections, _tell_servers
 from .layout import FORMAT_VERSION, _extra_json
@@ -130,8 +130,6 @@ __all__ = [
     "CheckpointParticipant",
     "wait_pending",
 ]
-
-log = get_logger(__name__)
 
 
 def save(
@@ -197,7 +195,7 @@ def save(
     root = Path(path)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory")
-    inner = _unwrap(model)
+    inner = unwrap(model)
     wait_pending(inner)
     how = _How(keep, incremental, max_chain, background)
     colls = _sharded_collections(inner)
@@ -236,7 +234,7 @@ def load(
         raise CheckpointError(f"load needs the model (an nn.Module) to load into, got {type(model).__name__}")
     if not isinstance(verify, bool):
         raise CheckpointError(f"verify must be True or False, got {verify!r}")
-    inner = _unwrap(model)
+    inner = unwrap(model)
     wait_pending(inner)
     colls = _sharded_collections(inner)
     if colls:  # every rank of the job: its shards, all ranks or none

@@ -7,10 +7,7 @@ import weakref
 
 from torch import nn
 
-from ..utils import get_logger
 from .snapshot import _Snapshot
-
-log = get_logger("hybridembed.checkpoint")
 
 # --- background saves -------------------------------------------------------------------------------
 _PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its save in progress

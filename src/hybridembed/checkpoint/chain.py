@@ -6,7 +6,6 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..optim.wrapper import HybridOptimizer
-from ..utils import get_logger
 from .layout import (
     _VERSION_RE,
     MANIFEST,
@@ -17,8 +16,6 @@ from .manifest import (
     read_manifest,
 )
 from .pieces import Target, files_for
-
-log = get_logger("hybridembed.checkpoint")
 
 
 # --- versions of a chain: a full base, then the incremental versions saved on top of it ------

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed import health
+from ..distributed.sharded import ShardedTables
 from ..errors import CheckpointError
 from ..modules import EmbeddingCollection
 from ..optim.wrapper import HybridOptimizer
@@ -102,10 +104,6 @@ def _tell_servers(colls: dict, action: str, path, options: dict, optimizer) -> N
 def _sharded_collections(model: nn.Module) -> dict[str, nn.Module]:
     """``{path: sharded module}`` of ``model`` (its ShardedCollections and PSCollections; empty for
     a model of one process)."""
-    if not any(getattr(type(m), "sharded", False) is True for m in model.modules()):
-        return {}
-    from ..distributed.sharded import ShardedTables
-
     return {p: m for p, m in model.named_modules() if isinstance(m, ShardedTables)}
 
 
@@ -174,8 +172,6 @@ def _all_report(group, mine: Any) -> list[Any]:
     """Every rank's ``mine`` on every rank (a collective: the status exchange of save and load)."""
     import torch.distributed as dist
 
-    from ..distributed import health
-
     everyone: list[Any] = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(everyone, mine, group=group)
@@ -230,8 +226,6 @@ def _checkpoint_group(group):
     """A second (gloo) process group over ``group``'s ranks for background saves: their
     collectives run beside the training's. Made once per group (collectively, the first time)."""
     import torch.distributed as dist
-
-    from ..distributed import health
 
     ranks = tuple(dist.get_process_group_ranks(group))
     made = _CHECKPOINT_GROUPS.get(ranks)

@@ -19,12 +19,6 @@ from ..errors import CheckpointError
 from ..modules import EmbeddingCollection
 from ..modules.converted import _TableLayer
 from ..storage import RowStorage
-from ..utils import get_logger
-
-log = get_logger("hybridembed.checkpoint")
-
-
-log = get_logger(__name__)
 
 FORMAT = "hybridembed-checkpoint"
 FORMAT_VERSION = 3  # 3: incremental versions; 2: the manifest is checksummed (1, without, is still read)

@@ -9,7 +9,6 @@ import weakref
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..utils import get_logger
 
 try:
     import fcntl
@@ -19,8 +18,6 @@ from .layout import (
     LOCK,
     _pid_alive,
 )
-
-log = get_logger("hybridembed.checkpoint")
 
 
 # --- one writer per directory ------------------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..distributed.routes import hash_residue
 from ..errors import CheckpointError
 
 __all__ = ["Target", "assemble", "files_for", "torch_load"]
@@ -254,8 +255,6 @@ def _dense(q, versions, target, dim, state_names, load):
 
 
 def _dynamic(q, versions, target, dim, state_names, load):
-    from ..distributed.runtime import hash_residue  # (lazy: distributed imports this package)
-
     c0, c1 = target.cols
     cur: dict[str, Any] | None = None
     last_parts: list[tuple[dict, dict]] = []

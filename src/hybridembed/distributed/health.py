@@ -137,10 +137,6 @@ class _Heartbeat:
         self.thread = threading.Thread(target=self._run, name="hybridembed-heartbeat", daemon=True)
         self.thread.start()
 
-    @property
-    def alive(self) -> bool:
-        return not self._stop.is_set()
-
     def _run(self) -> None:
         while not self._stop.wait(PERIOD):
             try:
@@ -228,18 +224,21 @@ def heartbeat() -> _Heartbeat | None:
     store = _store()
     if store is None:
         return None
+    old = None
     with _lock:
         if _beat is None or _beat_store is not store:  # (a new job in this process: a new beat)
-            if _beat is not None:
-                _beat._stop.set()
+            old, _beat, _beat_store = _beat, None, None
             try:
                 _beat, _beat_store = _Heartbeat(store, dist.get_rank()), store
             except Exception as e:  # noqa: BLE001 - a store that refuses: the job runs without reports
                 log.debug("no heartbeat: %s", e)
-                return None
-            _install_excepthook()
-            before_shutdown(stop)
-    return _beat
+            else:
+                _install_excepthook()
+                before_shutdown(stop)
+        beat = _beat
+    if old is not None:  # (the last job's beat, joined outside the lock)
+        old.stop()
+    return beat
 
 
 def stop() -> None:

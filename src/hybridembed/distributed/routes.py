@@ -289,8 +289,8 @@ def assemble(route: Route, pieces: list[tuple[int, torch.Tensor | tuple[torch.Te
         by_cols.setdefault(route.span(pos).cols.start, []).append((ids.cpu(), rows.cpu()))
     columns = []
     for c in sorted(by_cols):  # (column slices hold the same ids; row shards, disjoint ones)
-        ids = torch.cat([i for i, _ in by_cols[c]]) if by_cols[c] else torch.zeros(0, dtype=torch.int64)
-        rows = torch.cat([r for _, r in by_cols[c]]) if by_cols[c] else torch.zeros(0, 0, dtype=t.dtype)
+        ids = torch.cat([i for i, _ in by_cols[c]])
+        rows = torch.cat([r for _, r in by_cols[c]])
         o = torch.argsort(ids)
         columns.append((ids[o], rows[o]))
     if not columns:

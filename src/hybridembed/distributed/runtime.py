@@ -46,11 +46,11 @@ from ..utils import check_device, kept_tensor
 from . import health
 from .exchange import FAILED, INVALID, PER_PAIR, Header, Pair, RowsExchange, exchange, features_digest
 from .plan import Plan
-from .routes import Sends, assemble, hash_residue
+from .routes import Sends, assemble
 from .sharded import REDUCTIONS, ShardedTables
 from .step import ShardedStep
 
-__all__ = ["ShardedCollection", "REDUCTIONS", "hash_residue"]
+__all__ = ["ShardedCollection", "REDUCTIONS"]
 
 
 class ShardedCollection(ShardedTables, ShardedStep):
@@ -100,10 +100,14 @@ class ShardedCollection(ShardedTables, ShardedStep):
         kernels: str = "auto",
         timeout: float | datetime.timedelta | None = None,
     ):
-        kernels = check_kernels(kernels)  # (checked first: a rank without shards builds no collection)
         problem = None
-        if not isinstance(dedup, bool):
-            problem = ConfigError(f"dedup must be True or False, got {dedup!r}")
+        try:  # (a refusal here, e.g. Triton missing on one node, reaches every rank through the agreement)
+            kernels = check_kernels(kernels)  # (checked here: a rank without shards builds no collection)
+            device = check_device(device, "ShardedCollection")
+            if not isinstance(dedup, bool):
+                raise ConfigError(f"dedup must be True or False, got {dedup!r}")
+        except HybridEmbedError as e:
+            problem = e
         super().__init__(
             tables,
             features,
@@ -158,7 +162,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
             if replicated
             else None
         )
-        self._device = check_device(device, "ShardedCollection") or torch.device("cpu")
+        self._device = device or torch.device("cpu")
         self._empty_ids = torch.zeros(0, dtype=torch.int64, device=self._device)
         if weights:
             self._copy_weights(weights)
@@ -305,18 +309,18 @@ class ShardedCollection(ShardedTables, ShardedStep):
     def _run(self, reqs: list[tuple[str, Jagged]], train: bool) -> list[torch.Tensor | Jagged]:
         """One exchange: the lookups of ``reqs`` (checked structurally), every rank's in the same step."""
         tabs = [self.tables[self.features[f]] for f, _ in reqs]
-        error = self._validate(reqs, tabs)  # 1. (the error travels in the header)
-        pairs, sends, back = self._route(reqs, tabs, error)  # 2.
-        pooled_here = self._dedup(sends) if error is None and self.dedup else {}
+        try:  # (any failure before the header still reaches every rank: see step_failed)
+            error = self._validate(reqs, tabs)  # 1. (a refused input travels in the header)
+            pairs, sends, back = self._route(reqs, tabs, error)  # 2.
+            pooled_here = self._dedup(sends) if error is None and self.dedup else {}
+        except Exception as e:
+            self.step_failed(e)
+            raise
         if pairs:
             rows_of = self._exchange_rows(reqs, pairs, sends, pooled_here, error, train)  # 3. to 7.
         else:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
             rows_of = {}
-            why = health.first_line(error) if error is not None else ""
-            digest = features_digest([f for f, _ in reqs])
-            self._raise_if_failed(
-                self._header(INVALID if error is not None else 0, False, digest, why=why), error, reqs
-            )
+            self._step_header(reqs, error)
         return self._combine(reqs, tabs, rows_of, back, train)
 
     def _validate(self, reqs: list[tuple[str, Jagged]], tabs: list[TableConfig]) -> InvalidInputError | None:
@@ -446,6 +450,15 @@ class ShardedCollection(ShardedTables, ShardedStep):
                 "same lookups, in the same order, each step); this rank's: " + ", ".join(f for f, _ in reqs)
             )
 
+    def _step_header(self, reqs, error, has_w: bool = False, nints: list[int] | None = None) -> list:
+        """The headers of this step's exchange (``error``: this rank's refused input, or None);
+        raises on every rank when any rank failed or the ranks looked up different features."""
+        why = health.first_line(error) if error is not None else ""
+        digest = features_digest([f for f, _ in reqs])
+        got = self._header(INVALID if error is not None else 0, has_w, digest, nints, why)
+        self._raise_if_failed(got, error, reqs)
+        return got
+
     def step_failed(self, error: BaseException) -> None:
         """This rank cannot make its step's lookups (its input was refused before the exchange, or the
         model's forward raised before its lookups ran): the other ranks learn it in the header of the
@@ -482,11 +495,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
         if error is None:
             out_ints = [self._ints_to(by_rank[r], sends) for r in range(world)]
         send_sizes = [int(x.numel()) for x in out_ints]
-        has_w = any(x.weights is not None for x in sends)
-        why = health.first_line(error) if error is not None else ""
-        digest = features_digest([f for f, _ in reqs])
-        got = self._header(INVALID if error is not None else 0, has_w, digest, send_sizes, why)
-        self._raise_if_failed(got, error, reqs)
+        got = self._step_header(reqs, error, any(x.weights is not None for x in sends), send_sizes)
         recv_sizes = [h.nints for h in got]
         recv = out_ints[0] if world == 1 else exchange(torch.cat(out_ints), send_sizes, recv_sizes, group)
         m = PER_PAIR * len(by_rank[self.rank])

@@ -59,6 +59,8 @@ class ShardedTables(nn.Module):
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
+            if problem is not None:  # (the arguments' own refusal first: no other rank to tell)
+                raise problem
             raise ConfigError(
                 "sharded tables need an initialised torch.distributed process group: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment), "

@@ -173,6 +173,8 @@ def spawn(
     for name, v in (("timeout", timeout), ("pg_timeout", pg_timeout), ("grace", grace)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= (0 if name == "grace" else 1e-9):
             raise HybridEmbedError(f"spawn: {name} must be a number of seconds > 0 (inf allowed), got {v!r}")
+    if pg_timeout == float("inf"):  # (a process group's timeout is a timedelta: finite)
+        raise HybridEmbedError(f"spawn: pg_timeout must be a finite number of seconds > 0, got {pg_timeout!r}")
     if start_method not in ("forkserver", "spawn"):
         raise HybridEmbedError(f"spawn: start_method must be 'forkserver' or 'spawn', got {start_method!r}")
     ctx = mp.get_context(start_method)

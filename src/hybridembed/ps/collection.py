@@ -28,9 +28,38 @@ from .server import shard_index, trainer_groups
 from .transport import TrainerLink
 from .wire import Message
 
-__all__ = ["PSCollection", "MODES", "close_all"]
+__all__ = ["PSCollection", "MODES", "check_ps_args", "close_all"]
 
 MODES = ("sync", "async")
+
+
+def check_ps_args(servers, mode, staleness, cache_rows, timeout, limit, server_exit) -> None:
+    """The parameter-server arguments of :func:`hybridembed.distribute` (and :class:`PSCollection`), or a
+    :class:`ConfigError` naming the first that is wrong."""
+
+    def count(v, low: int) -> bool:
+        return not isinstance(v, bool) and isinstance(v, int) and v >= low
+
+    if not count(servers, 0):
+        raise ConfigError(f"servers must be an int >= 0 (the last ranks of the job), got {servers!r}")
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    if not count(staleness, 1):
+        raise ConfigError(f"staleness must be an int >= 1 (steps), got {staleness!r}")
+    if not count(cache_rows, 0):
+        raise ConfigError(f"cache_rows must be an int >= 0, got {cache_rows!r}")
+    if cache_rows and mode != "async":
+        raise ConfigError(
+            "cache_rows needs mode='async': in synchronous mode every row a step reads was updated by the step "
+            "before, so a cache could only serve stale rows"
+        )
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ConfigError(f"ps_timeout must be a number of seconds > 0 (or None: the job's timeout), got {timeout!r}")
+    if not count(limit, 1024):
+        raise ConfigError(f"max_request_bytes must be an int >= 1024, got {limit!r}")
+    if not isinstance(server_exit, bool):
+        raise ConfigError(f"server_exit must be True or False, got {server_exit!r}")
+
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # collections (their cached gradients are written back)
 
@@ -88,6 +117,11 @@ class PSCollection(ShardedTables, SparseStepHook, CheckpointParticipant):
         reduction: str = "mean",
         job_timeout=None,
     ):
+        problem = None
+        try:  # (a refusal here reaches every rank through the agreement)
+            check_ps_args(len(servers), mode, staleness, cache_rows, timeout, limit, True)
+        except ConfigError as e:
+            problem = e
         super().__init__(
             tables,
             features,
@@ -98,6 +132,7 @@ class PSCollection(ShardedTables, SparseStepHook, CheckpointParticipant):
             pad=pad,
             reduction=reduction,
             timeout=job_timeout,
+            problem=problem,
         )
         if self.shards_here() or any(r.replicated for r in self._routes.values()):
             raise ConfigError("a parameter-server plan places no table on a trainer")
@@ -116,7 +151,7 @@ class PSCollection(ShardedTables, SparseStepHook, CheckpointParticipant):
         self.__dict__["trainers_group"] = trainers_group  # the trainers' collectives (an export's report)
         self.__dict__["client"] = Client(links, shard_index(self), self.routes(), self._wire)
         for i, st in enumerate(self.remote.storages):
-            st.client, st.group, st.mode, st.staleness = self.client, groups[st.tables[0].name], mode, self.staleness
+            st.client, st.group, st.staleness = self.client, groups[st.tables[0].name], self.staleness
             assert st.group == i
             if cache_rows:
                 st.cache = RowCache(st, cache_rows)

@@ -113,7 +113,7 @@ class PullRequest:
         """
         if floats is not None and floats.numel():
             raise WireError(f"a pull carries no floats, got {floats.numel()}")
-        flags, heads, pos = _unpack_head(ints, "pull", dynamic)
+        flags, heads, pos = _unpack_head(ints, "pull", dynamic, _TRAIN)
         items = []
         for shard, ids, has_seen in heads:
             seen = None
@@ -159,7 +159,7 @@ class PushRequest:
     def unpack(cls, ints: torch.Tensor, floats: torch.Tensor | None, *, width: Callable[[int], int]) -> PushRequest:
         """A ``PUSH`` message's (ints, floats) -> the push, every size checked. ``width(shard)``:
         the width of the rows of ``shard`` (it may raise to refuse the shard)."""
-        _, heads, pos = _unpack_head(ints, "push", width)
+        _, heads, pos = _unpack_head(ints, "push", width, 0)
         _check_end(ints, pos, len(heads))
         sizes = [ids.numel() * w for _, ids, w in heads]
         got = 0 if floats is None else floats.numel()
@@ -179,14 +179,17 @@ def _pack_head(flags: int, items: list) -> list[torch.Tensor]:
     return [torch.tensor(head, dtype=torch.int64), *(it.ids for it in items)]
 
 
-def _unpack_head(ints: torch.Tensor, op: str, about: Callable[[int], object]) -> tuple[int, list, int]:
+def _unpack_head(ints: torch.Tensor, op: str, about: Callable[[int], object], known: int) -> tuple[int, list, int]:
     """``[flags, n, (shard, count) * n, ids...]`` -> (flags, ``[(shard, ids, about(shard))]``, the
-    position in ``ints`` after the ids). ``about`` is asked before the shard's count is checked."""
+    position in ``ints`` after the ids). ``about`` is asked before the shard's count is checked;
+    ``known``: the flag bits this request may set."""
     if ints.dtype != torch.int64 or ints.dim() != 1:
         raise WireError(f"a {op}'s ints must be int64 of one dimension, got {ints.dtype} of shape {tuple(ints.shape)}")
     if ints.numel() < 2:
         raise WireError(f"a {op} needs ints [flags, n, (shard, count) * n, ids...], got {ints.numel()} int(s)")
     flags, n = int(ints[0]), int(ints[1])
+    if flags & ~known:
+        raise WireError(f"a {op}'s flags {flags} set bits it does not know (known: {known})")
     if n < 0 or 2 + 2 * n > ints.numel():
         raise WireError(f"{n} pairs do not fit in the {ints.numel()} ints of a {op}")
     pos = 2 + 2 * n

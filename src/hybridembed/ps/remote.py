@@ -85,7 +85,7 @@ class RemoteStorage(RowStorage):
         self._salt = salts if self.keyed else None
         self.client: Client | None = None
         self.group = -1
-        self.mode, self.staleness = "sync", 1
+        self.staleness = 1
         self._staged_ids = torch.zeros(0, dtype=torch.int64)  # per weight row: its id and table
         self._staged_tabs = torch.zeros(0, dtype=torch.int64)
         self._prefetched: Pull | None = None
