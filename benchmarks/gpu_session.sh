@@ -10,9 +10,10 @@ HE=("$PY" -c "import sys; from hybridembed.cli import main; sys.exit(main(sys.ar
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 echo "== kernel and device tests on the GPU"
-timeout ${T_TESTS:-120} "$PY" -m pytest -q -p no:cacheprovider --timeout 60 \
+timeout ${T_TESTS:-200} "$PY" -m pytest -q -p no:cacheprovider --timeout 120 \
   tests/kernels tests/api/test_convert_device.py tests/train/test_device.py tests/bench/test_bench_device.py \
-  tests/modules/test_assemble.py tests/modules/test_validation.py > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt"
+  tests/modules/test_assemble.py tests/modules/test_validation.py \
+  tests/distributed/test_nccl.py "tests/train/test_train_nproc.py::test_a_gpu_trainer_with_a_host_server_trains_like_the_cpu_job" > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt"
 echo "== the sharded runtime at world 1 over NCCL against one CPU process"
 for k in eager triton; do timeout 60 "$PY" benchmarks/nccl_probe.py --kernels $k 2>&1 | grep "nccl world"; done
 echo "== the pooled forward's launch parameters"

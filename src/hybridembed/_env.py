@@ -13,8 +13,9 @@
     ``WARNING``, ``ERROR`` or ``CRITICAL``, any case; another value logs a warning and uses ``INFO``.
 ``HYBRIDEMBED_KERNELS``
     the kernel backend of collections built with ``kernels="auto"`` (the default): ``eager``
-    (PyTorch ops, also when unset) or ``triton`` (Triton kernels on CUDA, and on the CPU under
-    ``TRITON_INTERPRET=1``); see :mod:`hybridembed.kernels.backend`.
+    (PyTorch ops), ``triton`` (Triton kernels on CUDA, and on the CPU under
+    ``TRITON_INTERPRET=1``) or ``auto`` (also when unset: Triton on CUDA when it is installed,
+    eager elsewhere); see :mod:`hybridembed.kernels.backend`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def test_bad_kernels_argument_is_refused(bad):
 
 def test_auto_follows_the_environment(monkeypatch):
     monkeypatch.delenv("HYBRIDEMBED_KERNELS", raising=False)
-    assert _ec().storages[0].kernels == "eager"
+    assert _ec().storages[0].kernels == "auto"  # Triton on CUDA when installed, eager elsewhere
     monkeypatch.setenv("HYBRIDEMBED_KERNELS", "eager")
     assert _ec(kernels="auto").kernels == "eager"
     monkeypatch.setenv("HYBRIDEMBED_KERNELS", "fast")
@@ -48,6 +48,16 @@ def test_triton_runs_only_on_cuda_or_under_the_interpreter(monkeypatch):
     assert backend.uses_triton("triton", cpu)
     assert not backend.uses_triton("eager", cpu)
     assert not backend.uses_triton("triton", torch.zeros(1, device="meta"))
+
+
+def test_auto_runs_triton_on_cuda_only_and_never_interprets(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not backend.uses_triton("auto", torch.zeros(1))  # (the interpreter is for "triton" alone)
+    assert backend.describe("auto", "cpu") == "eager" and backend.describe("eager", "cuda:0") == "eager"
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    assert backend.describe("auto", "cuda") == "triton" and backend.describe("triton", "cuda:1") == "triton"
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    assert backend.describe("auto", "cuda") == "eager"
 
 
 def test_triton_tables_on_the_cpu_without_interpreter_run_eager(monkeypatch):

@@ -39,12 +39,57 @@ def test_cuda_without_cuda_is_refused_before_anything_is_written(device, tmp_pat
     assert not any(tmp_path.iterdir())
 
 
-def test_cuda_with_several_processes_is_refused_with_the_reason(tmp_path, capsys):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
+def test_cuda_with_several_processes_without_cuda_is_refused(tmp_path, capsys):
     argv = ["--device", "cuda", "--nproc", "2", "--workdir", str(tmp_path), "--no-progress"]
     assert cli.main(argv) == 2
-    line = _error(capsys)
-    assert "--device cuda with --nproc 2" in line and "gloo" in line and "NCCL" in line and "--nproc 1" in line
+    assert "--device cuda: CUDA is not available" in _error(capsys)
     assert not any(tmp_path.iterdir())
+
+
+def _gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+
+
+@pytest.mark.parametrize(
+    "argv, gpus, expected",
+    [
+        (["--nproc", "3"], 2, "3 trainers take one GPU each, and this machine has 2; give --nproc 2 or fewer"),
+        (["--nproc", "3", "--servers", "1", "--model", "dlrm"], 1, "parameter servers need no GPU"),
+        (["--nproc", "2", "--device", "cuda:1"], 2, "each trainer of a job takes its own GPU"),
+    ],
+)
+def test_cuda_jobs_that_do_not_fit_the_gpus_are_refused_with_the_reason(
+    argv, gpus, expected, tmp_path, capsys, monkeypatch
+):
+    _gpus(monkeypatch, gpus)
+    argv = ["--device", "cuda", *argv, "--workdir", str(tmp_path), "--no-progress"]
+    assert cli.main(argv) == 2
+    assert expected in _error(capsys)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_cuda_job_takes_one_gpu_per_trainer_and_servers_stay_on_the_host(monkeypatch):
+    from argparse import Namespace
+
+    from hybridembed.train import checks, multiproc
+
+    _gpus(monkeypatch, 2)
+    job = Namespace(device="cuda", servers=1, nproc=3, kernels="auto")
+    checks._resolve_device(job, 3)  # two trainers, two GPUs: accepted
+    assert [multiproc.rank_device(job, r, 3, r) for r in range(3)] == ["cuda:0", "cuda:1", "cpu"]
+    assert multiproc.backend(job) == "cpu:gloo,cuda:nccl"
+    host = Namespace(device="cpu", servers=0)
+    assert multiproc.rank_device(host, 1, 2, 1) == "cpu" and multiproc.backend(host) == "gloo"
+    one = Namespace(device="cuda:1", servers=0)
+    assert multiproc.rank_device(one, 0, 1, 0) == "cuda:1"  # one process: the GPU asked for
+    monkeypatch.setenv("RANK", "2")  # a server of a torchrun job: no GPU checks (its node may have none)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    checks._resolve_device(job, 3)
 
 
 @pytest.mark.parametrize("value", ["gpu", "mps", "cuda:x", "cpu:1"])

@@ -274,3 +274,42 @@ def test_launch_well_formed_rdzv_endpoints_reach_torchrun(endpoint):
 def test_dispatcher_lists_launch(capsys):
     assert top.main([]) == 2
     assert "launch" in capsys.readouterr().out
+
+
+# --- on GPUs (skipped without CUDA) -----------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_a_gpu_trainer_with_a_host_server_trains_like_the_cpu_job(generated, tmp_path, capfd):
+    """One GPU is enough: the trainer takes cuda:0 (its group over NCCL), the server the host."""
+    ps = ["--nproc", "2", "--servers", "1", "--model", "dlrm", "--no-export"]
+    assert cli.main(_argv(generated, tmp_path / "cpu", *ps, "--no-checkpoint")) == 0
+    host = EPOCH.findall(capfd.readouterr().out)
+    ckpt = str(tmp_path / "ckpt")
+    assert cli.main(_argv(generated, tmp_path / "gpu", *ps, "--device", "cuda", "--checkpoint", ckpt)) == 0
+    out = capfd.readouterr().out
+    gpu = EPOCH.findall(out)
+    assert len(host) == 1 and len(gpu) == 1, out
+    assert "on cuda" in out, out
+    (loss1, test1, auc1, rows1), (loss2, test2, auc2, rows2) = host[0], gpu[0]
+    assert rows1 == rows2 and abs(float(auc1) - float(auc2)) < 0.01, (host, gpu)
+    assert abs(float(loss1) - float(loss2)) < 0.01 and abs(float(test1) - float(test2)) < 0.01
+    # the GPU job's checkpoint resumes in one CPU process
+    assert cli.main(_argv(generated, tmp_path / "cpu1", "--resume", ckpt, "--epochs", "2", "--no-export")) == 0
+    assert "epoch 2/2" in capfd.readouterr().out
+    # asynchronous, with the hot-row cache on the GPU and the pulls sent a step ahead
+    fast = ["--ps-mode", "async", "--cache-rows", "2000", "--prefetch", "--no-checkpoint"]
+    assert cli.main(_argv(generated, tmp_path / "async", *ps, "--device", "cuda", *fast)) == 0
+    ((loss3, _, auc3, rows3),) = EPOCH.findall(capfd.readouterr().out)
+    assert rows3 == rows1 and abs(float(auc3) - float(auc1)) < 0.03 and abs(float(loss3) - float(loss1)) < 0.03
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_nproc_2_on_two_gpus_trains_like_the_cpu_job(generated, tmp_path, capfd):
+    assert cli.main(_argv(generated, tmp_path / "cpu", "--nproc", "2", "--no-checkpoint", "--no-export")) == 0
+    host = EPOCH.findall(capfd.readouterr().out)
+    assert cli.main(_argv(generated, tmp_path / "gpu", "--nproc", "2", "--device", "cuda", "--no-export")) == 0
+    gpu = EPOCH.findall(capfd.readouterr().out)
+    assert len(host) == 1 and len(gpu) == 1
+    assert abs(float(host[0][2]) - float(gpu[0][2])) < 0.01 and abs(float(host[0][0]) - float(gpu[0][0])) < 0.01

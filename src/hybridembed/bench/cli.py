@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..kernels.backend import KERNELS, check_kernels
+from ..kernels.backend import KERNELS, check_kernels, describe
 from ..utils import OneLineParser, get_logger
 from . import models as M
 from .system import cpu_busy, machine, meminfo, peak_rss, progress
@@ -160,7 +160,7 @@ def build_parser(prog: str = "hybridembed bench") -> argparse.ArgumentParser:
         choices=list(KERNELS),
         default="auto",
         help="hybridembed's kernel backend: eager (PyTorch ops), triton (Triton kernels on CUDA; needs the gpu "
-        "extra), auto (HYBRIDEMBED_KERNELS, else eager) (default auto)",
+        "extra), auto (HYBRIDEMBED_KERNELS, else triton on CUDA when installed, eager elsewhere) (default auto)",
     )
     p.add_argument(
         "--steps",
@@ -682,7 +682,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             "full_size": args.full_size,
             "device": args.device,
             "kernels": args.kernels,
-            "kernels_resolved": check_kernels(args.kernels),
+            "kernels_resolved": describe(check_kernels(args.kernels), args.device),
             "batch": args.batch,
             "max_rows": args.max_rows,
             "steps": args.steps,
@@ -707,7 +707,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         + ("" if busy is None else f"; other processes use {busy:.0%} of the CPU")
         + f"; on {args.device}"
         + (f" ({gpu})" if gpu else "")
-        + f", {check_kernels(args.kernels)} kernels"
+        + f", {describe(check_kernels(args.kernels), args.device)} kernels"
     )
     for name, why in notes.items():
         print(f"  {name}: {why}")

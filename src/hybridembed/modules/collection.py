@@ -172,7 +172,7 @@ class EmbeddingCollection(nn.Module):
             whose values are rows (N, D)) or ``"padded"`` (a zero-padded ``(B, T, D)`` tensor).
         pad: the id that marks padding in 2-D id tensors (an int64); dropped before lookup.
         kernels: the kernel backend (:mod:`hybridembed.kernels.backend`): ``"auto"``
-            (``HYBRIDEMBED_KERNELS``, else eager), ``"eager"`` (PyTorch ops) or ``"triton"``
+            (``HYBRIDEMBED_KERNELS``, else Triton on CUDA when installed and eager elsewhere), ``"eager"`` (PyTorch ops) or ``"triton"``
             (Triton kernels on CUDA tensors; eager elsewhere).
 
     ``forward(inputs)`` takes ``{feature: Jagged | (B,) or (B, H) ids | sparse COO | lists}``

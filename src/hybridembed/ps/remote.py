@@ -170,8 +170,9 @@ class RemoteStorage(RowStorage):
         if torch.is_grad_enabled():
             self._pending = True
         base = self.weight.shape[0]
+        rows = rows.to(self.weight.device)  # (pulled into host memory; kept beside the model)
         with torch.no_grad():
-            self.weight.data = torch.cat([self.weight.data, rows.to(self.weight.device)]) if base else rows
+            self.weight.data = torch.cat([self.weight.data, rows]) if base else rows
         self._staged_ids = torch.cat([self._staged_ids, ids])
         self._staged_tabs = torch.cat([self._staged_tabs, tabs])
         return base

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, HybridEmbedError
-from ..kernels.backend import check_kernels
+from ..kernels.backend import check_kernels, describe
 from .options import (
     ARCH_DEFAULTS,
     DATA_DEFAULTS,
@@ -150,15 +150,13 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _resolve_device(args: argparse.Namespace, world: int) -> None:
-    """Refuses a --device that is not there or cannot run this job, and a --kernels that cannot run."""
+    """Refuses a --device that is not there or cannot run this job, and a --kernels that cannot run.
+    A job of several processes on CUDA takes one GPU per trainer (``cuda:LOCAL_RANK``; parameter
+    servers stay on the host): there --device names the kind, not one GPU."""
     dev = torch.device(args.device)
-    if dev.type == "cuda":
-        if world > 1:
-            raise UsageError(
-                f"--device {args.device} with --nproc {world}: a job of several processes runs over gloo on CPU "
-                "tensors (one GPU per rank over NCCL is not supported yet); use --device cuda with --nproc 1, or "
-                f"--device cpu with --nproc {world}"
-            )
+    joined = torchrun_world()
+    server = joined is not None and bool(args.servers) and joined[0] >= world - args.servers
+    if dev.type == "cuda" and not server:  # (a parameter server of a torchrun job needs no GPU)
         if not torch.cuda.is_available():
             why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
             raise UsageError(
@@ -166,13 +164,25 @@ def _resolve_device(args: argparse.Namespace, world: int) -> None:
                 "or run on a machine with a GPU and a CUDA build of torch"
             )
         count = torch.cuda.device_count()
+        if world > 1 and dev.index is not None:
+            raise UsageError(
+                f"--device {args.device} with --nproc {world}: each trainer of a job takes its own GPU "
+                "(cuda:LOCAL_RANK, over NCCL); give --device cuda"
+            )
+        trainers = world - (args.servers or 0)
+        if world > 1 and joined is None and trainers > count:
+            raise UsageError(
+                f"--device cuda with --nproc {world}: {trainers} trainer{'s' if trainers > 1 else ''} take one GPU "
+                f"each, and this machine has {count}; give --nproc {count + (args.servers or 0)} or fewer"
+                + (" (parameter servers need no GPU)" if args.servers else "")
+            )
         if dev.index is not None and dev.index >= count:
             raise UsageError(
                 f"--device {args.device}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
                 f"(cuda:0{f'..cuda:{count - 1}' if count > 1 else ''}); give one of those"
             )
     try:
-        args.kernels_resolved = check_kernels(args.kernels)
+        args.kernels_resolved = describe(check_kernels(args.kernels), args.device)
     except ConfigError as e:
         raise UsageError(f"--kernels {args.kernels}: {e}") from None
 

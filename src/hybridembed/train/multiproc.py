@@ -10,6 +10,8 @@ import math
 import os
 from typing import Any
 
+import torch
+
 from ..errors import RankLost
 from . import elastic
 from .job import generate_if_needed, run
@@ -17,9 +19,38 @@ from .options import JOB_PG_TIMEOUT, MODEL_DIR, one_line
 from .parallel import Job
 
 
+def backend(args: argparse.Namespace) -> str:
+    """The job's torch.distributed backend: gloo on the CPU; on CUDA, NCCL for the GPUs' tensors
+    (the exchange, DDP) and gloo beside it for the host's (counters, agreements, checkpoints,
+    parameter servers)."""
+    return "cpu:gloo,cuda:nccl" if torch.device(args.device).type == "cuda" else "gloo"
+
+
+def rank_device(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> str:
+    """Where rank ``rank`` of ``world`` computes: with --device cuda, a trainer takes the GPU
+    ``cuda:LOCAL_RANK`` and a parameter server (the last --servers ranks) the host; on the CPU, the CPU."""
+    if torch.device(args.device).type != "cuda" or world == 1:
+        return args.device
+    if args.servers and rank >= world - args.servers:
+        return "cpu"
+    return f"cuda:{local_rank}"
+
+
+def _on_rank(args: argparse.Namespace, rank: int, world: int, local_rank: int) -> argparse.Namespace:
+    """``args`` with this rank's device (a copy: the caller's stays as given)."""
+    device = rank_device(args, rank, world, local_rank)
+    if device == args.device:
+        return args
+    mine = argparse.Namespace(**vars(args))
+    mine.device = device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # (NCCL's communicators and the kernels use the current GPU)
+    return mine
+
+
 def _rank_main(rank: int, world: int, args: argparse.Namespace, state: dict[str, Any] | None) -> int:
     """One rank of ``--nproc N`` (spawned): the command's run with this rank's :class:`Job`."""
-    return run(args, state, Job(rank, world))
+    return run(_on_rank(args, rank, world, rank), state, Job(rank, world))
 
 
 def spawn_job(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
@@ -37,6 +68,7 @@ def spawn_job(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
         timeout=math.inf,
         pg_timeout=args.timeout or JOB_PG_TIMEOUT,
         threads=args.threads,
+        backend=backend(args),
         start_method="spawn",  # (rank 0 prints where this command prints)
     )
     return 0
@@ -109,7 +141,8 @@ def join_job(args: argparse.Namespace, state: dict[str, Any] | None, rank: int, 
         timeout = timedelta(seconds=args.timeout or JOB_PG_TIMEOUT)
         store = _loopback_store(rank, world, timeout)
         where = {} if store is None else {"store": store, "rank": rank, "world_size": world}
-        dist.init_process_group("gloo", timeout=timeout, **where)
+        dist.init_process_group(backend(args), timeout=timeout, **where)  # (every rank's: servers' too)
+    args = _on_rank(args, rank, world, int(os.environ.get("LOCAL_RANK", "0")))
     try:
         return run(args, state, Job(rank, world))
     except RankLost as e:  # (the library named the rank that died, stopped or failed)

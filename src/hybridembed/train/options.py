@@ -227,7 +227,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         choices=list(KERNELS),
         default="auto",
         help="the tables' kernel backend: eager (PyTorch ops), triton (Triton kernels on CUDA; needs the gpu extra), "
-        "auto (HYBRIDEMBED_KERNELS, else eager) (default auto)",
+        "auto (HYBRIDEMBED_KERNELS, else triton on CUDA when installed, eager elsewhere) (default auto)",
     )
     t.add_argument(
         "--nproc",

@@ -78,6 +78,7 @@ def describe_model(args: argparse.Namespace, model: nn.Module, features: int, jo
     opt = {"adagrad": "Adagrad", "adam": "Adam"}[args.optimizer]
     _, _, tables = table_stats(model, job)
     threads = f"{args.threads} thread{'s' if args.threads > 1 else ''}"
+    wire = "on cuda, one GPU per trainer, NCCL" if str(getattr(args, "device", "cpu")).startswith("cuda") else "gloo"
     if getattr(args, "servers", 0):
         s = args.servers
         how = args.ps_mode + (f", staleness {args.staleness}" if args.ps_mode == "async" else "")
@@ -88,13 +89,13 @@ def describe_model(args: argparse.Namespace, model: nn.Module, features: int, jo
             f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
             f"on {s} parameter server{'s' if s > 1 else ''}, {how}), {dense:,} dense parameters (data-parallel over "
             f"{job.world} trainer{'s' if job.world > 1 else ''}); {opt} lr {args.lr:g} via he.wrap_optimizer, batch "
-            f"{args.batch_size:,} (~{args.batch_size // job.world:,} per trainer, gloo), {threads} per process"
+            f"{args.batch_size:,} (~{args.batch_size // job.world:,} per trainer, {wire}), {threads} per process"
         )
     if job.parallel:
         return (
             f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
             f"sharded over {job.world} processes), {dense:,} dense parameters (data-parallel); {opt} lr {args.lr:g} "
-            f"via he.wrap_optimizer, batch {args.batch_size:,} (~{args.batch_size // job.world:,} per process, gloo), "
+            f"via he.wrap_optimizer, batch {args.batch_size:,} (~{args.batch_size // job.world:,} per process, {wire}), "
             f"{threads} per process"
         )
     kernels = getattr(args, "kernels_resolved", "eager")
