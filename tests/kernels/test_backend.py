@@ -53,7 +53,10 @@ def test_triton_runs_only_on_cuda_or_under_the_interpreter(monkeypatch):
 def test_auto_runs_triton_on_cuda_only_and_never_interprets(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not backend.uses_triton("auto", torch.zeros(1))  # (the interpreter is for "triton" alone)
-    assert backend.describe("auto", "cpu") == "eager" and backend.describe("eager", "cuda:0") == "eager"
+    from hybridembed.kernels import cpu_fused
+
+    cpu = "numba" if cpu_fused.available() else "eager"  # (the fused CPU step where Numba is)
+    assert backend.describe("auto", "cpu") == cpu and backend.describe("eager", "cuda:0") == "eager"
     monkeypatch.setattr(backend, "triton_available", lambda: True)
     assert backend.describe("auto", "cuda") == "triton" and backend.describe("triton", "cuda:1") == "triton"
     monkeypatch.setattr(backend, "triton_available", lambda: False)

@@ -184,6 +184,7 @@ def assert_same_weights(net, ref, atol, rtol=0.0):
 def table_grad(net, name):
     """The dense (rows, D) gradient of table ``name`` from its storage's sparse gradient."""
     storage = net.ec.storage_of(name)
+    storage.materialize_grad()  # (a gradient the fused step keeps: made into the sparse one)
     start = storage.row_offset[name]
     rows = net.ec.tables[name].num_embeddings
     return storage.weight.grad.coalesce().to_dense()[start : start + rows]

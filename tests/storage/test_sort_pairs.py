@@ -99,7 +99,7 @@ def test_apply_takes_distinct_rows_in_any_order(opt):
 def test_dynamic_gradient_rows_are_distinct_and_skip_ids_without_a_row():
     """min_count=2: an id seen once reads the default row and gets no gradient row; the others'
     gradient is the sum over every bag that read them."""
-    ec = he.EmbeddingCollection([he.TableConfig("t", None, 3, dynamic=he.Dynamic(min_count=2))])
+    ec = he.EmbeddingCollection([he.TableConfig("t", None, 3, dynamic=he.Dynamic(min_count=2))], kernels="eager")
     ids = he.Jagged.from_lists([[5, 9], [5], [9, 9, 11], [5]])  # 5 three times, 9 three times, 11 once
     out = ec({"t": ids})["t"]
     up = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
@@ -119,7 +119,7 @@ def test_a_reduced_gradient_reaches_the_optimizer_unsorted_and_the_module_still_
     and it does not stop the module from being saved whole."""
     import io
 
-    ec = he.EmbeddingCollection([he.TableConfig("t", None, 3, dynamic=he.Dynamic())])
+    ec = he.EmbeddingCollection([he.TableConfig("t", None, 3, dynamic=he.Dynamic())], kernels="eager")
     opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
     ec({"t": torch.tensor([9])})["t"].sum().backward()
     opt.step()

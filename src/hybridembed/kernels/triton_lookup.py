@@ -39,16 +39,14 @@ Every kernel is tested against the eager ops on the CPU through Triton's interpr
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from .fused import FUSED, fusable, step_hparams
+
 __all__ = ["pooled_lookup", "FUSED", "fusable", "apply_fused"]
 
-# optimizer name -> kernel code; the hyper-parameters each needs are checked by `fusable`
-FUSED = {"SGD": 0, "Adagrad": 1, "RowWiseAdagrad": 2, "Adam": 3}
 _CHUNK = 32  # sorted ids per program of the update
 _ROWS = 32  # rows per program of the one-id-per-bag gather
 _BLOCK_N = 16  # ids read at once per bag of the pooled forward
@@ -265,14 +263,6 @@ def pooled_lookup(
 
 
 # --- the fused reduce and update -------------------------------------------------------------
-def fusable(optimizer, hp: dict) -> bool:
-    """The fused update implements ``optimizer`` with these hyper-parameters."""
-    name = getattr(optimizer, "name", None)
-    if name not in FUSED:
-        return False
-    return not (name == "SGD" and hp.get("momentum"))
-
-
 @triton.jit
 def _update_row(
     weight,
@@ -489,14 +479,8 @@ def apply_fused(
     n, dim = ids.numel(), storage.dim
     if n == 0:
         return
-    opt, step = storage.optimizer, storage.step
-    name = opt.name
-    lr, eps, b1, b2 = float(hp["lr"]), float(hp.get("eps", 0.0)), 0.0, 0.0
-    if name == "Adagrad":
-        lr = lr / (1 + (step - 1) * hp["lr_decay"])
-    elif name == "Adam":
-        b1, b2 = (float(b) for b in hp["betas"])
-        lr = lr * math.sqrt(1 - b2**step) / (1 - b1**step)
+    opt = storage.optimizer
+    h = step_hparams(opt, hp, storage.step)
     names = list(opt.state_spec(hp))
     weight = storage.weight.detach()
     s1 = storage.state[names[0]] if names else weight
@@ -509,10 +493,10 @@ def apply_fused(
     buf = torch.empty(2 * chunks, block_d, dtype=storage.compute_dtype, device=weight.device)
     if bag_of is not None and bag_of.dtype != torch.int64:
         bag_of = bag_of.to(torch.int64)
-    args = (weight, s1, s2, n, dim, weight.stride(0), s1.stride(0), lr, eps, b1, b2, float(hp.get("weight_decay", 0.0)))
+    args = (weight, s1, s2, n, dim, weight.stride(0), s1.stride(0), h.lr, h.eps, h.b1, h.b2, h.weight_decay)
     flags = dict(
-        OPT=FUSED[name],
-        MAXIMIZE=bool(hp.get("maximize", False)),
+        OPT=h.opt,
+        MAXIMIZE=h.maximize,
         SKIP_ZERO=bool(storage.keyed),
         ACC=acc,
         CHUNK=_CHUNK,

@@ -31,6 +31,7 @@ from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, pooled_lookup
+from ..kernels import cpu_fused
 from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
 from ..utils import check_device, device_tensor, kept_tensor
@@ -85,12 +86,16 @@ def _shifted(x: torch.Tensor, by: int, out: torch.Tensor) -> torch.Tensor:
 
 def _pool(storage: RowStorage, ids, offsets, psw, cdt, sink, segments=None, one_per_bag=False) -> torch.Tensor:
     """The group's kernel call (:func:`~hybridembed.kernels.pooled_lookup`): Triton kernels when the
-    storage's backend runs them on its device (not for per-id weights that need a gradient of
-    their own, nor a parameter server's rows), else the eager ops."""
-    if uses_triton(storage.kernels, storage.weight) and (psw is None or not psw.requires_grad) and not storage.remote:
+    storage's backend runs them on its device, the fused CPU step's lookup on the CPU (neither
+    for per-id weights that need a gradient of their own, nor a parameter server's rows), else
+    the eager ops."""
+    keeps = (psw is None or not psw.requires_grad) and not storage.remote
+    if keeps and uses_triton(storage.kernels, storage.weight):
         from ..kernels import triton_lookup  # (imports Triton)
 
         return triton_lookup.pooled_lookup(storage, ids, offsets, psw, cdt, one_per_bag)
+    if keeps and cdt == storage.weight.dtype and cpu_fused.runs_on(storage.kernels, storage.weight):
+        return cpu_fused.pooled_lookup(storage, ids, offsets, psw, one_per_bag)
     return pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, one_per_bag)
 
 

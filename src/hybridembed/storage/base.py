@@ -18,7 +18,9 @@ from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..input import bag_index
 from ..kernels import reduce_rows
+from ..kernels import cpu_fused
 from ..kernels.backend import uses_triton
+from ..kernels.fused import fusable
 from ..kernels.lookup import Bags, weight_grad
 from ..utils import advise_huge_pages
 
@@ -157,8 +159,6 @@ class RowStorage(nn.Module):
             self.materialize_grad()
 
     def _fusable(self) -> bool:
-        from ..kernels.triton_lookup import fusable  # (Triton is imported only where its kernels ran)
-
         return fusable(self.optimizer, self.hparams)
 
     def materialize_grad(self) -> None:
@@ -175,15 +175,23 @@ class RowStorage(nn.Module):
             bool(self._deferred)
             and self.weight.grad is None
             and self.optimizer is not None
-            and uses_triton(self.kernels, self.weight)  # (not after a move to a device Triton does not run on)
+            and self._fused_here()  # (not after a move to a device its kernels do not run on)
             and self._fusable()
         )
+
+    def _fused_here(self) -> bool:
+        """The fused update runs where the rows are: Triton on CUDA, the fused CPU step on the CPU."""
+        return uses_triton(self.kernels, self.weight) or cpu_fused.runs_on(self.kernels, self.weight)
 
     @torch.no_grad()
     def apply_fused(self, hparams: dict, scale: float = 1.0) -> None:
         """One optimizer step from the kept lookup gradients, times ``scale``: duplicates summed and
-        rows updated in one pass (:func:`hybridembed.kernels.triton_lookup.apply_fused`); no host sync."""
-        from ..kernels.triton_lookup import apply_fused
+        rows updated in one pass (:func:`hybridembed.kernels.triton_lookup.apply_fused` on CUDA, no
+        host sync; :func:`hybridembed.kernels.cpu_fused.apply_fused` on the CPU)."""
+        if uses_triton(self.kernels, self.weight):
+            from ..kernels.triton_lookup import apply_fused
+        else:
+            apply_fused = cpu_fused.apply_fused
 
         entries = self._take_deferred()
         self.step += 1
@@ -249,6 +257,9 @@ class RowStorage(nn.Module):
         if ids.numel() == 0:
             return
         self._mark(ids)
+        if self._fusable() and cpu_fused.runs_on(self.kernels, self.weight):  # one pass per row, no temporaries
+            cpu_fused.apply_rows(self, ids, grad, hparams, row_stat)
+            return
         w, opt, g = self.weight, self.optimizer, grad.to(self.compute_dtype)
         state = {k: v.index_select(0, ids) for k, v in self.state.items()}  # gathered copies
         if opt.additive(hparams):  # row += scale * t: one scatter-add, the rows are never gathered

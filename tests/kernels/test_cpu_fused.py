@@ -1,0 +1,215 @@
+"""The fused CPU step (``kernels="numba"``, the CPU default where Numba is installed) against the
+eager ops and against plain PyTorch: the same rows and optimizer state after several steps,
+for every fused optimizer, every kind of input, dense and dynamic tables, one and two threads.
+
+    python -m pytest -q tests/kernels/test_cpu_fused.py
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import hybridembed as he
+from hybridembed.errors import ConfigError
+from hybridembed.kernels import backend, cpu_fused
+from hybridembed.optim import sparse as so
+
+pytest.importorskip("numba")
+
+OPTIMIZERS = {
+    "sgd": so.SGD(lr=0.1),
+    "sgd_wd_max": so.SGD(lr=0.1, weight_decay=0.05, maximize=True),
+    "adagrad": so.Adagrad(lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
+    "adagrad_wd": so.Adagrad(lr=0.1, weight_decay=0.1),
+    "rowwise": so.RowWiseAdagrad(lr=0.1),
+    "adam": so.Adam(lr=0.01),
+    "adam_wd_max": so.Adam(lr=0.01, weight_decay=0.01, maximize=True),
+}
+
+
+def _inputs(g: torch.Generator, kind: str, rows: int) -> dict:
+    if kind == "one":  # one-hot: 1-D ids
+        return {f: torch.randint(0, rows // 4, (64,), generator=g) for f in ("a", "b", "c")}
+    lengths = torch.randint(0, 6, (32,), generator=g)
+    n = int(lengths.sum())
+    ids = torch.randint(0, rows // 4, (n,), generator=g)
+    ids[torch.rand(n, generator=g) < 0.3] = 2  # a hot id: long runs
+    w = torch.rand(n, generator=g) if kind == "weighted" else None
+    return {f: he.Jagged.from_lengths(ids, lengths, w) for f in ("a", "b", "c")}
+
+
+def _train(
+    kernels: str, opt: so.SparseOptimizer, kind: str, *, dtype=torch.float32, dynamic=False, steps=4, twice=False
+):
+    tables = [
+        he.TableConfig(
+            n, None if dynamic else 200, 8, dtype=dtype, optimizer=opt, combiner="mean" if n == "t1" else "sum",
+            dynamic=he.Dynamic() if dynamic else None,
+        )
+        for n in ("t0", "t1")
+    ]  # fmt: skip
+    ec = he.EmbeddingCollection(
+        tables, {"a": "t0", "b": "t0", "c": "t1"}, seed=3, kernels=kernels
+    )  # two features share t0
+    wrapped = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        wrapped.zero_grad()
+        for _ in range(2 if twice else 1):  # two backwards before one step: their gradients add up
+            b = _inputs(g, kind, 200)
+            out = ec(b)
+            loss = sum((v * torch.randn(v.shape, generator=g, dtype=v.dtype)).sum() for v in out.values())
+            loss.backward()
+        wrapped.step()
+    return ec, wrapped
+
+
+def _state(ec) -> dict:
+    return {k: v for k, v in ec.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("kind", ["one", "bags", "weighted"])
+def test_fused_step_equals_the_eager_ops(name, kind):
+    opt = OPTIMIZERS[name]
+    eager, _ = _train("eager", opt, kind)
+    fused, wrapped = _train("numba", opt, kind)
+    assert set(wrapped.fused_steps) == {"t0", "t1"} and min(wrapped.fused_steps.values()) == 4
+    want, got = _state(eager), _state(fused)
+    assert want.keys() == got.keys()
+    for k in want:  # the rows and every optimizer state tensor
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name", ["adagrad", "rowwise", "adam"])
+def test_float64_dynamic_and_twice_backward_equal_the_eager_ops(name):
+    opt = OPTIMIZERS[name]
+    for kw in ({"dtype": torch.float64}, {"dynamic": True}, {"twice": True}):
+        want = _state(_train("eager", opt, "bags", **kw)[0])
+        fused, wrapped = _train("numba", opt, "bags", **kw)
+        got = _state(fused)
+        assert wrapped.fused_steps, kw
+        tol = 1e-12 if kw.get("dtype") == torch.float64 else 1e-6
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=lambda m, k=k, kw=kw: f"{kw} {k}: {m}")
+
+
+def test_fused_adagrad_equals_torch_optim_on_plain_embedding_bags():
+    """The independent reference: nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad."""
+    ref = nn.EmbeddingBag(100, 6, mode="sum", sparse=True)
+    ec = he.EmbeddingCollection(
+        [he.TableConfig("t", 100, 6, optimizer=so.Adagrad(lr=0.05, lr_decay=0.01))], kernels="numba"
+    )
+    with torch.no_grad():
+        ec.storage_of("t").weight.copy_(ref.weight)
+    opt_ref = torch.optim.Adagrad(ref.parameters(), lr=0.05, lr_decay=0.01)
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.05), ec)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        lengths = torch.randint(0, 5, (40,), generator=g)
+        ids = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
+        up = torch.randn(40, 6, generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+        opt_ref.zero_grad()
+        ref(ids, offsets).backward(up)
+        opt_ref.step()
+        opt.zero_grad()
+        ec({"t": he.Jagged.from_lengths(ids, lengths)})["t"].backward(up)
+        opt.step()
+    assert opt.fused_steps["t"] == 5
+    torch.testing.assert_close(ec.weight("t"), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_two_threads_split_the_runs_and_equal_one(monkeypatch):
+    """Batches large enough for one slice of runs per thread (a hot id's run stays whole)."""
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 64)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(_state(_train("numba", OPTIMIZERS["rowwise"], "bags")[0]))
+    finally:
+        torch.set_num_threads(threads)
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k  # (each row's sum in batch order either way)
+
+
+def test_reduced_rows_take_the_fused_update_with_a_given_row_statistic():
+    """``apply_gradient``: rows already reduced (a sharded job's, a parameter server's), with and
+    without the whole rows' mean squares (column slices of row-wise Adagrad)."""
+    for stat in (None, torch.rand(3)):
+        stores = []
+        for kernels in ("eager", "numba"):
+            ec = he.EmbeddingCollection(
+                [he.TableConfig("t", 10, 4, optimizer=so.RowWiseAdagrad(lr=0.1))], kernels=kernels
+            )
+            he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+            st = ec.storage_of("t")
+            for _ in range(3):
+                st.apply_gradient(
+                    torch.tensor([7, 1, 4]),
+                    torch.randn(3, 4, generator=torch.Generator().manual_seed(5)),
+                    st.hparams,
+                    *(() if stat is None else (stat,)),
+                )
+            stores.append(st)
+        torch.testing.assert_close(stores[1].weight.detach(), stores[0].weight.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(stores[1].state["sum"], stores[0].state["sum"], rtol=1e-6, atol=1e-7)
+
+
+def test_what_the_kernels_do_not_implement_runs_the_eager_ops():
+    for opt, dtype in (
+        (so.SGD(lr=0.1, momentum=0.9), torch.float32),
+        (so.RMSprop(lr=0.01), torch.float32),
+        (so.Adagrad(lr=0.1), torch.bfloat16),
+    ):
+        ec = he.EmbeddingCollection([he.TableConfig("t", 20, 4, optimizer=opt, dtype=dtype)], kernels="numba")
+        wrapped = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+        ec({"t": torch.tensor([1, 2, 2])})["t"].sum().backward()
+        wrapped.step()
+        assert not wrapped.fused_steps, (opt, dtype)
+        assert not torch.equal(ec.weight("t")[2], ec.weight("t")[3])  # (it trained)
+
+
+def test_clipping_sees_the_kept_gradient():
+    ec, _ = _train("numba", OPTIMIZERS["sgd"], "bags", steps=0)
+    ec({"a": torch.tensor([1, 1, 2]), "b": torch.tensor([3]), "c": torch.tensor([4])})["a"].sum().backward()
+    norm = he.clip_grad_norm_(ec.parameters(), 1e9) if hasattr(he, "clip_grad_norm_") else None
+    st = ec.storage_of("t0")
+    assert st.weight.grad is not None and not st._deferred  # made into the eager sparse gradient
+    if norm is not None:
+        assert float(norm) > 0
+
+
+def test_without_numba_the_cpu_runs_eager_with_one_log_line(monkeypatch, caplog):
+    cpu_fused.available.cache_clear()
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba -> ImportError
+    monkeypatch.delitem(sys.modules, "hybridembed.kernels._numba_kernels", raising=False)
+    monkeypatch.delattr(sys.modules["hybridembed.kernels"], "_numba_kernels", raising=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="hybridembed"):
+            assert not cpu_fused.available() and not cpu_fused.available()
+            ec = he.EmbeddingCollection([he.TableConfig("t", 20, 4)])  # kernels="auto"
+            wrapped = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+            ec({"t": torch.tensor([1, 2])})["t"].sum().backward()
+            wrapped.step()
+        assert not wrapped.fused_steps
+        lines = [r for r in caplog.records if "Numba" in r.getMessage()]
+        assert len(lines) == 1 and "eager" in lines[0].getMessage()
+        assert backend.describe("auto", "cpu") == "eager"
+        with pytest.raises(ConfigError, match="needs Numba"):
+            he.EmbeddingCollection([he.TableConfig("t", 20, 4)], kernels="numba")
+    finally:
+        cpu_fused.available.cache_clear()
+
+
+def test_auto_takes_the_fused_step_on_the_cpu():
+    assert backend.describe("auto", "cpu") == "numba" and backend.describe("eager", "cpu") == "eager"
+    _, wrapped = _train("auto", OPTIMIZERS["rowwise"], "one", steps=1)
+    assert wrapped.fused_steps == {"t0": 1, "t1": 1}
