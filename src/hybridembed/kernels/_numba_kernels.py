@@ -284,4 +284,3 @@ def rows_adam(weight, s1, s2, ids, grad, row_stat, lo, hi, hp, maximize):  # pra
 # optimizer code (kernels.fused.FUSED) -> kernel
 KERNELS = (reduce_sgd, reduce_adagrad, reduce_rowwise, reduce_adam)
 ROW_KERNELS = (rows_sgd, rows_adagrad, rows_rowwise, rows_adam)
-

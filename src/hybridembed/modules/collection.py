@@ -30,8 +30,7 @@ from ..config import MAX_SLOTS, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_jagged
 from ..input.jagged import _INT_DTYPES
-from ..kernels import bag_scale, pooled_lookup
-from ..kernels import cpu_fused
+from ..kernels import bag_scale, cpu_fused, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
 from ..utils import check_device, device_tensor, kept_tensor

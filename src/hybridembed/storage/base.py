@@ -17,8 +17,7 @@ from torch import nn
 from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..input import bag_index
-from ..kernels import reduce_rows
-from ..kernels import cpu_fused
+from ..kernels import cpu_fused, reduce_rows
 from ..kernels.backend import uses_triton
 from ..kernels.fused import fusable
 from ..kernels.lookup import Bags, weight_grad
