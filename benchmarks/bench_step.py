@@ -9,6 +9,7 @@
     python benchmarks/bench_step.py                                  # 26 x 200k x 64, batch 8192, defaults
     HYBRIDEMBED_TUNE_ALLOCATOR=0 python benchmarks/bench_step.py     # glibc's allocator defaults
     python benchmarks/bench_step.py --tables 4 --rows 1000 --batch 256 --steps 3   # smoke
+    python benchmarks/bench_step.py --kernels numba eager   # the fused CPU step against the eager ops, interleaved
 
 (benchmarks/bench_defaults.py runs it in fresh processes, with and without the allocator tuning.)
 
@@ -20,6 +21,7 @@ model on top would send. Calls are interleaved; medians over --steps after warm-
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -64,9 +66,13 @@ def make_batch(names, rows, batch, hotness):
 
 def run_optimizer(args: argparse.Namespace, names: list[str], optname: str) -> list[dict]:
     """All hotness levels for one optimizer: the three contenders, interleaved."""
-    ec = he.EmbeddingCollection([he.TableConfig(n, args.rows, args.dim) for n in names])
     sparse = he.optim.SGD(lr=args.lr) if optname == "sgd" else he.optim.RowWiseAdagrad(lr=args.lr)
-    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=args.lr), ec, sparse=sparse)
+    ours = {}  # contender name -> (collection, optimizer): one per --kernels value, the same rows
+    for k in args.kernels:
+        name = "hybridembed" if k == args.kernels[0] else f"hybridembed_{k}"
+        c = he.EmbeddingCollection([he.TableConfig(n, args.rows, args.dim) for n in names], kernels=k)
+        ours[name] = (c, he.wrap_optimizer(torch.optim.SGD(c.parameters(), lr=args.lr), c, sparse=sparse))
+    ec, opt = ours["hybridembed"]
     bags = nn.ModuleList(nn.EmbeddingBag(args.rows, args.dim, mode="sum", sparse=True) for _ in names)
     with torch.no_grad():
         for n, bag in zip(names, bags):
@@ -83,7 +89,7 @@ def run_optimizer(args: argparse.Namespace, names: list[str], optname: str) -> l
         grads = [torch.randn(args.batch, args.dim) for _ in names]
         grad_cat = torch.cat(grads, 1)  # (B, T*D), FBGEMM's output layout
 
-        def hybrid(batch=batch, grads=grads):
+        def hybrid(batch=batch, grads=grads, ec=ec, opt=opt):
             out = ec(batch)
             torch.autograd.backward([out[n] for n in names], grads)
             opt.step()
@@ -95,7 +101,8 @@ def run_optimizer(args: argparse.Namespace, names: list[str], optname: str) -> l
             topt.step()
             topt.zero_grad()
 
-        fns = {"hybridembed": hybrid, "per_table": per_table}
+        fns = {name: functools.partial(hybrid, ec=c, opt=o) for name, (c, o) in ours.items()}
+        fns["per_table"] = per_table
         if fb is not None:
             fns["fbgemm"] = lambda ids=fb_ids, off=fb_off, g=grad_cat: fb(ids, off).backward(g)
         t = time_interleaved(fns, steps=args.steps)
@@ -123,6 +130,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["auto"],
+        choices=he.kernels.backend.KERNELS,
+        help="hybridembed's kernel backends, each a contender in the same interleaved run (the first is "
+        "'hybridembed', the others 'hybridembed_<kernels>'; default: auto)",
+    )
     add_allocator_option(p)
     p.add_argument("--json", help="write results here")
     args = p.parse_args(argv)

@@ -125,8 +125,8 @@ def test_fused_adagrad_equals_torch_optim_on_plain_embedding_bags():
     torch.testing.assert_close(ec.weight("t"), ref.weight.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_two_threads_split_the_runs_and_equal_one(monkeypatch):
-    """Batches large enough for one slice of runs per thread (a hot id's run stays whole)."""
+def test_two_threads_split_the_rows_and_equal_one(monkeypatch):
+    """Batches large enough for one slice of rows per thread."""
     monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 64)
     threads = torch.get_num_threads()
     results = []

@@ -13,9 +13,9 @@ typed from it: a Python number would make Numba compute a float32 table in float
 
 One kernel per optimizer (its arithmetic without branches in the row loop). A step is bound by
 memory latency, not arithmetic: the rows of a batch are scattered over the table, and each
-row's update waits for its row, its state and its gradient rows. So each kernel asks for the
-rows of the run ``_AHEAD`` runs ahead (``llvm.prefetch``) while it updates this one: measured
-2.2x faster than without (26 x 200k x 64, 213k ids, row-wise Adagrad, 1 thread).
+row's update waits for its row and its state. So each kernel asks for the row and state
+``_AHEAD`` rows ahead (``llvm.prefetch``) while it updates this one: measured 2.2x faster than
+without (26 x 200k x 64 float32, 213k ids, row-wise Adagrad, 1 thread).
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["KERNELS", "ROW_KERNELS"]
+__all__ = ["ROW_KERNELS"]
 
-_AHEAD = 4  # runs ahead whose rows are prefetched
-_AHEAD_IDS = 8  # ids ahead whose gradient rows are prefetched inside a run
+_AHEAD = 4  # rows ahead that are prefetched
 _OPAQUE = _llvm.llvm_version_info[0] >= 15  # LLVM with opaque pointers names the intrinsic by address space only
 
 
@@ -59,52 +58,12 @@ def _prefetch(typingctx, arr, row):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _ahead(weight, s1, s2, grad, sorted_ids, perm, starts, bag_of, u, hi):  # pragma: no cover (compiled)
-    if u + _AHEAD < hi:
-        q = starts[u + _AHEAD]
-        r = sorted_ids[q]
-        _prefetch(weight, r)
-        _prefetch(s1, r)
-        _prefetch(s2, r)
-        i = perm[q]
-        _prefetch(grad, bag_of[i] if bag_of.shape[0] > 0 else i)
-
-
-@njit(nogil=True, cache=True, inline="always")
 def _ahead_rows(weight, s1, s2, ids, u, hi):  # pragma: no cover (compiled)
     if u + _AHEAD < hi:
         r = ids[u + _AHEAD]
         _prefetch(weight, r)
         _prefetch(s1, r)
         _prefetch(s2, r)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _run_grad(g, weight, row, a, b, perm, bag_of, psw, grad, hp, maximize):  # pragma: no cover (compiled)
-    """``g`` (D,) = the summed gradient of the run ``a..b`` (batch order), maximize and L2 applied."""
-    dim = g.shape[0]
-    i = perm[a]
-    bag = bag_of[i] if bag_of.shape[0] > 0 else i
-    x = psw[i] if psw.shape[0] > 0 else hp[7]
-    for d in range(dim):
-        g[d] = x * grad[bag, d]
-    n = perm.shape[0]
-    for p in range(a + 1, b):
-        if p + _AHEAD_IDS < n:  # (a long run's gradient rows are scattered over the batch)
-            j = perm[p + _AHEAD_IDS]
-            _prefetch(grad, bag_of[j] if bag_of.shape[0] > 0 else j)
-        i = perm[p]
-        bag = bag_of[i] if bag_of.shape[0] > 0 else i
-        x = psw[i] if psw.shape[0] > 0 else hp[7]
-        for d in range(dim):
-            g[d] += x * grad[bag, d]
-    if maximize:
-        for d in range(dim):
-            g[d] = -g[d]
-    wd = hp[5]
-    if wd != 0:
-        for d in range(dim):
-            g[d] += wd * weight[row, d]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -174,22 +133,6 @@ def _adam(weight, s1, s2, row, g, ms, hp):  # pragma: no cover (compiled)
 # gradients; row_stat (U,) the rows' mean squared gradients for row-wise Adagrad over column slices (empty: from grad).
 # (written out per optimizer, not made by a factory: Numba caches module-level functions only)
 @njit(nogil=True, cache=True)
-def reduce_sgd(
-    weight, s1, s2, sorted_ids, perm, starts, lo, hi, bag_of, psw, grad, hp, maximize, skip_zero
-):  # pragma: no cover
-    g = np.empty(weight.shape[1], dtype=grad.dtype)
-    minus = hp[8] - hp[7]
-    for u in range(lo, hi):
-        _ahead(weight, s1, s2, grad, sorted_ids, perm, starts, bag_of, u, hi)
-        a = starts[u]
-        row = sorted_ids[a]
-        if skip_zero and row == 0:
-            continue
-        _run_grad(g, weight, row, a, starts[u + 1], perm, bag_of, psw, grad, hp, maximize)
-        _sgd(weight, s1, s2, row, g, minus, hp)
-
-
-@njit(nogil=True, cache=True)
 def rows_sgd(weight, s1, s2, ids, grad, row_stat, lo, hi, hp, maximize):  # pragma: no cover
     g = np.empty(weight.shape[1], dtype=grad.dtype)
     minus = hp[8] - hp[7]
@@ -198,22 +141,6 @@ def rows_sgd(weight, s1, s2, ids, grad, row_stat, lo, hi, hp, maximize):  # prag
         row = ids[u]
         _row_grad(g, weight, row, u, grad, hp, maximize)
         _sgd(weight, s1, s2, row, g, row_stat[u] if row_stat.shape[0] > 0 else minus, hp)
-
-
-@njit(nogil=True, cache=True)
-def reduce_adagrad(
-    weight, s1, s2, sorted_ids, perm, starts, lo, hi, bag_of, psw, grad, hp, maximize, skip_zero
-):  # pragma: no cover
-    g = np.empty(weight.shape[1], dtype=grad.dtype)
-    minus = hp[8] - hp[7]
-    for u in range(lo, hi):
-        _ahead(weight, s1, s2, grad, sorted_ids, perm, starts, bag_of, u, hi)
-        a = starts[u]
-        row = sorted_ids[a]
-        if skip_zero and row == 0:
-            continue
-        _run_grad(g, weight, row, a, starts[u + 1], perm, bag_of, psw, grad, hp, maximize)
-        _adagrad(weight, s1, s2, row, g, minus, hp)
 
 
 @njit(nogil=True, cache=True)
@@ -228,22 +155,6 @@ def rows_adagrad(weight, s1, s2, ids, grad, row_stat, lo, hi, hp, maximize):  # 
 
 
 @njit(nogil=True, cache=True)
-def reduce_rowwise(
-    weight, s1, s2, sorted_ids, perm, starts, lo, hi, bag_of, psw, grad, hp, maximize, skip_zero
-):  # pragma: no cover
-    g = np.empty(weight.shape[1], dtype=grad.dtype)
-    minus = hp[8] - hp[7]
-    for u in range(lo, hi):
-        _ahead(weight, s1, s2, grad, sorted_ids, perm, starts, bag_of, u, hi)
-        a = starts[u]
-        row = sorted_ids[a]
-        if skip_zero and row == 0:
-            continue
-        _run_grad(g, weight, row, a, starts[u + 1], perm, bag_of, psw, grad, hp, maximize)
-        _rowwise(weight, s1, s2, row, g, minus, hp)
-
-
-@njit(nogil=True, cache=True)
 def rows_rowwise(weight, s1, s2, ids, grad, row_stat, lo, hi, hp, maximize):  # pragma: no cover
     g = np.empty(weight.shape[1], dtype=grad.dtype)
     minus = hp[8] - hp[7]
@@ -252,22 +163,6 @@ def rows_rowwise(weight, s1, s2, ids, grad, row_stat, lo, hi, hp, maximize):  # 
         row = ids[u]
         _row_grad(g, weight, row, u, grad, hp, maximize)
         _rowwise(weight, s1, s2, row, g, row_stat[u] if row_stat.shape[0] > 0 else minus, hp)
-
-
-@njit(nogil=True, cache=True)
-def reduce_adam(
-    weight, s1, s2, sorted_ids, perm, starts, lo, hi, bag_of, psw, grad, hp, maximize, skip_zero
-):  # pragma: no cover
-    g = np.empty(weight.shape[1], dtype=grad.dtype)
-    minus = hp[8] - hp[7]
-    for u in range(lo, hi):
-        _ahead(weight, s1, s2, grad, sorted_ids, perm, starts, bag_of, u, hi)
-        a = starts[u]
-        row = sorted_ids[a]
-        if skip_zero and row == 0:
-            continue
-        _run_grad(g, weight, row, a, starts[u + 1], perm, bag_of, psw, grad, hp, maximize)
-        _adam(weight, s1, s2, row, g, minus, hp)
 
 
 @njit(nogil=True, cache=True)
@@ -282,5 +177,4 @@ def rows_adam(weight, s1, s2, ids, grad, row_stat, lo, hi, hp, maximize):  # pra
 
 
 # optimizer code (kernels.fused.FUSED) -> kernel
-KERNELS = (reduce_sgd, reduce_adagrad, reduce_rowwise, reduce_adam)
 ROW_KERNELS = (rows_sgd, rows_adagrad, rows_rowwise, rows_adam)

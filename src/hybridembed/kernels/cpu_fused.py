@@ -1,5 +1,5 @@
-"""The fused CPU step: each distinct row's gradient reduced and its optimizer update applied in
-one pass (Numba kernels, :mod:`._numba_kernels`), for tables on the CPU with ``kernels="auto"``
+"""The fused CPU step: each distinct row's optimizer update in one pass over the row and its
+state (Numba kernels, :mod:`._numba_kernels`), for tables on the CPU with ``kernels="auto"``
 (when Numba is installed) or ``kernels="numba"``.
 
 Shape legend: ``N`` ids of a group's batch, ``S`` bags, ``U`` distinct rows, ``D`` dim.
@@ -7,13 +7,19 @@ Shape legend: ``N`` ids of a group's batch, ``S`` bags, ``U`` distinct rows, ``D
 **Forward**: PyTorch's ``embedding_bag`` (one call per group, as the eager path). **Backward**:
 nothing is computed; the output gradient (S, D) and the ids are kept beside the storage
 (:meth:`RowStorage.defer_grad`, as the Triton path does on CUDA). **Step**
-(:func:`apply_fused`): the ids are sorted (``torch.sort``, int32, stable: equal rows side by
-side in batch order), then every run of equal ids is summed from the kept gradient and its row
-and optimizer state are read, updated and written once: no sparse gradient, no (U, D)
-temporary, no separate reduce, square or scatter pass. The runs are cut into one slice per
-thread (by ids, so a hot id's long run is one thread's), each slice a GIL-free kernel call.
-Already-reduced rows (a sharded job's exchanged gradients, a parameter server's pushes) take
-:func:`apply_rows`, the same update without the reduction.
+(:func:`apply_fused`): the ids are sorted (int32, stable) and each distinct row's gradient is
+summed by one ``embedding_bag`` over the sorted ids (FBGEMM's SpMDM kernel inside PyTorch, on
+its threads): (U, D). Then :func:`apply_rows`: one Numba kernel per optimizer reads each row
+and its state, applies the update and writes them back, prefetching the rows a few ahead (the
+rows are scattered over the table: the pass is bound by memory latency); one slice of rows per
+thread, each a GIL-free call. No sparse gradient and no other (U, D) temporary: the eager path
+gathers the state, computes the update in several whole-tensor passes and scatters both back.
+Already-reduced rows (a sharded job's exchanged gradients, a parameter server's pushes) go to
+:func:`apply_rows` directly.
+
+Measured side by side (docs/benchmarks.md, "The fused CPU step"): a kernel that also summed
+each row's gradient itself (walking the sorted ids) lost to this split on one-hot batches and
+on row-wise Adagrad, as PyTorch's reduction runs on both cores at near its bandwidth.
 
 Which optimizers: :data:`hybridembed.kernels.fused.FUSED` (SGD without momentum, Adagrad,
 row-wise Adagrad, Adam, each with ``weight_decay`` and ``maximize``), on float32 and float64
@@ -35,6 +41,7 @@ import torch.nn.functional as F
 
 from ..utils import get_logger
 from .fused import step_hparams
+from .lookup import sorted_segments
 
 __all__ = ["available", "runs_on", "pooled_lookup", "apply_fused", "apply_rows"]
 
@@ -135,35 +142,20 @@ def _hparams(storage, hp: dict) -> tuple[np.ndarray, int, bool]:
 def apply_fused(storage, ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw, hp: dict) -> None:
     """One optimizer step of ``storage`` from a kept lookup gradient: ids (N,) (row slots), the
     bags' gradient ``grad`` (S, D), each id's bag ``bag_of`` (N,) (None: id i is bag i) and
-    multiplier ``psw`` (N,) or None. ``storage.step`` must already count this step."""
-    from . import _numba_kernels as K
+    multiplier ``psw`` (N,) or None. ``storage.step`` must already count this step.
 
-    n = ids.numel()
-    if n == 0:
+    Each distinct row's gradient is summed by PyTorch's ``embedding_bag`` over the sorted ids
+    (one "bag" per row: FBGEMM's SpMDM kernel, on torch's threads), then :func:`apply_rows`."""
+    if ids.numel() == 0:
         return
-    weight = storage.weight.detach()
-    key = ids.to(torch.int32) if weight.shape[0] < 2**31 else ids
-    sorted_ids, perm = torch.sort(key, stable=True)  # equal rows side by side, in batch order
-    _, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    starts = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=starts[1:])
-    s1, s2 = _state(storage, hp)
-    hpa, opt, maximize = _hparams(storage, hp)
-    cdt = weight.dtype
-    g = grad.to(cdt).contiguous().numpy()
-    bags = np.zeros(0, dtype=np.int64) if bag_of is None else bag_of.to(torch.int64).numpy()
-    mult = np.zeros(0, dtype=g.dtype) if psw is None else psw.to(cdt).contiguous().numpy()
-    u = counts.numel()
-    t = _threads(n)
-    if t == 1:
-        slices = [(0, u)]
-    else:  # one slice of runs per thread, cut where a run begins near k N / t
-        cuts = torch.searchsorted(starts, torch.arange(1, t, dtype=torch.int64) * n // t).clamp_(max=u).tolist()
-        edges = sorted({0, *cuts, u})
-        slices = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
-    head = (weight.numpy(), s1, s2, sorted_ids.numpy(), perm.numpy(), starts.numpy())
-    tail = (bags, mult, g, hpa, maximize, bool(storage.keyed))
-    _run(K.KERNELS[opt], slices, head, tail)
+    uniq, perm, seg = sorted_segments(ids, storage.weight.shape[0])  # (U,), (N,), (U+1,)
+    w = None if psw is None else psw.index_select(0, perm).to(grad.dtype)
+    at = perm if bag_of is None else bag_of.index_select(0, perm)
+    rows = F.embedding_bag(at, grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True)  # (U, D)
+    if storage.keyed:  # slot 0, a dynamic table's default row, is never updated (it sorts first)
+        if uniq.numel() and int(uniq[0]) == 0:
+            uniq, rows = uniq[1:], rows[1:]
+    apply_rows(storage, uniq, rows, hp, None)
 
 
 def apply_rows(storage, ids: torch.Tensor, grad: torch.Tensor, hp: dict, row_stat: torch.Tensor | None) -> None:
