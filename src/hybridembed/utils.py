@@ -20,14 +20,47 @@ __all__ = [
     "tune_cpu_allocator",
     "allocator_tuned",
     "advise_huge_pages",
+    "release_free_memory",
+    "discard_pages",
     "get_logger",
     "OneLineParser",
     "check_device",
 ]
 
+_MADV_DONTNEED = 4
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _tuned = False  # whether tune_cpu_allocator() has succeeded in this process (glibc has no getter)
+
+
+def discard_pages(t: torch.Tensor) -> None:
+    """Hands back to the system the whole pages inside CPU tensor ``t``'s memory
+    (``madvise(MADV_DONTNEED)``): they read as zeros afterwards. Only for memory that will never
+    be read again. A no-op off Linux and on other devices."""
+    if not sys.platform.startswith("linux") or t.device.type != "cpu" or not t.is_contiguous():
+        return
+    page = 4096
+    start = (t.data_ptr() + page - 1) // page * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(start, end - start, _MADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
+
+
+def release_free_memory() -> None:
+    """Hands the memory freed so far back to the system (glibc's ``malloc_trim``; a no-op where it
+    is not there): with the tuned allocator, freed blocks below 2 GiB otherwise stay resident."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # (musl has no malloc_trim)
+        pass
 
 
 def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = (1 << 31) - 1) -> bool:

@@ -127,7 +127,8 @@ from ..modules.converted import (
 )
 from ..modules.grouped import LookupQueue
 from ..storage import serial
-from ..utils import get_logger
+from ..storage.dense import rows_from_caller
+from ..utils import discard_pages, get_logger, release_free_memory
 
 __all__ = ["convert", "fitted_init", "ConvertedCollection", "HybridEmbedding", "HybridEmbeddingBag", "COLLECTION_ATTR"]
 
@@ -460,17 +461,19 @@ def convert(
             f"convert: embedding layers sit on several devices ({', '.join(map(str, devices))}); "
             "move the model to one device first"
         )
-    collection = ConvertedCollection([cfg for _, cfg in plans], seed=seed, device=devices.pop(), kernels=kernels)
+    with rows_from_caller():  # (the dense rows are the layers', copied in below: nothing to initialise)
+        collection = ConvertedCollection([cfg for _, cfg in plans], seed=seed, device=devices.pop(), kernels=kernels)
     if grouped:
         collection.lookup_queue = LookupQueue(collection)
     emptied = []  # dynamic tables whose layer's rows are not carried over
     with torch.no_grad():
         for layers, cfg in plans:
-            weight = layers[0].module.weight.detach()
             paths = [p for f in layers for p in f.paths]
             if cfg.dynamic is None:
-                collection.weight(cfg.name).copy_(weight)
-            elif copy_dynamic_rows:
+                _take_over(layers[0].module.weight, collection.weight(cfg.name))
+                continue
+            weight = layers[0].module.weight.detach()
+            if copy_dynamic_rows:
                 storage = collection.storage_of(cfg.name)
                 cap = cfg.dynamic.capacity
                 if cap is not None and weight.shape[0] > cap:
@@ -531,6 +534,39 @@ def convert(
             more,
         )
     return model
+
+
+_CHUNK_BYTES = 64 << 20  # rows copied (and their old pages handed back) at a time
+
+
+def _take_over(old: nn.Parameter, rows: torch.Tensor) -> None:
+    """Copies a layer's weight into its table's ``rows`` (never uninitialised: the table was made
+    with :func:`rows_from_caller`), then makes the old weight a view of those rows, so its own
+    memory is freed (and handed back to the system). When nothing else holds that memory, the
+    copy goes 64 MiB at a time and hands back each copied part's pages at once, so a table is
+    never held twice, not even while it is copied (``he.convert``'s peak is about the model)."""
+    sole = _only_holder(old) and old.device.type == "cpu" and old.is_contiguous()
+    src = old.detach()
+    if not sole:
+        rows.copy_(src)
+    else:
+        step = max(1, _CHUNK_BYTES // max(1, src[0].numel() * src.element_size())) if len(src) else 1
+        for a in range(0, src.shape[0], step):
+            rows[a : a + step].copy_(src[a : a + step])
+            discard_pages(src[a : a + step])  # (never read again: the parameter gets the table's rows next)
+    del src
+    if old.dtype == rows.dtype and old.device == rows.device and old.shape == rows.shape:
+        old.data = rows  # (a reference kept to the old layer reads the table's current rows)
+        release_free_memory()
+
+
+def _only_holder(p: nn.Parameter) -> bool:
+    """Nothing but ``p`` itself holds its memory (no view, no other tensor on the same storage)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = p.untyped_storage()
+    return use_count(storage._cdata) == 2  # (p's tensor and this Python storage object)
 
 
 def _base(m: nn.Module) -> type:

@@ -7,6 +7,8 @@ of ``weight`` (R, D). Optimizer state tensors, when an optimizer adds them, are 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +23,21 @@ from .base import RowStorage, _is_int
 from .protocol import LookupPlan, ready_plan
 
 __all__ = ["DenseStorage"]
+
+
+_ROWS_FROM_CALLER: contextvars.ContextVar[bool] = contextvars.ContextVar("rows_from_caller", default=False)
+
+
+@contextlib.contextmanager
+def rows_from_caller():
+    """Dense storages made inside leave their rows unwritten (``torch.empty``: no page touched):
+    the caller writes every row next (``he.convert`` copies the layers' weights in, table by
+    table, freeing each as it goes, so the rows are never held twice)."""
+    token = _ROWS_FROM_CALLER.set(True)
+    try:
+        yield
+    finally:
+        _ROWS_FROM_CALLER.reset(token)
 
 
 class DenseStorage(RowStorage):
@@ -43,7 +60,7 @@ class DenseStorage(RowStorage):
         self.num_rows = total
         weight = torch.empty(total, self.dim, dtype=self.dtype, device=device)
         advise_huge_pages(weight)  # before the first write, so the pages fault in huge
-        if weight.device.type != "meta":  # (a table built on the meta device has no rows to fill)
+        if weight.device.type != "meta" and not _ROWS_FROM_CALLER.get():  # (meta: no rows to fill)
             with torch.no_grad():
                 for t in self.tables:
                     rows = torch.arange(t.num_embeddings, device=weight.device)
