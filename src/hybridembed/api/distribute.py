@@ -34,6 +34,7 @@ from ..distributed.sharded import ShardedTables
 from ..errors import ConfigError, HybridEmbedError
 from ..modules import EmbeddingCollection
 from ..ps.collection import check_ps_args
+from ..utils import release_free_memory
 from .convert import convert
 
 __all__ = ["distribute", "unwrap"]
@@ -175,12 +176,16 @@ def distribute(
             server_exit,
             timeout,
         )
-    for path, ec in collections.items():
+    for path in list(collections):
+        ec = collections.pop(path)
         where = rows_device(model, ec)
         sharded = shard_collection(
             ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank, where, timeout
         )
         swap_collection(model, ec, sharded)
+        del ec, sharded  # the whole tables go now: a rank keeps its shards alone
+        gc.collect()
+        release_free_memory()
     return _wrap_ddp(model, ddp, process_group)
 
 

@@ -28,6 +28,7 @@ ranks' gradients (SOK's convention; equal to world 1 on a summed loss).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -42,6 +43,7 @@ from ..input import Jagged, as_jagged, offsets_from_lengths
 from ..kernels import bag_scale
 from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
+from ..storage.dense import rows_from_caller
 from ..utils import check_device, kept_tensor
 from . import health
 from .exchange import FAILED, INVALID, PER_PAIR, Header, Pair, RowsExchange, exchange, features_digest
@@ -141,27 +143,31 @@ class ShardedCollection(ShardedTables, ShardedStep):
             for pos in range(len(route))
             if route.local_name(pos) in mine
         }
-        self.local = (
-            EmbeddingCollection(
-                local_tables, local_features, seed=self.seed, device=device, pad=self.pad, kernels=kernels
+        # every dense table's rows given: the shards are made without initial values (no page
+        # touched) and filled from them below
+        given = bool(weights) and all(n in weights for n, t in self.tables.items() if t.dynamic is None)
+        with rows_from_caller() if given else contextlib.nullcontext():
+            self.local = (
+                EmbeddingCollection(
+                    local_tables, local_features, seed=self.seed, device=device, pad=self.pad, kernels=kernels
+                )
+                if local_tables
+                else None
             )
-            if local_tables
-            else None
-        )
-        rep_features = {f: t for f, t in self.features.items() if self._routes[t].replicated}
-        self.replicated = (
-            EmbeddingCollection(
-                replicated,
-                rep_features,
-                seed=self.seed,
-                device=device,
-                sequence_output=sequence_output,
-                pad=self.pad,
-                kernels=kernels,
+            rep_features = {f: t for f, t in self.features.items() if self._routes[t].replicated}
+            self.replicated = (
+                EmbeddingCollection(
+                    replicated,
+                    rep_features,
+                    seed=self.seed,
+                    device=device,
+                    sequence_output=sequence_output,
+                    pad=self.pad,
+                    kernels=kernels,
+                )
+                if replicated
+                else None
             )
-            if replicated
-            else None
-        )
         self._device = device or torch.device("cpu")
         self._empty_ids = torch.zeros(0, dtype=torch.int64, device=self._device)
         if weights:
