@@ -35,17 +35,17 @@ def _status(key: str) -> int:
 
 
 class Model(nn.Module):
-    def __init__(self, rows: list[int], dim: int) -> None:
+    def __init__(self, rows: list[int], dim: int, device: str = "cpu") -> None:
         super().__init__()
-        self.emb_l = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum") for n in rows)
+        self.emb_l = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", device=device) for n in rows)
         self.top = nn.Sequential(nn.Linear(dim * len(rows), 512), nn.ReLU(), nn.Linear(512, 1))
 
 
-def _rank(rank: int, world: int, rows: list[int], dim: int) -> dict:
+def _rank(rank: int, world: int, rows: list[int], dim: int, meta: bool) -> dict:
     import torch.distributed as dist
 
     base = _status("VmRSS:")  # the process, no model yet
-    model = Model(rows, dim)
+    model = Model(rows, dim, "meta" if meta else "cpu")  # (meta: the tables allocate nothing; each rank makes its shards)
     before = _status("VmRSS:")
     dist.barrier()
     model = he.distribute(model)
@@ -62,13 +62,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-rows", type=int, default=2_000_000)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--meta", action="store_true", help="build the tables on the meta device (no rows until sharded)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     rows = [min(n, args.max_rows) for n in KAGGLE]
     tables = sum(rows) * args.dim * 4
-    results = spawn(_rank, args.world, rows, args.dim, timeout=1800, pg_timeout=1800, threads=1)
+    results = spawn(_rank, args.world, rows, args.dim, args.meta, timeout=1800, pg_timeout=1800, threads=1)
     gib = 2**30
-    print(f"26 tables, {sum(rows):,} rows x {args.dim}: {tables / gib:.2f} GiB; world {args.world} (gloo)")
+    built = "on meta" if args.meta else "on the CPU"
+    print(f"26 tables, {sum(rows):,} rows x {args.dim}: {tables / gib:.2f} GiB, built {built}; world {args.world} (gloo)")
+    if args.meta:
+        tables = 0  # (the model holds no rows)
     for r, res in enumerate(results):
         b = res["base"]
         res["peak_vs_model_plus_shards"] = (res["peak"] - b) / (tables + res["shards"])
