@@ -8,7 +8,7 @@ The model is 26 ``nn.EmbeddingBag(rows, D)`` layers with the row counts of Crite
 categorical features (as facebookresearch/dlrm reads them), each capped at ``--max-rows`` (dlrm's
 ``--max-ind-range``), and a small MLP. It is built and touched in a fresh process (the rows
 resident, as after ``torch.manual_seed``-initialised construction), then converted; RSS is read
-from ``/proc/self/statm`` and the peak from ``getrusage`` (Linux).
+from ``/proc/self/status`` (VmRSS, and VmHWM for the peak; Linux).
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 835
           5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]  # fmt: skip
 
 _CHILD = """
-import json, resource, sys, torch
+import json, sys, torch
 from torch import nn
 import hybridembed as he
 rows, dim = json.loads(sys.argv[1]), int(sys.argv[2])
+def status(key):  # this process's own VmRSS / VmHWM (getrusage's ru_maxrss keeps the parent's across exec)
+    line = next(x for x in open("/proc/self/status") if x.startswith(key))
+    return int(line.split()[1]) * 1024
 def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096
+    return status("VmRSS:")
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
@@ -36,10 +39,10 @@ class Model(nn.Module):
 model = Model()
 tables = sum(n * dim * 4 for n in rows)
 before = rss()
-peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak_before = status("VmHWM:")
 he.convert(model)
 after = rss()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status("VmHWM:")
 print(json.dumps({"tables_bytes": tables, "rss_before": before, "rss_after": after, "peak": peak,
                   "peak_before": peak_before}))
 """
