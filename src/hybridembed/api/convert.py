@@ -382,7 +382,7 @@ def convert(
             used, then run all of them in one kernel call per group of tables
             (:mod:`hybridembed.modules.grouped`); False: one call per layer call.
         kernels: the kernel backend of the tables (see :class:`EmbeddingCollection`):
-            ``"auto"``, ``"eager"`` or ``"triton"``. The tables stay on the layers' device.
+            ``"auto"``, ``"eager"``, ``"triton"`` or ``"numba"``. The tables stay on the layers' device.
 
     Returns the converted model (``model`` itself unless it is an embedding layer). The
     tables live in ``model.hybridembed`` (a :class:`ConvertedCollection`). Raises

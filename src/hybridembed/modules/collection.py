@@ -176,8 +176,9 @@ class EmbeddingCollection(nn.Module):
             whose values are rows (N, D)) or ``"padded"`` (a zero-padded ``(B, T, D)`` tensor).
         pad: the id that marks padding in 2-D id tensors (an int64); dropped before lookup.
         kernels: the kernel backend (:mod:`hybridembed.kernels.backend`): ``"auto"``
-            (``HYBRIDEMBED_KERNELS``, else Triton on CUDA when installed and eager elsewhere), ``"eager"`` (PyTorch ops) or ``"triton"``
-            (Triton kernels on CUDA tensors; eager elsewhere).
+            (``HYBRIDEMBED_KERNELS``, else Triton on CUDA when installed, the fused CPU step on the
+            CPU when Numba is installed, eager elsewhere), ``"eager"`` (PyTorch ops), ``"triton"``
+            (Triton kernels on CUDA tensors; eager elsewhere) or ``"numba"`` (the fused CPU step).
 
     ``forward(inputs)`` takes ``{feature: Jagged | (B,) or (B, H) ids | sparse COO | lists}``
     and returns ``{feature: (B, D) tensor}`` for pooled features. Tables with the same dim,
