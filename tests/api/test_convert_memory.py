@@ -90,3 +90,11 @@ def test_a_converted_model_trains_as_the_plain_one():
             o.step()
     torch.testing.assert_close(conv.hybridembed.weight("a"), plain.a.weight.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(conv.hybridembed.weight("b"), plain.b.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_table_of_another_dtype_leaves_the_old_weight_its_own_rows():
+    model = Two()
+    old_a, want = model.a, model.a.weight.detach().clone()
+    he.convert(model, tables={"a": {"dtype": torch.float16}})
+    assert torch.equal(old_a.weight.detach(), want)  # (not handed back: it is not the table's view)
+    torch.testing.assert_close(model.hybridembed.weight("a").float(), want, rtol=1e-3, atol=1e-3)

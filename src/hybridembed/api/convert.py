@@ -545,7 +545,8 @@ def _take_over(old: nn.Parameter, rows: torch.Tensor) -> None:
     memory is freed (and handed back to the system). When nothing else holds that memory, the
     copy goes 64 MiB at a time and hands back each copied part's pages at once, so a table is
     never held twice, not even while it is copied (``he.convert``'s peak is about the model)."""
-    sole = _only_holder(old) and old.device.type == "cpu" and old.is_contiguous()
+    alias = old.dtype == rows.dtype and old.device == rows.device and old.shape == rows.shape
+    sole = alias and _only_holder(old) and old.device.type == "cpu" and old.is_contiguous()
     src = old.detach()
     if not sole:
         rows.copy_(src)
@@ -555,7 +556,7 @@ def _take_over(old: nn.Parameter, rows: torch.Tensor) -> None:
             rows[a : a + step].copy_(src[a : a + step])
             discard_pages(src[a : a + step])  # (never read again: the parameter gets the table's rows next)
     del src
-    if old.dtype == rows.dtype and old.device == rows.device and old.shape == rows.shape:
+    if alias:  # (a table of another dtype: the old weight keeps its own rows, untouched)
         old.data = rows  # (a reference kept to the old layer reads the table's current rows)
         release_free_memory()
 
