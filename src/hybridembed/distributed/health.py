@@ -151,6 +151,9 @@ class _Heartbeat:
         self._stop.set()
         if self.thread is not threading.current_thread():
             self.thread.join(STORE_WAIT)
+        asking = self._asking  # (a read of the store still in flight: the same holds for it)
+        if asking is not None and asking is not threading.current_thread():
+            asking.join(STORE_WAIT)
 
     def ask(self, fn):
         """``fn(store)`` within :data:`STORE_WAIT` seconds; None when the store failed or did not
