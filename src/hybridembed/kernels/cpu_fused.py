@@ -32,6 +32,7 @@ that would have used the kernels logs one line saying so.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -113,9 +114,10 @@ def _run(fn, slices: list[tuple[int, int]], *args) -> None:
     if len(slices) == 1:
         fn(*args[0], *slices[0], *args[1])
         return
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < len(slices) - 1:
-            _pool = ThreadPoolExecutor(max_workers=max(len(slices) - 1, 1), thread_name_prefix="hybridembed-step")
+    with _pool_lock:  # (one pool for the process; slices beyond its workers wait their turn)
+        if _pool is None:
+            workers = max(1, (os.cpu_count() or 2) - 1)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridembed-step")
         pool = _pool
     futures = [pool.submit(fn, *args[0], lo, hi, *args[1]) for lo, hi in slices[1:]]
     fn(*args[0], *slices[0], *args[1])
