@@ -32,7 +32,7 @@ def _import_with_log_level(value):
 
 @pytest.mark.parametrize(
     "value, level, warns",
-    [("", "20", False), ("debug", "10", False), ("LOUD", "20", True)],  # (a process each: ~3 s)
+    [("", "30", False), ("debug", "10", False), ("LOUD", "30", True)],  # (a process each: ~3 s)
 )
 def test_log_level_variable_never_breaks_the_import(value, level, warns):
     rc, err, got = _import_with_log_level(value)
@@ -87,3 +87,61 @@ def test_import_tunes_the_allocator_unless_opted_out(setting):
         assert got == {"tuned": False, "mapped": got["mapped"]} and got["mapped"] >= 40 << 20, got
     else:
         assert got == {"tuned": True, "mapped": 0}, got
+
+
+# --- logging as a library's (the logging HOWTO): NullHandler, records propagate, the CLI prints ---------
+_LOG_PROBE = """
+import logging, sys, warnings
+import hybridembed as he
+how = sys.argv[1]
+if how == "app":  # the application configures logging: it gets the library's records
+    logging.basicConfig(filename=sys.argv[2], level=logging.INFO, format="%(name)s|%(levelname)s|%(message)s")
+elif how == "cli":
+    he.configure_logging()
+log = he.get_logger("hybridembed.probe")
+log.info("an info line")
+log.warning("a warning line")
+"""
+
+
+def _log_probe(how, *args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDEMBED_") and k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
+    p = subprocess.run(
+        [sys.executable, "-c", _LOG_PROBE, how, *map(str, args)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    return p.stderr
+
+
+def test_an_applications_logging_config_receives_the_librarys_records(tmp_path):
+    log = tmp_path / "app.log"
+    err = _log_probe("app", log)
+    assert "an info line" not in err and "a warning line" not in err  # (nothing printed by the library itself)
+    lines = log.read_text().splitlines()
+    assert "hybridembed.probe|INFO|an info line" in lines and "hybridembed.probe|WARNING|a warning line" in lines
+
+
+def test_an_unconfigured_application_gets_nothing_printed():
+    assert _log_probe("none") == ""  # (a NullHandler: the application decides)
+
+
+def test_configure_logging_labels_ranks_only_in_a_job_and_info_comes_from_rank_0_alone():
+    one = _log_probe("cli")
+    assert one.splitlines() == ["INFO hybridembed.probe: an info line", "WARNING hybridembed.probe: a warning line"]
+    r0 = _log_probe("cli", env_extra={"RANK": "0", "WORLD_SIZE": "2"})
+    assert r0.splitlines() == [
+        "[rank 0] INFO hybridembed.probe: an info line",
+        "[rank 0] WARNING hybridembed.probe: a warning line",
+    ]
+    r1 = _log_probe("cli", env_extra={"RANK": "1", "WORLD_SIZE": "2"})
+    assert r1.splitlines() == ["[rank 1] WARNING hybridembed.probe: a warning line"]
+    # a level asked for is every rank's
+    r1_debug = _log_probe("cli", env_extra={"RANK": "1", "WORLD_SIZE": "2", "HYBRIDEMBED_LOG_LEVEL": "info"})
+    assert "[rank 1] INFO hybridembed.probe: an info line" in r1_debug.splitlines()
+
+
+def test_configure_logging_refuses_a_bad_level():
+    with pytest.raises(he.ConfigError, match="level must be one of"):
+        he.configure_logging("LOUD")

@@ -10,7 +10,7 @@ from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInput
 from .input import Jagged
 from .modules import EmbeddingCollection
 from .optim import clip_grad_norm_, wrap_optimizer
-from .utils import get_logger, tune_cpu_allocator
+from .utils import configure_logging, get_logger, tune_cpu_allocator
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "RankLost",
     "TableConfig",
     "clip_grad_norm_",
+    "configure_logging",
     "convert",
     "distribute",
     "export",

@@ -9,8 +9,9 @@
     do not ask for 2 MiB pages for embedding rows and optimizer state (on by default where
     the kernel allows it; see :func:`hybridembed.utils.advise_huge_pages`).
 ``HYBRIDEMBED_LOG_LEVEL``
-    level of the ``hybridembed`` logger: ``DEBUG``, ``INFO`` (the default, also when empty),
-    ``WARNING``, ``ERROR`` or ``CRITICAL``, any case; another value logs a warning and uses ``INFO``.
+    level of the ``hybridembed`` logger: ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR`` or
+    ``CRITICAL``, any case; unset or empty, the logger follows the application's logging (and
+    :func:`hybridembed.configure_logging` uses INFO); another value warns and is ignored.
 ``HYBRIDEMBED_KERNELS``
     the kernel backend of collections built with ``kernels="auto"`` (the default): ``eager``
     (PyTorch ops), ``triton`` (Triton kernels on CUDA, and on the CPU under

@@ -7,7 +7,9 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -136,43 +138,99 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
 
 
-class _RankFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        rank = 0
-        try:
-            import torch.distributed as dist
+class _RankLabel(logging.Filter):
+    """Adds ``record.rank_label``: ``"[rank N] "`` in a ``torch.distributed`` job of several
+    processes, empty in one process; with ``quiet_others``, drops records below WARNING on
+    every rank but 0 (one INFO line per job, not one per rank)."""
 
-            if dist.is_available() and dist.is_initialized():
-                rank = dist.get_rank()
-        except Exception:  # pragma: no cover - logging must never fail
-            pass
-        record.rank = rank
-        return True
+    def __init__(self, quiet_others: bool):
+        super().__init__()
+        self.quiet_others = quiet_others
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank, world = _rank_and_world()
+        record.rank_label = f"[rank {rank}] " if world > 1 else ""
+        return not (self.quiet_others and rank != 0 and record.levelno < logging.WARNING)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the job's size: torch.distributed's once initialised, else
+    torchrun's environment (RANK, WORLD_SIZE), else (0, 1). Never raises."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except Exception:  # pragma: no cover - logging must never fail
+        return 0, 1
+
+
+_ROOT_LOGGER = logging.getLogger("hybridembed")
+_ROOT_LOGGER.addHandler(logging.NullHandler())  # a library's logger: the application decides where records go
 
 
 def get_logger(name: str = "hybridembed") -> logging.Logger:
-    """The library logger; records carry ``[rank N]`` under ``torch.distributed``."""
-    logger = logging.getLogger(name)
-    root = logging.getLogger("hybridembed")
-    if not root.handlers:
+    """A logger under ``hybridembed``. As the ``logging`` HOWTO asks of a library, hybridembed adds
+    only a ``NullHandler`` and its records propagate: an application's ``logging.basicConfig(...)``
+    (or any handler on the root logger) receives them. ``HYBRIDEMBED_LOG_LEVEL`` sets the
+    ``hybridembed`` logger's level; :func:`configure_logging` prints to stderr (the CLI's)."""
+    return logging.getLogger(name)
+
+
+def _level_from_env() -> str | None:
+    """``HYBRIDEMBED_LOG_LEVEL`` as a level name, None when unset or empty; another value warns once
+    and counts as unset."""
+    value = _env.text("LOG_LEVEL").strip()
+    if not value:
+        return None
+    if value.upper() in _LEVELS:
+        return value.upper()
+    warnings.warn(
+        f"HYBRIDEMBED_LOG_LEVEL={value!r} is not a log level; ignored. Allowed: {', '.join(_LEVELS)}", stacklevel=2
+    )
+    return None
+
+
+_HANDLER_NAME = "hybridembed.stderr"
+
+
+def logging_configured() -> bool:
+    """Whether :func:`configure_logging` was called in this process."""
+    return any(h.name == _HANDLER_NAME for h in _ROOT_LOGGER.handlers)
+
+
+def configure_logging(level: int | str | None = None) -> logging.Handler:
+    """Prints hybridembed's records to stderr, as its command line does: ``[rank N] LEVEL name:
+    message`` in a job of several processes (no label in one process), INFO and above on rank 0
+    and WARNING and above on the other ranks, unless ``level`` (or ``HYBRIDEMBED_LOG_LEVEL``)
+    says otherwise. For scripts that want the library's lines without configuring ``logging``
+    themselves; calling it again changes the level and adds no second handler. Records still
+    propagate to the application's handlers. Returns the handler.
+
+    >>> h = configure_logging("WARNING"); h.name
+    'hybridembed.stderr'
+    """
+    if level is not None and not isinstance(level, int) and str(level).upper() not in _LEVELS:
+        raise ConfigError(f"configure_logging: level must be one of {', '.join(_LEVELS)} or an int, got {level!r}")
+    env = _level_from_env()
+    chosen = level if level is not None else env
+    handler = next((h for h in _ROOT_LOGGER.handlers if h.name == _HANDLER_NAME), None)
+    if handler is None:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(name)s: %(message)s"))
-        handler.addFilter(_RankFilter())
-        root.addHandler(handler)
-        root.propagate = False
-        value = _env.text("LOG_LEVEL").strip()
-        level = value.upper() or "INFO"  # (empty: the default)
-        root.setLevel(level if level in _LEVELS else "INFO")
-        if level not in _LEVELS:
-            root.warning(
-                "HYBRIDEMBED_LOG_LEVEL=%r is not a log level; using INFO. Allowed: %s",
-                value,
-                ", ".join(_LEVELS),
-            )
-    return logger
+        handler.name = _HANDLER_NAME
+        handler.setFormatter(logging.Formatter("%(rank_label)s%(levelname)s %(name)s: %(message)s"))
+        _ROOT_LOGGER.addHandler(handler)
+    for f in list(handler.filters):
+        handler.removeFilter(f)
+    handler.addFilter(_RankLabel(quiet_others=chosen is None))
+    _ROOT_LOGGER.setLevel(chosen.upper() if isinstance(chosen, str) else chosen if chosen is not None else "INFO")
+    return handler
 
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # HYBRIDEMBED_LOG_LEVEL, any case
+if (_LEVEL := _level_from_env()) is not None:  # (unset: the level follows the application's loggers)
+    _ROOT_LOGGER.setLevel(_LEVEL)
 
 
 DEVICE_FORMS = "'cpu', 'cuda', 'cuda:N' (N < the GPU count), 'meta' (no rows allocated) or a torch.device"

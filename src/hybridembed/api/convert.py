@@ -108,6 +108,7 @@ from __future__ import annotations
 import fnmatch
 import gc
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -209,7 +210,9 @@ def _check_layer(path: str, m: nn.Module, other_params: dict[int, list[str]]) ->
             f"(tied weights); a table's rows cannot be shared with a dense layer; {keep}"
         )
     if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._state_dict_hooks:
-        log.warning("layer %r (%s) has hooks; they stay on the replaced torch module and will not run", path, kind)
+        warnings.warn(
+            f"layer {path!r} ({kind}) has hooks; they stay on the replaced torch module and will not run", stacklevel=3
+        )
 
 
 def _table_name(path: str, taken: set[str]) -> str:
@@ -525,13 +528,12 @@ def convert(
     stale = _stale_references(model, replaced)
     if stale:
         more = f" and {len(stale) - 3} more" if len(stale) > 3 else ""
-        log.warning(
-            "convert: %s%s still hold the replaced nn.Embedding weights (kept in memory, no longer trained or "
-            "read by the model). Build optimizers after convert or pass them through he.wrap_optimizer(opt, model) "
-            "(which drops them); regularise tables with the optimizer's weight_decay (applied to the rows a step "
-            "touches) or on the looked-up rows, not on the old weights",
-            "; ".join(stale[:3]),
-            more,
+        warnings.warn(
+            f"convert: {'; '.join(stale[:3])}{more} still hold the replaced nn.Embedding weights (kept in memory, "
+            "no longer trained or read by the model). Build optimizers after convert or pass them through "
+            "he.wrap_optimizer(opt, model) (which drops them); regularise tables with the optimizer's weight_decay "
+            "(applied to the rows a step touches) or on the looked-up rows, not on the old weights",
+            stacklevel=2,
         )
     return model
 

@@ -766,4 +766,7 @@ def _write_json(obj: Any, path: str) -> None:
 
 
 if __name__ == "__main__":
+    from ..utils import configure_logging
+
+    configure_logging()
     sys.exit(main())

@@ -120,4 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from ..utils import configure_logging
+
+    configure_logging()
     main()

@@ -11,6 +11,7 @@ checkpoints) reach them without the verb.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -63,11 +64,11 @@ class ConvertedCollection(EmbeddingCollection):
         if idle:
             self._warned_unconsumed = True
             shown = ", ".join(map(repr, idle[:3])) + (f" and {len(idle) - 3} more" if len(idle) > 3 else "")
-            log.warning(
-                "tables %s have gradients that no optimizer step consumed: they are not training. Give them "
+            warnings.warn(
+                f"tables {shown} have gradients that no optimizer step consumed: they are not training. Give them "
                 "sparse updates with opt = he.wrap_optimizer(opt, model) after he.convert (a torch optimizer "
                 "built before convert holds the replaced weights)",
-                shown,
+                stacklevel=4,
             )
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -130,4 +130,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 if __name__ == "__main__":
+    from ..utils import configure_logging
+
+    configure_logging()
     sys.exit(main())

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import RankLost
+from ..utils import configure_logging, logging_configured
 from . import elastic
 from .job import generate_if_needed, run
 from .options import JOB_PG_TIMEOUT, MODEL_DIR, one_line
@@ -50,6 +51,8 @@ def _on_rank(args: argparse.Namespace, rank: int, world: int, local_rank: int) -
 
 def _rank_main(rank: int, world: int, args: argparse.Namespace, state: dict[str, Any] | None) -> int:
     """One rank of ``--nproc N`` (spawned): the command's run with this rank's :class:`Job`."""
+    if getattr(args, "log_to_stderr", False):  # (as the command's own process: see spawn_job)
+        configure_logging()
     return run(_on_rank(args, rank, world, rank), state, Job(rank, world))
 
 
@@ -58,6 +61,7 @@ def spawn_job(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
 
     if args.dataset == "criteo" and not args.data:
         generate_if_needed(args)  # here, before the job's collectives start their clocks
+    args.log_to_stderr = logging_configured()  # the ranks print the library's records where this command does
     # no time limit on the job; a collective waits at most --timeout (JOB_PG_TIMEOUT) for a rank that
     # hangs (a rank that fails or dies stops the others within seconds)
     spawn(
