@@ -12,6 +12,8 @@ Each subcommand lives beside the code it drives and is imported only when called
 
 from __future__ import annotations
 
+import difflib
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -61,7 +63,13 @@ def _usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hybridembed`` console script; returns the exit code."""
+    """Entry point of the ``hybridembed`` console script; returns the exit code. Called with no
+    ``argv`` (the console script) it also sends the library's log records to stderr
+    (:func:`hybridembed.configure_logging`); an application calling it with ``argv`` keeps its own."""
+    if argv is None:
+        from .utils import configure_logging
+
+        configure_logging()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
@@ -73,15 +81,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     name, rest = args[0], args[1:]
     if name in COMMANDS:
-        return COMMANDS[name][1](rest)
+        try:
+            return COMMANDS[name][1](rest)
+        except BrokenPipeError:  # (`hybridembed plan ... | head`: the reader left; no traceback)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
     available = ", ".join(COMMANDS)
     if name in PLANNED:
         print(f"hybridembed: error: '{name}' is not yet available; available commands: {available}", file=sys.stderr)
     else:
-        print(
-            f"hybridembed: error: unknown command '{name}' (not yet available); available commands: {available}",
-            file=sys.stderr,
-        )
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"hybridembed: error: unknown command '{name}'{hint}; available commands: {available}", file=sys.stderr)
     return 2
 
 

@@ -193,7 +193,9 @@ def test_console_script_dispatch(capsys, monkeypatch):
     assert "not yet available" in capsys.readouterr().err
     assert top.main(["frobnicate"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not yet available" in err[0]
+    assert len(err) == 1 and "unknown command 'frobnicate'; available commands: bench" in err[0]
+    assert top.main(["trian"]) == 2  # a typo: the command it was probably meant to be
+    assert "unknown command 'trian' (did you mean 'train'?)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         top.main(["bench", "--model", "huge"])
     assert e.value.code == 2

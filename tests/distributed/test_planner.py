@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -461,7 +462,12 @@ def test_cli_plans_jumbo_at_128_and_writes_a_plan_json(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "jumbo: 1022 tables on 128 ranks, strategy memory_balanced" in r.stdout
     assert "memory per rank 80.0 GiB" in r.stdout and "max/mean 1.0" in r.stdout
-    assert "\nt74 " in r.stdout and "\n  127 " in r.stdout  # every table and every rank
+    # a screenful by default: the first tables and ranks, then how many more
+    assert "\nt29 " in r.stdout and "\nt30 " not in r.stdout and "... and 992 more tables (--all" in r.stdout
+    assert "\n   15 " in r.stdout and "\n   16 " not in r.stdout and "... and 112 more ranks" in r.stdout
+    assert len(r.stdout.splitlines()) < 80
+    every = _run("--model", "jumbo", "--world-size", "128", "--memory-per-rank", "80GiB", "--all")
+    assert "\nt1021 " in every.stdout and "\n  127 " in every.stdout and "more tables" not in every.stdout
     plan = Plan.from_json(out.read_text())
     tables, hotness, bags = _model("jumbo")
     assert plan == make_plan(tables, 128, hotness=hotness, bags=bags, memory_per_rank=80 << 30)
@@ -602,3 +608,10 @@ def test_cli_reads_tables_from_yaml(tmp_path, capsys):
     assert top.main(["plan", "--tables", str(path), "--world-size", "2", "--json", str(out)]) == 0
     assert "tables.yaml: 2 tables on 2 ranks" in capsys.readouterr().out
     assert {t.table for t in Plan.from_json(out.read_text()).tables} == {"user", "item"}
+
+
+def test_the_example_tables_file_plans():
+    example = Path(__file__).resolve().parents[2] / "examples" / "tables.json"
+    r = _run("--tables", str(example), "--world-size", "4")
+    assert r.returncode == 0, r.stderr
+    assert "tables.json: 6 tables on 4 ranks" in r.stdout and "query_terms" in r.stdout

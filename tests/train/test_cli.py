@@ -81,7 +81,7 @@ def test_bad_flags(argv, needle, capsys):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--dataset", "adult"], "--dataset adult needs --data PATH"),
+        (["--dataset", "adult"], "--dataset adult needs --data FILE... (UCI Adult (Census Income) is at https://archive.ics.uci.edu"),
         (["--data", "/nonexistent/day_0.tsv"], "/nonexistent/day_0.tsv: no such file"),
         (["--val-data", "/nonexistent/day_23.tsv"], "/nonexistent/day_23.tsv: no such file"),
         (["--resume", "/nonexistent/ckpt"], "no such checkpoint directory"),
@@ -187,3 +187,27 @@ def test_outputs_that_cannot_be_written_fail_before_training(flag, target, needl
     line = _one_error_line(capsys.readouterr().err)
     assert f"{flag} {given}" in line and needle in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "readonly"]  # nothing written
+
+
+def test_a_held_out_set_of_one_class_says_why_the_auc_is_undefined(tmp_path, capsys):
+    # 30 generated rows: 3 held out, all negative (seed 0)
+    assert cli.main(["--rows", "30", "--workdir", str(tmp_path), "--no-progress", "--no-export"]) == 0
+    out = capsys.readouterr().out
+    assert "AUC undefined (all 3 held-out rows are negative: more --rows or another --seed)" in out
+    assert "AUC nan" not in out and "done in" in out
+
+
+def test_onnx_export_without_its_packages_fails_before_training(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else real(name, *a))
+
+    def no_training(*a, **k):
+        raise AssertionError("trained before checking the export's packages")
+
+    monkeypatch.setattr(train_job, "load_data", no_training)
+    assert cli.main(["--rows", "30", "--workdir", str(tmp_path / "w"), "--export-format", "onnx"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "--export-format onnx needs the onnxscript package" in line and "--no-export" in line
+    assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())

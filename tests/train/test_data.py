@@ -6,6 +6,7 @@ python -m pytest -q tests/train/test_data.py
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -174,3 +175,34 @@ def test_adult_labels_with_trailing_dot(tmp_path):
     pq.write_table(pa.table({"age": [1]}), tmp_path / "b.parquet")
     with pytest.raises(D.DataError, match="missing column"):
         D.load_adult(str(tmp_path / "b.parquet"))
+
+
+def test_adult_reads_uci_s_own_files_and_a_csv_as_the_parquet(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    rng = random.Random(0)
+    n = 60
+    cols = {c: [rng.choice(["a b", "c-d", "e", None]) for _ in range(n)] for c in D.ADULT_CATEGORICAL}
+    cols.update({c: [rng.randrange(1, 90) for _ in range(n)] for c in D.ADULT_NUMERIC})
+    cols["income"] = [rng.choice(["<=50K", ">50K"]) for _ in range(n)]
+    table = pa.table({c: cols[c] for c in D.ADULT_UCI_COLUMNS})
+    pq.write_table(table, tmp_path / "adult.parquet")
+    rows = [", ".join("?" if cols[c][i] is None else str(cols[c][i]) for c in D.ADULT_UCI_COLUMNS) for i in range(n)]
+    (tmp_path / "adult.data").write_text("\n".join(rows[:40]) + "\n")  # UCI: no header, ", " between cells
+    test_rows = [r.replace(">50K", ">50K.").replace("<=50K", "<=50K.") for r in rows[40:]]
+    (tmp_path / "adult.test").write_text("|1x3 Cross validator\n" + "\n".join(test_rows) + "\n\n")
+    header = ",".join(D.ADULT_UCI_COLUMNS)
+    csv_rows = [",".join("" if cols[c][i] is None else str(cols[c][i]) for c in D.ADULT_UCI_COLUMNS) for i in range(n)]
+    (tmp_path / "adult.csv").write_text(header + "\n" + "\n".join(csv_rows) + "\n")
+    want = D.load_adult(str(tmp_path / "adult.parquet"))
+    for got in (
+        D.load_adult([str(tmp_path / "adult.data"), str(tmp_path / "adult.test")]),
+        D.load_adult(str(tmp_path / "adult.csv")),
+    ):
+        assert (got.rows, got.positives) == (want.rows, want.positives)
+        for split in ("train", "test"):
+            a, b = getattr(got, split), getattr(want, split)
+            assert torch.equal(a.sparse, b.sparse) and torch.equal(a.label, b.label)
+            torch.testing.assert_close(a.dense, b.dense)
+    (tmp_path / "junk.bin").write_bytes(b"\x00\x01 not a table")
+    with pytest.raises(D.DataError, match="archive.ics.uci.edu"):
+        D.load_adult(str(tmp_path / "junk.bin"))

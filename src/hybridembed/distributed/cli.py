@@ -141,7 +141,8 @@ def build_parser(prog: str = "hybridembed plan") -> argparse.ArgumentParser:
         metavar="FILE",
         type=Path,
         help="a JSON (or YAML) list of tables: name, "
-        "num_embeddings, embedding_dim, and optionally dynamic {...}, hotness, bags, combiner, dtype",
+        "num_embeddings, embedding_dim, and optionally dynamic {...}, hotness, bags, combiner, dtype "
+        "(an example: examples/tables.json in the repository)",
     )
     p.add_argument("--world-size", type=_positive_int, required=True, metavar="N", help="ranks in the job")
     p.add_argument(
@@ -199,7 +200,12 @@ def build_parser(prog: str = "hybridembed plan") -> argparse.ArgumentParser:
         help="force a table's sharding, e.g. t3=row_wise:mod, t0=table_wise@5, t1=row_wise@0-3 (repeatable)",
     )
     p.add_argument(
-        "--summary", action="store_true", help="print the sharding counts and totals only, not every table and rank"
+        "--summary", action="store_true", help="print the sharding counts and totals only, no table or rank lines"
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help=f"list every table and rank (default: the first {SHOWN_TABLES} tables and {SHOWN_RANKS} ranks)",
     )
     p.add_argument("--json", metavar="OUT", type=Path, help="write the plan as JSON (Plan.from_json reads it)")
     return p
@@ -276,6 +282,9 @@ def _rank_list(ranks: Sequence[int]) -> str:
     return ",".join(runs)
 
 
+SHOWN_TABLES, SHOWN_RANKS = 30, 16  # listed by default (the totals cover every one)
+
+
 def format_plan(
     plan: Plan,
     tables: Sequence[Any],
@@ -283,8 +292,10 @@ def format_plan(
     hotness: dict[str, float],
     title: str,
     summary: bool = False,
+    shown: tuple[int, int] | None = None,
 ) -> str:
-    """The readable report ``hybridembed plan`` prints."""
+    """The readable report ``hybridembed plan`` prints. ``shown``: at most this many (tables, ranks)
+    listed, with a line saying how many more (None: every one)."""
     from .planner import _tables
 
     info = _tables(tables, hotness, 1, plan.notes.get("optimizer", "adagrad"))
@@ -308,7 +319,8 @@ def format_plan(
             lines.append(f"{sh:<16}{count[sh]:>8}{format_bytes(mem_by[sh]):>12}")
     if not summary:
         lines += ["", f"{'table':<14}{'rows':>15}{'dim':>6}{'hotness':>9}  {'sharding':<15}{'ranks':<14}{'memory':>11}"]
-        for tp in plan.tables:
+        max_tables, max_ranks = shown or (len(plan.tables), len(costs))
+        for tp in plan.tables[:max_tables]:
             t = info[tp.table]
             rows = f"{t.rows:,}" + ("*" if t.config.dynamic is not None else "")
             ranks = _rank_list(tp.ranks) + (f" ({tp.placement})" if tp.placement else "")
@@ -316,17 +328,23 @@ def format_plan(
                 f"{tp.table:<14}{rows:>15}{t.dim:>6}{t.hotness:>9.4g}  {tp.sharding:<15}{ranks:<14}"
                 f"{format_bytes(t.nbytes):>11}"
             )
+        if len(plan.tables) > max_tables:
+            lines.append(
+                f"... and {len(plan.tables) - max_tables:,} more tables (--all lists every one; --json OUT writes the plan)"
+            )
         lines += [
             "",
             f"{'rank':>5}{'memory':>12}{'shards':>8}{'ids in':>14}{'rows out':>14}{'sent':>12}{'received':>12}"
             "   (per step)",
         ]
         shards = Counter(s.rank for tp in plan.tables for s in tp.shards)
-        for c in costs:
+        for c in costs[:max_ranks]:
             lines.append(
                 f"{c.rank:>5}{format_bytes(c.memory_bytes):>12}{shards[c.rank]:>8}{c.ids_received:>14,}"
                 f"{c.rows_sent:>14,}{format_bytes(c.bytes_sent):>12}{format_bytes(c.bytes_received):>12}"
             )
+        if len(costs) > max_ranks:
+            lines.append(f"... and {len(costs) - max_ranks:,} more ranks (--all lists every one)")
     mem = [c.memory_bytes for c in costs]
     moved = [c.bytes_moved for c in costs]
     hi_m = max(range(W), key=lambda r: (mem[r], -r))
@@ -393,7 +411,8 @@ def main(
         )
     except ConfigError as e:
         return fail(str(e))
-    print(format_plan(plan, tables, costs, hotness, f"{prog}: {title}", args.summary))
+    shown = None if args.all else (SHOWN_TABLES, SHOWN_RANKS)
+    print(format_plan(plan, tables, costs, hotness, f"{prog}: {title}", args.summary, shown))
     if args.json is not None:
         try:
             args.json.write_text(plan.to_json(indent=1) + "\n")

@@ -5,6 +5,7 @@ fills the defaults in place and raises :class:`~.options.UsageError` for what ca
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 
 from ..errors import ConfigError, HybridEmbedError
 from ..kernels.backend import check_kernels, describe
+from . import data as D
 from .options import (
     ARCH_DEFAULTS,
     DATA_DEFAULTS,
@@ -126,9 +128,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
         raise UsageError(f"--batch-size {args.batch_size} is smaller than {who}; give at least one row per rank")
     if args.dataset == "adult":
         if not args.data:
-            raise UsageError("--dataset adult needs --data PATH (the UCI Adult parquet file)")
-        if len(args.data) != 1:
-            raise UsageError(f"--dataset adult reads one parquet file, got {len(args.data)}")
+            raise UsageError(f"--dataset adult needs --data FILE... ({D.ADULT_SOURCE})")
         for flag in ("val_data", "max_rows"):
             if getattr(args, flag):
                 raise UsageError(f"--{flag.replace('_', '-')} applies to --dataset criteo only")
@@ -145,6 +145,14 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
         args.export = None
     elif args.export is None:
         args.export = os.path.join(args.workdir, "model.onnx" if args.export_format == "onnx" else "model.pt")
+    if args.export and args.export_format == "onnx":  # (before training, not after it)
+        missing = [m for m in ("onnx", "onnxscript") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise UsageError(
+                f"--export-format onnx needs the {' and '.join(missing)} package{'s' if len(missing) > 1 else ''}: "
+                'pip install -e ".[export]" (or pip install onnx onnxscript onnxruntime); or --export-format '
+                "torchscript, or --no-export"
+            )
     _check_outputs(args)
     return state
 

@@ -25,6 +25,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,6 +75,16 @@ ADULT_CATEGORICAL = [
 ]
 ADULT_NUMERIC = ["age", "fnlwgt", "educational-num", "capital-gain", "capital-loss", "hours-per-week"]
 ADULT_LABEL = "income"
+# the 15 columns of UCI's own files (adult.data, adult.test: comma-separated, no header), in order
+ADULT_UCI_COLUMNS = [
+    "age", "workclass", "fnlwgt", "education", "educational-num", "marital-status", "occupation",
+    "relationship", "race", "gender", "capital-gain", "capital-loss", "hours-per-week", "native-country", "income",
+]  # fmt: skip
+ADULT_SOURCE = (
+    "UCI Adult (Census Income) is at https://archive.ics.uci.edu/dataset/2/adult: give its adult.data and "
+    "adult.test (--data adult.data adult.test), or a parquet or CSV file with its 15 columns named age, workclass, "
+    "..., native-country, income"
+)
 
 
 class DataError(HybridEmbedError):
@@ -519,14 +530,48 @@ class AdultData:
     rows: int
 
 
+def _adult_table(path: str, pa: Any) -> Any:
+    """One Adult file as a pyarrow table: parquet, a CSV with a header row (the OpenML/Kaggle
+    ``adult.csv``), or UCI's headerless ``adult.data`` / ``adult.test`` (whose first line, a
+    comment starting ``|``, is skipped)."""
+    import pyarrow.compute as pc
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(0)
+        first = f.readline().decode("utf-8", "replace")
+    try:
+        if head == b"PAR1":
+            return pq.read_table(path)
+        names = [c.strip() for c in first.split(",")]
+        has_header = ADULT_LABEL in names or "age" in names
+        read = pcsv.ReadOptions(
+            column_names=None if has_header else ADULT_UCI_COLUMNS, skip_rows=1 if first.startswith("|") else 0
+        )
+        parse = pcsv.ParseOptions(ignore_empty_lines=True)
+        convert = pcsv.ConvertOptions(null_values=["?", " ?", ""], strings_can_be_null=True)
+        table = pcsv.read_csv(path, read_options=read, parse_options=parse, convert_options=convert)
+        table = table.rename_columns([c.strip() for c in table.column_names])
+        for i, field in enumerate(table.schema):  # (UCI's cells are ", "-separated: " State-gov")
+            if pa.types.is_string(field.type):
+                table = table.set_column(i, field.name, pc.utf8_trim_whitespace(table.column(i)))
+        return table
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot read as parquet or CSV: {_one_line(e)} ({ADULT_SOURCE})") from None
+
+
 def load_adult(
-    path: str,
+    path: str | Sequence[str],
     ids: str = "hash",
     test_fraction: float = 0.2,
     seed: int = 0,
     shuffle_seed: int = 0,
 ) -> AdultData:
-    """UCI Adult from parquet: 8 categorical, 6 numeric features, label ``income`` starting ``>50K``.
+    """UCI Adult: 8 categorical, 6 numeric features, label ``income`` starting ``>50K``. ``path``:
+    one file or several, concatenated: parquet, a CSV with a header, or UCI's own ``adult.data``
+    and ``adult.test``.
 
     Rows are split by ``torch.randperm(rows, Generator().manual_seed(seed))``: the first
     ``round(rows * (1 - test_fraction))`` train, the rest test. Numeric features are
@@ -539,19 +584,16 @@ def load_adult(
     """
     pa = _pyarrow()
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     if ids not in ("hash", "vocab"):
         raise ValueError(f"ids must be 'hash' or 'vocab', got {ids!r}")
-    check_files([path])
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path}: cannot read as parquet: {_one_line(e)}") from None
+    paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    check_files(paths)
+    table = pa.concat_tables([_adult_table(p, pa) for p in paths], promote_options="permissive")
     wanted = [*ADULT_CATEGORICAL, *ADULT_NUMERIC, ADULT_LABEL]
     lacking = [c for c in wanted if c not in table.column_names]
     if lacking:
-        raise DataError(f"{path}: not the UCI Adult table: missing column(s) {', '.join(lacking)}")
+        raise DataError(f"{paths[0]}: not the UCI Adult table: missing column(s) {', '.join(lacking)} ({ADULT_SOURCE})")
     n = table.num_rows
     income = pc.utf8_trim_whitespace(table[ADULT_LABEL].cast(pa.string()))
     label = torch.from_numpy(

@@ -65,10 +65,10 @@ def load_data(args: argparse.Namespace) -> tuple[Any, D.TensorSource, str]:
     """(training source, evaluation source, a line describing both)."""
     if args.dataset == "adult":
         adult = D.load_adult(
-            args.data[0], ids="hash", test_fraction=args.holdout, seed=ADULT_SPLIT_SEED, shuffle_seed=args.seed
+            args.data, ids="hash", test_fraction=args.holdout, seed=ADULT_SPLIT_SEED, shuffle_seed=args.seed
         )
         desc = (
-            f"UCI Adult {args.data[0]}: {adult.rows:,} rows ({adult.positives:,} with income >50K); "
+            f"UCI Adult {' + '.join(args.data)}: {adult.rows:,} rows ({adult.positives:,} with income >50K); "
             f"train {len(adult.train):,}, test {len(adult.test):,} (fixed permutation, seed {ADULT_SPLIT_SEED}); "
             f"{len(D.ADULT_CATEGORICAL)} categorical (string ids hashed), {len(D.ADULT_NUMERIC)} numeric (standardised)"
         )
@@ -373,6 +373,8 @@ def _train(
         else:
             say(f"checkpoint: skipped, {ckpt.unavailable or 'nothing trained'}")
     if args.export:
+        if args.export_format == "onnx":  # (the dynamo exporter takes about a minute on 2 cores)
+            say(f"export: writing {args.export} (onnx: torch.export, then onnxscript; about a minute)...", flush=True)
         say(_export(args, inner, None if example is None else next(to_device([example], device)), job))
     say(f"done in {time.perf_counter() - t_start:.1f} s", flush=True)
     return 0

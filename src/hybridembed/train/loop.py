@@ -64,6 +64,7 @@ class EvalStats:
     auc: float
     rows: int
     seconds: float
+    positives: int = 0  # held-out rows labelled 1 (AUC is undefined when none, or all, are)
 
 
 def train_epoch(
@@ -165,4 +166,5 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], job: Job = ONE) -> Eval
         logits, labels = job.gather(logits.float(), labels.float())  # (E,), (E,)
     n = labels.numel()
     loss = log_loss(logits, labels) if n else float("nan")
-    return EvalStats(loss, auc(logits, labels) if n else float("nan"), n, time.perf_counter() - t0)
+    positives = int(labels.sum().item()) if n else 0
+    return EvalStats(loss, auc(logits, labels) if n else float("nan"), n, time.perf_counter() - t0, positives)

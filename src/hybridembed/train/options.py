@@ -115,7 +115,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         choices=["criteo", "adult"],
         default=None,
         help="criteo: TSV with label, 13 integer and 26 hex categorical columns (the 1TB day files, Kaggle's "
-        "train.txt; .gz read as is); adult: UCI Adult parquet, label income '>50K' (default: criteo)",
+        "train.txt; .gz read as is); adult: UCI Adult (parquet, a CSV, or UCI's adult.data adult.test), label income '>50K' (default: criteo)",
     )
     d.add_argument(
         "--data",

@@ -57,6 +57,14 @@ def table_stats(model: nn.Module, job: Job = ONE) -> tuple[int, int, int]:
     return rows, evicted, tables
 
 
+def auc_text(ev: EvalStats) -> str:
+    """``AUC 0.8012``, or why it is undefined: every held-out row of one class."""
+    if ev.positives in (0, ev.rows):
+        one = "positive" if ev.positives else "negative"
+        return f"AUC undefined (all {ev.rows:,} held-out rows are {one}: more --rows or another --seed)"
+    return f"AUC {ev.auc:.4f}"
+
+
 def epoch_line(
     epoch: int, epochs: int, tr: EpochStats | None, ev: EvalStats | None, model: nn.Module, job: Job = ONE
 ) -> str:
@@ -64,7 +72,7 @@ def epoch_line(
     if tr is not None:
         parts.append(f"train loss {tr.loss:.4f}")
     if ev is not None and ev.rows:
-        parts.append(f"test loss {ev.loss:.4f}  AUC {ev.auc:.4f}")
+        parts.append(f"test loss {ev.loss:.4f}  {auc_text(ev)}")
     if tr is not None:
         parts.append(f"{tr.rows:,} samples in {tr.seconds:.1f} s = {tr.samples_per_s:,.0f} samples/s")
     rows, evicted, _ = table_stats(model, job)
