@@ -40,3 +40,5 @@ __all__ = [
 
 if _env.flag("TUNE_ALLOCATOR", True):  # on by default; HYBRIDEMBED_TUNE_ALLOCATOR=0 opts out
     tune_cpu_allocator()
+
+optim.wrapper.install_clip_grad_norm()  # torch.nn.utils.clip_grad_norm_ handles tables (see its docstring)

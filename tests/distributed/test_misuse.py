@@ -119,6 +119,8 @@ def test_clip_grad_norm_of_a_distributed_model_is_refused(world1):
     model = he.distribute(nn.ModuleDict({"e": nn.EmbeddingBag(10, 4)}), ddp=False)
     with pytest.raises(he.ConfigError, match="this rank's alone"):
         he.clip_grad_norm_(model, 1.0)
+    with pytest.raises(he.ConfigError, match="this rank's alone"):  # a parameter list (Lightning's) too
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
 
 
 def test_distribute_a_model_holding_an_embedding_collection(world1):

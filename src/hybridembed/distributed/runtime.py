@@ -170,6 +170,8 @@ class ShardedCollection(ShardedTables, ShardedStep):
             )
         self._device = device or torch.device("cpu")
         self._empty_ids = torch.zeros(0, dtype=torch.int64, device=self._device)
+        for st in self.storages:  # (a gradient norm taken on this rank alone is not the job's: see clip_grad_norm_)
+            st.weight._hybridembed_in_job = True
         if weights:
             self._copy_weights(weights)
 

@@ -284,6 +284,13 @@ def wrap_optimizer(
     return HybridOptimizer(torch_optimizer, chosen, hooks)
 
 
+_SHARDED_CLIP = (
+    "clip_grad_norm_: this model's tables are sharded over a job (or held by parameter servers), and a norm taken "
+    "here would be this rank's alone (not the job's); clip the dense part with torch.nn.utils.clip_grad_norm_ over "
+    "the dense parameters, or train the tables without clipping"
+)
+
+
 def clip_grad_norm_(
     parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
@@ -297,16 +304,14 @@ def clip_grad_norm_(
         raise ConfigError(f"clip_grad_norm_: max_norm must be a finite number >= 0, got {max_norm!r}")
     if isinstance(parameters, nn.Module):
         if any(getattr(m, "sharded", False) for m in parameters.modules()):
-            raise ConfigError(
-                "clip_grad_norm_: this model's tables are sharded over a job, and a norm taken here would be this "
-                "rank's alone (not the job's); clip the dense part with torch.nn.utils.clip_grad_norm_ over the "
-                "dense parameters, or train the tables without clipping"
-            )
+            raise ConfigError(_SHARDED_CLIP)
         parameters = parameters.parameters()
     elif isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    for p in parameters:  # gradients the Triton kernels kept for a fused update: made into sparse ones
+    for p in parameters:  # gradients the fused kernels kept for their update: made into sparse ones
+        if getattr(p, "_hybridembed_in_job", False):  # (set by the sharded and parameter-server collections)
+            raise ConfigError(_SHARDED_CLIP)
         storage = getattr(p, "_hybridembed_storage", None)
         if storage is not None:
             storage.materialize_grad()
@@ -331,3 +336,51 @@ def clip_grad_norm_(
     for p in params:
         (p.grad._values() if p.grad.is_sparse else p.grad).mul_(coef.to(p.grad.dtype))
     return total
+
+
+# --- torch.nn.utils.clip_grad_norm_ on a converted model ---------------------------------------------------
+_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+
+
+def _table_aware_clip(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` as installed by :func:`install_clip_grad_norm`: parameters
+    that include a hybridembed table's weight go to :func:`clip_grad_norm_` (torch's would fail on a
+    sparse gradient, or leave out a gradient a fused kernel keeps until the step); any other call is
+    torch's own, unchanged."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    # a table's gradient is sparse (eager) or kept by its storage for the fused step (weight.grad None)
+    if not any(_table_or_sparse(p) for p in params):
+        return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    total = clip_grad_norm_(params, float(max_norm), float(norm_type))
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped (error_if_nonfinite=True)"
+        )
+    return total
+
+
+def _table_or_sparse(p: torch.Tensor) -> bool:
+    """A table's weight whose gradient torch's clip would miss or refuse, a sharded table's, or a sparse gradient."""
+    if getattr(p, "_hybridembed_storage", None) is not None or getattr(p, "_hybridembed_in_job", False):
+        return True
+    return p.grad is not None and p.grad.is_sparse
+
+
+def install_clip_grad_norm() -> None:
+    """Makes ``torch.nn.utils.clip_grad_norm_`` (what user loops and Lightning's ``gradient_clip_val``
+    call) handle hybridembed tables: calls whose parameters hold a table's weight are
+    :func:`clip_grad_norm_`, as are calls with sparse gradients (which torch's refuses); others stay
+    torch's. Called when hybridembed is imported; code that imported torch's function by name before
+    then keeps torch's."""
+    import torch.nn.utils.clip_grad as clip_module
+
+    for owner in (torch.nn.utils, clip_module):
+        if getattr(owner, "clip_grad_norm_", None) is _TORCH_CLIP:
+            owner.clip_grad_norm_ = _table_aware_clip

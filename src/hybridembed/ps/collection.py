@@ -155,6 +155,7 @@ class PSCollection(ShardedTables, SparseStepHook, CheckpointParticipant):
             assert st.group == i
             if cache_rows:
                 st.cache = RowCache(st, cache_rows)
+            st.weight._hybridembed_in_job = True  # (its norm here is not the job's: see clip_grad_norm_)
         _OPEN.add(self)
         CLIENTS.add(self.client)
         health.before_shutdown(close_all)  # (destroy_process_group() would leave the servers waiting)
