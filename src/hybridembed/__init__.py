@@ -5,7 +5,7 @@
 
 from . import _env, init, optim
 from .api import convert, distribute, export, load, save
-from .config import Dynamic, TableConfig
+from .config import Dynamic, TableConfig, tables_from_torchrec
 from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError, RankLost
 from .input import Jagged
 from .modules import EmbeddingCollection
@@ -34,6 +34,7 @@ __all__ = [
     "load",
     "optim",
     "save",
+    "tables_from_torchrec",
     "tune_cpu_allocator",
     "wrap_optimizer",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +15,7 @@ from .utils import is_number as _is_number
 
 __all__ = [
     "TableConfig",
+    "tables_from_torchrec",
     "Dynamic",
     "ShardOf",
     "COMBINERS",
@@ -249,3 +252,58 @@ class TableConfig:
     def compute_dtype(self) -> torch.dtype:
         """The dtype rows are pooled and returned in (float32 for half-precision storage)."""
         return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+
+_TORCHREC_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+_TORCHREC_POOLING = {"SUM": "sum", "MEAN": "mean", "NONE": "none"}
+
+
+def tables_from_torchrec(configs: Sequence[Any]) -> tuple[list[TableConfig], dict[str, str]]:
+    """TorchRec ``EmbeddingBagConfig`` / ``EmbeddingConfig`` objects -> ``(tables, features)`` for
+    :class:`~hybridembed.EmbeddingCollection` (duck-typed: TorchRec is not imported). Each config's
+    ``feature_names`` read its table; ``pooling`` SUM/MEAN become the combiners ``sum``/``mean``
+    (an ``EmbeddingConfig``, unpooled, ``none``); ``data_type`` FP32/FP16/BF16; the initializer is
+    TorchRec's: ``weight_init_min``/``weight_init_max`` when given, else its default
+    ``uniform(-sqrt(1 / rows), sqrt(1 / rows))`` (the same distribution; the values themselves are
+    hybridembed's row-keyed ones).
+
+    >>> from types import SimpleNamespace as C
+    >>> tables, features = tables_from_torchrec([C(name="t", num_embeddings=100, embedding_dim=8, feature_names=["a", "b"])])
+    >>> tables[0].combiner, features
+    ('none', {'a': 't', 'b': 't'})
+    """
+    if isinstance(configs, (str, bytes)) or not isinstance(configs, Sequence):
+        raise ConfigError(f"tables_from_torchrec takes a list of TorchRec table configs, got {type(configs).__name__}")
+    tables: list[TableConfig] = []
+    features: dict[str, str] = {}
+    for c in configs:
+        missing = [a for a in ("name", "num_embeddings", "embedding_dim", "feature_names") if not hasattr(c, a)]
+        if missing:
+            raise ConfigError(f"{type(c).__name__} is not a TorchRec table config: no {', '.join(missing)}")
+        pooling = getattr(c, "pooling", None)
+        key = str(getattr(pooling, "value", pooling)).upper() if pooling is not None else "NONE"
+        if key not in _TORCHREC_POOLING:
+            raise ConfigError(f"table {c.name!r}: pooling {pooling!r} has no hybridembed combiner (SUM, MEAN)")
+        dt = getattr(c, "data_type", None)
+        dname = str(getattr(dt, "value", dt)).upper() if dt is not None else "FP32"
+        if dname not in _TORCHREC_DTYPES:
+            raise ConfigError(f"table {c.name!r}: data_type {dt!r} is not one of FP32, FP16, BF16")
+        lo, hi = getattr(c, "weight_init_min", None), getattr(c, "weight_init_max", None)
+        if lo is None or hi is None:
+            bound = math.sqrt(1.0 / max(int(c.num_embeddings), 1))
+            lo, hi = -bound if lo is None else lo, bound if hi is None else hi
+        tables.append(
+            TableConfig(
+                str(c.name),
+                int(c.num_embeddings),
+                int(c.embedding_dim),
+                combiner=_TORCHREC_POOLING[key],
+                dtype=_TORCHREC_DTYPES[dname],
+                init=_init.uniform(float(lo), float(hi)),
+            )
+        )
+        for f in c.feature_names:
+            if f in features:
+                raise ConfigError(f"feature {f!r} reads tables {features[f]!r} and {c.name!r}; a feature reads one")
+            features[str(f)] = str(c.name)
+    return tables, features

@@ -178,3 +178,14 @@ def test_save_and_load_refuse_bad_arguments(tmp_path):
         he.load(str(tmp_path / "c"), "model")
     with pytest.raises(he.CheckpointError, match="verify must be"):
         he.load(str(tmp_path / "c"), model, verify="no")
+
+
+def test_a_keyed_jagged_tensor_is_a_sharded_collection_s_input_too(world1):
+    from tests.input.test_ecosystem_inputs import FakeKJT
+
+    sc, ec = ShardedCollection(T, seed=3), he.EmbeddingCollection(T, seed=3)
+    kjt = FakeKJT(["a", "b"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([1, 2, 0, 2]))
+    want = ec({"a": he.Jagged.from_lengths([1, 2, 3], [1, 2]), "b": he.Jagged.from_lengths([4, 5], [0, 2])})
+    got = sc(kjt)
+    for f in ("a", "b"):
+        torch.testing.assert_close(got[f], want[f])

@@ -81,7 +81,10 @@ def test_bad_flags(argv, needle, capsys):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--dataset", "adult"], "--dataset adult needs --data FILE... (UCI Adult (Census Income) is at https://archive.ics.uci.edu"),
+        (
+            ["--dataset", "adult"],
+            "--dataset adult needs --data FILE... (UCI Adult (Census Income) is at https://archive.ics.uci.edu",
+        ),
         (["--data", "/nonexistent/day_0.tsv"], "/nonexistent/day_0.tsv: no such file"),
         (["--val-data", "/nonexistent/day_23.tsv"], "/nonexistent/day_23.tsv: no such file"),
         (["--resume", "/nonexistent/ckpt"], "no such checkpoint directory"),

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
-from ..input import Jagged, as_jagged, offsets_from_lengths
+from ..input import Jagged, as_feature_inputs, as_jagged, offsets_from_lengths
 from ..kernels import bag_scale
 from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
@@ -234,6 +234,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
     # --- forward -----------------------------------------------------------------------------
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
         try:  # (a refusal here reaches every rank: see step_failed)
+            inputs = as_feature_inputs(inputs)
             if not isinstance(inputs, Mapping):
                 raise InvalidInputError(f"inputs must be a mapping {{feature name: ids}}, got {type(inputs).__name__}")
             unknown = [k for k in inputs if k not in self.features]

@@ -17,7 +17,7 @@ Every other form enters through a ``Jagged.from_*`` constructor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ import torch
 from ..errors import InvalidInputError
 from ..init import stable_hash64
 
-__all__ = ["Jagged", "as_jagged", "bag_index", "offsets_from_lengths"]
+__all__ = ["Jagged", "as_feature_inputs", "as_jagged", "bag_index", "offsets_from_lengths"]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -366,8 +366,9 @@ def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
     """Any accepted input form -> ``Jagged`` (no range checks; see :meth:`Jagged.validate`).
 
     Accepts ``Jagged``, a (B,) or (B, H) integer tensor (``pad`` entries dropped), a 2-D
-    sparse COO tensor, a list of lists, or a ``(values, offsets)`` / ``(values, offsets,
-    weights)`` tuple of tensors. Any other tuple is refused rather than guessed at:
+    sparse COO tensor, a ``torch.nested`` tensor of ``layout=torch.jagged`` (B bags of ids), a
+    TorchRec ``JaggedTensor`` (duck-typed: ``values()``, ``offsets()``, ``weights_or_none()``), a
+    list of lists, or a ``(values, offsets)`` / ``(values, offsets, weights)`` tuple of tensors. Any other tuple is refused rather than guessed at:
     ``(ids_list, offsets)`` or ``(ids,)`` would otherwise read as a list of bags.
     """
     try:
@@ -376,6 +377,8 @@ def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
         if isinstance(x, torch.Tensor):
             if x.layout == torch.sparse_coo:
                 return Jagged.from_sparse(x)
+            if x.is_nested:
+                return _from_nested(x)
             if x.dim() not in (1, 2):
                 raise InvalidInputError(f"a dense id tensor must be (B,) or (B, H), got shape {tuple(x.shape)}")
             return Jagged.from_tensor(x, pad=pad)
@@ -389,12 +392,71 @@ def as_jagged(x: Any, feature: str | None = None, pad: int = -1) -> Jagged:
             )
         if isinstance(x, list):
             return Jagged.from_lists(x)
+        if _is_jagged_tensor(x):
+            return Jagged(x.values(), x.offsets(), x.weights_or_none())
     except InvalidInputError as e:
         if feature is None or e.feature is not None:
             raise
         raise InvalidInputError(f"{_where(feature)}{e}", feature, e.position) from None
     raise InvalidInputError(
         f"{_where(feature)}unsupported input type {type(x).__name__}; give a Jagged, a tensor of ids, "
-        "a sparse COO tensor, a list of lists or a (values, offsets[, weights]) tuple of tensors",
+        "a sparse COO tensor, a torch.nested jagged tensor, a TorchRec JaggedTensor, a list of lists or a "
+        "(values, offsets[, weights]) tuple of tensors",
         feature,
     )
+
+
+def _from_nested(x: torch.Tensor) -> Jagged:
+    """A ``torch.nested`` tensor of B bags of ids (``layout=torch.jagged``, shape (B, j)) -> Jagged."""
+    if x.layout != torch.jagged:
+        raise InvalidInputError(
+            "a torch.nested tensor must have layout=torch.jagged (torch.nested.nested_tensor(bags, "
+            f"layout=torch.jagged)), got {x.layout}"
+        )
+    if x.dim() != 2 or x._ragged_idx != 1:
+        raise InvalidInputError(f"a nested jagged tensor of ids must be (B, j) bags of ids, got {x.dim()} dimensions")
+    if x._lengths is not None:  # (a view with holes: its own offsets do not describe its values)
+        raise InvalidInputError("a nested jagged tensor with holes (a narrow() view) is not accepted; .contiguous() it")
+    return Jagged(x.values(), x.offsets())
+
+
+def _is_jagged_tensor(x: Any) -> bool:
+    """A TorchRec ``JaggedTensor`` (or anything shaped like one), without importing TorchRec."""
+    return all(callable(getattr(x, m, None)) for m in ("values", "offsets", "weights_or_none")) and not isinstance(
+        x, Mapping
+    )
+
+
+def _is_keyed(x: Any) -> bool:
+    """A TorchRec ``KeyedJaggedTensor`` (duck-typed)."""
+    return all(callable(getattr(x, m, None)) for m in ("keys", "values", "lengths", "length_per_key", "stride"))
+
+
+def as_feature_inputs(inputs: Any) -> Any:
+    """A model's sparse inputs as ``{feature: ids}``: a mapping as it is; a TorchRec
+    ``KeyedJaggedTensor`` (duck-typed, no TorchRec import) split into one :class:`Jagged` per key,
+    its per-id weights kept; anything else returned unchanged (the caller refuses it)."""
+    if isinstance(inputs, Mapping) or not _is_keyed(inputs):
+        return inputs
+    if callable(getattr(inputs, "variable_stride_per_key", None)) and inputs.variable_stride_per_key():
+        raise InvalidInputError(
+            "a KeyedJaggedTensor with a batch size per key (variable stride) is not accepted: every feature of a "
+            "step needs the same number of bags"
+        )
+    keys, stride = list(inputs.keys()), int(inputs.stride())
+    lengths, values = inputs.lengths(), inputs.values()
+    weights = inputs.weights_or_none() if callable(getattr(inputs, "weights_or_none", None)) else None
+    if lengths.numel() != len(keys) * stride:
+        raise InvalidInputError(
+            f"a KeyedJaggedTensor of {len(keys)} keys and stride {stride} needs {len(keys) * stride} lengths, "
+            f"got {lengths.numel()}"
+        )
+    per_key = [int(n) for n in inputs.length_per_key()]
+    if sum(per_key) != values.numel():
+        raise InvalidInputError(f"a KeyedJaggedTensor with {values.numel()} values whose lengths sum to {sum(per_key)}")
+    out: dict[str, Jagged] = {}
+    vals = values.split(per_key)
+    ws = weights.split(per_key) if weights is not None else [None] * len(keys)
+    for key, v, w, n in zip(keys, vals, ws, lengths.split(stride)):
+        out[key] = Jagged.from_lengths(v, n, w)
+    return out

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..config import MAX_SLOTS, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
-from ..input import Jagged, as_jagged
+from ..input import Jagged, as_feature_inputs, as_jagged
 from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, cpu_fused, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
@@ -275,7 +275,9 @@ class EmbeddingCollection(nn.Module):
     # --- forward -------------------------------------------------------------------------
     def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Jagged]:
         if not isinstance(inputs, Mapping):
-            raise InvalidInputError(f"inputs must be a mapping {{feature name: ids}}, got {type(inputs).__name__}")
+            raise InvalidInputError(
+                f"inputs must be a mapping {{feature name: ids}} or a KeyedJaggedTensor, got {type(inputs).__name__}"
+            )
         unknown = [k for k in inputs if k not in self._features]
         if unknown:
             raise InvalidInputError(
@@ -332,6 +334,9 @@ class EmbeddingCollection(nn.Module):
         return rest, assumed
 
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
+        """``{feature: output}`` for ``inputs``: ``{feature: ids}`` in any form :func:`as_jagged`
+        takes, or a TorchRec ``KeyedJaggedTensor`` (one key per feature)."""
+        inputs = as_feature_inputs(inputs)
         jagged, assumed = self._unpadded(inputs)
         batches = self._batches(jagged)
         if not self._validate(batches, jagged, assumed):  # some id tensor had padding: take it exactly
