@@ -1,4 +1,4 @@
-"""Tests for ``hybridembed.init``: row-keyed initializers (DESIGN.md, invariant 1).
+"""Tests for ``hybridembed.init``: row-keyed initializers (placement never changes the math).
 
 Run: python -m pytest -q tests/test_init.py
 

@@ -32,3 +32,29 @@ def test_no_file_names_a_path_outside_the_repository():
             if _OUTSIDE.search(line):
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, "absolute paths outside the repository (use sys.executable, tmp_path):\n" + "\n".join(found)
+
+
+_DOC_REF = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)\b")
+
+
+def test_every_markdown_file_the_code_and_docs_cite_is_in_the_repository():
+    """A docstring or page that sends a reader to a Markdown page names one they can open."""
+    tracked = _tracked_files()
+    pages = {p.relative_to(ROOT).as_posix() for p in tracked if p.suffix == ".md"}
+    names = {Path(p).name for p in pages}
+    missing = []
+    for path in tracked:
+        if path.suffix not in (".py", ".md") or not path.exists():
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for ref in _DOC_REF.findall(line):
+                if ref not in pages and Path(ref).name not in names:
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {ref}")
+    assert not missing, "pages cited but not in the repository:\n" + "\n".join(missing)
+
+
+def test_the_package_says_it_is_typed():
+    import hybridembed
+
+    assert (Path(hybridembed.__file__).parent / "py.typed").is_file()  # (PEP 561)
+    assert 'hybridembed = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()

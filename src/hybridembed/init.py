@@ -5,7 +5,7 @@ The initial value of element ``(r, c)`` of table ``t`` is a pure function of
 then into the requested distribution by its inverse CDF. Nothing depends on how many
 rows the table has, which rows live in this process, or the order ids arrive in, so one
 process and N processes (and a dense and a dynamic table) start from identical weights
-(DESIGN.md, invariant 1).
+(placement never changes the math).
 
     >>> import torch, hybridembed as he
     >>> spec = he.init.normal(std=0.1)

@@ -18,7 +18,7 @@ from hybridembed import cli as top
 from hybridembed.bench import cli, models
 from hybridembed.bench.models import MODELS, SamePool1d, default_batch, expand, memory, scale, workloads
 
-# synthetic_models.md: (tables, GiB of rows, ids per sample or None where not published)
+# NVIDIA's synthetic models page: (tables, GiB of rows, ids per sample or None where not published)
 PUBLISHED = {
     "tiny": (55, 4.2, 85),
     "small": (107, 26.3, 377),

@@ -1,4 +1,4 @@
-"""Bad input through ``EmbeddingCollection.forward`` and bad configurations (DESIGN.md, invariant 3).
+"""Bad input through ``EmbeddingCollection.forward`` and bad configurations (bad input never corrupts a table).
 
 Run: python -m pytest -q tests/modules/test_validation.py
 

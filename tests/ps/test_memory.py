@@ -2,7 +2,7 @@
 table's size train it on a parameter server (spawned gloo job). A model built on the meta
 device allocates no rows anywhere but in the servers' shards, and trains as the real model.
 
-The full-size figures: ``benchmarks/bench_ps_memory.py`` (docs/ps_memory.md).
+The full-size figures: ``benchmarks/bench_ps_memory.py`` (docs/parameter_servers.md).
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def test_eval_reads_known_rows_and_the_default_for_unknown_ids_without_making_ro
 
 # --- save / load ------------------------------------------------------------------------------------
 def test_a_checkpoint_that_does_not_fit_is_refused_and_the_table_keeps_its_rows():
-    """DESIGN.md invariant 4: a checkpoint is all or nothing."""
+    """A checkpoint is all or nothing."""
     big = make(he.Dynamic(capacity=8))
     big({"a": torch.arange(6)})
     small = make(he.Dynamic(capacity=4))

@@ -55,10 +55,10 @@ __all__ = ["main", "run", "build_parser"]
 logger = get_logger(__name__)
 
 ANCHORS = ("per_table", "torchrec", "floor")
-SYNTHETIC_MAX_ROWS = 100_000  # synthetic_models.md: "cap each table at 100,000 rows"
+SYNTHETIC_MAX_ROWS = 100_000  # NVIDIA's synthetic models page: "cap each table at 100,000 rows"
 QUICK_MAX_ROWS = 20_000  # still larger than L2 for every table of width >= 16
 QUICK_STEPS, QUICK_WARMUP = 10, 2
-FULL_SIZE_BATCH = 65_536  # the batch of NVIDIA's published runs (synthetic_models.md)
+FULL_SIZE_BATCH = 65_536  # the batch of NVIDIA's published runs (its synthetic models page)
 MEMORY_FRACTION = 0.7  # refuse a run whose tables would need more of MemAvailable than this
 
 

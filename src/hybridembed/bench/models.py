@@ -68,7 +68,7 @@ __all__ = [
     "state_bytes",
 ]
 
-ALPHA = 1.05  # power-law exponent of the ids (synthetic_models.md)
+ALPHA = 1.05  # power-law exponent of the ids (NVIDIA's synthetic models page)
 
 
 # --- specs --------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ def _e(num_tables: int, nnz: list[int], rows: int, width: int, shared: bool) -> 
 
 
 # Transcribed from NVIDIA-Merlin/distributed-embeddings,
-# examples/benchmarks/synthetic_models/config_v3.py (via docs: synthetic_models.md).
+# examples/benchmarks/synthetic_models/config_v3.py (and the synthetic models page of its docs).
 # Each entry is (num_tables, nnz, rows, width, shared).
 MODELS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(

@@ -426,11 +426,12 @@ def lost_after(timeout: datetime.timedelta) -> float:
 
 
 # --- setup agreed across ranks --------------------------------------------------------------------
-def agree(group, what: str, error: BaseException | None, settings: Any = None) -> None:
+def agree(group, what: str, error: BaseException | None, settings: Any = None, hint: str = "") -> None:
     """Every rank's verdict on a setup step, and its ``settings``, compared across ``group``
     (a collective): one rank's refusal is every rank's (its own error on it, a ConfigError
     naming it and its reason on the others), and the first difference in ``settings`` (JSON-able)
-    is named on every rank. Nothing is allocated before it, so no rank waits for one that gave up."""
+    is named on every rank (followed by ``hint``). Nothing is allocated before it, so no rank waits
+    for one that gave up."""
     from ..errors import ConfigError
 
     mine = json.dumps({"error": first_line(error) if error is not None else None, "settings": settings}, default=str)
@@ -454,7 +455,8 @@ def agree(group, what: str, error: BaseException | None, settings: Any = None) -
     ref = reports[0]["settings"]
     for r, rep in enumerate(reports[1:], 1):
         if rep["settings"] != ref:
-            raise ConfigError(f"ranks disagree on {what}: {first_difference(ref, rep['settings'], r)}")
+            why = f"; {hint}" if hint else ""
+            raise ConfigError(f"ranks disagree on {what}: {first_difference(ref, rep['settings'], r)}{why}")
 
 
 def first_line(e: BaseException) -> str:

@@ -30,6 +30,12 @@ __all__ = ["ShardedTables", "REDUCTIONS"]
 REDUCTIONS = ("mean", "sum")
 
 
+MODEL_HINT = (
+    "every rank builds the whole model, every table the same way (on device='meta' to allocate nothing), and "
+    "he.distribute keeps this rank's shards"
+)
+
+
 class ShardedTables(nn.Module):
     """The tables of one sharded module of a job, placed by ``plan`` over ``process_group``.
 
@@ -104,7 +110,7 @@ class ShardedTables(nn.Module):
                 "plan": plan.to_dict() | {"notes": {}},
             }
             mine = json.loads(json.dumps(mine, default=str))  # (in this order: the first difference is the first cause)
-        health.agree(group, "the model", problem, mine)
+        health.agree(group, "the model", problem, mine, hint=MODEL_HINT)
 
     # --- inspection -------------------------------------------------------------------------
     @property

@@ -8,7 +8,7 @@ carry the combiner (mean, sqrtn) and the user's weights, and a sequence feature 
 of one-id bags. Backward is the same op transposed: sort the ids once, then one
 ``embedding_bag`` over the output gradient with one "bag" per distinct row. It yields
 the gradient as a *coalesced* sparse tensor — each touched row once, duplicates summed
-(DESIGN.md, invariant 2) — with no zero-filled (R, D) or (U, D) buffer and no scatter.
+(one update per row, as the dense optimizer) — with no zero-filled (R, D) or (U, D) buffer and no scatter.
 When every bag holds one id (one-hot or sequence features) the output gradient already
 is the per-id gradient and is handed on uncoalesced, as ``nn.EmbeddingBag(sparse=True)``
 does; the optimizer reduces it (same kernel) before the update. A storage that has

@@ -474,7 +474,8 @@ def apply_fused(
 ) -> None:
     """One optimizer step of ``storage`` from a kept lookup gradient: ids (N,) (row slots),
     the bags' gradient ``grad`` (S, D), each id's bag ``bag_of`` (N,) (None: id i is bag i) and
-    multiplier ``psw`` (N,) or None. Duplicate ids are summed first (DESIGN.md, invariant 2).
+    multiplier ``psw`` (N,) or None. Duplicate ids are summed first (one update per row,
+    as the dense optimizer on ``nn.Embedding``).
     ``storage.step`` must already count this step."""
     n, dim = ids.numel(), storage.dim
     if n == 0:

@@ -5,7 +5,8 @@ Shape legend: ``U`` distinct rows touched this step, ``D`` dim.
 Each optimizer is a small object holding hyper-parameters (same names and defaults as
 ``torch.optim``; Keras's for FTRL) and an ``update`` that maps the touched rows, their
 summed gradient and their per-row state to new values. The storage gathers and scatters,
-so the state lives beside the rows (DESIGN.md). Where lazy differs from dense:
+so the state lives beside the rows (and moves with them when rows are sharded, evicted or
+checkpointed). Where lazy differs from dense:
 
 - SGD, Adagrad, RowWiseAdagrad without weight decay or momentum: identical to the dense
   optimizer (an untouched row has gradient 0, which leaves it and its state unchanged).

@@ -7,7 +7,7 @@ from the training split (index 0: unseen in training) and trains with ``torch.op
 converted model is a copy of it (same initial weights) passed through ``he.convert`` with the
 optimizer built by ``he.wrap_optimizer``; both see the same batches in the same order. The
 figure compared is the test AUC. With SGD or Adagrad the two differ only by float summation
-order (the sparse update equals the dense one, DESIGN.md), a difference of ~1e-6 after one
+order (the sparse update equals the dense one: docs/optimizers.md), a difference of ~1e-6 after one
 step that training amplifies through ReLU boundaries; with Adam the converted tables get
 ``SparseAdam``'s lazy update, a different optimizer for rows a batch does not touch.
 """
