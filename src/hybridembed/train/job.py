@@ -190,6 +190,23 @@ def _export(
     return f"export: {args.export} ({args.export_format}; inputs dense (B, {example.dense.shape[1]}) float32, sparse (B, {example.sparse.shape[1]}) int64 ids)"
 
 
+def _replaced_outputs(args: argparse.Namespace, state: dict[str, Any] | None) -> list[str]:
+    """One line per output of an earlier run that this run will replace (a new run in the same
+    --workdir): said at the start, not discovered afterwards."""
+    lines = []
+    resuming_here = (
+        state is not None and args.resume and os.path.abspath(args.resume) == os.path.abspath(args.checkpoint or "")
+    )
+    if args.checkpoint and not resuming_here and os.path.isdir(os.path.join(args.checkpoint, MODEL_DIR)):
+        lines.append(
+            f"note: {args.checkpoint} holds an earlier run's checkpoint; this run replaces it at its first save "
+            f"(--resume {args.checkpoint} continues it instead; --checkpoint DIR writes elsewhere)"
+        )
+    if args.export and os.path.exists(args.export):
+        lines.append(f"note: {args.export} exists; this run replaces it at the end (--export PATH writes elsewhere)")
+    return lines
+
+
 # --- the run --------------------------------------------------------------------------------------
 def run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE) -> int:
     """Trains, evaluates, checkpoints and exports as ``args`` say; prints the results (rank 0)."""
@@ -318,6 +335,8 @@ def _train(
     elif state is not None:
         where = f"epoch {epoch0 + 1}" + (f", step {skip} of it" if skip else "")
         say(f"resumed from {args.resume}: continuing at {where} (step {step} overall)")
+    for line in _replaced_outputs(args, state):
+        say(line)
     ckpt = Checkpointer(
         args.checkpoint,
         _arch(args),
