@@ -220,6 +220,24 @@ def test_torchscript_and_onnx_serve_without_hybridembed(trained, tmp_path):
     torch.testing.assert_close(pooled, torch.full_like(pooled, DEFAULT * unknown.shape[1]))
 
 
+@pytest.mark.parametrize("name", ["m.pt2", "m.bin"])  # (pt2: the default, and any suffix not another format's)
+def test_pt2_serves_without_hybridembed_through_torch_export_load(trained, tmp_path, name):
+    item_ids, _ = trained.ec.dynamic_rows("item")
+    example_batch, example_dense, _ = make_batch(4, 3, item_ids)
+    he.export(trained, tmp_path / name, (example_batch, example_dense))
+    cases = [make_batch(b, h, item_ids) for b, h in ((7, 5), (2, 1), (3, 2))]
+    torch.save([(served, dense) for _, dense, served in cases], tmp_path / "inputs.pt")
+    got = run_without_hybridembed(
+        f"""
+        program = torch.export.load({name!r}).module()
+        out["pt2"] = [program(batch, dense) for batch, dense in torch.load("inputs.pt")]
+        """,
+        tmp_path,
+    )
+    for (model_batch, dense, _), out in zip(cases, got["pt2"]):
+        assert_outputs(out, reference(trained, model_batch, dense))
+
+
 def test_served_collection_matches_the_collection_in_process(trained, tmp_path):
     """The plain-torch twin, eager and traced, on inputs with pads anywhere in a row."""
     item_ids, _ = trained.ec.dynamic_rows("item")

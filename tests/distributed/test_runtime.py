@@ -268,7 +268,10 @@ def _disagree(rank: int, world: int) -> None:
 
 
 def test_ranks_disagreeing_on_the_model_are_named():
-    with pytest.raises(SpawnError, match=r"ranks disagree on the model: tables\.a\.rows: 10 on rank 0, 11 on rank 1; every rank builds the whole"):
+    with pytest.raises(
+        SpawnError,
+        match=r"ranks disagree on the model: tables\.a\.rows: 10 on rank 0, 11 on rank 1; every rank builds the whole",
+    ):
         spawn(_disagree, 2, timeout=60)
 
 

@@ -129,12 +129,14 @@ def test_incremental_background_checkpoints_resume_mid_epoch(generated, tmp_path
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit is deprecated since torch 2.10; it works
-def test_torchscript_export_serves_the_trained_model(generated, tmp_path, capsys):
+@pytest.mark.parametrize("name, fmt", [("served.pt", "torchscript"), ("model.pt2", "pt2")])
+def test_the_export_serves_the_trained_model(generated, tmp_path, capsys, name, fmt):
     _require("export", tmp_path=tmp_path)
-    path = tmp_path / "served.pt"
-    code, out, epochs = _train(tmp_path, generated, capsys, "--epochs", "1", "--no-checkpoint", "--export", str(path))
-    assert code == 0 and f"export: {path} (torchscript" in out
-    served = torch.jit.load(str(path))
+    path = tmp_path / name
+    flags = ["--export", str(path)] if fmt == "torchscript" else []  # (pt2: the default, WORKDIR/model.pt2)
+    code, out, epochs = _train(tmp_path, generated, capsys, "--epochs", "1", "--no-checkpoint", *flags)
+    assert code == 0 and f"export: {path} ({fmt}" in out
+    served = torch.jit.load(str(path)) if fmt == "torchscript" else torch.export.load(str(path)).module()
     val = next(D.CriteoSource([str(generated)], "val", holdout=0.1).batches(10_000))
     with torch.no_grad():
         logits = served(val.dense, val.sparse)

@@ -63,7 +63,7 @@ def test_nproc_2_trains_like_one_process_and_rank_0_prints_once(generated, tmp_p
     assert abs(float(loss1) - float(loss2)) < 0.01 and abs(float(test1) - float(test2)) < 0.01
     # checkpoint and export at world 2: written, as in one process
     assert re.search(r"^checkpoint: \S+ \(after epoch 1\)$", out, re.M)
-    assert re.search(r"^export: \S+ \(torchscript", out, re.M)
+    assert re.search(r"^export: \S+ \(pt2", out, re.M)
 
 
 def test_under_torchrun_each_process_joins_the_job(generated, tmp_path):
@@ -187,17 +187,21 @@ SCRIPT = """
 """
 
 
-def _launch(tmp_path, *argv: str) -> subprocess.CompletedProcess:
+def _launch(tmp_path, *argv: str, flags=("--nproc", "2")) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    cmd = [sys.executable, "-m", "hybridembed.cli", "launch", "--nproc", "2", str(script), str(tmp_path), *argv]
+    cmd = [sys.executable, "-m", "hybridembed.cli", "launch", *flags, str(script), str(tmp_path), *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 
 
 def test_launch_runs_every_rank_of_the_job(tmp_path):
-    r = _launch(tmp_path, "a", "--b", "--nproc", "3")  # the script's flags, whatever torchrun's are named
+    # torchrun's own flag names, and one of its flags launch does not know (passed to it: its logs appear)
+    logs = tmp_path / "logs"
+    flags = ("--nproc-per-node", "2", "--log-dir", str(logs), "--redirects", "3")
+    r = _launch(tmp_path, "a", "--b", "--nproc", "3", flags=flags)  # the script's flags, whatever torchrun's are named
     assert r.returncode == 0, r.stderr
     assert [(tmp_path / f"rank{i}").read_text() for i in range(2)] == ["2 3 a --b --nproc 3"] * 2  # all_reduce
+    assert sorted(p.name for p in logs.rglob("stdout.log")) == ["stdout.log", "stdout.log"]
 
 
 def test_launch_fails_when_a_rank_fails(tmp_path):
@@ -228,6 +232,29 @@ def test_launch_flags_become_torchruns(argv, torchrun):
     assert launch.torchrun_argv(launch.build_parser().parse_args(argv)) == torchrun
 
 
+def test_launch_takes_torchruns_own_flag_names_and_passes_on_the_rest():
+    parser = launch.build_parser()
+    argv = [
+        "--nproc_per_node=2",
+        "--max_restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        "--tee=3",
+        "t.py",
+        "--log-dir",
+        "x",
+    ]
+    mine, passed = launch.split_torchrun_flags(argv, parser)
+    assert passed == ["--monitor-interval", "0.5", "--tee=3"]  # (the script's own --log-dir stays the script's)
+    args = parser.parse_args(mine)
+    args.torchrun_flags = passed
+    assert launch.torchrun_argv(args) == [
+        "--nproc-per-node", "2", "--standalone", "--local-addr", "127.0.0.1", "--max-restarts", "1",
+        "--monitor-interval", "0.5", "--tee=3", "--", "t.py", "--log-dir", "x",
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -236,6 +263,7 @@ def test_launch_flags_become_torchruns(argv, torchrun):
         (["--rdzv-endpoint", "h:1", "--master-addr", "h", "t.py"], "--rdzv-endpoint replaces --master-addr"),
         (["--nnodes", "two", "--master-addr", "h", "t.py"], "--nnodes: expected N or MIN:MAX"),
         (["missing.py"], "missing.py: no such file (for a module, add -m)"),
+        (["--standalone", "--nnodes", "2", "--master-addr", "h", "t.py"], "--standalone is one machine alone"),
     ],
 )
 def test_launch_bad_flags_are_one_line(argv, needle, tmp_path, capsys, monkeypatch):

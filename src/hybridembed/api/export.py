@@ -6,11 +6,12 @@ a dynamic table.
 For a ``model`` whose ``forward(batch, dense)`` reads ``batch = {"watched": ids (B, H),
 "user": he.Jagged(values, offsets, weights)}`` with an EmbeddingCollection::
 
-    he.export(model, "ranker.pt", (batch, dense))                   # TorchScript
-    he.export(model, "ranker.onnx", (batch, dense), format="onnx")  # ONNX
+    he.export(model, "ranker.pt2", (batch, dense))                        # torch.export (the default)
+    he.export(model, "ranker.pt", (batch, dense))                         # TorchScript (by the suffix)
+    he.export(model, "ranker.onnx", (batch, dense))                       # ONNX (by the suffix)
 
     # serving, in a process without hybridembed (ids (B, H) int64, -1 = padding):
-    m = torch.jit.load("ranker.pt")
+    m = torch.export.load("ranker.pt2").module()      # or torch.jit.load("ranker.pt")
     out = m({"watched": ids, "user": user_ids, "user:weights": user_w}, dense)
     s = onnxruntime.InferenceSession("ranker.onnx")
     out = s.run(None, {"batch.watched": ids.numpy(), "batch.user": user_ids.numpy(),
@@ -19,13 +20,14 @@ For a ``model`` whose ``forward(batch, dense)`` reads ``batch = {"watched": ids 
 What is written: a copy of ``model`` in eval mode in which every
 :class:`~hybridembed.EmbeddingCollection` is replaced by a :class:`ServedEmbeddingCollection`
 made of plain torch ops: a dense table becomes its ``(R, D)`` weight; a dynamic table becomes
-its sorted ids ``(K,)`` and rows ``(K, D)``, looked up in-graph by a binary search of
-``bit_length(K)`` unrolled steps (ONNX has no ``searchsorted``), ids without a row reading
+its sorted ids ``(K,)`` and rows ``(K, D)``, looked up in-graph by ``torch.searchsorted`` (in
+ONNX, which has none, a binary search of ``bit_length(K)`` unrolled steps), ids without a row reading
 the table's default vector (``Dynamic.default_value``), as the trained model in eval mode.
 A layer made by :func:`~hybridembed.convert` (``HybridEmbedding`` / ``HybridEmbeddingBag``)
 becomes a module of plain ops with the layer's own ``forward`` signature (ids of any shape;
 ``(B, L)`` ids, or ``(N,)`` ids with offsets and ``per_sample_weights``, for a bag) reading
-the same served table. The copy is traced (``torch.jit.trace``) or exported with the ONNX exporter
+the same served table. The copy is exported with ``torch.export`` (``"pt2"``, the default; saved by
+``torch.export.save``), traced (``torch.jit.trace``) or exported with the ONNX exporter
 (``torch.onnx.export(dynamo=True)``, i.e. ``torch.export`` + onnxscript), with the batch and
 hotness of every input tensor dynamic.
 
@@ -69,8 +71,8 @@ model runs on every rank, its sharded tables are gathered whole into every proce
 as the served file must), and rank 0 checks the served copy against its outputs and writes
 the one plain file; the other ranks write nothing and return the path.
 
-PyTorch 2.13 marks TorchScript (``torch.jit.trace/save/load``) deprecated (it warns), but
-it works and needs no extra package. ONNX needs ``onnx`` and ``onnxscript``
+PyTorch 2.13 marks TorchScript (``torch.jit.trace/save/load``) deprecated (it warns), hence
+``"pt2"`` as the default; TorchScript still works and needs no extra package. ONNX needs ``onnx`` and ``onnxscript``
 to export, and ``onnxruntime`` to check and serve.
 """
 
@@ -95,9 +97,11 @@ from ..modules import EmbeddingCollection
 from ..modules.converted import HybridEmbeddingBag, _TableLayer
 from ..utils import get_logger
 
-__all__ = ["export", "ServedEmbeddingCollection", "FORMATS", "WEIGHTS_SUFFIX"]
+__all__ = ["export", "ServedEmbeddingCollection", "FORMATS", "SUFFIX_FORMATS", "WEIGHTS_SUFFIX"]
 
-FORMATS = ("torchscript", "onnx")
+FORMATS = ("pt2", "torchscript", "onnx")
+# format=None: the format a path's suffix names (what existing code writing "model.pt" meant); pt2 otherwise
+SUFFIX_FORMATS = {".pt": "torchscript", ".jit": "torchscript", ".onnx": "onnx", ".pt2": "pt2"}
 WEIGHTS_SUFFIX = ":weights"  # the served weights of feature f are input f + WEIGHTS_SUFFIX
 
 _log = get_logger("hybridembed.export")
@@ -137,6 +141,7 @@ class _ServedTable(nn.Module):
         self.name = name
         self.compute_dtype = compute_dtype
         self.dynamic = weight is None
+        self.branch_free = False  # dynamic ids found by _count_below, not searchsorted (set for ONNX)
         if self.dynamic:
             self.num_ids = int(ids.numel())  # K, a constant of the served graph
             self.register_buffer("ids", ids.detach().clone().to(torch.int64))  # (K,)
@@ -151,7 +156,8 @@ class _ServedTable(nn.Module):
         k = self.num_ids
         if k == 0:
             return self.rows[torch.zeros_like(ids)].to(self.compute_dtype)
-        pos = _count_below(self.ids, k, ids)  # (B, H)
+        # (one op where the format has it; ONNX has no searchsorted: the unrolled binary search)
+        pos = _count_below(self.ids, k, ids) if self.branch_free else torch.searchsorted(self.ids, ids)  # (B, H)
         slot = torch.clamp(pos, max=k - 1)
         found = self.ids[slot] == ids
         return self.rows[torch.where(found, slot, k)].to(self.compute_dtype)  # row K: the default
@@ -527,6 +533,24 @@ def _export_torchscript(served: nn.Module, args: tuple, expected: Any, path: Pat
         tmp.unlink(missing_ok=True)
 
 
+def _export_pt2(served: nn.Module, args: tuple, expected: Any, path: Path, check: bool) -> None:
+    """``torch.export`` of the served copy, every size of every input dynamic; saved with
+    ``torch.export.save`` (served by ``torch.export.load(path).module()``)."""
+    from torch.export import Dim
+
+    dynamic = pytree.tree_map(lambda t: {i: Dim.AUTO for i in range(t.dim())}, args)
+    with torch.no_grad():
+        program = torch.export.export(served, args, dynamic_shapes=dynamic, strict=False)
+        if check:
+            _compare(expected, program.module()(*args), "the exported program (torch.export)")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.pt2")  # (torch.export.save wants a .pt2 name)
+    try:
+        torch.export.save(program, str(tmp))
+        os.replace(tmp, path)  # all or nothing
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _export_onnx(
     model: nn.Module, served: nn.Module, args: tuple, expected: Any, path: Path, check: bool, opset: int | None
 ) -> None:
@@ -631,7 +655,7 @@ def export(
     model: nn.Module,
     path: str | os.PathLike,
     example_inputs: Any,
-    format: str = "torchscript",
+    format: str | None = None,
     *,
     check: bool = True,
     opset_version: int | None = None,
@@ -647,7 +671,10 @@ def export(
             a tuple of positional arguments; sparse features as padded ``(B, H)`` id
             tensors (-1 padding) or :class:`~hybridembed.Jagged` (see the module docstring
             for the served input contract).
-        format: ``"torchscript"`` (``torch.jit.load``) or ``"onnx"`` (onnxruntime).
+        format: ``"pt2"`` (``torch.export``, served by ``torch.export.load(path).module()``),
+            ``"torchscript"`` (``torch.jit.load``; deprecated by PyTorch) or ``"onnx"`` (onnxruntime).
+            Default: from ``path``'s suffix (:data:`SUFFIX_FORMATS`: ``.pt`` TorchScript, ``.onnx``
+            ONNX), ``"pt2"`` for any other.
         check: compare the served copy and the written artifact with the model on
             ``example_inputs`` (tolerance 1e-5) and refuse to write on a mismatch.
         opset_version: the ONNX opset (default: the exporter's).
@@ -657,9 +684,12 @@ def export(
 
     Usage::
 
-        he.export(model, "ranker.pt", ({"watched": ids, "user": user}, dense))
+        he.export(model, "ranker.pt2", ({"watched": ids, "user": user}, dense))
+        he.export(model, "ranker.pt", ({"watched": ids, "user": user}, dense))  # TorchScript
         he.export(model, "ranker.onnx", ({"watched": ids, "user": user}, dense), format="onnx")
     """
+    if format is None:
+        format = SUFFIX_FORMATS.get(Path(path).suffix.lower(), "pt2")
     if format not in FORMATS:
         raise ConfigError(f"unknown export format {format!r}; allowed: {', '.join(FORMATS)}")
     if not isinstance(model, nn.Module):
@@ -704,11 +734,16 @@ def export(
 
 def _write_served(model, served, served_args, expected, path, format, check, opset_version) -> None:
     """Run the served copy, compare it with ``expected`` (the model's outputs) and write it."""
+    for m in served.modules():
+        if isinstance(m, _ServedTable):
+            m.branch_free = format == "onnx"
     with torch.no_grad():
         out = served(*served_args)
     if check:
         _compare(expected, out, "the served model")
-    if format == "torchscript":
+    if format == "pt2":
+        _export_pt2(served, served_args, out, path, check)
+    elif format == "torchscript":
         _export_torchscript(served, served_args, out, path, check)
     else:
         _export_onnx(model, served, served_args, out, path, check, opset_version)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from ..utils import OneLineParser
 from . import LOOPBACK, loopback_interface
 
-__all__ = ["main", "build_parser", "torchrun_argv", "torchrun_command", "restart_env"]
+__all__ = ["main", "build_parser", "split_torchrun_flags", "torchrun_argv", "torchrun_command", "restart_env"]
 
 PROG = "hybridembed launch"
 
@@ -92,6 +92,17 @@ def _is_ipv6(text: str) -> bool:
     return True
 
 
+TORCHRUN_NAMES = {  # our flag's dest -> torchrun's spellings of it
+    "nproc": ("--nproc-per-node", "--nproc_per_node"),
+    "node_rank": ("--node_rank",),
+    "master_addr": ("--master_addr",),
+    "master_port": ("--master_port",),
+    "rdzv_endpoint": ("--rdzv_endpoint",),
+    "rdzv_id": ("--rdzv_id",),
+    "max_restarts": ("--max_restarts",),
+}
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = OneLineParser(
         prog=prog,
@@ -100,10 +111,22 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             "torchrun (python -m torch.distributed.run). Each process reads RANK, WORLD_SIZE and the rendezvous "
             "address from its environment: call torch.distributed.init_process_group() and he.distribute(model)."
         ),
-        epilog="Several machines, examples: docs/train.md (Several processes).",
+        epilog="torchrun's own spellings (--nproc-per-node, --node_rank, ...) are accepted, and its other flags before SCRIPT (--log-dir, --redirects, --tee, --monitor-interval, "
+        "--rdzv-backend, ...) are passed to it as they are. Several machines, examples: docs/train.md "
+        "(Several processes).",
         allow_abbrev=False,
     )
-    p.add_argument("--nproc", type=_positive, default=1, metavar="N", help="processes on this machine (default 1)")
+    p.add_argument(
+        "--nproc",
+        dest="nproc",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="processes on this machine (default 1)",
+    )
+    p.add_argument(
+        "--standalone", action="store_true", help="(torchrun's flag: one machine alone, the default without --nnodes)"
+    )
     p.add_argument(
         "--nnodes",
         default=None,
@@ -111,32 +134,87 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="machines in the job (default 1: this one alone, torchrun --standalone); run the same command on each",
     )
     p.add_argument(
-        "--node-rank", type=_count, metavar="R", help="this machine's index 0..nnodes-1 (with --master-addr)"
+        "--node-rank",
+        dest="node_rank",
+        type=_count,
+        metavar="R",
+        help="this machine's index 0..nnodes-1 (with --master-addr)",
     )
     p.add_argument(
-        "--master-addr", metavar="HOST", help="the address of the machine of --node-rank 0 (static rendezvous)"
+        "--master-addr",
+        dest="master_addr",
+        metavar="HOST",
+        help="the address of the machine of --node-rank 0 (static rendezvous)",
     )
     p.add_argument(
-        "--master-port", type=_port, metavar="PORT", help="a free port on --master-addr (torchrun's default 29500)"
+        "--master-port",
+        dest="master_port",
+        type=_port,
+        metavar="PORT",
+        help="a free port on --master-addr (torchrun's default 29500)",
     )
     p.add_argument(
         "--rdzv-endpoint",
+        dest="rdzv_endpoint",
         type=_endpoint,
         metavar="HOST[:PORT]",
         help="instead of --master-addr/--node-rank: torchrun's c10d rendezvous at HOST:PORT (ranks given by arrival)",
     )
-    p.add_argument("--rdzv-id", metavar="ID", help="the job's id for --rdzv-endpoint (the same on every machine)")
+    p.add_argument(
+        "--rdzv-id",
+        dest="rdzv_id",
+        metavar="ID",
+        help="the job's id for --rdzv-endpoint (the same on every machine)",
+    )
     p.add_argument(
         "--max-restarts",
+        dest="max_restarts",
         type=_count,
         default=0,
         metavar="K",
         help="restart all processes up to K times when one fails (default 0: fail at once)",
     )
+    # torchrun's names for the same flags (hidden from --help; an error names the one given)
+    for dest, names in TORCHRUN_NAMES.items():
+        main = next(a for a in p._actions if a.dest == dest)
+        for name in names:
+            p.add_argument(
+                name, dest=dest, type=main.type, metavar=main.metavar, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+            )
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as python -m MODULE")
     p.add_argument("script", metavar="SCRIPT", help="the Python file to run (or the module, with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
     return p
+
+
+def split_torchrun_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """``argv`` -> (what ``parser`` reads, torchrun's own flags it does not know, to pass on as they
+    are). Only the flags before SCRIPT are looked at; a flag neither knows stays for ``parser`` to
+    refuse. Torchrun's flags and their arity come from its own parser."""
+    from torch.distributed.run import get_args_parser
+
+    ours = {o: a for a in parser._actions for o in a.option_strings}
+    theirs = {o: a for a in get_args_parser()._actions for o in a.option_strings}
+    kept: list[str] = []
+    passed: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--" or not tok.startswith("-") or tok == "-":
+            break  # SCRIPT (or the end of the flags): the rest is the script's
+        name, eq, _ = tok.partition("=")
+        action = ours.get(name) or theirs.get(name)
+        takes = action is not None and action.nargs != 0 and not eq
+        if name in ours or name not in theirs:
+            kept.append(tok)
+            if takes and i + 1 < len(argv):
+                kept.append(argv[i + 1])
+        else:
+            passed.append(tok)
+            if takes and i + 1 < len(argv):
+                passed.append(argv[i + 1])
+        i += 2 if takes else 1
+    return kept + list(argv[i:]), passed
 
 
 def _one_machine(args: argparse.Namespace) -> bool:
@@ -159,6 +237,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
             if args.master_port is not None:
                 argv += ["--master-port", str(args.master_port)]
     argv += ["--max-restarts", str(args.max_restarts)]
+    argv += getattr(args, "torchrun_flags", [])  # (torchrun's own flags, as given)
     if args.module:
         argv.append("--module")
     # "--": the script's own flags are never read as torchrun's (argparse reads "--nproc 2" as an
@@ -190,6 +269,8 @@ def restart_env(max_restarts: int = 1, one_machine: bool = False) -> dict[str, s
 
 def _check(args: argparse.Namespace) -> str | None:
     """What is wrong with the flags (before any process starts), or None."""
+    if args.standalone and args.nnodes not in (None, "1"):
+        return f"--standalone is one machine alone; it does not go with --nnodes {args.nnodes}"
     if args.nnodes is not None and not re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", args.nnodes):
         return f"--nnodes: expected N or MIN:MAX (ints >= 1), got {args.nnodes!r}"
     if args.rdzv_endpoint and (args.master_addr or args.node_rank is not None or args.master_port is not None):
@@ -209,7 +290,10 @@ def _check(args: argparse.Namespace) -> str | None:
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """``hybridembed launch [flags] SCRIPT [ARGS...]``; returns torchrun's exit code (2 for bad flags)."""
-    args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser(prog)
+    mine, passed = split_torchrun_flags(list(sys.argv[1:] if argv is None else argv), parser)
+    args = parser.parse_args(mine)
+    args.torchrun_flags = passed
     problem = _check(args)
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)

@@ -141,17 +141,22 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
             f"--max-restarts {args.max_restarts} restarts from checkpoints, and --no-checkpoint writes none; drop "
             "--no-checkpoint (checkpoints go to --checkpoint DIR, default WORKDIR/checkpoint)"
         )
+    if args.export_format is None:
+        from ..api.export import SUFFIX_FORMATS
+
+        args.export_format = SUFFIX_FORMATS.get(os.path.splitext(args.export or "")[1].lower(), "pt2")
     if args.no_export:
         args.export = None
     elif args.export is None:
-        args.export = os.path.join(args.workdir, "model.onnx" if args.export_format == "onnx" else "model.pt")
+        suffix = {"pt2": "pt2", "torchscript": "pt", "onnx": "onnx"}[args.export_format]
+        args.export = os.path.join(args.workdir, f"model.{suffix}")
     if args.export and args.export_format == "onnx":  # (before training, not after it)
         missing = [m for m in ("onnx", "onnxscript") if importlib.util.find_spec(m) is None]
         if missing:
             raise UsageError(
                 f"--export-format onnx needs the {' and '.join(missing)} package{'s' if len(missing) > 1 else ''}: "
                 'pip install -e ".[export]" (or pip install onnx onnxscript onnxruntime); or --export-format '
-                "torchscript, or --no-export"
+                "pt2, or --no-export"
             )
     _check_outputs(args)
     return state
@@ -247,7 +252,7 @@ def _check_output(flag: str, path: str, directory: bool) -> None:
     if directory and os.path.exists(full) and not os.path.isdir(full):
         raise UsageError(f"{flag} {path}: exists and is not a directory; give a directory")
     if not directory and os.path.isdir(full):
-        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {os.path.join(path, 'model.pt')}")
+        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {os.path.join(path, 'model.pt2')}")
     where = full if directory and os.path.isdir(full) else os.path.dirname(full)
     while not os.path.exists(where):  # the nearest existing folder is where it will be made
         where = os.path.dirname(where)

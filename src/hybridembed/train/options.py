@@ -328,12 +328,16 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="continue from this checkpoint (he.load): its model flags, weights, optimizer state and position "
         "(epoch and step); --epochs counts all epochs, done ones included",
     )
-    o.add_argument("--export", metavar="PATH", help="export the trained model here (default WORKDIR/model.pt or .onnx)")
+    o.add_argument(
+        "--export", metavar="PATH", help="export the trained model here (default WORKDIR/model.pt2, .pt or .onnx)"
+    )
     o.add_argument(
         "--export-format",
-        choices=["torchscript", "onnx"],
-        default="torchscript",
-        help="format of the export, a model that serves without hybridembed (default torchscript)",
+        choices=["pt2", "torchscript", "onnx"],
+        default=None,
+        help="format of the export, a model that serves without hybridembed: pt2 (torch.export; "
+        "torch.export.load(PATH).module()), torchscript (torch.jit.load) or onnx (default: by --export's "
+        "suffix, .pt torchscript and .onnx onnx; else pt2)",
     )
     o.add_argument("--no-export", action="store_true", help="export nothing")
     p.add_argument("--version", action="version", version=f"hybridembed {__version__}")
