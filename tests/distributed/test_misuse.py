@@ -189,3 +189,25 @@ def test_a_keyed_jagged_tensor_is_a_sharded_collection_s_input_too(world1):
     got = sc(kjt)
     for f in ("a", "b"):
         torch.testing.assert_close(got[f], want[f])
+
+
+def test_the_distributed_model_reads_the_user_s_attributes(world1):
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e, self.top = nn.EmbeddingBag(10, 4), nn.Linear(4, 1)
+            self.loss_fn = nn.MSELoss()
+
+        def forward(self, x):
+            return self.top(self.e(x))
+
+        def predict(self, x):
+            return torch.sigmoid(self(x))
+
+    model = he.distribute(WithLoss())
+    assert isinstance(model, torch.nn.parallel.DistributedDataParallel)  # (DDP, as before)
+    assert isinstance(model.loss_fn, nn.MSELoss)  # (DLRM's model.loss_fn, not model.module.loss_fn)
+    x = torch.tensor([[1, 2], [3, 4]])
+    torch.testing.assert_close(model.predict(x), torch.sigmoid(model(x)))
+    with pytest.raises(AttributeError, match="no_such"):
+        model.no_such  # noqa: B018

@@ -237,7 +237,22 @@ def _wrap_ddp(model: nn.Module, ddp: bool | Mapping[str, Any], group) -> nn.Modu
         return model  # nothing dense to synchronise
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     kwargs = dict(ddp) if isinstance(ddp, Mapping) else {}
-    return DistributedDataParallel(model, process_group=group, **kwargs)
+    return DistributedModel(model, process_group=group, **kwargs)
+
+
+class DistributedModel(DistributedDataParallel):
+    """``DistributedDataParallel`` whose attribute reads fall through to the user's module:
+    ``model.loss_fn`` or ``model.predict(...)`` of a distributed model work as on the plain one
+    (a DDP wrapper otherwise hides them behind ``model.module``). Everything else is DDP's."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name.startswith("__"):
+                raise
+            return getattr(inner, name)
 
 
 def _distribute_ps(
