@@ -335,3 +335,31 @@ def test_wrap_optimizer_refuses_a_model_that_is_not_a_module():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(he.ConfigError, match="nn.Module"):
         he.wrap_optimizer(opt, "model")
+
+
+def test_the_wrapped_optimizer_s_state_dict_has_torch_optim_s_shape():
+    from tests.optim.test_clip_interop import Tower, _batch
+
+    torch.manual_seed(0)
+    model = he.convert(Tower())
+    opt = he.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    for s in range(2):
+        users, items, y = _batch(s)
+        opt.zero_grad()
+        ((model(users, items) - y) ** 2).sum().backward()
+        opt.step()
+    sd = opt.state_dict()
+    assert {"state", "param_groups", "sparse"} <= set(sd)
+    assert [g["lr"] for g in sd["param_groups"]] == [0.01] and sd["param_groups"][0]["params"] == [0, 1]
+    assert set(sd["state"]) == {0, 1} and set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}  # the dense Linear
+    assert set(sd["sparse"]) == {"user", "item"}
+    # it loads into a fresh wrapped optimizer (and the earlier shape, checkpoints', still loads)
+    again = he.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.5), model)
+    again.load_state_dict(sd)
+    assert again.param_groups[0]["lr"] == 0.01
+    torch.testing.assert_close(again.state_dict()["sparse"]["user"]["state"], sd["sparse"]["user"]["state"])
+    older = {"dense": {"state": sd["state"], "param_groups": sd["param_groups"]}, "sparse": sd["sparse"], "format": 1}
+    he.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.5), model).load_state_dict(older)
+    # a plain optimizer's state_dict is refused with what to do instead
+    with pytest.raises(he.HybridEmbedError, match="opt.dense"):
+        again.load_state_dict(torch.optim.Adam(model.parameters()).state_dict())

@@ -160,7 +160,9 @@ class HybridOptimizer(torch.optim.Optimizer):
         return {t.name: s.optimizer for s in self._storages for t in s.tables}
 
     def state_dict(self) -> dict[str, Any]:
-        """Dense optimizer state + per-table sparse state, keyed by table name and row id."""
+        """torch.optim's shape — ``state`` and ``param_groups``, the dense optimizer's (what LR
+        monitors, Lightning and checkpoint tools read) — with the tables' sparse state beside them
+        under ``sparse`` (per table: its optimizer, hyper-parameters, step and state by row id)."""
         tables = {}
         for storage, group in zip(self._storages, self._sparse_groups):
             if storage.remote:  # (rows and state on parameter servers)
@@ -175,12 +177,25 @@ class HybridOptimizer(torch.optim.Optimizer):
                     "step": storage.step,
                     "state": {k: v.clone() for k, v in storage.table_state(t.name).items()},
                 }
-        return {"dense": self.dense.state_dict(), "sparse": tables, "format": 1}
+        dense = self.dense.state_dict()
+        return {"state": dense["state"], "param_groups": dense["param_groups"], "sparse": tables, "format": 2}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores both parts; checks everything before changing anything."""
-        if not isinstance(state_dict, dict) or "sparse" not in state_dict or "dense" not in state_dict:
-            raise HybridEmbedError("not a hybridembed optimizer state_dict (needs 'dense' and 'sparse' entries)")
+        """Restores both parts; checks everything before changing anything. Takes :meth:`state_dict`'s
+        shape, and the earlier one (``dense``, ``sparse``) that checkpoints hold."""
+        if not isinstance(state_dict, dict) or "sparse" not in state_dict:
+            raise HybridEmbedError(
+                "not a hybridembed optimizer state_dict (needs 'state', 'param_groups' and 'sparse' entries; a plain "
+                "torch optimizer's has no 'sparse': load it into the optimizer you wrapped, opt.dense)"
+            )
+        if "dense" in state_dict:  # (format 1)
+            dense_sd = state_dict["dense"]
+        elif "state" in state_dict and "param_groups" in state_dict:
+            dense_sd = {"state": state_dict["state"], "param_groups": state_dict["param_groups"]}
+        else:
+            raise HybridEmbedError(
+                "a hybridembed optimizer state_dict needs 'state' and 'param_groups' beside 'sparse'"
+            )
         sparse = state_dict["sparse"]
         mine = {
             t.name: (s, g)
@@ -215,7 +230,7 @@ class HybridOptimizer(torch.optim.Optimizer):
                     raise HybridEmbedError(
                         f"table {name!r}: state {k!r} has shape {tuple(v.shape)}, expected {tuple(have[k].shape)}"
                     )
-        self.dense.load_state_dict(state_dict["dense"])  # replaces its group dicts and state:
+        self.dense.load_state_dict(dense_sd)  # replaces its group dicts and state:
         self.param_groups = list(self.dense.param_groups) + self._sparse_groups  # re-link them
         self.state = self.dense.state
         with torch.no_grad():
