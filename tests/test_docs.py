@@ -1,0 +1,115 @@
+"""The README's and every docs page's Python code blocks run (extracted and executed), so a broken
+example fails the tests. Each block runs alone, after a small prelude that defines what the
+examples take as given (a ``model``, ``example_inputs``, a few batches, ``tables``), in a
+process of its own per page, under a one-process gloo job for the examples that start one.
+A block that cannot run here is marked in the page, on the line above it, with
+``<!-- doc-test: skip (why, and which test covers it) -->`` or ``<!-- doc-test: cuda (...) -->``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"(?:<!-- doc-test: (?P<mark>\w+) \((?P<why>[^)]+)\) -->\n)?```python\n(?P<code>.*?)```", re.S)
+
+PRELUDE = textwrap.dedent(
+    """
+    import os, tempfile, torch, torch.nn as nn, hybridembed as he
+
+    class MyModel(nn.Module):  # what the examples call "model": a small two-tower ranker
+        def __init__(self):
+            super().__init__()
+            self.user, self.item = nn.EmbeddingBag(100, 8, mode="mean"), nn.Embedding(50, 8)
+            self.top = nn.Linear(16, 1)
+
+        def forward(self, x):
+            users, items = x
+            return self.top(torch.cat([self.user(users), self.item(items)], 1)).squeeze(1)
+
+    def _batch(s):
+        g = torch.Generator().manual_seed(s)
+        return (torch.randint(0, 100, (8, 3), generator=g), torch.randint(0, 50, (8,), generator=g)), torch.rand(8, generator=g)
+
+    model = MyModel()
+    example_inputs = (_batch(0)[0],)
+    my_part_of_the_data = my_shard_of_the_data = [_batch(s) for s in range(3)]
+    batches_from = lambda step: my_part_of_the_data[step % 3:]
+    loss_fn = nn.functional.binary_cross_entropy_with_logits
+    tables = [he.TableConfig("user", 1000, 8), he.TableConfig("item", 500, 8)]
+    os.chdir(tempfile.mkdtemp())
+    path = CKPT = "ckpt"
+    """
+)
+
+# what a page's examples take as already done, beyond the prelude
+GIVEN = {
+    "docs/checkpoints.md": "model = he.convert(model)\nopt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.05), model)\n",
+    "docs/optimizers.md": "model = he.convert(model)\n",
+}
+
+RUNNER = textwrap.dedent(
+    """
+    import json, sys, traceback
+    import torch.distributed as dist
+    blocks, prelude = json.loads(sys.stdin.read())
+    failures = []
+    for line, code in blocks:
+        scope = {}
+        try:
+            exec(compile(prelude, "<prelude>", "exec"), scope)
+            exec(compile(code, f"block at line {line}", "exec"), scope)
+        except Exception:
+            failures.append(f"the block at line {line}:\\n{traceback.format_exc(limit=4)}")
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    print(json.dumps(failures))
+    """
+)
+
+
+def _blocks(page: str) -> list[tuple[int, str | None, str, str]]:
+    text = (ROOT / page).read_text(encoding="utf-8")
+    return [
+        (text.count("\n", 0, m.start("code")) + 1, m.group("mark"), m.group("why") or "", m.group("code"))
+        for m in BLOCK.finditer(text)
+    ]
+
+
+def test_every_python_block_is_run_or_says_why_not():
+    for page in PAGES:
+        for line, mark, why, _ in _blocks(page):
+            assert mark in (None, "skip", "cuda"), f"{page}:{line}: unknown doc-test mark {mark!r}"
+            assert mark is None or len(why) > 10, f"{page}:{line}: say why the block is not run here"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if any(m is None for _, m, _, _ in _blocks(p))])
+def test_the_page_s_python_examples_run(page, tmp_path):
+    gpu = torch.cuda.is_available()
+    blocks = [(line, code) for line, mark, _, code in _blocks(page) if mark is None or (mark == "cuda" and gpu)]
+    from hybridembed.launch import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    r = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps([blocks, PRELUDE + GIVEN.get(page, "")]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    failures = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not failures, f"{page}:\n" + "\n".join(failures)
