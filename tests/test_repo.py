@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,13 @@ def test_the_package_says_it_is_typed():
 
     assert (Path(hybridembed.__file__).parent / "py.typed").is_file()  # (PEP 561)
     assert 'hybridembed = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_the_api_reference_builds_and_is_current():
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "api_reference.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr + " (run: python tools/api_reference.py)"

@@ -88,10 +88,12 @@ def constant(value: float) -> Init:
 
 
 def zeros() -> Init:
+    """Every row zero."""
     return constant(0.0)
 
 
 def ones() -> Init:
+    """Every element one."""
     return constant(1.0)
 
 

@@ -68,6 +68,7 @@ class Shard:
 
     @property
     def width(self) -> int:
+        """The columns this shard holds."""
         return self.col_stop - self.col_start
 
     def rows(self) -> range | None:
@@ -78,6 +79,7 @@ class Shard:
 
     @property
     def num_rows(self) -> int | None:
+        """The rows this shard holds (None for a dynamic table: any id)."""
         r = self.rows()
         return None if r is None else len(r)
 
@@ -93,6 +95,7 @@ class TablePlan:
 
     @property
     def ranks(self) -> tuple[int, ...]:
+        """The ranks holding a shard of the table, ascending."""
         return tuple(s.rank for s in self.shards)
 
     @property
@@ -125,6 +128,7 @@ class Plan:
             raise ConfigError(f"Plan: tables planned twice: {', '.join(dup)}")
 
     def table(self, name: str) -> TablePlan:
+        """The table's :class:`TablePlan` (a ConfigError names the tables when it has none)."""
         for t in self.tables:
             if t.table == name:
                 return t
@@ -136,6 +140,7 @@ class Plan:
 
     # --- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The plan as plain data (JSON-able)."""
         return {
             "world_size": self.world_size,
             "strategy": self.strategy,
@@ -152,10 +157,12 @@ class Plan:
         }
 
     def to_json(self, indent: int | None = None) -> str:
+        """The plan as JSON (:meth:`from_json` reads it back)."""
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        """A plan from :meth:`to_dict`'s data, checked."""
         try:
             tables = tuple(
                 TablePlan(
@@ -173,6 +180,7 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+        """A plan from :meth:`to_json`'s text, checked."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:

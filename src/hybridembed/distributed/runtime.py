@@ -257,6 +257,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
         return self.lookup_many([(feature, ids)])[0]
 
     def lookup_rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` (N,), one per id, (N, D): a whole exchange (every rank calls it too)."""
         return self.lookup(feature, Jagged(ids, self._one_per_bag(ids.shape[0], ids.device)))
 
     def lookup_many(self, requests: Sequence[tuple[str, Any]], train: bool | None = None) -> list:

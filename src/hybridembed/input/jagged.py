@@ -203,6 +203,7 @@ class Jagged:
     # --- properties ----------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
+        """B, the number of bags."""
         return self.offsets.numel() - 1
 
     def lengths(self) -> torch.Tensor:
@@ -210,12 +211,14 @@ class Jagged:
         return self.offsets[1:] - self.offsets[:-1]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Jagged:
+        """The same bags with values, offsets and weights on ``device``."""
         w = None if self.weights is None else self.weights.to(device, non_blocking=non_blocking)
         return Jagged(
             self.values.to(device, non_blocking=non_blocking), self.offsets.to(device, non_blocking=non_blocking), w
         )
 
     def pin_memory(self) -> Jagged:
+        """The same bags in pinned host memory (for asynchronous copies to a GPU)."""
         w = None if self.weights is None else self.weights.pin_memory()
         return Jagged(self.values.pin_memory(), self.offsets.pin_memory(), w)
 
@@ -237,6 +240,7 @@ class Jagged:
         return out.index_put((bag, pos), self.values)
 
     def to_lists(self) -> list[list[int]]:
+        """The bags as a list of lists of ids (for tests and printing)."""
         v, o = self.values.tolist(), self.offsets.tolist()
         return [v[o[b] : o[b + 1]] for b in range(len(o) - 1)]
 

@@ -268,6 +268,7 @@ class EmbeddingCollection(nn.Module):
         return {n: self.storage_of(n).table_stats(n) for n, t in self.tables.items() if t.dynamic is not None}
 
     def storage_of(self, table: str) -> RowStorage:
+        """The storage (rows and optimizer state) of the group that holds ``table``."""
         if table not in self.tables:
             raise ConfigError(f"unknown table {table!r}; tables: {', '.join(self.tables)}")
         return self.storages[self._table_group[table]]

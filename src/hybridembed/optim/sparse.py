@@ -72,6 +72,7 @@ class SparseOptimizer:
 
     @property
     def name(self) -> str:
+        """The optimizer's name (``"adagrad"``, ...), as checkpoints record it."""
         return type(self).__name__
 
     def validate(self, hp: dict[str, Any]) -> None:
