@@ -24,6 +24,7 @@ from ..input.jagged import _INT_DTYPES
 from ..storage import serial
 from ..utils import get_logger
 from .collection import EmbeddingCollection
+from .compiled import compiling, pooled_rows
 from .grouped import LookupQueue
 
 __all__ = ["ConvertedCollection", "HybridEmbedding", "HybridEmbeddingBag", "COLLECTION_ATTR"]
@@ -90,6 +91,8 @@ class _QueueHook:
         self.begin = begin
 
     def __call__(self, module: nn.Module, args: Any, output: Any = None) -> None:
+        if compiling():  # (under torch.compile each layer looks up its rows itself: see _TableLayer._compiled)
+            return
         queue = getattr(module.get_submodule(self.path), "lookup_queue", None)
         if queue is None:
             return
@@ -183,6 +186,19 @@ class _TableLayer(nn.Module):
             rows = ec.lookup_rows(self.table, ids)
         return rows.to(self.output_dtype).reshape(shape)
 
+    def _compiled(
+        self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """Inside ``torch.compile`` (:mod:`.compiled`): bags ``offsets`` (B+1,) of ``ids`` (N,),
+        ``keep`` False at padding -> (B, D) sums in the layer's dtype, no sync, no queue."""
+        ec = self._collection
+        storage = ec.storage_of(self.table)
+        rows = pooled_rows(
+            storage, self.table, ec.tables[self.table], storage.row_offset.get(self.table, 0), ids, offsets, keep,
+            weights, "sum",
+        )  # fmt: skip
+        return rows.to(self.output_dtype)
+
     def _check(self, j: Jagged) -> None:
         j.check_structure(self.table)
         if not bool(j.ok(self.num_embeddings, allow_negative=self.dynamic)):
@@ -240,6 +256,13 @@ class HybridEmbedding(_TableLayer):
         out_shape = (*input.shape, d)
         ids = input.reshape(-1)  # (N,)
         n, dev = ids.numel(), ids.device
+        if compiling():
+            keep = torch.ones_like(ids, dtype=torch.bool) if self.padding_idx is None else ids != self.padding_idx
+            rows = self._compiled(ids, torch.arange(n + 1, device=dev), None, keep)  # (N, D)
+            if self.padding_idx is not None:  # (nn.Embedding's padding row there, without gradient)
+                pad = self._collection.weight(self.table)[self.padding_idx].detach().to(rows.dtype)
+                rows = torch.where(keep.unsqueeze(1), rows, pad)
+            return rows.reshape(out_shape)
         keep = None if self.padding_idx is None else ids != self.padding_idx  # (N,)
         if keep is None or bool(keep.all()):  # (N, D): bags of one
             return self._rows(ids, out_shape)
@@ -315,6 +338,16 @@ class HybridEmbeddingBag(_TableLayer):
             raise InvalidInputError(
                 f"table {self.table!r}: input must be (B, L) or (N,) with offsets, got shape {tuple(input.shape)}"
             )
+        if compiling():
+            keep = torch.ones_like(ids, dtype=torch.bool) if self.padding_idx is None else ids != self.padding_idx
+            pooled = self._compiled(ids, offsets, psw, keep)  # (B, D) sums over the kept ids
+            if self.mode != "mean":
+                return pooled
+            bag = torch.repeat_interleave(
+                torch.arange(offsets.numel() - 1, device=dev), offsets[1:] - offsets[:-1], output_size=ids.numel()
+            )
+            counts = torch.zeros(offsets.numel() - 1, device=dev).index_add(0, bag, keep.float()).clamp_min(1)
+            return pooled / counts.unsqueeze(1).to(pooled.dtype)
         if self.padding_idx is not None and not bool((ids != self.padding_idx).all()):
             ids, offsets, psw = self._drop_padding(ids, offsets, psw)
         b = offsets.numel() - 1

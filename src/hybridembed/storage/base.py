@@ -63,6 +63,9 @@ class RowStorage(nn.Module):
         self._changed: torch.Tensor | None = None
         self._removed: list[torch.Tensor] = []
         self.checkpoint_base: str | None = None  # the checkpoint version the changes are counted from
+        # a 0-d leaf on the host that requires grad, an input of every lookup traced by torch.compile:
+        # its (zero) gradient is what the compiled backward's op returns (modules/compiled.py)
+        self._compile_sink = torch.zeros((), requires_grad=True)
         # lookup gradients kept by the Triton kernels' backward for the fused update at the step:
         # (ids (N,), output gradient (S, D), offsets (S+1,), per-id multipliers (N,) or None, one id per bag)
         self._deferred: list[tuple] = []

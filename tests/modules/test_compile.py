@@ -1,0 +1,138 @@
+"""``torch.compile(fullgraph=True)`` of a collection and of a converted model: training and eval
+equal the eager path (the single-process reference), bad ids fail the compiled call and change
+nothing, dynamic tables say they are not on the compiled path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hybridembed as he
+
+torch._dynamo.config.cache_size_limit = 16
+
+TABLES = [
+    he.TableConfig("a", 100, 8),
+    he.TableConfig("b", 50, 8, combiner="mean"),
+    he.TableConfig("c", 40, 8, combiner="sqrtn"),
+    he.TableConfig("s", 30, 8, combiner="none"),
+]
+FEATURES = {"a": "a", "b": "b", "c": "c", "s": "s"}
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 50, (16, 3), generator=g)
+    b[::3, 1] = -1  # padding inside bags
+    b[5] = -1  # an empty bag
+    s = torch.randint(0, 30, (16, 4), generator=g)
+    s[:, 3] = -1
+    lengths = torch.randint(0, 3, (16,), generator=g)
+    c = he.Jagged.from_lengths(torch.randint(0, 40, (int(lengths.sum()),), generator=g), lengths,
+                               torch.rand(int(lengths.sum()), generator=g))  # fmt: skip
+    return {"a": torch.randint(0, 100, (16,), generator=g), "b": b, "c": c, "s": s}, torch.rand(16, generator=g)
+
+
+class Ranker(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ec = he.EmbeddingCollection(TABLES, FEATURES, seed=1, sequence_output="padded")
+        self.top = nn.Linear(32, 1)
+
+    def forward(self, x):
+        o = self.ec(x)
+        return self.top(torch.cat([o["a"], o["b"], o["c"], o["s"].sum(1)], 1)).squeeze(1)
+
+
+def _train(model, opt, steps):
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.Adagrad, torch.optim.Adam])
+def test_a_compiled_collection_trains_and_serves_as_the_eager_one(optimizer):
+    torch.manual_seed(0)
+    eager = Ranker()
+    start = copy.deepcopy(eager.state_dict())
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True)
+    _train(eager, he.wrap_optimizer(optimizer(eager.parameters(), lr=0.05), eager), 3)
+    _train(compiled, he.wrap_optimizer(optimizer(twin.parameters(), lr=0.05), twin), 3)
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(twin.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert not torch.equal(eager.state_dict()["ec.b.weight"], start["ec.b.weight"])  # (the tables trained)
+    eager.eval(), compiled.eval()
+    x, _ = _batch(9)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_id_fails_the_compiled_call_and_changes_nothing():
+    model = Ranker()
+    compiled = torch.compile(model, fullgraph=True)
+    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.05), model)
+    before = copy.deepcopy(model.state_dict())
+    x, y = _batch(0)
+    x["a"][3] = 100  # one past the last row
+    with pytest.raises(RuntimeError, match="feature 'a': an id is out of range"):
+        opt.zero_grad()
+        ((compiled(x) - y) ** 2).mean().backward()
+        opt.step()
+    for k, v in before.items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.user = nn.EmbeddingBag(100, 8, mode="mean", padding_idx=0)
+        self.item = nn.Embedding(50, 8, padding_idx=3)
+        self.tags = nn.EmbeddingBag(30, 8, mode="sum")
+        self.top = nn.Linear(24, 1)
+
+    def forward(self, users, items, tags, tag_offsets, tag_weights):
+        parts = [
+            self.user(users),
+            self.item(items).sum(1),
+            self.tags(tags, tag_offsets, per_sample_weights=tag_weights),
+        ]
+        return self.top(torch.cat(parts, 1)).squeeze(1)
+
+
+def _plain_batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    tags = torch.randint(0, 30, (40,), generator=g)
+    offsets = torch.tensor([0, 3, 3, 10, 12, 20, 25, 30, 31, 32, 33, 34, 35, 36, 37, 39])
+    users = torch.randint(0, 100, (16, 3), generator=g)
+    users[2] = 0  # a bag of padding alone
+    args = (users, torch.randint(0, 50, (16, 2), generator=g), tags, offsets, torch.rand(40, generator=g))
+    return args, torch.rand(16, generator=g)
+
+
+def test_a_compiled_converted_model_trains_as_the_plain_model():
+    torch.manual_seed(0)
+    plain = Plain()
+    model = he.convert(copy.deepcopy(plain))
+    compiled = torch.compile(model, fullgraph=True)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)  # (SGD: the sparse update equals the dense one)
+    opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    for step in range(3):
+        args, y = _plain_batch(step)
+        for m, o in ((plain, plain_opt), (compiled, opt)):
+            o.zero_grad()
+            ((m(*args) - y) ** 2).mean().backward()
+            o.step()
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_dynamic_tables_say_they_are_not_on_the_compiled_path():
+    ec = he.EmbeddingCollection([he.TableConfig("d", None, 4, dynamic=he.Dynamic())])
+    with pytest.raises(Exception, match="dynamic tables' lookups .* do not run inside torch.compile"):
+        torch.compile(ec, fullgraph=True)({"d": torch.tensor([10**12, 5])})
