@@ -5,7 +5,7 @@ committed checkpoint and ends with the weights of a job never killed.
     HYBRIDEMBED_FAULT_KILLS=10 python -m pytest -q tests/train/test_faults.py   # 10 + 10 kills
 
 Every start of a job costs seconds of process start-up here, so one elastic job takes all the
-kills: ``HYBRIDEMBED_FAULT_KILLS`` (default 2) while training and as many while saving, one per
+kills: ``HYBRIDEMBED_FAULT_KILLS`` (default 1) while training and as many while saving, one per
 start of the job (tests/train/fault_worker.py plants them). Processes started here are killed
 at the end whatever happens (their whole process tree), and every wait has a timeout.
 """
@@ -32,7 +32,7 @@ from hybridembed.errors import CheckpointError  # noqa: E402
 from hybridembed.launch import cli as launch  # noqa: E402
 from hybridembed.train import cli, elastic  # noqa: E402
 
-KILLS = int(os.environ.get("HYBRIDEMBED_FAULT_KILLS", "2"))  # (more for a longer stress run)
+KILLS = int(os.environ.get("HYBRIDEMBED_FAULT_KILLS", "1"))  # (more for a longer stress run)
 WORKER = Path(__file__).with_name("fault_worker.py")
 STEPS_PER_EPOCH = 15 * KILLS + 20  # a start takes at most ~12 steps before its kill: the job outlasts them
 FLAGS = [
