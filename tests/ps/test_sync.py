@@ -157,6 +157,11 @@ def _shared_job(rank: int, world: int, which: str, path: str = "") -> dict:
             sched.step()
         ec = unwrap(model).hybridembed
         out = {n: ec.gather_table(n) for n in ec.tables} | {"mlp": unwrap(model).mlp[0].weight.detach()}
+        out["state_dict"] = {k: v.clone() for k, v in unwrap(model).state_dict().items()}  # (the plain model's keys)
+        try:
+            unwrap(model).load_state_dict(out["state_dict"])
+        except RuntimeError as e:  # (tables on servers: loaded by he.load, never silently dropped)
+            out["load_error"] = str(e)
         he.export(model, path, (_plain_batch(9, 8)[0],))  # (trainers only: the servers are serving)
         return out
     model = he.distribute(Shared(), servers=world - T, server_exit=False)
@@ -183,6 +188,12 @@ def test_shared_tables_and_a_plain_model_with_a_scheduler_exported(tmp_path):
     for n in ("user", "items", "city", "tags"):
         torch.testing.assert_close(got[n], getattr(plain, n).weight.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got["mlp"], plain.mlp[0].weight.detach(), atol=1e-5, rtol=1e-5)
+    # a trainer's state_dict(): the plain model's keys, the tables pulled from the servers (DLRM's --save-model)
+    want = plain.state_dict()
+    assert sorted(got["state_dict"]) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got["state_dict"][k], v, atol=1e-5, rtol=1e-5, msg=k)
+    assert "lives on the parameter servers" in got["load_error"] and "he.load" in got["load_error"]
     x = _plain_batch(9, 8)[0]  # the exported plain model serves what one process computes
     with torch.no_grad():
         torch.testing.assert_close(torch.jit.load(served)(x), plain.eval()(x), atol=1e-5, rtol=1e-5)

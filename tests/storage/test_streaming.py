@@ -108,7 +108,9 @@ def _stream(out_path: str) -> None:
     rec["stats"] = ec.dynamic_stats()["s"]
     ids, rows = ec.dynamic_rows("s")
     rec["ids_equal_last_five_batches"] = bool(
-        torch.equal(ids, torch.sort(torch.cat([batch_ids(s) for s in range(TOTAL // BATCH - 5, TOTAL // BATCH)])).values)
+        torch.equal(
+            ids, torch.sort(torch.cat([batch_ids(s) for s in range(TOTAL // BATCH - 5, TOTAL // BATCH)])).values
+        )
     )
     sample = torch.arange(0, ids.numel(), 99_991)
     want = he.init.generate(he.init.uniform(), 1, "s", ids[sample], DIM) - LR  # one Adagrad step on grad 1

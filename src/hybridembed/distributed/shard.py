@@ -85,6 +85,7 @@ def swap_collection(model: nn.Module, old: EmbeddingCollection, new: ShardedTabl
                 parent._modules[name] = new
         if isinstance(parent, _TableLayer) and parent.collection is old:
             parent.__dict__["_collection"] = new
+            new.layers_hold_keys = True  # (a converted model: its layers write the tables' state_dict entries)
     if isinstance(old, ConvertedCollection) and old.lookup_queue is not None:
         new.lookup_queue = LookupQueue(new)
     if model is old:

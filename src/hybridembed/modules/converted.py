@@ -207,12 +207,25 @@ class _TableLayer(nn.Module):
     # --- state_dict: the table's entries under this layer's path (storage.serial) -------------
     # (a sharded table's shards are written by its ShardedCollection, under its own path)
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        remote = getattr(self._collection, "remote_entry", None)
+        if remote is not None:  # (rows on parameter servers: pulled whole, under this layer's key)
+            for k, v in remote(self.table).items():
+                destination[prefix + k] = v
+            return
         if getattr(self._collection, "sharded", False):
             return
         for k, v in serial.table_entry(self._collection.storage_of(self.table), self.table, keep_vars).items():
             destination[prefix + k] = v
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        if getattr(self._collection, "remote_entry", None) is not None and any(
+            k.startswith(prefix) for k in state_dict
+        ):
+            errors.append(
+                f"{prefix}weight: table {self.table!r} lives on the parameter servers and is not loaded from a "
+                "state_dict; load it with he.load (a checkpoint, at any world size)"
+            )
+            return
         if getattr(self._collection, "sharded", False):
             return
         storage = self._collection.storage_of(self.table)

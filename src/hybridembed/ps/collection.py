@@ -275,6 +275,36 @@ class PSCollection(ShardedTables, SparseStepHook, CheckpointParticipant):
         for st in self.storages:
             st.reset()
 
+    layers_hold_keys = False  # set when converted layers read this collection (they write its entries)
+
+    def remote_entry(self, name: str) -> dict[str, torch.Tensor]:
+        """Table ``name``'s ``state_dict`` entry, pulled whole from its servers (:meth:`gather_table`;
+        this trainer alone asks): dense ``{"weight": (rows, dim)}``, the plain model's key; dynamic
+        ``{"ids": (K,), "rows": (K, dim)}``. Holds the whole table in this process: for tables that
+        fit one (checkpoints, :func:`hybridembed.save`, need no such copy)."""
+        got = self.gather_table(name)
+        if self.tables[name].dynamic is None:
+            return {"weight": got}
+        ids, rows = got
+        return {"ids": ids, "rows": rows}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Every table pulled from the servers (:meth:`remote_entry`) under ``<table>.``, unless a
+        converted model's layers write them under their own keys (the plain model's)."""
+        if self.layers_hold_keys:
+            return
+        for name in self.tables:
+            for k, v in self.remote_entry(name).items():
+                destination[prefix + name + "." + k] = v
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        mine = sorted(k for k in state_dict if k.startswith(prefix) and k[len(prefix) :].split(".")[0] in self.tables)
+        if mine:
+            errors.append(
+                f"{mine[0]}: the tables live on the parameter servers and are not loaded from a state_dict; "
+                "load them with he.load (a checkpoint, at any world size)"
+            )
+
     def gather_table(self, name: str):
         """The whole table ``name`` from its servers (not a collective: this trainer alone asks):
         dense (rows, dim); dynamic (ids ascending, rows)."""

@@ -290,6 +290,12 @@ class RemoteCollection(EmbeddingCollection):
     def _make_storage(self, tables: list[TableConfig], device) -> RowStorage:
         return RemoteStorage(tables, seed=self.seed, device=device)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        return  # (its PSCollection writes the tables, pulled from the servers)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        return  # (refused by its PSCollection or the converted layers)
+
     def _lookup_dense(self, feat, j: Jagged) -> torch.Tensor:
         jagged = {feat.name: j}
         batch = self._assemble(self.storages[feat.group], [feat], [], jagged)
