@@ -1,7 +1,7 @@
 """The README's and every docs page's Python code blocks run (extracted and executed), so a broken
 example fails the tests. Each block runs alone, after a small prelude that defines what the
-examples take as given (a ``model``, ``example_inputs``, a few batches, ``tables``), in a
-process of its own per page, under a one-process gloo job for the examples that start one.
+examples take as given (a ``model``, ``example_inputs``, a few batches, ``tables``), in one
+process, under a one-process gloo job for the examples that start one.
 A block that cannot run here is marked in the page, on the line above it, with
 ``<!-- doc-test: skip (why, and which test covers it) -->`` or ``<!-- doc-test: cuda (...) -->``."""
 
@@ -15,7 +15,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,15 +60,15 @@ RUNNER = textwrap.dedent(
     """
     import json, sys, traceback
     import torch.distributed as dist
-    blocks, prelude = json.loads(sys.stdin.read())
+    blocks = json.loads(sys.stdin.read())
     failures = []
-    for line, code in blocks:
+    for where, code, prelude in blocks:
         scope = {}
         try:
             exec(compile(prelude, "<prelude>", "exec"), scope)
-            exec(compile(code, f"block at line {line}", "exec"), scope)
+            exec(compile(code, where, "exec"), scope)
         except Exception:
-            failures.append(f"the block at line {line}:\\n{traceback.format_exc(limit=4)}")
+            failures.append(f"the block at {where}:\\n{traceback.format_exc(limit=4)}")
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -93,17 +92,24 @@ def test_every_python_block_is_run_or_says_why_not():
             assert mark is None or len(why) > 10, f"{page}:{line}: say why the block is not run here"
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if any(m is None for _, m, _, _ in _blocks(p))])
-def test_the_page_s_python_examples_run(page, tmp_path):
+def test_the_pages_python_examples_run(tmp_path):
+    """Every page's runnable blocks, in one process (a page's blocks do not share names: each block
+    runs after the prelude and the page's givens alone)."""
     gpu = torch.cuda.is_available()
-    blocks = [(line, code) for line, mark, _, code in _blocks(page) if mark is None or (mark == "cuda" and gpu)]
+    blocks = [
+        (f"{page}:{line}", code, PRELUDE + GIVEN.get(page, ""))
+        for page in PAGES
+        for line, mark, _, code in _blocks(page)
+        if mark is None or (mark == "cuda" and gpu)
+    ]
+    assert len(blocks) >= 10  # (the README's and the docs' examples were found)
     from hybridembed.launch import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     r = subprocess.run(
         [sys.executable, "-c", RUNNER],
-        input=json.dumps([blocks, PRELUDE + GIVEN.get(page, "")]),
+        input=json.dumps(blocks),
         capture_output=True,
         text=True,
         timeout=300,
@@ -112,4 +118,4 @@ def test_the_page_s_python_examples_run(page, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     failures = json.loads(r.stdout.strip().splitlines()[-1])
-    assert not failures, f"{page}:\n" + "\n".join(failures)
+    assert not failures, "\n".join(failures)
