@@ -115,7 +115,11 @@ def _distributed(rank: int, world: int, plan_kind: str) -> dict:
     ec = inner.hybridembed
     assert isinstance(ec, ShardedCollection)
     tables = {n: ec.gather_table(n) for n in ec.tables}
+    sd = inner.state_dict()  # (mod-placed tables: their shards' own entries; any table: loads back)
+    inner.load_state_dict(sd)
+    assert {n: ec.gather_table(n) for n in ec.tables}.keys() == tables.keys()
     return {
+        "sd_keys": sorted(sd),
         "tables": tables,
         "mlp": {k: v.detach().clone() for k, v in inner.mlp.state_dict().items()},
         "losses": losses,
@@ -145,6 +149,8 @@ def test_distribute_a_plain_model_equals_one_process(world):
     for r in results:
         for k, v in ref["mlp"].items():
             torch.testing.assert_close(r["mlp"][k], v, atol=1e-5, rtol=1e-5)
+    if world == 4:  # (the explicit plan: user and city placed by residue, kept as their shards' entries)
+        assert "user.shard0.weight" in results[0]["sd_keys"] and "items.weight" in results[0]["sd_keys"]
     # each rank's loss is the mean over its slice; their mean is the one-process loss
     mean = [sum(r["losses"][s] for r in results) / world for s in range(STEPS)]
     torch.testing.assert_close(torch.tensor(mean), torch.tensor(ref["losses"]), atol=1e-5, rtol=1e-5)

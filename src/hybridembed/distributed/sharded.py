@@ -47,6 +47,7 @@ class ShardedTables(nn.Module):
 
     sharded = True
     lookup_queue = None  # set by distribute on a converted model (one exchange per forward)
+    layers_hold_keys = False  # set when converted layers read these tables (they write their state_dict entries)
 
     def __init__(
         self,

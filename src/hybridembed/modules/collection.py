@@ -791,11 +791,15 @@ class EmbeddingCollection(nn.Module):
 
     # --- state_dict: one entry per table, whatever the grouping --------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.__dict__.get("_entries_by_owner"):  # (a sharded collection's shards: it writes their entries)
+            return
         for name in self.tables:  # dense: weight; dynamic: ids, rows and counters, by id (storage.serial)
             for k, v in serial.table_entry(self.storage_of(name), name, keep_vars).items():
                 destination[prefix + name + "." + k] = v
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        if self.__dict__.get("_entries_by_owner"):
+            return
         ours: set[str] = set()
         entries: dict[str, dict] = {}
         bad = False

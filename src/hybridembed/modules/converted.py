@@ -212,7 +212,9 @@ class _TableLayer(nn.Module):
             for k, v in remote(self.table).items():
                 destination[prefix + k] = v
             return
-        if getattr(self._collection, "sharded", False):
+        if getattr(self._collection, "sharded", False):  # (sharded over a job: the whole table's key, sharded values)
+            for k, v in self._collection.table_entry(self.table).items():
+                destination[prefix + k] = v
             return
         for k, v in serial.table_entry(self._collection.storage_of(self.table), self.table, keep_vars).items():
             destination[prefix + k] = v
@@ -227,6 +229,11 @@ class _TableLayer(nn.Module):
             )
             return
         if getattr(self._collection, "sharded", False):
+            entry = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+            if not entry:
+                missing.append(prefix + "weight")
+                return
+            self._collection.load_table_entry(self.table, entry, prefix, errors)
             return
         storage = self._collection.storage_of(self.table)
         mine = {

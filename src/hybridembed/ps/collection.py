@@ -275,8 +275,6 @@ class PSCollection(ShardedTables, SparseStepHook, CheckpointParticipant):
         for st in self.storages:
             st.reset()
 
-    layers_hold_keys = False  # set when converted layers read this collection (they write its entries)
-
     def remote_entry(self, name: str) -> dict[str, torch.Tensor]:
         """Table ``name``'s ``state_dict`` entry, pulled whole from its servers (:meth:`gather_table`;
         this trainer alone asks): dense ``{"weight": (rows, dim)}``, the plain model's key; dynamic
