@@ -132,7 +132,49 @@ def test_a_compiled_converted_model_trains_as_the_plain_model():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_dynamic_tables_say_they_are_not_on_the_compiled_path():
-    ec = he.EmbeddingCollection([he.TableConfig("d", None, 4, dynamic=he.Dynamic())])
-    with pytest.raises(Exception, match="dynamic tables' lookups .* do not run inside torch.compile"):
-        torch.compile(ec, fullgraph=True)({"d": torch.tensor([10**12, 5])})
+class DynamicRanker(nn.Module):
+    def __init__(self):
+        super().__init__()
+        tables = [
+            he.TableConfig("d", None, 8, combiner="mean", dynamic=he.Dynamic(capacity=64, eviction="lru")),
+            he.TableConfig("e", None, 8, dynamic=he.Dynamic()),
+            he.TableConfig("a", 100, 8),
+        ]
+        self.ec = he.EmbeddingCollection(tables, {"d": "d", "e": "e", "a": "a"}, seed=2)
+        self.top = nn.Linear(24, 1)
+
+    def forward(self, x):
+        o = self.ec(x)
+        return self.top(torch.cat([o["d"], o["e"], o["a"]], 1)).squeeze(1)
+
+
+def _dynamic_batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    d = torch.randint(0, 10**12, (16, 3), generator=g)
+    d[::4, 2] = -1  # padding
+    return {"d": d, "e": torch.randint(0, 50, (16,), generator=g), "a": torch.randint(0, 100, (16,), generator=g)}
+
+
+def test_dynamic_tables_compile_and_train_as_the_eager_ones():
+    torch.manual_seed(0)
+    eager = DynamicRanker()
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, fullgraph=True)
+    opts = [he.wrap_optimizer(torch.optim.Adam(m.parameters(), lr=0.05), m) for m in (eager, twin)]
+    for step in range(4):  # (ids new at every step: rows made, 64 rows at most in "d": evictions)
+        x, y = _dynamic_batch(step), torch.rand(16)
+        for m, o in ((eager, opts[0]), (compiled, opts[1])):
+            o.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+    for name in ("d", "e"):
+        ids, rows = eager.ec.dynamic_rows(name)
+        got_ids, got_rows = twin.ec.dynamic_rows(name)
+        assert torch.equal(got_ids, ids) and ids.numel() > 0
+        torch.testing.assert_close(got_rows, rows, rtol=1e-5, atol=1e-6)
+    assert twin.ec.dynamic_stats()["d"] == eager.ec.dynamic_stats()["d"]
+    eager.eval(), compiled.eval()
+    x = _dynamic_batch(2)  # (known ids and, in eval, unknown ones reading the default row)
+    x["d"][0, 0] = 7
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-6)

@@ -34,7 +34,7 @@ from ..kernels import bag_scale, cpu_fused, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
 from ..utils import check_device, device_tensor, kept_tensor
-from .compiled import compiling, feature_part, pooled
+from .compiled import compiling, dynamic_rows, feature_part, pooled
 
 __all__ = ["EmbeddingCollection"]
 
@@ -379,9 +379,18 @@ class EmbeddingCollection(nn.Module):
             keep = ids != self.pad
             combiner = "sum" if seq else feat.table.combiner
             slots, psw = feature_part(f, feat.table, feat.row_offset, ids, offsets, keep, weights, combiner)
+            if feat.dynamic:  # (its own lookup op: the hash table resolves the ids inside it)
+                st = self.storages[feat.group]
+                part = dynamic_rows(st, feat.table, feat.table_index, slots, offsets, psw, keep, self.training)
+                parts.setdefault(("dynamic", f), []).append((f, part, offsets, None, keep, shape))
+                continue
             parts.setdefault(feat.group, []).append((f, slots, offsets, psw, keep, shape))
         out: dict[str, torch.Tensor] = {}
         for group, items in parts.items():  # one call per group: the pieces joined
+            if isinstance(group, tuple):  # (a dynamic feature's rows, looked up above)
+                f, part, _, _, kp, shape = items[0]
+                out[f] = part if shape is None else (part * kp.unsqueeze(1).to(part.dtype)).reshape(*shape, -1)
+                continue
             storage = self.storages[group]
             cdt = self._features[items[0][0]].table.compute_dtype
             if len(items) == 1:

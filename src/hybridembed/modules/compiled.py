@@ -18,23 +18,21 @@ backward's gradient to the storage through an autograd function. Under compilati
   backward gives it. The optimizer step (eager) then applies it: fused where the storage's
   kernels fuse, as in eager mode. Results and updates equal the eager path's.
 
-Dynamic tables (ids resolved by probing and inserting into a hash table) are not on this path:
-under compilation their lookups raise a :class:`~hybridembed.ConfigError` saying so.
+Dynamic tables resolve ids to rows by probing and inserting into a hash table, data-dependent
+work the compiler cannot trace: their lookup is the custom op ``hybridembed::dynamic_pooled``,
+which resolves the kept ids (rows made on first sight in training, admission and eviction as in
+eager mode) and pools them, opaque to the compiler; its backward is ``keep_grad`` as above.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
 from ..kernels import bag_scale
+from ..storage.base import storage_of_key
 
-__all__ = ["compiling", "feature_part", "pooled", "pooled_rows", "storage_key"]
-
-_STORAGES: dict[int, weakref.ref] = {}  # key -> the storage whose rows a compiled lookup read
+__all__ = ["compiling", "dynamic_rows", "feature_part", "pooled", "pooled_rows", "storage_key"]
 
 
 def compiling() -> bool:
@@ -44,10 +42,7 @@ def compiling() -> bool:
 
 def storage_key(storage) -> int:
     """The int that names ``storage`` to the custom ops (ops take tensors and numbers only)."""
-    key = id(storage)
-    if key not in _STORAGES or _STORAGES[key]() is not storage:
-        _STORAGES[key] = weakref.ref(storage)
-    return key
+    return id(storage)  # (every storage is registered when made, copied or unpickled: storage.base)
 
 
 @torch.library.custom_op("hybridembed::pooled", mutates_args=())
@@ -72,7 +67,7 @@ def _keep_grad(
     inside the compiled backward). Returns a 0-d zero on the host: the gradient of the storage's
     ``_compile_sink``, which makes the compiler keep this call (its real effect is the storage's)."""
     zero = torch.zeros(())
-    storage = _STORAGES[key]()
+    storage = storage_of_key(key)
     if storage is None:  # (the model was dropped between forward and backward)
         return zero
     lengths = offsets[1:] - offsets[:-1]
@@ -107,6 +102,62 @@ def _backward(ctx, grad):
 _pooled.register_autograd(_backward, setup_context=_setup)
 
 
+@torch.library.custom_op("hybridembed::dynamic_pooled", mutates_args=())
+def _dynamic_pooled(
+    sink: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor, keep: torch.Tensor,
+    key: int, table_index: int, dim: int, train: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A dynamic table's lookup, opaque to the compiler: the kept ids (N,) resolved to row slots by
+    the hash table (rows made on first sight while training, admission and eviction as in eager
+    mode), then one ``embedding_bag`` -> ((S, D) sums, (N,) slots, pads 0)."""
+    storage = storage_of_key(key)
+    kept = ids[keep]
+    plan = storage.resolve(kept, [table_index], [kept.numel()], train)
+    got, _ = plan.commit()
+    slots = torch.zeros_like(ids)
+    slots[keep] = got.to(torch.int64)
+    cdt = psw.dtype
+    weight = storage.weight.detach()
+    weight = weight if weight.dtype == cdt else weight.to(cdt)
+    rows = F.embedding_bag(slots, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
+    return rows, slots
+
+
+@_dynamic_pooled.register_fake
+def _(sink, ids, offsets, psw, keep, key, table_index, dim, train):
+    return psw.new_empty(offsets.shape[0] - 1, dim), torch.empty_like(ids)
+
+
+def _dynamic_setup(ctx, inputs, output):
+    sink, ids, offsets, psw, keep, key, table_index, dim, train = inputs
+    ctx.save_for_backward(output[1], offsets, psw, keep)
+    ctx.key = key
+
+
+def _dynamic_backward(ctx, grad, _slots_grad):
+    slots, offsets, psw, keep = ctx.saved_tensors
+    return _keep_grad(grad, slots, offsets, psw, keep, ctx.key), None, None, None, None, None, None, None, None
+
+
+_dynamic_pooled.register_autograd(_dynamic_backward, setup_context=_dynamic_setup)
+
+
+def dynamic_rows(
+    storage, table, table_index: int, ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor, keep: torch.Tensor,
+    train: bool,
+) -> torch.Tensor:  # fmt: skip
+    """A dynamic table's compiled lookup (:func:`_dynamic_pooled`): (S, D) in its compute dtype."""
+    sink = (
+        storage._compile_sink
+        if torch.is_grad_enabled() and storage.weight.requires_grad
+        else storage._compile_sink.detach()
+    )
+    rows, _ = _dynamic_pooled(
+        sink, ids, offsets, psw, keep, storage_key(storage), table_index, table.embedding_dim, train
+    )
+    return rows
+
+
 def feature_part(
     feature: str,
     table,
@@ -121,18 +172,15 @@ def feature_part(
     ``table``, ``keep`` (N,) False at pads -> (its row slots ``row_offset + id`` (N,), pads 0;
     its per-id multipliers (N,): the weights and ``combiner``'s scale, pads 0). Checks the ids on
     the device (``torch._assert_async``: no sync)."""
-    if table.dynamic is not None:
-        raise ConfigError(
-            f"feature {feature!r}: table {table.name!r} is dynamic, and dynamic tables' lookups (hash probes and "
-            "inserts) do not run inside torch.compile yet; compile the dense part of the model, or look the "
-            "dynamic tables up outside the compiled function"
-        )
-    n = table.num_embeddings
-    ok = ((ids >= 0) & (ids < n)) | ~keep
-    torch._assert_async(ok.all(), f"feature {feature!r}: an id is out of range [0, {n}) (or a negative id)")
     cdt = table.compute_dtype
+    if table.dynamic is None:  # (a dynamic table takes any int64 id)
+        n = table.num_embeddings
+        ok = ((ids >= 0) & (ids < n)) | ~keep
+        torch._assert_async(ok.all(), f"feature {feature!r}: an id is out of range [0, {n}) (or a negative id)")
     w = keep.to(cdt) if weights is None else torch.where(keep, weights.to(cdt), 0)
     psw = bag_scale(combiner, offsets, w, ids.numel(), cdt)  # (N,): the combiner's scale, pads 0
+    if table.dynamic is not None:  # (ids: resolved to slots inside the lookup op, by the hash table)
+        return ids.to(torch.int64), (w if psw is None else psw)
     return torch.where(keep, ids.to(torch.int64) + row_offset, 0), (w if psw is None else psw)
 
 
@@ -159,8 +207,12 @@ def pooled_rows(
     keep: torch.Tensor,
     weights: torch.Tensor | None,
     combiner: str,
+    train: bool = True,
 ) -> torch.Tensor:
     """One feature's compiled lookup (:func:`feature_part`, then :func:`pooled`): (S, D) in the
     table's compute dtype."""
     slots, psw = feature_part(feature, table, row_offset, ids, offsets, keep, weights, combiner)
+    if table.dynamic is not None:
+        index = next(i for i, t in enumerate(storage.tables) if t.name == table.name)
+        return dynamic_rows(storage, table, index, slots, offsets, psw, keep, train)
     return pooled(storage, slots, offsets, psw, keep, table.compute_dtype)

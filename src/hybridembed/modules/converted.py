@@ -195,7 +195,7 @@ class _TableLayer(nn.Module):
         storage = ec.storage_of(self.table)
         rows = pooled_rows(
             storage, self.table, ec.tables[self.table], storage.row_offset.get(self.table, 0), ids, offsets, keep,
-            weights, "sum",
+            weights, "sum", ec.training,
         )  # fmt: skip
         return rows.to(self.output_dtype)
 

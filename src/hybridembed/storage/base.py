@@ -9,6 +9,7 @@ per-table ``state_dict`` entries; the storage itself writes none.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -24,6 +25,22 @@ from ..kernels.lookup import Bags, weight_grad
 from ..utils import advise_huge_pages
 
 __all__ = ["RowStorage", "add_sparse"]
+
+
+# id -> storage, for the custom ops of compiled lookups (ops take tensors and numbers: the id names the
+# storage); every storage registers itself when made, copied or unpickled (a compiled graph's op may run
+# before any Python code of the step could)
+_STORAGES: dict[int, weakref.ref] = {}
+
+
+def _register(storage) -> None:
+    _STORAGES[id(storage)] = weakref.ref(storage)
+
+
+def storage_of_key(key: int):
+    """The storage :func:`storage_key` named (None if it is gone)."""
+    ref = _STORAGES.get(key)
+    return None if ref is None else ref()
 
 
 def add_sparse(acc: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
@@ -69,6 +86,11 @@ class RowStorage(nn.Module):
         # lookup gradients kept by the Triton kernels' backward for the fused update at the step:
         # (ids (N,), output gradient (S, D), offsets (S+1,), per-id multipliers (N,) or None, one id per bag)
         self._deferred: list[tuple] = []
+        _register(self)
+
+    def __setstate__(self, state) -> None:  # (a deepcopy or an unpickled storage: known to compiled lookups too)
+        super().__setstate__(state)
+        _register(self)
 
     # --- changes since the last checkpoint -------------------------------------------------
     def track_changes(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
