@@ -34,7 +34,7 @@ from ..kernels import bag_scale, cpu_fused, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
 from ..utils import check_device, device_tensor, kept_tensor
-from .compiled import compiling, dynamic_rows, feature_part, pooled
+from .compiled import compiled_forward, compiling
 
 __all__ = ["EmbeddingCollection"]
 
@@ -340,7 +340,7 @@ class EmbeddingCollection(nn.Module):
         takes, or a TorchRec ``KeyedJaggedTensor`` (one key per feature)."""
         inputs = as_feature_inputs(inputs)
         if compiling():  # (torch.compile / torch.export: no host sync, no data-dependent size)
-            return self._compiled_forward(inputs)
+            return compiled_forward(self, inputs)
         jagged, assumed = self._unpadded(inputs)
         batches = self._batches(jagged)
         if not self._validate(batches, jagged, assumed):  # some id tensor had padding: take it exactly
@@ -348,64 +348,6 @@ class EmbeddingCollection(nn.Module):
             batches = self._batches(jagged)
             self._validate(batches, jagged)
         out = self._run_groups(batches, jagged)
-        return {f: out[f] for f in self._features}
-
-    def _compiled_forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """:meth:`forward` inside ``torch.compile`` (:mod:`.compiled`): per feature, its ids with
-        padding masked in place, then one lookup per group of tables, as in eager mode.
-        ``(B,)``/``(B, H)`` id tensors and :class:`Jagged` inputs; a sequence feature's output is
-        padded ``(B, H, D)`` (zero rows at pads) whatever ``sequence_output`` says."""
-        if not isinstance(inputs, Mapping) or set(inputs) != set(self._features):
-            raise InvalidInputError(f"inputs must be a mapping with exactly the features {', '.join(self._features)}")
-        parts: dict[int, list] = {}  # group -> [(feature, slots, offsets, psw, keep, sequence shape)]
-        for f, feat in self._features.items():
-            x = inputs[f]
-            seq = feat.table.combiner == "none"
-            if isinstance(x, Jagged) and not seq:
-                ids, offsets, weights = x.values, x.offsets.to(torch.int64), x.weights
-                shape = None
-            elif isinstance(x, torch.Tensor) and x.dim() in (1, 2) and not x.is_floating_point():
-                grid = x.reshape(x.shape[0], -1)  # (B, H)
-                b, h = grid.shape
-                ids, weights, shape = grid.reshape(-1), None, (b, h) if seq else None
-                step = 1 if seq else h  # (a sequence: bags of one id)
-                offsets = torch.arange(0, ids.numel() + 1, step, device=ids.device)
-            else:
-                raise InvalidInputError(
-                    f"feature {f!r}: under torch.compile give a (B,) or (B, H) integer id tensor"
-                    + ("" if seq else " or a he.Jagged"),
-                    f,
-                )
-            keep = ids != self.pad
-            combiner = "sum" if seq else feat.table.combiner
-            slots, psw = feature_part(f, feat.table, feat.row_offset, ids, offsets, keep, weights, combiner)
-            if feat.dynamic:  # (its own lookup op: the hash table resolves the ids inside it)
-                st = self.storages[feat.group]
-                part = dynamic_rows(st, feat.table, feat.table_index, slots, offsets, psw, keep, self.training)
-                parts.setdefault(("dynamic", f), []).append((f, part, offsets, None, keep, shape))
-                continue
-            parts.setdefault(feat.group, []).append((f, slots, offsets, psw, keep, shape))
-        out: dict[str, torch.Tensor] = {}
-        for group, items in parts.items():  # one call per group: the pieces joined
-            if isinstance(group, tuple):  # (a dynamic feature's rows, looked up above)
-                f, part, _, _, kp, shape = items[0]
-                out[f] = part if shape is None else (part * kp.unsqueeze(1).to(part.dtype)).reshape(*shape, -1)
-                continue
-            storage = self.storages[group]
-            cdt = self._features[items[0][0]].table.compute_dtype
-            if len(items) == 1:
-                _, slots, offsets, psw, keep, _ = items[0]
-            else:
-                total, pieces = 0, []
-                for _, sl, off, _, _, _ in items:
-                    pieces.append(off[:-1] + total)
-                    total += sl.numel()
-                pieces.append(torch.full((1,), total, dtype=torch.int64, device=items[0][1].device))
-                offsets = torch.cat(pieces)
-                slots, psw, keep = (torch.cat([it[k] for it in items]) for k in (1, 3, 4))
-            rows = pooled(storage, slots, offsets, psw, keep, cdt)  # (S, D)
-            for (f, _, _, _, kp, shape), part in zip(items, rows.split([it[2].numel() - 1 for it in items])):
-                out[f] = part if shape is None else (part * kp.unsqueeze(1).to(part.dtype)).reshape(*shape, -1)
         return {f: out[f] for f in self._features}
 
     def _batches(self, jagged: dict[str, Jagged]) -> list[_GroupBatch]:

@@ -26,13 +26,18 @@ eager mode) and pools them, opaque to the compiler; its backward is ``keep_grad`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidInputError
+from ..input import Jagged
 from ..kernels import bag_scale
 from ..storage.base import storage_of_key
 
-__all__ = ["compiling", "dynamic_rows", "feature_part", "pooled", "pooled_rows", "storage_key"]
+__all__ = ["compiled_forward", "compiling", "dynamic_rows", "feature_part", "pooled", "pooled_rows", "storage_key"]
 
 
 def compiling() -> bool:
@@ -216,3 +221,62 @@ def pooled_rows(
         index = next(i for i, t in enumerate(storage.tables) if t.name == table.name)
         return dynamic_rows(storage, table, index, slots, offsets, psw, keep, train)
     return pooled(storage, slots, offsets, psw, keep, table.compute_dtype)
+
+
+def compiled_forward(ec, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``ec``'s forward inside ``torch.compile`` (see the module docstring): per feature, its ids
+    with padding masked in place, then one lookup per group of tables, as in eager mode.
+    ``(B,)``/``(B, H)`` id tensors and :class:`Jagged` inputs; a sequence feature's output is
+    padded ``(B, H, D)`` (zero rows at pads) whatever ``sequence_output`` says."""
+    if not isinstance(inputs, Mapping) or set(inputs) != set(ec._features):
+        raise InvalidInputError(f"inputs must be a mapping with exactly the features {', '.join(ec._features)}")
+    parts: dict[int, list] = {}  # group -> [(feature, slots, offsets, psw, keep, sequence shape)]
+    for f, feat in ec._features.items():
+        x = inputs[f]
+        seq = feat.table.combiner == "none"
+        if isinstance(x, Jagged) and not seq:
+            ids, offsets, weights = x.values, x.offsets.to(torch.int64), x.weights
+            shape = None
+        elif isinstance(x, torch.Tensor) and x.dim() in (1, 2) and not x.is_floating_point():
+            grid = x.reshape(x.shape[0], -1)  # (B, H)
+            b, h = grid.shape
+            ids, weights, shape = grid.reshape(-1), None, (b, h) if seq else None
+            step = 1 if seq else h  # (a sequence: bags of one id)
+            offsets = torch.arange(0, ids.numel() + 1, step, device=ids.device)
+        else:
+            raise InvalidInputError(
+                f"feature {f!r}: under torch.compile give a (B,) or (B, H) integer id tensor"
+                + ("" if seq else " or a he.Jagged"),
+                f,
+            )
+        keep = ids != ec.pad
+        combiner = "sum" if seq else feat.table.combiner
+        slots, psw = feature_part(f, feat.table, feat.row_offset, ids, offsets, keep, weights, combiner)
+        if feat.dynamic:  # (its own lookup op: the hash table resolves the ids inside it)
+            st = ec.storages[feat.group]
+            part = dynamic_rows(st, feat.table, feat.table_index, slots, offsets, psw, keep, ec.training)
+            parts.setdefault(("dynamic", f), []).append((f, part, offsets, None, keep, shape))
+            continue
+        parts.setdefault(feat.group, []).append((f, slots, offsets, psw, keep, shape))
+    out: dict[str, torch.Tensor] = {}
+    for group, items in parts.items():  # one call per group: the pieces joined
+        if isinstance(group, tuple):  # (a dynamic feature's rows, looked up above)
+            f, part, _, _, kp, shape = items[0]
+            out[f] = part if shape is None else (part * kp.unsqueeze(1).to(part.dtype)).reshape(*shape, -1)
+            continue
+        storage = ec.storages[group]
+        cdt = ec._features[items[0][0]].table.compute_dtype
+        if len(items) == 1:
+            _, slots, offsets, psw, keep, _ = items[0]
+        else:
+            total, pieces = 0, []
+            for _, sl, off, _, _, _ in items:
+                pieces.append(off[:-1] + total)
+                total += sl.numel()
+            pieces.append(torch.full((1,), total, dtype=torch.int64, device=items[0][1].device))
+            offsets = torch.cat(pieces)
+            slots, psw, keep = (torch.cat([it[k] for it in items]) for k in (1, 3, 4))
+        rows = pooled(storage, slots, offsets, psw, keep, cdt)  # (S, D)
+        for (f, _, _, _, kp, shape), part in zip(items, rows.split([it[2].numel() - 1 for it in items])):
+            out[f] = part if shape is None else (part * kp.unsqueeze(1).to(part.dtype)).reshape(*shape, -1)
+    return {f: out[f] for f in ec._features}
