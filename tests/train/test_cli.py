@@ -217,14 +217,14 @@ def test_onnx_export_without_its_packages_fails_before_training(tmp_path, capsys
 
 
 def test_a_second_run_in_the_same_workdir_says_what_it_replaces(tmp_path, capsys):
-    argv = ["--rows", "200", "--workdir", str(tmp_path), "--no-progress"]
+    argv = ["--rows", "200", "--workdir", str(tmp_path), "--no-progress", "--export", str(tmp_path / "m.pt")]
     assert cli.main(argv) == 0
     assert "note:" not in capsys.readouterr().out
     assert cli.main(argv) == 0
     notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note:")]
     assert len(notes) == 2
     assert "holds an earlier run's checkpoint; this run replaces it" in notes[0] and "--resume" in notes[0]
-    assert "model.pt2 exists; this run replaces it" in notes[1]
-    assert cli.main([*argv, "--resume", str(tmp_path / "checkpoint"), "--epochs", "2"]) == 0
+    assert "m.pt exists; this run replaces it" in notes[1]
+    assert cli.main([*argv[:-2], "--no-export", "--resume", str(tmp_path / "checkpoint"), "--epochs", "2"]) == 0
     out = capsys.readouterr().out  # (continuing its own checkpoint: nothing of it is replaced)
     assert "earlier run's checkpoint" not in out
