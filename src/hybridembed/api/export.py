@@ -157,7 +157,7 @@ class _ServedTable(nn.Module):
         if k == 0:
             return self.rows[torch.zeros_like(ids)].to(self.compute_dtype)
         # (one op where the format has it; ONNX has no searchsorted: the unrolled binary search)
-        pos = _count_below(self.ids, k, ids) if self.branch_free else torch.searchsorted(self.ids, ids)  # (B, H)
+        pos = _count_below(self.ids, k, ids) if self.branch_free else torch.searchsorted(self.ids, ids.contiguous())
         slot = torch.clamp(pos, max=k - 1)
         found = self.ids[slot] == ids
         return self.rows[torch.where(found, slot, k)].to(self.compute_dtype)  # row K: the default
