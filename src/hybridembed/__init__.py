@@ -42,4 +42,5 @@ __all__ = [
 if _env.flag("TUNE_ALLOCATOR", True):  # on by default; HYBRIDEMBED_TUNE_ALLOCATOR=0 opts out
     tune_cpu_allocator()
 
-optim.wrapper.install_clip_grad_norm()  # torch.nn.utils.clip_grad_norm_ handles tables (see its docstring)
+if _env.flag("CLIP_GRAD_NORM", True):  # HYBRIDEMBED_CLIP_GRAD_NORM=0 leaves torch's function alone
+    optim.wrapper.install_clip_grad_norm()  # torch.nn.utils.clip_grad_norm_ handles tables (see its docstring)

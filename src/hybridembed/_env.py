@@ -12,6 +12,9 @@
     level of the ``hybridembed`` logger: ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR`` or
     ``CRITICAL``, any case; unset or empty, the logger follows the application's logging (and
     :func:`hybridembed.configure_logging` uses INFO); another value warns and is ignored.
+``HYBRIDEMBED_CLIP_GRAD_NORM=0``
+    do not make ``torch.nn.utils.clip_grad_norm_`` route calls that hold a table (or a sparse
+    gradient) to :func:`hybridembed.clip_grad_norm_` (on by default, from the import).
 ``HYBRIDEMBED_KERNELS``
     the kernel backend of collections built with ``kernels="auto"`` (the default): ``eager``
     (PyTorch ops), ``triton`` (Triton kernels on CUDA, and on the CPU under

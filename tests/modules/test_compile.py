@@ -1,6 +1,6 @@
 """``torch.compile(fullgraph=True)`` of a collection and of a converted model: training and eval
-equal the eager path (the single-process reference), bad ids fail the compiled call and change
-nothing, dynamic tables say they are not on the compiled path."""
+equal the eager path (the single-process reference), dynamic tables included; bad ids fail the
+compiled call and change nothing."""
 
 from __future__ import annotations
 
@@ -178,3 +178,10 @@ def test_dynamic_tables_compile_and_train_as_the_eager_ones():
     x["d"][0, 0] = 7
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-6)
+
+
+def test_learnable_per_id_weights_are_refused_under_compile():
+    ec = he.EmbeddingCollection([he.TableConfig("t", 10, 4)])
+    w = torch.rand(3, requires_grad=True)
+    with pytest.raises(Exception, match="per-id weights that require grad"):
+        torch.compile(ec, fullgraph=True)({"t": he.Jagged(torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]), w)})

@@ -114,3 +114,15 @@ def test_lightning_gradient_clip_val_trains_the_converted_model_as_the_plain_one
         results.append(module.net.state_dict())
     for (name, p), q in zip(results[0].items(), results[1].values()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_nonfinite_norm_with_tables_raises_before_any_gradient_changes():
+    torch.manual_seed(0)
+    model = he.convert(Tower(), kernels="eager")
+    users, items, y = _batch(0)
+    ((model(users, items) - y) ** 2).sum().backward()
+    model.top.weight.grad[0, 0] = float("inf")
+    before = model.top.bias.grad.clone()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    assert torch.equal(model.top.bias.grad, before)

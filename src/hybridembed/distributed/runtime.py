@@ -267,8 +267,8 @@ class ShardedCollection(ShardedTables, ShardedStep):
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
         from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-        def meta(pos: int) -> ShardMetadata:
-            sp, owner = spans[pos], route.shards[pos][1].rank
+        def meta(pos: int) -> ShardMetadata:  # (ShardedTensor places shards by the job's global ranks)
+            sp, owner = spans[pos], dist.get_global_rank(self._group, route.shards[pos][1].rank)
             return ShardMetadata(
                 [sp.rows.start, sp.cols.start], [len(sp.rows), len(sp.cols)], f"rank:{owner}/{self._device}"
             )
@@ -303,9 +303,9 @@ class ShardedCollection(ShardedTables, ShardedStep):
                     )
                     return
                 for pos in self._positions_here(route):
-                    sp = route.span(pos)
+                    sp, local = route.span(pos), route.local_name(pos)
                     rows = w[sp.rows.start : sp.rows.stop : sp.rows.step, sp.cols.start : sp.cols.stop]
-                    self.local.weight(route.local_name(pos)).copy_(rows)
+                    serial.load_entry(self.local.storage_of(local), local, {"weight": rows})  # (rows marked changed)
                 return
             if _is_sharded(w):
                 mine = {(s.metadata.shard_offsets[0], s.metadata.shard_offsets[1]): s.tensor for s in w.local_shards()}
@@ -318,8 +318,12 @@ class ShardedCollection(ShardedTables, ShardedStep):
                             f"{where}weight: a ShardedTensor of another plan; load it with torch.distributed.checkpoint.load into this model's own state_dict()"
                         )
                         return
+                    local = route.local_name(pos)
                     if got.data_ptr() != ours.data_ptr():
-                        ours.copy_(got)
+                        serial.load_entry(self.local.storage_of(local), local, {"weight": got})
+                    else:  # (DCP wrote into the rows themselves: count them changed for incremental saves)
+                        storage = self.local.storage_of(local)
+                        storage._mark_span(*storage._rows_of(local))
                 return
             for pos in self._positions_here(route):  # (the shards' own entries)
                 local = route.local_name(pos)

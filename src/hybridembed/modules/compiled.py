@@ -9,9 +9,11 @@ backward's gradient to the storage through an autograd function. Under compilati
 - padding stays in place, masked: pad positions read row 0 with multiplier 0, so every size is
   the input's; the combiners' scales (:func:`~hybridembed.kernels.bag_scale`) count only the
   kept ids, as the eager path does;
-- validation is ``torch._assert_async`` on the device (no sync): an id out of range fails the
-  compiled call with a RuntimeError naming the feature, before any row changes (rows change at
-  the optimizer step, outside the graph);
+- validation is ``torch._assert_async`` on the device (no sync): on the CPU an id out of range
+  fails the compiled call with a RuntimeError naming the feature, before any dense row changes
+  (rows change at the optimizer step, outside the graph); on CUDA it is a device-side assert
+  (reported later, without the message, and fatal to the CUDA context): validate inputs eagerly
+  (``Jagged.validate``) where that matters;
 - the pooled lookup is the custom op ``hybridembed::pooled`` (one ``embedding_bag``), opaque to
   the compiler; its backward is the custom op ``hybridembed::keep_grad``, which drops the pad
   positions and gives the bags' gradient to the storage (``defer_grad``), exactly what the eager
@@ -22,6 +24,10 @@ Dynamic tables resolve ids to rows by probing and inserting into a hash table, d
 work the compiler cannot trace: their lookup is the custom op ``hybridembed::dynamic_pooled``,
 which resolves the kept ids (rows made on first sight in training, admission and eviction as in
 eager mode) and pools them, opaque to the compiler; its backward is ``keep_grad`` as above.
+One difference from eager mode: each dynamic feature resolves its ids on its own (eager mode
+resolves a group's features together), so when several features share a dynamic storage the
+order in which their new ids are admitted, and the LRU clock, differ; per-id weights that
+require grad are refused (their gradient is not computed here).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import InvalidInputError
+from ..errors import ConfigError
 from ..input import Jagged
 from ..kernels import bag_scale
 from ..storage.base import storage_of_key
@@ -84,13 +90,14 @@ def _keep_grad(
         ids, psw = ids[keep], psw[keep]
     kept = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(lengths, 0, out=kept[1:])
-    storage.defer_grad(ids, grad.contiguous(), kept, psw, False)
+    # (copies: the compiled backward may reuse its buffers once this op returns; the step reads these later)
+    storage.defer_grad(ids.clone(), grad.clone(memory_format=torch.contiguous_format), kept, psw.clone(), False)
     return zero
 
 
 @_keep_grad.register_fake
 def _(grad, ids, offsets, psw, keep, key):
-    return torch.empty((), device="cpu")
+    return torch.empty((), device="cpu")  # (the sink's: a float32 host scalar)
 
 
 def _setup(ctx, inputs, output):
@@ -178,6 +185,11 @@ def feature_part(
     its per-id multipliers (N,): the weights and ``combiner``'s scale, pads 0). Checks the ids on
     the device (``torch._assert_async``: no sync)."""
     cdt = table.compute_dtype
+    if weights is not None and weights.requires_grad:
+        raise ConfigError(  # (not InvalidInputError: torch.compile cannot build an exception with its own __init__)
+            f"feature {feature!r}: per-id weights that require grad are not trained inside torch.compile yet (their "
+            "gradient is not computed there); detach them, or run this lookup eagerly"
+        )
     if table.dynamic is None:  # (a dynamic table takes any int64 id)
         n = table.num_embeddings
         ok = ((ids >= 0) & (ids < n)) | ~keep
@@ -228,28 +240,33 @@ def compiled_forward(ec, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     with padding masked in place, then one lookup per group of tables, as in eager mode.
     ``(B,)``/``(B, H)`` id tensors and :class:`Jagged` inputs; a sequence feature's output is
     padded ``(B, H, D)`` (zero rows at pads) whatever ``sequence_output`` says."""
+    if any(st.remote for st in ec.storages):
+        raise ConfigError(
+            "a parameter-server trainer's tables do not run inside torch.compile (their rows are pulled from the "
+            "servers); compile the dense part of the model"
+        )
     if not isinstance(inputs, Mapping) or set(inputs) != set(ec._features):
-        raise InvalidInputError(f"inputs must be a mapping with exactly the features {', '.join(ec._features)}")
+        raise ConfigError(f"inputs must be a mapping with exactly the features {', '.join(ec._features)}")
     parts: dict[int, list] = {}  # group -> [(feature, slots, offsets, psw, keep, sequence shape)]
     for f, feat in ec._features.items():
         x = inputs[f]
         seq = feat.table.combiner == "none"
-        if isinstance(x, Jagged) and not seq:
+        if isinstance(x, Jagged) and not seq:  # (every value an id, as in eager mode: no padding in a Jagged)
             ids, offsets, weights = x.values, x.offsets.to(torch.int64), x.weights
             shape = None
+            keep = torch.ones_like(ids, dtype=torch.bool)
         elif isinstance(x, torch.Tensor) and x.dim() in (1, 2) and not x.is_floating_point():
             grid = x.reshape(x.shape[0], -1)  # (B, H)
             b, h = grid.shape
             ids, weights, shape = grid.reshape(-1), None, (b, h) if seq else None
             step = 1 if seq else h  # (a sequence: bags of one id)
             offsets = torch.arange(0, ids.numel() + 1, step, device=ids.device)
+            keep = ids != ec.pad
         else:
-            raise InvalidInputError(
+            raise ConfigError(
                 f"feature {f!r}: under torch.compile give a (B,) or (B, H) integer id tensor"
-                + ("" if seq else " or a he.Jagged"),
-                f,
+                + ("" if seq else " or a he.Jagged")
             )
-        keep = ids != ec.pad
         combiner = "sum" if seq else feat.table.combiner
         slots, psw = feature_part(f, feat.table, feat.row_offset, ids, offsets, keep, weights, combiner)
         if feat.dynamic:  # (its own lookup op: the hash table resolves the ids inside it)

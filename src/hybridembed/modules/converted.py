@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidInputError
+from ..errors import ConfigError, InvalidInputError
 from ..input import Jagged, bag_index, offsets_from_lengths
 from ..input.jagged import _INT_DTYPES
 from ..storage import serial
@@ -192,6 +192,11 @@ class _TableLayer(nn.Module):
         """Inside ``torch.compile`` (:mod:`.compiled`): bags ``offsets`` (B+1,) of ``ids`` (N,),
         ``keep`` False at padding -> (B, D) sums in the layer's dtype, no sync, no queue."""
         ec = self._collection
+        if getattr(ec, "sharded", False):
+            raise ConfigError(
+                f"table {self.table!r} is sharded over a job (or on parameter servers), and its exchange does not "
+                "run inside torch.compile yet; compile the dense part of the model"
+            )
         storage = ec.storage_of(self.table)
         rows = pooled_rows(
             storage, self.table, ec.tables[self.table], storage.row_offset.get(self.table, 0), ids, offsets, keep,
@@ -279,8 +284,12 @@ class HybridEmbedding(_TableLayer):
         if compiling():
             keep = torch.ones_like(ids, dtype=torch.bool) if self.padding_idx is None else ids != self.padding_idx
             rows = self._compiled(ids, torch.arange(n + 1, device=dev), None, keep)  # (N, D)
-            if self.padding_idx is not None:  # (nn.Embedding's padding row there, without gradient)
-                pad = self._collection.weight(self.table)[self.padding_idx].detach().to(rows.dtype)
+            if self.padding_idx is not None:  # (nn.Embedding's padding row there, without gradient; zeros if dynamic)
+                pad = (
+                    rows.new_zeros(d)
+                    if self.dynamic
+                    else self._collection.weight(self.table)[self.padding_idx].detach().to(rows.dtype)
+                )
                 rows = torch.where(keep.unsqueeze(1), rows, pad)
             return rows.reshape(out_shape)
         keep = None if self.padding_idx is None else ids != self.padding_idx  # (N,)

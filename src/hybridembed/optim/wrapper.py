@@ -307,7 +307,10 @@ _SHARDED_CLIP = (
 
 
 def clip_grad_norm_(
-    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
+    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over dense and sparse gradients together.
 
@@ -347,6 +350,11 @@ def clip_grad_norm_(
     dtype = max((n.dtype for n in norms), key=lambda d: torch.finfo(d).bits)
     dtype = torch.promote_types(torch.float32, dtype)  # float32 at least, float64 if any grad is
     total = torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms]), norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):  # (before any gradient is scaled, as torch)
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped (error_if_nonfinite=True)"
+        )
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for p in params:
         (p.grad._values() if p.grad.is_sparse else p.grad).mul_(coef.to(p.grad.dtype))
@@ -372,13 +380,7 @@ def _table_aware_clip(
     # a table's gradient is sparse (eager) or kept by its storage for the fused step (weight.grad None)
     if not any(_table_or_sparse(p) for p in params):
         return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    total = clip_grad_norm_(params, float(max_norm), float(norm_type))
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-            "clipped (error_if_nonfinite=True)"
-        )
-    return total
+    return clip_grad_norm_(params, float(max_norm), float(norm_type), error_if_nonfinite)
 
 
 def _table_or_sparse(p: torch.Tensor) -> bool:

@@ -30,17 +30,16 @@ __all__ = ["RowStorage", "add_sparse"]
 # id -> storage, for the custom ops of compiled lookups (ops take tensors and numbers: the id names the
 # storage); every storage registers itself when made, copied or unpickled (a compiled graph's op may run
 # before any Python code of the step could)
-_STORAGES: dict[int, weakref.ref] = {}
+_STORAGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _register(storage) -> None:
-    _STORAGES[id(storage)] = weakref.ref(storage)
+    _STORAGES[id(storage)] = storage
 
 
 def storage_of_key(key: int):
     """The storage :func:`storage_key` named (None if it is gone)."""
-    ref = _STORAGES.get(key)
-    return None if ref is None else ref()
+    return _STORAGES.get(key)
 
 
 def add_sparse(acc: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
