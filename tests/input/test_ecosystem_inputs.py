@@ -110,6 +110,9 @@ def test_malformed_ecosystem_inputs_are_refused_clearly():
     short = FakeKJT(["a", "b", "c"], torch.arange(2), torch.tensor([1, 1, 1]))  # 3 lengths, 2 values
     with pytest.raises(he.InvalidInputError, match="lengths sum to 3"):
         ec(short)
+    twice = FakeKJT(["a", "a", "c"], torch.arange(3), torch.tensor([1, 1, 1]))
+    with pytest.raises(he.InvalidInputError, match="names feature 'a' twice"):
+        ec(twice)
     missing = FakeKJT(["a", "b"], torch.arange(2), torch.tensor([1, 1]))
     with pytest.raises(he.InvalidInputError, match="missing feature 'c'"):
         ec(missing)

@@ -448,6 +448,9 @@ def as_feature_inputs(inputs: Any) -> Any:
             "step needs the same number of bags"
         )
     keys, stride = list(inputs.keys()), int(inputs.stride())
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise InvalidInputError(f"a KeyedJaggedTensor names feature {dup!r} twice; each feature once", dup)
     lengths, values = inputs.lengths(), inputs.values()
     weights = inputs.weights_or_none() if callable(getattr(inputs, "weights_or_none", None)) else None
     if lengths.numel() != len(keys) * stride:

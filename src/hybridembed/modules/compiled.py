@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..input import Jagged
+from ..input import Jagged, bag_index, offsets_from_lengths
 from ..kernels import bag_scale
 from ..storage.base import storage_of_key
 
@@ -81,17 +81,12 @@ def _keep_grad(
     storage = storage_of_key(key)
     if storage is None:  # (the model was dropped between forward and backward)
         return zero
-    lengths = offsets[1:] - offsets[:-1]
-    if not bool(keep.all()):
-        bag = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=ids.device), lengths, output_size=ids.numel()
-        )
-        lengths = torch.bincount(bag[keep], minlength=lengths.numel())
-        ids, psw = ids[keep], psw[keep]
-    kept = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=ids.device)
-    torch.cumsum(lengths, 0, out=kept[1:])
+    kept = offsets
+    if not bool(keep.all()):  # (pads leave their bags)
+        lengths = torch.bincount(bag_index(offsets, ids.numel())[keep], minlength=offsets.numel() - 1)
+        ids, psw, kept = ids[keep], psw[keep], offsets_from_lengths(lengths)
     # (copies: the compiled backward may reuse its buffers once this op returns; the step reads these later)
-    storage.defer_grad(ids.clone(), grad.clone(memory_format=torch.contiguous_format), kept, psw.clone(), False)
+    storage.defer_grad(ids.clone(), grad.clone(memory_format=torch.contiguous_format), kept.clone(), psw.clone(), False)
     return zero
 
 
@@ -248,6 +243,7 @@ def compiled_forward(ec, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     if not isinstance(inputs, Mapping) or set(inputs) != set(ec._features):
         raise ConfigError(f"inputs must be a mapping with exactly the features {', '.join(ec._features)}")
     parts: dict[int, list] = {}  # group -> [(feature, slots, offsets, psw, keep, sequence shape)]
+    out: dict[str, torch.Tensor] = {}
     for f, feat in ec._features.items():
         x = inputs[f]
         seq = feat.table.combiner == "none"
@@ -271,16 +267,12 @@ def compiled_forward(ec, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         slots, psw = feature_part(f, feat.table, feat.row_offset, ids, offsets, keep, weights, combiner)
         if feat.dynamic:  # (its own lookup op: the hash table resolves the ids inside it)
             st = ec.storages[feat.group]
-            part = dynamic_rows(st, feat.table, feat.table_index, slots, offsets, psw, keep, ec.training)
-            parts.setdefault(("dynamic", f), []).append((f, part, offsets, None, keep, shape))
+            out[f] = _shaped(
+                dynamic_rows(st, feat.table, feat.table_index, slots, offsets, psw, keep, ec.training), keep, shape
+            )
             continue
         parts.setdefault(feat.group, []).append((f, slots, offsets, psw, keep, shape))
-    out: dict[str, torch.Tensor] = {}
     for group, items in parts.items():  # one call per group: the pieces joined
-        if isinstance(group, tuple):  # (a dynamic feature's rows, looked up above)
-            f, part, _, _, kp, shape = items[0]
-            out[f] = part if shape is None else (part * kp.unsqueeze(1).to(part.dtype)).reshape(*shape, -1)
-            continue
         storage = ec.storages[group]
         cdt = ec._features[items[0][0]].table.compute_dtype
         if len(items) == 1:
@@ -295,5 +287,10 @@ def compiled_forward(ec, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
             slots, psw, keep = (torch.cat([it[k] for it in items]) for k in (1, 3, 4))
         rows = pooled(storage, slots, offsets, psw, keep, cdt)  # (S, D)
         for (f, _, _, _, kp, shape), part in zip(items, rows.split([it[2].numel() - 1 for it in items])):
-            out[f] = part if shape is None else (part * kp.unsqueeze(1).to(part.dtype)).reshape(*shape, -1)
+            out[f] = _shaped(part, kp, shape)
     return {f: out[f] for f in ec._features}
+
+
+def _shaped(rows: torch.Tensor, keep: torch.Tensor, shape: tuple[int, int] | None) -> torch.Tensor:
+    """A pooled feature's (B, D) rows as they are; a sequence's (B*H, D) as (B, H, D), pads zero."""
+    return rows if shape is None else (rows * keep.unsqueeze(1).to(rows.dtype)).reshape(*shape, -1)

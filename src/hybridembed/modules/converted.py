@@ -372,9 +372,7 @@ class HybridEmbeddingBag(_TableLayer):
             pooled = self._compiled(ids, offsets, psw, keep)  # (B, D) sums over the kept ids
             if self.mode != "mean":
                 return pooled
-            bag = torch.repeat_interleave(
-                torch.arange(offsets.numel() - 1, device=dev), offsets[1:] - offsets[:-1], output_size=ids.numel()
-            )
+            bag = bag_index(offsets, ids.numel())
             counts = torch.zeros(offsets.numel() - 1, device=dev).index_add(0, bag, keep.float()).clamp_min(1)
             return pooled / counts.unsqueeze(1).to(pooled.dtype)
         if self.padding_idx is not None and not bool((ids != self.padding_idx).all()):
