@@ -23,6 +23,8 @@ Contenders (``--contenders``):
   ``Plan`` (``shard_table``; table-wise: table i on rank i mod W; row-wise: blocks of rows
   over every rank, as TorchRec places them; ``row_wise_mod``: row r on rank r mod W);
 - ``data_parallel``: small tables (``--small-rows``, 1,000) all ``data_parallel``;
+- ``table_wise_bf16`` / ``row_wise_bf16``: ``table_wise`` / ``row_wise`` with ``wire="bf16"``
+  (rows and their gradients cross as bfloat16);
 - ``single`` / ``single_small``: ``he.convert`` of the same model in one process (world 1 only):
   the references of the large and the small tables;
 - ``torchrec_tw`` / ``torchrec_rw``: TorchRec's ``DistributedModelParallel`` of an
@@ -71,7 +73,7 @@ from hybridembed.synthetic import powerlaw_ids
 
 TABLES = 26
 LR = 0.01
-HYBRID = ("default", "table_wise", "row_wise", "row_wise_mod", "data_parallel")
+HYBRID = ("default", "table_wise", "row_wise", "row_wise_mod", "data_parallel", "table_wise_bf16", "row_wise_bf16")
 SINGLE = ("single", "single_small", "dlrm_single")  # one process: world 1 only
 TORCHREC = ("torchrec_tw", "torchrec_rw")
 CONTENDERS = (*HYBRID, "single", "single_small", *TORCHREC, "dlrm", "dlrm_single")
@@ -283,10 +285,14 @@ class Phases:
             for i in range(per):
                 out[f"a2a #{i + 1} (fwd)"] = sum(c["ms"] for c in fwd[i::per]) / steps
             per = 0
-        labels = ["header", "ids", "weights", "rows"] if per == 4 else ["header", "ids", "rows"][:per]
+        labels = {  # (the owners' status rides in the rows' all-to-all when the rows are small)
+            3: ["header", "ids", "rows + status"],
+            4: ["header", "ids", "rows", "owners' status"],
+            5: ["header", "ids", "weights", "rows", "owners' status"],
+        }.get(per, [])
         if not ours:
             pass
-        elif per and len(fwd) == per * steps:
+        elif labels and len(fwd) == per * steps:
             for i, lab in enumerate(labels):
                 out[f"a2a {lab} (fwd)"] = sum(c["ms"] for c in fwd[i::per]) / steps
         elif fwd:
@@ -320,8 +326,9 @@ def _hybrid(name: str, rank: int, world: int, cfg: dict) -> tuple[Callable, Call
         model = he.convert(model)
         plan = None
     else:
-        plan = None if name == "default" else explicit_plan(name, rows, cfg["dim"], world)
-        model = he.distribute(model, plan)
+        kind = name.removesuffix("_bf16")
+        plan = None if kind == "default" else explicit_plan(kind, rows, cfg["dim"], world)
+        model = he.distribute(model, plan, wire="bf16" if name.endswith("_bf16") else None)
         sharded = [m for m in model.modules() if isinstance(m, ShardedCollection)][0]
         plan = sharded.plan
         kinds: dict[str, int] = {}

@@ -305,3 +305,72 @@ def test_a_rank_without_shards_trains_with_the_others():
         opt.step()
     torch.testing.assert_close(got[0], ref.weight("a"))
     torch.testing.assert_close(got[1], ref.weight("a"))
+
+
+class _Bags(nn.Module):
+    """Five one-hot ``nn.EmbeddingBag`` layers of different sizes, each called with (B, 1) ids."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embs = nn.ModuleList(nn.EmbeddingBag(n, 4, mode="sum") for n in (30, 40, 50, 60, 70))
+
+    def forward(self, ids: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([e(x) for e, x in zip(self.embs, ids)], 1)
+
+
+def _one_hot_faults(rank: int, world: int, fold_rows: int) -> dict:
+    """A converted model of one-hot bags (their ids checked in one batched pass): an id past the
+    last of five tables on rank 1 only, then an owner's lookup failing on rank 1 only (its status
+    in the rows' all-to-all, or in one of its own with ``fold_rows`` 0): every rank raises, no row
+    changes, the job goes on."""
+    from hybridembed.distributed import runtime
+
+    runtime.FOLD_ROWS = fold_rows
+    names = [f"embs__{i}" for i in range(5)]
+    tables = [he.TableConfig(n, r, 4) for n, r in zip(names, (30, 40, 50, 60, 70))]
+    plan = Plan(world, tuple(shard_table(t, "table_wise", (i % world,)) for i, t in enumerate(tables)))
+    model = he.distribute(_Bags(), plan)
+    ec = next(m for m in model.modules() if isinstance(m, ShardedCollection))
+    opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), model)
+    before = {n: ec.gather_table(n) for n in names}
+    g = torch.Generator().manual_seed(rank)
+    ids = [torch.randint(0, r, (6, 1), generator=g) for r in (30, 40, 50, 60, 70)]
+    errors = []
+    if rank == 1:
+        ids[4] = ids[4].clone()
+        ids[4][5, 0] = 70  # (one past the last row, in the last feature)
+    try:
+        model(ids)
+    except he.InvalidInputError as e:
+        errors.append(str(e))
+    ids[4] = ids[4].clamp_max(69)
+    real = ShardedCollection._own_lookups
+
+    def failing(self, *a, **k):
+        raise RuntimeError("planted owner failure")
+
+    if rank == 1:
+        ShardedCollection._own_lookups = failing
+    try:
+        model(ids)
+    except Exception as e:  # (the failing owner raises its own error; the others name it)
+        errors.append(str(e))
+    finally:
+        ShardedCollection._own_lookups = real
+    same = all(torch.equal(before[n], ec.gather_table(n)) for n in names)
+    opt.zero_grad()
+    model(ids).pow(2).sum().backward()  # the job goes on
+    opt.step()
+    return {"errors": errors, "same": same, "changed": not torch.equal(before[names[0]], ec.gather_table(names[0]))}
+
+
+@pytest.mark.parametrize("fold_rows", [1 << 18, 0], ids=["status-with-rows", "status-alone"])
+def test_one_hot_bags_bad_id_and_a_failing_owner_raise_on_every_rank(fold_rows):
+    got = spawn(_one_hot_faults, 2, fold_rows, timeout=120)
+    for r in got:
+        assert r["same"] and r["changed"], r
+        assert len(r["errors"]) == 2, r["errors"]
+    assert "embs__4" in got[1]["errors"][0] and "rank(s) 1" in got[0]["errors"][0]
+    assert "lookup failed on rank(s) 1" in got[0]["errors"][1] and "planted owner failure" in got[0]["errors"][1]
+    assert got[1]["errors"][1] == "planted owner failure"

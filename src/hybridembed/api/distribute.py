@@ -30,7 +30,7 @@ from ..distributed import health
 from ..distributed.plan import Plan
 from ..distributed.runtime import REDUCTIONS
 from ..distributed.shard import rows_device, shard_collection, swap_collection, unwrap
-from ..distributed.sharded import ShardedTables
+from ..distributed.sharded import ShardedTables, check_wire
 from ..errors import ConfigError, HybridEmbedError
 from ..modules import EmbeddingCollection
 from ..ps.collection import check_ps_args
@@ -50,6 +50,7 @@ def distribute(
     reduction: str = "mean",
     ddp: bool | Mapping[str, Any] = True,
     dedup: bool = False,
+    wire: str | None = None,
     memory_per_rank: int | None = None,
     servers: int | None = None,
     mode: str = "sync",
@@ -76,6 +77,9 @@ def distribute(
             batch) or ``"sum"`` of the ranks' embedding gradients.
         dedup: send distinct ids and pool on the requester where that sends fewer rows (see
             :class:`ShardedCollection`; off by default: measured slower on one machine).
+        wire: ``"bf16"``: the exchange sends pooled rows and their gradients as bfloat16 (half
+            the bytes; relative error <= 2**-8 per element, docs/distributed.md "Wire format");
+            default None: exact. Not with ``servers``.
         memory_per_rank: refuse a plan that puts more rows and optimizer state on a rank (bytes),
             naming the rank and the shortfall, before any shard is allocated.
         ddp: wrap the result in ``DistributedDataParallel`` (a dict: its keyword arguments);
@@ -114,6 +118,9 @@ def distribute(
         if job and process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ConfigError(f"process_group must be a torch.distributed ProcessGroup, got {process_group!r}")
         _check_args(model, plan, reduction, ddp, dedup, memory_per_rank, convert_args)
+        check_wire(wire)
+        if wire is not None and servers is not None:
+            raise ConfigError("wire='bf16' is the collective exchange's: parameter servers send rows at full precision")
         timeout = health.as_timeout(timeout)
         if servers is not None:
             check_ps_args(servers, mode, staleness, cache_rows, ps_timeout, max_request_bytes, server_exit)
@@ -139,6 +146,7 @@ def distribute(
     settings = {
         "reduction": reduction,
         "dedup": dedup,
+        "wire": wire if isinstance(wire, str) or wire is None else repr(wire),
         "ddp": sorted(ddp) if isinstance(ddp, Mapping) else ddp,
         "memory_per_rank": memory_per_rank,
         "timeout": None if timeout is None else timeout.total_seconds(),
@@ -180,7 +188,7 @@ def distribute(
         ec = collections.pop(path)
         where = rows_device(model, ec)
         sharded = shard_collection(
-            ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank, where, timeout
+            ec, _plan_for(plan, path, ec), process_group, reduction, dedup, memory_per_rank, where, timeout, wire
         )
         swap_collection(model, ec, sharded)
         del ec, sharded  # the whole tables go now: a rank keeps its shards alone

@@ -48,10 +48,21 @@ from ..storage import serial
 from ..storage.dense import rows_from_caller
 from ..utils import check_device, kept_tensor
 from . import health
-from .exchange import FAILED, INVALID, PER_PAIR, Header, Pair, RowsExchange, exchange, features_digest
+from .exchange import (
+    FAILED,
+    FOLD_ROWS,
+    INVALID,
+    PER_PAIR,
+    Header,
+    Pair,
+    RowsExchange,
+    exchange,
+    features_digest,
+    fold_status,
+)
 from .plan import Plan
 from .routes import Sends, assemble
-from .sharded import REDUCTIONS, ShardedTables
+from .sharded import REDUCTIONS, ShardedTables, check_wire
 from .step import ShardedStep
 
 __all__ = ["ShardedCollection", "REDUCTIONS"]
@@ -84,6 +95,9 @@ class ShardedCollection(ShardedTables, ShardedStep):
             copies its shards' slices); tables not given start from their row-keyed
             initializer (equal to the unsharded collection's).
         kernels: the kernel backend of this rank's shards (as :class:`EmbeddingCollection`).
+        wire: ``"bf16"``: pooled rows and their gradients cross as bfloat16 (half float32's bytes;
+            each element rounded, relative error <= 2**-8: see ``sharded.check_wire``); default
+            None: the tables' own dtype, exact.
 
     Every rank must build it with the same tables, features, seed and plan (compared at
     construction: the first difference is named) and must make the same lookups in the
@@ -107,6 +121,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
         memory_per_rank: int | None = None,
         kernels: str = "auto",
         timeout: float | datetime.timedelta | None = None,
+        wire: str | None = None,
     ):
         problem = None
         try:  # (a refusal here, e.g. Triton missing on one node, reaches every rank through the agreement)
@@ -128,6 +143,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
             memory_per_rank=memory_per_rank,
             timeout=timeout,
             problem=problem,
+            wire=wire,
         )
         self.dedup = dedup
         self._exchanges = 0  # exchanges made (the same count on every rank)
@@ -460,11 +476,23 @@ class ShardedCollection(ShardedTables, ShardedStep):
         """Phase 1: every request's ids in global id space (one host sync); the first bad one's error."""
         if not reqs:
             return None
-        oks = [self._ok(j, t) for (_, j), t in zip(reqs, tabs)]
-        if bool(torch.stack(oks).all()):
+        oks, ones, bounds = [], [], []
+        for (_, j), t in zip(reqs, tabs):
+            if not (self._trusted(j) and j.weights is None):
+                oks.append(self._ok(j, t))
+            elif t.dynamic is None and j.values.numel():  # one id per bag: its bounds, batched below
+                ones.append(j.values)
+                bounds.append(t.num_embeddings)
+        if ones and len({(v.numel(), v.dtype) for v in ones}) == 1:  # (F, B): every feature's bounds in one pass
+            lo, hi = torch.aminmax(torch.stack(ones), dim=1)
+            top = kept_tensor(self, "_bounds", tuple(bounds), lo.device, lambda: torch.tensor(bounds, device=lo.device))
+            oks.append(((lo >= 0) & (hi.to(torch.int64) < top)).all())
+        else:
+            oks.extend((v.min() >= 0) & (v.max() < n) for v, n in zip(ones, bounds))
+        if not oks or bool(torch.stack(oks).all()):
             return None
-        for (f, j), t, ok in zip(reqs, tabs, oks):
-            if not bool(ok):
+        for (f, j), t in zip(reqs, tabs):  # (the first bad one, feature by feature)
+            if not bool(self._ok(j, t)):
                 try:
                     j.raise_first_error(f, t.num_embeddings, allow_negative=t.dynamic is not None)
                 except InvalidInputError as e:
@@ -540,17 +568,20 @@ class ShardedCollection(ShardedTables, ShardedStep):
         return outputs
 
     # --- failures: every rank learns them in the header of the exchange --------------------------
-    def _header(self, failed: int, has_w: bool, digest: int, nints: list[int] | None = None, why: str = "") -> list:
+    def _header(
+        self, failed: int, has_w: bool, digest: int, nints: list[int] | None = None, why: str = "", rows: int = 0
+    ) -> list:
         """Phase 3 of :meth:`_run`: this rank's :class:`Header` to every rank, theirs back (one small
-        all-to-all of fixed size); ``why``: this rank's failure, for the others' errors."""
+        all-to-all of fixed size); ``why``: this rank's failure, for the others' errors; ``rows``: the
+        row elements this rank will receive."""
         world = self.world_size
         nints = nints if nints is not None else [0] * world
         self._exchanges += 1
         if failed:
             health.tell(self._step_key(self.rank), why)
         if world == 1:
-            return [Header(failed, int(has_w), digest, nints[0])]
-        send = [Header(failed, int(has_w), digest, n).pack() for n in nints]
+            return [Header(failed, int(has_w), digest, nints[0], rows)]
+        send = [Header(failed, int(has_w), digest, n, rows).pack() for n in nints]
         send_h = torch.tensor(send, dtype=torch.int64, device=self._device).view(-1)  # (NCCL sends device tensors only)
         return Header.unpack(exchange(send_h, [Header.SIZE] * world, [Header.SIZE] * world, self._group))
 
@@ -583,12 +614,12 @@ class ShardedCollection(ShardedTables, ShardedStep):
                 "same lookups, in the same order, each step); this rank's: " + ", ".join(f for f, _ in reqs)
             )
 
-    def _step_header(self, reqs, error, has_w: bool = False, nints: list[int] | None = None) -> list:
+    def _step_header(self, reqs, error, has_w: bool = False, nints: list[int] | None = None, rows: int = 0) -> list:
         """The headers of this step's exchange (``error``: this rank's refused input, or None);
         raises on every rank when any rank failed or the ranks looked up different features."""
         why = health.first_line(error) if error is not None else ""
         digest = features_digest([f for f, _ in reqs])
-        got = self._header(INVALID if error is not None else 0, has_w, digest, nints, why)
+        got = self._header(INVALID if error is not None else 0, has_w, digest, nints, why, rows)
         self._raise_if_failed(got, error, reqs)
         return got
 
@@ -608,27 +639,30 @@ class ShardedCollection(ShardedTables, ShardedStep):
         for i, p in enumerate(pairs):
             by_rank[p.rank].append(i)
         mine = by_rank[self.rank]
-        sizes, recv_ids, recv_w = self._ids_to_owners(reqs, sends, by_rank, error)  # 3., 4.
+        sizes, recv_ids, recv_w, fold = self._ids_to_owners(reqs, pairs, sends, by_rank, error)  # 3., 4.
         flat_send, failure = self._owner_rows(mine, pairs, sizes, recv_ids, recv_w, train)  # 5.
-        flat = self._rows_back(flat_send, failure, pairs, sends, by_rank, sizes[0])  # 6.
+        flat = self._rows_back(flat_send, failure, pairs, sends, by_rank, sizes[0], fold)  # 6.
         order = [i for r in range(self.world_size) for i in by_rank[r]]
         recv_pieces = [sends[i].lengths.numel() * pairs[i].width for i in order]
         rows_of = {i: piece.view(-1, pairs[i].width) for i, piece in zip(order, flat.split(recv_pieces))}
         self._pool_here(rows_of, pooled_here)  # 7.
         return rows_of
 
-    def _ids_to_owners(self, reqs, sends: list[Sends], by_rank: list[list[int]], error) -> tuple:
+    def _ids_to_owners(self, reqs, pairs, sends: list[Sends], by_rank: list[list[int]], error) -> tuple:
         """Phases 3 and 4: to each owner the sizes of each of its pairs (bags, ids, one id per bag),
         then their bag lengths (unless one id per bag) and ids, the header first saying how many
         int64s that is (and whether per-id weights follow, sent next). Returns what this rank
         received: per source (bags, ids, one-per-bag flags of each pair here, payload piece
-        sizes), the ids and lengths, and the weights (or None)."""
+        sizes), the ids and lengths, the weights (or None), and whether the owners' status rides
+        in the rows' all-to-all (every rank receives at most :data:`FOLD_ROWS` row elements)."""
         world, group = self.world_size, self._group
         out_ints = [self._empty_ids] * world
         if error is None:
             out_ints = [self._ints_to(by_rank[r], sends) for r in range(world)]
         send_sizes = [int(x.numel()) for x in out_ints]
-        got = self._step_header(reqs, error, any(x.weights is not None for x in sends), send_sizes)
+        incoming = sum(x.lengths.numel() * p.width for x, p in zip(sends, pairs))
+        got = self._step_header(reqs, error, any(x.weights is not None for x in sends), send_sizes, incoming)
+        fold = max(h.rows for h in got) <= FOLD_ROWS
         recv_sizes = [h.nints for h in got]
         recv = out_ints[0] if world == 1 else exchange(torch.cat(out_ints), send_sizes, recv_sizes, group)
         m = PER_PAIR * len(by_rank[self.rank])
@@ -642,7 +676,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
         if any(h.weights for h in got):
             ws = [self._weights_to(by_rank[r], sends) for r in range(world)]
             recv_w = exchange(torch.cat(ws), [w.numel() for w in ws], [sum(n) for n in nids], group)
-        return (bags, nids, ones, payload), [c[m:] for c in chunks], recv_w
+        return (bags, nids, ones, payload), [c[m:] for c in chunks], recv_w, fold
 
     def _ints_to(self, pairs_there: list[int], sends: list[Sends]) -> torch.Tensor:
         """The int64s for one owner: the sizes of each of its pairs, then their lengths and ids."""
@@ -670,10 +704,11 @@ class ShardedCollection(ShardedTables, ShardedStep):
             total = sum(b[k] * w for b in sizes[0] for k, w in enumerate(width))
             return torch.zeros(total, dtype=self._wire, device=self._device), e
 
-    def _rows_back(self, flat_send, failure, pairs, sends, by_rank, bags) -> torch.Tensor:
+    def _rows_back(self, flat_send, failure, pairs, sends, by_rank, bags, fold: bool) -> torch.Tensor:
         """Phase 6: rows back: per source, its bags of every pair this rank owns (the kernels'
-        outputs as they are), then the owners' status: a lookup that failed on one rank fails on
-        every rank. Returns the rows this rank asked for, flat, owner by owner."""
+        outputs as they are), and the owners' status (``fold``: after each owner's rows in the same
+        all-to-all; else in one of its own): a lookup that failed on one rank fails on every rank.
+        Returns the rows this rank asked for, flat, owner by owner."""
         world = self.world_size
         width = [pairs[i].width for i in by_rank[self.rank]]
         send_splits = [sum(b[k] * w for k, w in enumerate(width)) for b in bags]
@@ -681,14 +716,20 @@ class ShardedCollection(ShardedTables, ShardedStep):
         if torch.is_grad_enabled() and not flat_send.requires_grad:  # (every rank joins the backward exchange)
             flat_send = flat_send + torch.zeros((), dtype=flat_send.dtype, device=flat_send.device, requires_grad=True)
         status = 0.0 if failure is not None else 1.0
+        wire = check_wire(self.wire)  # (bf16: rows go, and gradients come back, rounded; cast back here)
+        if world > 1 and wire is not None:
+            flat_send = flat_send.to(wire)
         if world == 1:  # (nothing to exchange: the rows are this rank's own)
             flat, statuses = flat_send, [status]
+        elif fold:
+            flat, statuses = fold_status(flat_send, send_splits, recv_splits, status, self._group)
         else:
             flat = RowsExchange.apply(flat_send, send_splits, recv_splits, self._group)
             mine_ok = torch.full((world,), status, dtype=torch.float32, device=self._device)
             statuses = exchange(mine_ok, [1] * world, [1] * world, self._group).tolist()
         if failure is not None:
             raise failure
+        flat = flat.to(self._wire)
         bad = [r for r, x in enumerate(statuses) if x != 1.0]
         if bad:
             why = "; ".join(

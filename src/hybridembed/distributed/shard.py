@@ -50,6 +50,7 @@ def shard_collection(
     budget,
     where: torch.device | None = None,
     timeout=None,
+    wire: str | None = None,
 ) -> ShardedCollection:
     device = ec.storages[0].weight.device
     if device.type == "meta":  # built without rows: each shard starts from the row-keyed init alone
@@ -72,6 +73,7 @@ def shard_collection(
         memory_per_rank=budget,
         kernels=getattr(ec, "kernels", "auto"),
         timeout=timeout,
+        wire=wire,
     )
     sharded.train(ec.training)
     return sharded

@@ -28,6 +28,7 @@ from .routes import Route, route_for
 __all__ = ["ShardedTables", "REDUCTIONS"]
 
 REDUCTIONS = ("mean", "sum")
+WIRES = {None: None, "bf16": torch.bfloat16}  # the rows' and row gradients' format in the exchange
 
 
 MODEL_HINT = (
@@ -63,6 +64,7 @@ class ShardedTables(nn.Module):
         memory_per_rank: int | None = None,
         timeout: float | datetime.timedelta | None = None,
         problem: HybridEmbedError | None = None,
+        wire: str | None = None,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -79,12 +81,13 @@ class ShardedTables(nn.Module):
             timeout = health.as_timeout(timeout)
             if reduction not in REDUCTIONS:
                 raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+            check_wire(wire)
             tables = list(tables)
             _check_like_collection(tables, features, seed, pad, sequence_output)
             plan = checked_plan(plan, tables, self.world_size, memory_per_rank)
         except HybridEmbedError as e:
             problem = problem or e
-        self._agree(group, problem, tables, features, seed, reduction, plan)
+        self._agree(group, problem, tables, features, seed, reduction, plan, wire)
         self.tables: dict[str, TableConfig] = {t.name: t for t in tables}
         self.features: dict[str, str] = dict(features) if features is not None else {n: n for n in self.tables}
         self.seed, self.pad, self.sequence_output, self.reduction = int(seed), int(pad), sequence_output, reduction
@@ -95,10 +98,11 @@ class ShardedTables(nn.Module):
         self.__dict__["_group"] = health.new_group(ranks, timeout or health.job_timeout(group))
         health.heartbeat()
         self._routes: dict[str, Route] = {tp.table: route_for(tp, self.tables[tp.table]) for tp in plan.tables}
-        wire = {t.compute_dtype for t in tables}
-        self._wire = torch.float64 if torch.float64 in wire else torch.float32  # rows on the wire
+        dtypes = {t.compute_dtype for t in tables}
+        self._wire = torch.float64 if torch.float64 in dtypes else torch.float32  # rows on the wire
+        self.wire = wire  # ("bf16": rows and row gradients cross as bfloat16; see check_wire)
 
-    def _agree(self, group, problem, tables, features, seed, reduction, plan) -> None:
+    def _agree(self, group, problem, tables, features, seed, reduction, plan, wire=None) -> None:
         """Every rank must shard the same tables by the same plan: compared once, here (and a rank
         that refused its arguments makes every rank refuse)."""
         mine = None
@@ -108,6 +112,7 @@ class ShardedTables(nn.Module):
                 "features": dict(features) if features is not None else {t.name: t.name for t in tables},
                 "seed": int(seed),
                 "reduction": reduction,
+                "wire": wire,
                 "plan": plan.to_dict() | {"notes": {}},
             }
             mine = json.loads(json.dumps(mine, default=str))  # (in this order: the first difference is the first cause)
@@ -162,3 +167,14 @@ def _check_like_collection(tables, features, seed, pad, sequence_output) -> None
         bad = [n for n in names if "@" in n]
         if bad:
             raise ConfigError(f"{what} {bad[0]!r}: '@' is reserved for shard names in a sharded collection")
+
+
+def check_wire(wire: str | None) -> torch.dtype | None:
+    """The exchange's format of rows and row gradients: ``None`` (default: the tables' own dtype,
+    exact) or ``"bf16"`` (bfloat16: half the bytes of float32; each element that crosses is rounded
+    to 8 significant bits, a relative error of at most 2**-8 = 0.39% of that element; a row's
+    gradient, the sum of its bags' gradients each so rounded, is off by at most 2**-8 times the
+    sum of their magnitudes). Returns the dtype to send in (None: unchanged)."""
+    if not (wire is None or isinstance(wire, str)) or wire not in WIRES:
+        raise ConfigError(f"wire must be None (the tables' own dtype) or 'bf16', got {wire!r}")
+    return WIRES[wire]

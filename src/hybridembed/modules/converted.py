@@ -348,7 +348,10 @@ class HybridEmbeddingBag(_TableLayer):
                 raise InvalidInputError(f"table {self.table!r}: offsets must be None when input is 2-D (B, L)")
             b, length = input.shape
             ids = input.reshape(-1)  # (B*L,)
-            offsets = torch.arange(b + 1, device=dev) * length  # (B+1,)
+            if length == 1:  # (the collection's own one-id-per-bag offsets: known well formed, their checks skipped)
+                offsets = self._collection._one_per_bag(b, dev)
+            else:
+                offsets = torch.arange(b + 1, device=dev) * length  # (B+1,)
             psw = None if psw is None else psw.reshape(-1)
         elif input.dim() == 1:
             if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
