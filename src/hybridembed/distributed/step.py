@@ -4,7 +4,8 @@ asks of it (:class:`ShardedStep`, a base of :class:`~hybridembed.distributed.Sha
 ``he.wrap_optimizer`` calls :meth:`ShardedStep.before_sparse_step` on every rank before any
 update: a shard's row gradients are scaled by the ``mean`` reduction (shards updated by the
 fused Triton step are scaled there, by :meth:`ShardedStep.grad_scale`), a replicated table's
-are all-reduced, and a column slice under a row-wise optimizer gets its whole rows' statistic.
+are summed over the ranks (the touched rows gathered, or a dense all-reduce where the ranks
+touch most of the table), and a column slice under a row-wise optimizer gets its whole rows' statistic.
 Only the storages :meth:`ShardedStep.needs_rows` names hand their rows over; every other shard
 keeps the fused update.
 """
@@ -21,12 +22,16 @@ from ..optim.hooks import RowGrads, SparseStepHook
 __all__ = ["ShardedStep"]
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 class ShardedStep(SparseStepHook):
     """The step hook of a sharded collection. Reads the collection's ``local`` (its shards),
     ``replicated``, ``tables``, routes and process group; holds no state of its own."""
 
     def needs_rows(self, storage) -> bool:
-        """A replicated table's storage (its row gradients are all-reduced) and a shard's storage
+        """A replicated table's storage (its row gradients are summed over the ranks) and a shard's storage
         holding a column slice under a row-wise optimizer (its rows' statistic is completed across
         slices) need their rows; every other shard keeps the fused update (:class:`SparseStepHook`)."""
         if self.replicated is not None and any(storage is st for st in self.replicated.storages):
@@ -55,7 +60,7 @@ class ShardedStep(SparseStepHook):
     def before_sparse_step(self, storages: list, rows: list[RowGrads | None]) -> list[RowGrads | None]:
         """Every storage's pending :class:`RowGrads` (or None) -> the same, completed across ranks:
         a shard's scaled by :meth:`grad_scale` (those applied fused are scaled there), a replicated
-        table's row gradients all-reduced (every replica then makes the same update to the rows any
+        table's row gradients summed over the ranks (every replica then makes the same update to the rows any
         rank touched), and a column slice under a row-wise optimizer given the mean square of its
         whole rows' gradients (every slice's squares, summed across ranks) as ``row_stat``.
         Collective: every rank calls it each step."""
@@ -66,18 +71,61 @@ class ShardedStep(SparseStepHook):
                 k = where.get(id(st))
                 if k is not None and rows[k] is not None:
                     rows[k] = RowGrads(rows[k].ids, rows[k].rows * self._scale)
-        if self.replicated is not None:
-            for st in self.replicated.storages:
-                k = where.get(id(st))
-                if k is not None:
-                    rows[k] = self._sync_replica(st, rows[k])
+        if self.replicated is not None and self.world_size > 1:
+            reps = [(k, st) for st in self.replicated.storages if (k := where.get(id(st))) is not None]
+            if reps:
+                self._sync_replicas(reps, rows)
         if self._column_tables:
             self._row_statistics(where, storages, rows)
         return rows
 
+    def _sync_replicas(self, reps: list, rows: list) -> None:
+        """Replicated tables' row gradients summed over the ranks (``mean``: divided by the world
+        size), in place in ``rows``. First every rank's count of touched rows per storage (one
+        small all-gather), then per storage the cheaper of: the touched rows alone, gathered from
+        every rank (bytes ~ world x the most rows a rank touched: the batch's), or a dense
+        all-reduce of a (rows, dim + 1) buffer (bytes ~ the table's, when most rows are touched).
+        Every rank makes the same choice (it sees every count)."""
+        world = self.world_size
+        mine = [0 if rows[k] is None else rows[k].ids.numel() for k, _ in reps]
+        counts = torch.tensor(mine, dtype=torch.int64, device=self._device)
+        every = counts.new_empty(world * len(reps))
+        dist.all_gather_single(every, counts, group=self._group)
+        per_rank = every.view(world, len(reps)).tolist()  # (the one host sync)
+        for j, (k, st) in enumerate(reps):
+            sizes = [row[j] for row in per_rank]
+            nrows, dim = st.weight.shape
+            if max(sizes) == 0:
+                rows[k] = None
+            elif world * max(sizes) * (dim + 8 // _itemsize(st.compute_dtype)) <= nrows * (dim + 1):
+                rows[k] = self._gather_touched(st, rows[k], sizes)
+            else:
+                rows[k] = self._sync_replica(st, rows[k])
+
+    def _gather_touched(self, st, pending: RowGrads | None, sizes: list[int]) -> RowGrads:
+        """A replica's touched rows from every rank (each row's id and gradient as bytes: copied
+        bit for bit), summed per row: (the touched ids ascending, their rows)."""
+        dim, cdt, most = st.weight.shape[1], st.compute_dtype, max(sizes)
+        width = 8 + dim * _itemsize(cdt)  # (bytes of an id, then of its row)
+        buf = torch.zeros(most, width, dtype=torch.uint8, device=st.weight.device)
+        if pending is not None and pending.ids.numel():
+            n = pending.ids.numel()
+            buf[:n, :8] = pending.ids.to(torch.int64).contiguous().view(torch.uint8).view(n, 8)
+            buf[:n, 8:] = pending.rows.to(cdt).contiguous().view(torch.uint8).view(n, width - 8)
+        out = buf.new_empty(self.world_size * most, width)
+        dist.all_gather_single(out, buf, group=self._group)
+        got = torch.cat(
+            [out[r * most : r * most + c] for r, c in enumerate(sizes)]
+        )  # (every rank's rows, rank by rank)
+        ids = got[:, :8].contiguous().view(torch.int64).view(-1)
+        touched, where = torch.unique(ids, return_inverse=True)  # (ascending: every rank the same)
+        grad = torch.zeros(touched.numel(), dim, dtype=cdt, device=buf.device)
+        grad.index_add_(0, where, got[:, 8:].contiguous().view(cdt).view(-1, dim))  # (in rank order)
+        if self.reduction == "mean":
+            grad = grad / self.world_size
+        return RowGrads(touched, grad.to(st.weight.dtype))
+
     def _sync_replica(self, st, pending: RowGrads | None) -> RowGrads | None:
-        if self.world_size == 1:  # (the only replica)
-            return pending
         nrows, dim = st.weight.shape
         buf = torch.zeros(nrows, dim + 1, dtype=st.compute_dtype, device=st.weight.device)  # rows | touched
         if pending is not None:
