@@ -85,9 +85,13 @@ def run_optimizer(args: argparse.Namespace, names: list[str], optname: str) -> l
         fb_ids = torch.cat([batch[n].values for n in names])
         starts = torch.tensor([0] + [batch[n].values.numel() for n in names]).cumsum(0)
         fb_off = torch.cat([batch[n].offsets[:-1] + starts[i] for i, n in enumerate(names)] + [starts[-1:]])
-        # the upstream gradient a model would send back: fixed, dense, the same for all
-        grads = [torch.randn(args.batch, args.dim) for _ in names]
-        grad_cat = torch.cat(grads, 1)  # (B, T*D), FBGEMM's output layout
+        # the upstream gradient a model would send back: fixed, dense, the same for all; a model
+        # concatenates the tables' outputs (FBGEMM's output layout), so each table's gradient is a
+        # view of one (B, T*D) buffer
+        grad_cat = torch.randn(args.batch, args.tables * args.dim)
+        grads = list(grad_cat.split(args.dim, dim=1))
+        if args.upstream == "apart":
+            grads = [g.clone() for g in grads]
 
         def hybrid(batch=batch, grads=grads, ec=ec, opt=opt):
             out = ec(batch)
@@ -128,6 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--optimizers", nargs="+", default=["sgd", "rowwise_adagrad"])
     p.add_argument("--hotness", nargs="+", default=["one", "multi"], choices=["one", "multi"])
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument(
+        "--upstream",
+        choices=["cat", "apart"],
+        default="cat",
+        help="cat (default): the tables' gradients are views of one (B, T*D) buffer, as a model that "
+        "concatenates the outputs sends them; apart: one tensor per table",
+    )
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
     p.add_argument(

@@ -43,8 +43,30 @@ def _inputs(g: torch.Generator, kind: str, rows: int) -> dict:
     return {f: he.Jagged.from_lengths(ids, lengths, w) for f in ("a", "b", "c")}
 
 
+def _loss(out: dict, g: torch.Generator, layout: str) -> torch.Tensor:
+    """``apart``: each output times its own random tensor; ``cat``: a dense slot and the outputs
+    concatenated as a model does (DLRM's ``cat([x] + ly, 1)``), times one random tensor; ``inplace``:
+    the same after an output was changed in place."""
+    if layout == "apart":
+        return sum((v * torch.randn(v.shape, generator=g, dtype=v.dtype)).sum() for v in out.values())
+    a, b, c = out["a"], out["b"], out["c"]
+    if layout == "inplace":
+        a.mul_(2.0)
+    x = torch.randn(a.shape, generator=g, dtype=a.dtype, requires_grad=True)
+    z = torch.cat([x, a, b, c], 1)
+    return (z * torch.randn(z.shape, generator=g, dtype=z.dtype)).sum()
+
+
 def _train(
-    kernels: str, opt: so.SparseOptimizer, kind: str, *, dtype=torch.float32, dynamic=False, steps=4, twice=False
+    kernels: str,
+    opt: so.SparseOptimizer,
+    kind: str,
+    *,
+    dtype=torch.float32,
+    dynamic=False,
+    steps=4,
+    twice=False,
+    layout="apart",
 ):
     tables = [
         he.TableConfig(
@@ -62,9 +84,7 @@ def _train(
         wrapped.zero_grad()
         for _ in range(2 if twice else 1):  # two backwards before one step: their gradients add up
             b = _inputs(g, kind, 200)
-            out = ec(b)
-            loss = sum((v * torch.randn(v.shape, generator=g, dtype=v.dtype)).sum() for v in out.values())
-            loss.backward()
+            _loss(ec(b), g, layout).backward()
         wrapped.step()
     return ec, wrapped
 
@@ -175,6 +195,58 @@ def test_what_the_kernels_do_not_implement_runs_the_eager_ops():
         wrapped.step()
         assert not wrapped.fused_steps, (opt, dtype)
         assert not torch.equal(ec.weight("t")[2], ec.weight("t")[3])  # (it trained)
+
+
+@pytest.mark.parametrize("layout", ["cat", "inplace"])
+@pytest.mark.parametrize("kind", ["one", "bags"])
+def test_outputs_concatenated_by_the_model_are_read_where_they_lie(layout, kind, monkeypatch):
+    """The features' gradients, views of the model's concatenation: the step reads each bag's
+    row there (no (S, D) copy), and equals the eager ops (one and two backwards a step, a
+    dynamic table); an output changed in place: joined as before, equal too."""
+    seen = []
+    real = cpu_fused._in_place
+
+    def spy(grads):
+        got = real(grads)
+        seen.append(got[0] is not None)
+        return got
+
+    monkeypatch.setattr(cpu_fused, "_in_place", spy)
+    for kw in ({}, {"twice": True}, {"dynamic": True}):
+        opt = OPTIMIZERS["rowwise" if kw else "adam"]
+        want = _state(_train("eager", opt, kind, layout=layout, **kw)[0])
+        seen.clear()
+        fused, wrapped = _train("numba", opt, kind, layout=layout, **kw)
+        # (cat: the group's three features in the model's buffer; inplace: a's gradient is the in-place
+        # op's own tensor, so the group's are joined as autograd joins them)
+        assert seen and all(seen) if layout == "cat" else not any(seen), (kw, seen)
+        assert min(wrapped.fused_steps.values()) == 4
+        got = _state(fused)
+        for k in want:
+            torch.testing.assert_close(
+                got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k, kw=kw: f"{kw} {k}: {m}"
+            )
+
+
+def test_outputs_apart_are_joined_as_autograd_joins_them():
+    assert cpu_fused._in_place([torch.zeros(3, 4), torch.zeros(2, 4)]) == (None, None)
+    z = torch.zeros(5, 12)
+    source, rows_of = cpu_fused._in_place([z[:, 4:8], z[:, 8:12]])
+    assert source.shape == (15, 4) and rows_of.tolist() == [1, 4, 7, 10, 13, 2, 5, 8, 11, 14]
+    assert cpu_fused._in_place([z[:, 2:6]]) == (None, None)  # (columns not on a row boundary of D)
+
+
+def test_clipping_sees_the_kept_gradient_in_place():
+    ec, _ = _train("numba", OPTIMIZERS["sgd"], "one", steps=0)
+    ref, _ = _train("eager", OPTIMIZERS["sgd"], "one", steps=0)
+    g = torch.Generator().manual_seed(1)
+    b = _inputs(g, "one", 200)
+    for m in (ec, ref):
+        _loss(m(b), torch.Generator().manual_seed(2), "cat").backward()
+    norms = [he.clip_grad_norm_(m.parameters(), 0.5) for m in (ec, ref)]
+    torch.testing.assert_close(norms[0], norms[1])
+    for n in ("t0", "t1"):
+        torch.testing.assert_close(ec.storage_of(n).weight.grad.to_dense(), ref.storage_of(n).weight.grad.to_dense())
 
 
 def test_clipping_sees_the_kept_gradient():

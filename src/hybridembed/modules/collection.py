@@ -84,6 +84,12 @@ def _shifted(x: torch.Tensor, by: int, out: torch.Tensor) -> torch.Tensor:
     return out.add_(by) if by else out
 
 
+def _keeps(storage: RowStorage, psw, cdt) -> bool:
+    """The fused CPU step may keep this lookup's gradient (no per-id weights that need their own,
+    not a parameter server's rows, the table in its compute dtype)."""
+    return (psw is None or not psw.requires_grad) and not storage.remote and cdt == storage.weight.dtype
+
+
 def _pool(storage: RowStorage, ids, offsets, psw, cdt, sink, segments=None, one_per_bag=False) -> torch.Tensor:
     """The group's kernel call (:func:`~hybridembed.kernels.pooled_lookup`): Triton kernels when the
     storage's backend runs them on its device, the fused CPU step's lookup on the CPU (neither
@@ -94,7 +100,7 @@ def _pool(storage: RowStorage, ids, offsets, psw, cdt, sink, segments=None, one_
         from ..kernels import triton_lookup  # (imports Triton)
 
         return triton_lookup.pooled_lookup(storage, ids, offsets, psw, cdt, one_per_bag)
-    if keeps and cdt == storage.weight.dtype and cpu_fused.runs_on(storage.kernels, storage.weight):
+    if _keeps(storage, psw, cdt) and cpu_fused.runs_on(storage.kernels, storage.weight):
         return cpu_fused.pooled_lookup(storage, ids, offsets, psw, one_per_bag)
     return pooled_lookup(storage.weight, ids, offsets, psw, cdt, sink, segments, one_per_bag)
 
@@ -722,6 +728,9 @@ class EmbeddingCollection(nn.Module):
                     for sc, c in zip(scales, batch.counts)
                 ]
             )
+        if not whole and _keeps(storage, psw, cdt) and cpu_fused.runs_on(storage.kernels, storage.weight):
+            parts = cpu_fused.pooled_parts(storage, ids, offsets, psw, batch.one_per_bag, batch.sizes)
+            return self._outputs(batch, jagged, parts)
         rows = _pool(storage, ids, offsets, psw, cdt, sink, segments, batch.one_per_bag)  # (S, D)
         if whole:
             return rows
@@ -729,8 +738,11 @@ class EmbeddingCollection(nn.Module):
         # nn.Embedding output may (split's multi-output views refuse that; narrow views would each
         # backpropagate a zero-filled (S, D) gradient). Safe here: the outputs are disjoint and
         # nothing else reads `rows`.
-        parts = torch.unsafe_split_with_sizes(rows, batch.sizes)
-        result: dict[str, torch.Tensor | Jagged] = dict(zip((f.jkey for f in feats), parts))
+        return self._outputs(batch, jagged, torch.unsafe_split_with_sizes(rows, batch.sizes))
+
+    def _outputs(self, batch: _GroupBatch, jagged: dict[str, Jagged], parts) -> dict[str, torch.Tensor | Jagged]:
+        """A group's per-feature rows -> its outputs by input key (sequence features as Jagged / padded)."""
+        result: dict[str, torch.Tensor | Jagged] = dict(zip((f.jkey for f in batch.feats), parts))
         for f in batch.seq:
             result[f.jkey] = self._sequence(result[f.jkey], jagged[f.jkey].offsets.to(torch.int64))
         return result

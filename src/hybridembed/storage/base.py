@@ -152,6 +152,15 @@ class RowStorage(nn.Module):
 
     def grad_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The pending sparse gradient as (distinct row ids (U,), summed rows (U, D)); None if none."""
+        if (
+            self._deferred
+            and self.weight.grad is None
+            and not self.keyed
+            and cpu_fused.runs_on(self.kernels, self.weight)
+        ):
+            # (kept lookup gradients on the CPU: summed per row by the fused step's reduction, no sparse gradient)
+            ids, grad, bag_of, psw = self._kept_batch(self._take_deferred())
+            return cpu_fused.reduce_kept(ids, grad, bag_of, psw, self.weight.shape[0]) if ids.numel() else None
         self.materialize_grad()
         g = self.weight.grad
         if g is None:
@@ -168,13 +177,21 @@ class RowStorage(nn.Module):
 
     # --- gradients kept for the fused update (kernels="triton") -------------------------------
     def defer_grad(
-        self, ids: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, one_per_bag: bool
+        self,
+        ids: torch.Tensor,
+        grad: torch.Tensor,
+        offsets: torch.Tensor,
+        psw: torch.Tensor | None,
+        one_per_bag: bool,
+        rows_of: torch.Tensor | None = None,
     ) -> None:
         """A lookup's gradient, as the Triton backward leaves it: ``grad`` (S, D) of the bags
         ``offsets`` (S+1,) of row slots ``ids`` (N,), with multipliers ``psw`` (N,). Kept for the
         fused reduce-and-update at the optimizer step when the optimizer has one; otherwise made
-        into the eager sparse gradient now (``weight.grad``, or the storage's grad sink)."""
-        self._deferred.append((ids, grad, offsets, psw, one_per_bag))
+        into the eager sparse gradient now (``weight.grad``, or the storage's grad sink).
+        ``rows_of`` (S,): bag s's gradient is row ``rows_of[s]`` of ``grad`` (any number of rows:
+        the model's own gradient buffer, read where it lies; see ``cpu_fused.pooled_parts``)."""
+        self._deferred.append((ids, grad, offsets, psw, one_per_bag, rows_of))
         # (clip_grad_norm_ over a parameter list finds them from the parameter; a plain reference, so that
         # deepcopy and pickling of a model follow it; dropped once the kept gradients are)
         self.weight._hybridembed_storage = self
@@ -188,7 +205,8 @@ class RowStorage(nn.Module):
         """Turns the kept lookup gradients into the eager sparse gradient (the reference path):
         before clipping, for an optimizer without a fused update, or a sharded collection's hooks."""
         entries = self._take_deferred()
-        for ids, grad, offsets, psw, one in entries:
+        for ids, grad, offsets, psw, one, rows_of in entries:
+            grad = grad if rows_of is None else grad.index_select(0, rows_of)  # (S, D)
             bags = Bags(offsets, ids.numel(), 1 if one else None)
             self.accumulate_grad(weight_grad(grad, ids, bags, psw, self.weight, self.compute_dtype))
 
@@ -216,15 +234,29 @@ class RowStorage(nn.Module):
         else:
             apply_fused = cpu_fused.apply_fused
 
-        entries = self._take_deferred()
+        ids, grad, bag_of, psw = self._kept_batch(self._take_deferred())
         self.step += 1
+        if ids.numel() == 0:
+            return
+        if scale != 1.0:  # (a sharded job's mean over ranks: one pass over the (S, D) output gradient)
+            grad = grad * scale
+        self._mark(ids)
+        apply_fused(self, ids, grad, bag_of, psw, hparams)
+
+    @staticmethod
+    def _kept_batch(entries: list[tuple]) -> tuple:
+        """Kept lookup gradients -> one batch: (ids (N,), bags' gradient (S', D), each id's row of it
+        (N,) or None (id i is row i), multipliers (N,) or None)."""
         if len(entries) == 1:
-            ids, grad, offsets, psw, one = entries[0]
+            ids, grad, offsets, psw, one, rows_of = entries[0]
             bag_of = None if one else bag_index(offsets, ids.numel())
+            if rows_of is not None:  # (each id's row of the model's gradient buffer)
+                bag_of = rows_of if bag_of is None else rows_of.index_select(0, bag_of)
         else:  # several lookups (or backwards) this step: one batch of bags
+            entries = [e if e[5] is None else (*e[:1], e[1].index_select(0, e[5]), *e[2:5], None) for e in entries]
             ids, grad = torch.cat([e[0] for e in entries]), torch.cat([e[1] for e in entries])  # (N,), (S, D)
             bag_of, first = [], 0
-            for e_ids, e_grad, offsets, _, one in entries:
+            for e_ids, e_grad, offsets, _, one, _ in entries:
                 n = e_ids.numel()
                 bag_of.append((torch.arange(n, device=ids.device) if one else bag_index(offsets, n)) + first)
                 first += e_grad.shape[0]
@@ -232,12 +264,7 @@ class RowStorage(nn.Module):
             psw = None
             if any(e[3] is not None for e in entries):
                 psw = torch.cat([e[3] if e[3] is not None else grad.new_ones(e[0].numel()) for e in entries])
-        if ids.numel() == 0:
-            return
-        if scale != 1.0:  # (a sharded job's mean over ranks: one pass over the (S, D) output gradient)
-            grad = grad * scale
-        self._mark(ids)
-        apply_fused(self, ids, grad, bag_of, psw, hparams)
+        return ids, grad, bag_of, psw
 
     def clear_grad(self) -> None:
         """Drops the pending gradient (``zero_grad``)."""

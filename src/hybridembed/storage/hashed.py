@@ -559,8 +559,8 @@ class HashStorage(RowStorage):
         row) contribute nothing, as in the eager lookup (which drops their segments): the
         gradient's norm, which clipping reads, and ``weight.grad`` are the eager ones."""
         self._deferred = [
-            (ids, grad, offsets, (ids != 0).to(grad.dtype) * (1 if psw is None else psw), one)
-            for ids, grad, offsets, psw, one in self._deferred
+            (ids, grad, offsets, (ids != 0).to(grad.dtype) * (1 if psw is None else psw), one, rows_of)
+            for ids, grad, offsets, psw, one, rows_of in self._deferred
         ]
         super().materialize_grad()
 
