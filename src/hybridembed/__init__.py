@@ -5,7 +5,7 @@
 
 from . import _env, init, optim
 from .api import convert, distribute, export, load, save
-from .config import Dynamic, TableConfig, tables_from_torchrec
+from .config import Dynamic, TableConfig, Tiered, tables_from_torchrec
 from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError, RankLost
 from .input import Jagged
 from .modules import EmbeddingCollection
@@ -24,6 +24,7 @@ __all__ = [
     "Jagged",
     "RankLost",
     "TableConfig",
+    "Tiered",
     "clip_grad_norm_",
     "configure_logging",
     "convert",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ __all__ = [
     "tables_from_torchrec",
     "Dynamic",
     "ShardOf",
+    "Tiered",
     "COMBINERS",
     "STORAGE_DTYPES",
     "EVICTION_POLICIES",
@@ -124,6 +126,34 @@ class Dynamic:
 
 
 @dataclass(frozen=True)
+class Tiered:
+    """A dense table whose rows and optimizer state live in files under ``path`` (local disk),
+    with the ``cache_rows`` rows a batch needs held in memory (least recently used evicted,
+    written back to the files): for tables larger than the machine's memory.
+
+    Args:
+        path: a directory (made if missing) for the table's files: scratch working memory, like
+            swap, made afresh when the table is built (checkpoints are what keep a table).
+        cache_rows: rows (and their optimizer state) held in memory for the group of tables
+            sharing this ``Tiered``; a batch's distinct rows (and those touched since the last
+            optimizer step) must fit.
+
+    >>> import hybridembed as he
+    >>> t = he.TableConfig("item", 10_000_000, 64, tiered=he.Tiered("tiers/item", cache_rows=1_000_000))
+    """
+
+    path: str
+    cache_rows: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+            raise ConfigError(f"Tiered: path must be a directory path, got {self.path!r}")
+        if isinstance(self.cache_rows, bool) or not isinstance(self.cache_rows, int) or self.cache_rows <= 0:
+            raise ConfigError(f"Tiered: cache_rows must be a positive int, got {self.cache_rows!r}")
+        object.__setattr__(self, "path", str(self.path))
+
+
+@dataclass(frozen=True)
 class ShardOf:
     """The part of a whole table a :class:`TableConfig` holds (set by the sharded runtime).
 
@@ -166,6 +196,8 @@ class TableConfig:
         dynamic: a :class:`Dynamic` makes the table keyed by any int64 id (``num_embeddings=None``).
         shard: a :class:`ShardOf` when this config is one shard of a sharded table (the
             sharded runtime makes these; users leave it None).
+        tiered: a :class:`Tiered`: the rows live on local disk behind an in-memory cache
+            (dense tables in one process; see docs/tiered.md).
 
     >>> import hybridembed as he
     >>> he.TableConfig("user", num_embeddings=1000, embedding_dim=16, combiner="mean")
@@ -181,10 +213,21 @@ class TableConfig:
     optimizer: Any = None
     dynamic: Dynamic | None = None
     shard: ShardOf | None = None
+    tiered: Tiered | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
             raise ConfigError(f"table name must be a non-empty string without '.', got {self.name!r}")
+        if self.tiered is not None:
+            if not isinstance(self.tiered, Tiered):
+                raise ConfigError(
+                    f"table {self.name!r}: tiered must be a he.Tiered(path, cache_rows), got {self.tiered!r}"
+                )
+            if self.dynamic is not None:
+                raise ConfigError(
+                    f"table {self.name!r}: a tiered table is dense (num_embeddings rows on disk); dynamic tables "
+                    "are not tiered yet: bound them with Dynamic(capacity=...)"
+                )
         if self.dynamic is not None:
             if not isinstance(self.dynamic, Dynamic):
                 raise ConfigError(f"table {self.name!r}: dynamic must be a he.Dynamic(...), got {self.dynamic!r}")

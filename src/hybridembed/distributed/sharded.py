@@ -83,6 +83,12 @@ class ShardedTables(nn.Module):
                 raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
             check_wire(wire)
             tables = list(tables)
+            tiered = [t.name for t in tables if getattr(t, "tiered", None) is not None]
+            if tiered:
+                raise ConfigError(
+                    f"table {tiered[0]!r} is tiered: tiered tables run in one process for now (he.convert / "
+                    "EmbeddingCollection), not sharded or on parameter servers"
+                )
             _check_like_collection(tables, features, seed, pad, sequence_output)
             plan = checked_plan(plan, tables, self.world_size, memory_per_rank)
         except HybridEmbedError as e:

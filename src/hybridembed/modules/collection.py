@@ -32,7 +32,7 @@ from ..input import Jagged, as_feature_inputs, as_jagged
 from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, cpu_fused, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
-from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, serial
+from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, TieredStorage, serial
 from ..utils import check_device, device_tensor, kept_tensor
 from .compiled import compiled_forward, compiling
 
@@ -121,7 +121,7 @@ _FEW_OPS_DEVICES = ("cuda",)
 
 
 def _group_key(t: TableConfig) -> tuple:
-    return (t.embedding_dim, t.dtype, "dynamic" if t.dynamic else "dense", t.optimizer, t.dynamic)
+    return (t.embedding_dim, t.dtype, "dynamic" if t.dynamic else "dense", t.optimizer, t.dynamic, t.tiered)
 
 
 def _check_group_size(ts: list[TableConfig]) -> None:
@@ -245,7 +245,8 @@ class EmbeddingCollection(nn.Module):
 
     def _make_storage(self, tables: list[TableConfig], device) -> RowStorage:
         """The storage of one group (a parameter-server trainer's collection makes remote ones)."""
-        return (HashStorage if tables[0].dynamic else DenseStorage)(tables, seed=self.seed, device=device)
+        kind = HashStorage if tables[0].dynamic else TieredStorage if tables[0].tiered else DenseStorage
+        return kind(tables, seed=self.seed, device=device)
 
     # --- inspection ----------------------------------------------------------------------
     @property

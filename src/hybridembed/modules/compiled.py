@@ -235,6 +235,8 @@ def compiled_forward(ec, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     with padding masked in place, then one lookup per group of tables, as in eager mode.
     ``(B,)``/``(B, H)`` id tensors and :class:`Jagged` inputs; a sequence feature's output is
     padded ``(B, H, D)`` (zero rows at pads) whatever ``sequence_output`` says."""
+    if any(getattr(st, "tiered", False) for st in ec.storages):
+        raise ConfigError("tiered tables do not run inside torch.compile yet (their rows move between disk and cache)")
     if any(st.remote for st in ec.storages):
         raise ConfigError(
             "a parameter-server trainer's tables do not run inside torch.compile (their rows are pulled from the "

@@ -143,6 +143,10 @@ class _TableLayer(nn.Module):
                     f"gather it with model.{COLLECTION_ATTR}.gather_table({self.table!r}) (a collective)"
                 )
             storage = self._collection.storage_of(self.table)
+            if getattr(storage, "tiered", False):
+                raise AttributeError(
+                    f"table {self.table!r} is tiered (its rows on disk); read them with model.{COLLECTION_ATTR}.weight({self.table!r})"
+                )
             start = storage.row_offset[self.table]
             # a view of the rows Parameter: a loss term over it (an L2 penalty) reaches the table as a
             # dense gradient, which the optimizer refuses with the fix, instead of being dropped silently

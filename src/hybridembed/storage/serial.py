@@ -58,7 +58,7 @@ def table_entry(storage: RowStorage, name: str, keep_vars: bool = False) -> dict
     parameter's own slice, with autograd, when ``keep_vars``); dynamic: copies."""
     if storage.keyed:
         return storage.save_table(name)
-    if keep_vars:
+    if keep_vars and not getattr(storage, "tiered", False):
         start = storage.row_offset[name]
         return {"weight": storage.weight[start : start + _rows(storage, name)]}
     return {"weight": storage.table_rows(name)}
@@ -166,6 +166,9 @@ def load_entry(storage: RowStorage, name: str, entry: dict[str, Any]) -> None:
     """Write ``entry`` (checked with :func:`check_entry`) into table ``name`` of ``storage``."""
     if storage.keyed:
         storage.load_table(name, {k: v for k, v in entry.items() if k in DYNAMIC_KEYS + OPTIONAL_KEYS})
+        return
+    if getattr(storage, "tiered", False):  # (its rows are not one matrix: written through the cache)
+        storage.write_range(name, 0, {"weight": entry["weight"]})
         return
     with torch.no_grad():
         storage.table_rows(name).copy_(entry["weight"])

@@ -1,0 +1,176 @@
+"""Tiered tables (``he.Tiered``: rows on local disk, a bounded cache in memory): the step against the
+same tables in memory, and the memory of a table larger than the cache.
+
+    python benchmarks/bench_tiered.py                       # both parts, defaults (~ a few minutes)
+    python benchmarks/bench_tiered.py --part speed --steps 30
+    python benchmarks/bench_tiered.py --part memory --memory-rows 160000000   # 40 GiB of rows (fp32, dim 64)
+    python benchmarks/bench_tiered.py --quick               # seconds: the smoke test
+
+**speed**: ``--tables`` tables of ``--rows`` rows x ``--dim`` (one group), one-hot power-law ids
+(``powerlaw_ids``, alpha 1.05; each table its own stream), batch ``--batch``, row-wise Adagrad,
+the fused CPU step. The tiered collection's cache holds ``--cache-frac`` of the rows. Both
+collections train in one process, interleaved step by step, on the same batches; medians. The
+first ``--warmup`` steps fill the cache and are not timed (the table in memory gets the same).
+
+**memory**: a fresh process builds one tiered table of ``--memory-rows`` rows x ``--dim`` with a
+cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-law ids; its peak
+resident memory (``VmHWM``, this process's own) against the cache's bytes (issue 26's target:
+peak <= cache + 2 GiB). The table's files are made in ``--dir`` (default: a temporary directory)
+and removed after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import hybridembed as he
+from hybridembed.synthetic import powerlaw_ids
+
+
+def _collection(tables: int, rows: int, dim: int, tiered: he.Tiered | None, seed: int = 0):
+    ts = [he.TableConfig(f"t{i}", rows, dim, tiered=tiered) for i in range(tables)]
+    ec = he.EmbeddingCollection(ts, seed=seed)
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.01), ec, sparse=he.optim.RowWiseAdagrad(lr=0.01))
+    return ec, opt
+
+
+def speed(args: argparse.Namespace, where: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    steps = args.warmup + args.steps
+    batches = [
+        {f"t{i}": powerlaw_ids(args.batch, args.rows, generator=g) for i in range(args.tables)} for _ in range(steps)
+    ]
+    cache = int(args.cache_frac * args.rows * args.tables)
+    contenders = {
+        "memory": _collection(args.tables, args.rows, args.dim, None),
+        "tiered": _collection(args.tables, args.rows, args.dim, he.Tiered(where, cache_rows=cache)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for s, b in enumerate(batches):
+        for name, (ec, opt) in contenders.items():
+            t0 = time.perf_counter()
+            out = ec(b)
+            opt.zero_grad()
+            torch.autograd.backward(list(out.values()), [torch.ones_like(v) for v in out.values()])
+            opt.step()
+            if s >= args.warmup:
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    st = contenders["tiered"][0].storage_of("t0").stats()
+    res = {k: statistics.median(v) for k, v in times.items()}
+    same = all(
+        torch.equal(contenders["tiered"][0].weight(n), contenders["memory"][0].weight(n))
+        for n in ("t0", f"t{args.tables - 1}")
+    )
+    return {
+        "memory_ms": res["memory"],
+        "tiered_ms": res["tiered"],
+        "ratio": res["tiered"] / res["memory"],
+        "cache_rows": cache,
+        "rows": args.rows * args.tables,
+        "hit_rate": st["hit_rate"],
+        "disk_reads": st["disk_reads"],
+        "disk_writes": st["disk_writes"],
+        "equal_to_memory": same,
+    }
+
+
+_CHILD = """
+import json, sys, time, torch
+import hybridembed as he
+from hybridembed.synthetic import powerlaw_ids
+rows, dim, cache, steps, batch, where = json.loads(sys.argv[1])
+def status(key):
+    line = next(x for x in open("/proc/self/status") if x.startswith(key))
+    return int(line.split()[1]) * 1024
+base = status("VmRSS:")
+t0 = time.perf_counter()
+ec = he.EmbeddingCollection([he.TableConfig("big", rows, dim, tiered=he.Tiered(where, cache_rows=cache))])
+opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.01), ec, sparse=he.optim.RowWiseAdagrad(lr=0.01))
+built = time.perf_counter() - t0
+g = torch.Generator().manual_seed(0)
+t0 = time.perf_counter()
+for _ in range(steps):
+    out = ec({"big": powerlaw_ids(batch, rows, generator=g)})["big"]
+    opt.zero_grad()
+    out.sum().backward()
+    opt.step()
+train = time.perf_counter() - t0
+st = ec.storage_of("big").stats()
+print(json.dumps({"peak": status("VmHWM:"), "rss": status("VmRSS:"), "base": base, "built_s": built, "train_s": train,
+                  "stats": st}))
+"""
+
+
+def memory(args: argparse.Namespace, where: str) -> dict:
+    spec = [args.memory_rows, args.dim, args.memory_cache, args.memory_steps, args.batch, where]
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"the memory run failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    cache_bytes = args.memory_cache * args.dim * 4 * 2  # (the rows and row-wise Adagrad's state, generously)
+    r["table_bytes"] = args.memory_rows * args.dim * 4
+    r["cache_bytes"] = args.memory_cache * args.dim * 4
+    r["limit"] = cache_bytes + (2 << 30)
+    return r
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=["speed", "memory", "both"], default="both")
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=500_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--cache-frac", type=float, default=0.1)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--memory-rows", type=int, default=40_000_000, help="rows of the memory part's table (10 GiB)")
+    p.add_argument("--memory-cache", type=int, default=2_000_000)
+    p.add_argument("--memory-steps", type=int, default=50)
+    p.add_argument("--dir", help="where the tables' files go (default: a temporary directory)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tables, args.rows, args.dim, args.batch, args.steps, args.warmup = 2, 5_000, 8, 256, 3, 2
+        args.memory_rows, args.memory_cache, args.memory_steps = 100_000, 5_000, 3
+    root = tempfile.mkdtemp(prefix="hybridembed-tiered-", dir=args.dir)
+    result: dict = {}
+    try:
+        if args.part in ("speed", "both"):
+            r = result["speed"] = speed(args, f"{root}/speed")
+            print(
+                f"speed: {args.tables} x {args.rows:,} x {args.dim}, cache {r['cache_rows']:,} rows "
+                f"({args.cache_frac:.0%}), batch {args.batch}: in memory {r['memory_ms']:.1f} ms, tiered "
+                f"{r['tiered_ms']:.1f} ms ({r['ratio']:.2f}x; target <= 2x); hit rate {r['hit_rate']:.3f}, "
+                f"equal to the table in memory: {r['equal_to_memory']}",
+                flush=True,
+            )
+        if args.part in ("memory", "both"):
+            r = result["memory"] = memory(args, f"{root}/memory")
+            print(
+                f"memory: a table of {r['table_bytes'] / 2**30:.1f} GiB, cache {r['cache_bytes'] / 2**30:.2f} GiB: peak "
+                f"RSS {r['peak'] / 2**30:.2f} GiB (target <= cache + 2 GiB: {r['limit'] / 2**30:.2f}); built in "
+                f"{r['built_s']:.1f} s, {args.memory_steps} steps in {r['train_s']:.1f} s; hit rate "
+                f"{r['stats']['hit_rate']:.3f}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

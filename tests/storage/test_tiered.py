@@ -1,0 +1,199 @@
+"""Tiered tables (``he.Tiered``: rows on disk, a bounded cache in memory) against the same tables
+in memory: every optimizer, both CPU kernel backends, after many evictions; state_dict and
+checkpoints; refusals that change nothing."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+import hybridembed as he
+from hybridembed.optim import sparse as so
+from hybridembed.storage import TieredStorage
+
+OPTIMIZERS = {
+    "sgd": so.SGD(lr=0.1),
+    "adagrad": so.Adagrad(lr=0.1, initial_accumulator_value=0.1),
+    "rowwise": so.RowWiseAdagrad(lr=0.1),
+    "adam": so.Adam(lr=0.01),
+    "rmsprop": so.RMSprop(lr=0.01),  # (no fused kernel: the eager update)
+}
+
+
+def _tables(tiered: he.Tiered | None, opt=None) -> list[he.TableConfig]:
+    return [
+        he.TableConfig("a", 300, 8, optimizer=opt, tiered=tiered),
+        he.TableConfig("b", 200, 8, combiner="mean", optimizer=opt, tiered=tiered),
+    ]
+
+
+def _batch(g: torch.Generator) -> dict:
+    ids = (torch.rand(24, generator=g) ** 3 * 200).long()  # (power-law-ish: hot rows near 0)
+    return {
+        "a": (torch.rand(16, generator=g) ** 3 * 300).long(),
+        "b": he.Jagged.from_lengths(ids, torch.tensor([5, 7, 0, 12])),
+    }
+
+
+def _train(ec, steps: int = 25, twice: bool = False, seed: int = 0):
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(2 if twice else 1):  # (two backwards: the first's rows stay cached until the step)
+            out = ec(_batch(g))
+            sum((v * torch.linspace(-1, 2, v.shape[1])).sum() for v in out.values()).backward()
+        opt.step()
+    return opt
+
+
+def _state(ec) -> dict:
+    out = {}
+    for n in ec.tables:
+        st = ec.storage_of(n)
+        out[n] = ec.weight(n).clone()
+        for k, v in st.table_state(n).items():
+            out[f"{n}.{k}"] = v.clone()
+    return out
+
+
+def _same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "eager"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_tiered_table_trains_as_the_table_in_memory(tmp_path, name, kernels):
+    opt = OPTIMIZERS[name]
+    ref = he.EmbeddingCollection(_tables(None, opt), seed=3, kernels=kernels)
+    _train(ref)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60), opt), seed=3, kernels=kernels)
+    _train(ec)
+    st = ec.storage_of("a")
+    assert isinstance(st, TieredStorage) and st.weight.shape[0] == 60
+    stats = st.stats()
+    assert stats["evictions"] > 200 and stats["disk_reads"] > 100 and 0 < stats["hit_rate"] < 1, stats
+    _same(_state(ec), _state(ref))
+
+
+def test_two_backwards_a_step_and_an_optimizer_attached_after_rows_went_to_disk(tmp_path):
+    ref = he.EmbeddingCollection(_tables(None), seed=1)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=80)), seed=1)
+    for m in (ref, ec):  # rows evicted before any optimizer: on disk without state
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            for _ in range(6):
+                m.train()(_batch(g))
+    assert ec.storage_of("a").stats()["evictions"] > 0
+    for m in (ref, ec):
+        _train(m, steps=12, twice=True)
+    _same(_state(ec), _state(ref))
+
+
+def test_state_dict_and_checkpoints_read_and_write_through_the_tiers(tmp_path):
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=2)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), OPTIMIZERS["adagrad"]), seed=2)
+    opt_ref, opt = _train(ref, steps=10), _train(ec, steps=10)
+    sd = ec.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=0)
+    # into a fresh tiered collection by load_state_dict: then both train alike
+    other = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "b", cache_rows=50), OPTIMIZERS["adagrad"]), seed=9)
+    other.load_state_dict(ref.state_dict())
+    for n in ref.tables:
+        torch.testing.assert_close(other.weight(n), ref.weight(n), rtol=0, atol=0)
+    # a checkpoint of the tiered one loads into memory, and the other way round, with the optimizer state
+    he.save(tmp_path / "ck_tiered", ec, opt)
+    he.save(tmp_path / "ck_ref", ref, opt_ref)
+    mem = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=7)
+    opt_mem = he.wrap_optimizer(torch.optim.SGD(mem.parameters(), lr=0.1), mem)
+    he.load(tmp_path / "ck_tiered", mem, opt_mem)
+    back = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "c", cache_rows=50), OPTIMIZERS["adagrad"]), seed=7)
+    opt_back = he.wrap_optimizer(torch.optim.SGD(back.parameters(), lr=0.1), back)
+    he.load(tmp_path / "ck_ref", back, opt_back)
+    _same(_state(mem), _state(ref))
+    _same(_state(back), _state(ref))
+    for m, o in ((ref, opt_ref), (back, opt_back)):  # and they go on alike
+        g = torch.Generator().manual_seed(11)
+        for _ in range(5):
+            o.zero_grad()
+            sum(v.sum() for v in m(_batch(g)).values()).backward()
+            o.step()
+    _same(_state(back), _state(ref))
+
+
+def test_a_batch_larger_than_the_cache_is_refused_and_changes_nothing(tmp_path):
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=20)), seed=0)
+    _train(ec, steps=0)
+    ec({"a": torch.arange(10), "b": torch.arange(5)})
+    before, stats = _state(ec), ec.storage_of("a").stats()
+    with pytest.raises(he.HybridEmbedError, match="needs 40 distinct rows, the cache holds 20"):
+        ec({"a": torch.arange(20, 40), "b": torch.arange(20)})
+    _same(_state(ec), before)
+    assert ec.storage_of("a").stats() == stats
+
+
+def test_bad_directories_and_a_full_disk_are_clear_errors(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(he.ConfigError, match="cannot make the directory"):
+        he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "file" / "sub", cache_rows=10)))
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(he.ConfigError, match=r"cannot reserve .* MiB \(No space left on device\)"):
+        he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "d", cache_rows=10)))
+
+
+def test_refusals():
+    with pytest.raises(he.ConfigError, match="cache_rows must be a positive int"):
+        he.Tiered("x", cache_rows=0)
+    with pytest.raises(he.ConfigError, match="tiered must be a he.Tiered"):
+        he.TableConfig("a", 10, 4, tiered="tiers")
+    with pytest.raises(he.ConfigError, match="dynamic tables are not tiered yet"):
+        he.TableConfig("a", None, 4, dynamic=he.Dynamic(), tiered=he.Tiered("x", cache_rows=5))
+
+
+def test_copying_is_refused_and_export_serves_the_rows(tmp_path):
+    import copy
+    import pickle
+
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "t", cache_rows=40)), seed=4)
+    _train(ec, steps=5)
+    for copier in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(he.HybridEmbedError, match="cannot be copied or pickled: save a checkpoint"):
+            copier(ec)
+    ref = he.EmbeddingCollection(_tables(None), seed=4)
+    _train(ref, steps=5)
+    b = {"a": torch.tensor([0, 5, 299, 7]), "b": torch.tensor([[1, 2, 3], [0, 199, 4], [9, 9, 9], [5, 6, 7]])}
+    path = he.export(ec.eval(), tmp_path / "served.pt2", example_inputs=(b,))
+    served = torch.export.load(str(path)).module()
+    for k, v in ref.eval()(b).items():
+        torch.testing.assert_close(served(b)[k], v)
+
+
+def _in_a_job(rank: int, world: int) -> str:
+    try:
+        he.distribute(torch.nn.Sequential(), None)
+    except he.ConfigError:
+        pass
+    from hybridembed.distributed import ShardedCollection
+
+    try:
+        ShardedCollection([he.TableConfig("a", 10, 4, tiered=he.Tiered("tiers", cache_rows=5))])
+    except he.ConfigError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_tiered_tables_in_a_job_are_refused():
+    from hybridembed.launch import spawn
+
+    (msg,) = spawn(_in_a_job, 1, timeout=120)
+    assert "is tiered: tiered tables run in one process for now" in msg
