@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.quick:
         args.tables, args.rows, args.dim, args.batch, args.steps, args.warmup = 2, 5_000, 8, 256, 3, 2
-        args.memory_rows, args.memory_cache, args.memory_steps = 100_000, 5_000, 3
+        args.memory_rows, args.memory_cache, args.memory_steps = 100_000, 400, 3
     root = tempfile.mkdtemp(prefix="hybridembed-tiered-", dir=args.dir)
     result: dict = {}
     try:

@@ -1,0 +1,34 @@
+"""``benchmarks/bench_tiered.py --quick``: both parts run end to end (the tiered tables equal to
+the tables in memory, the memory part's peak read from a fresh process). No timing is asserted.
+
+    python -m pytest -q tests/bench/test_bench_tiered.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hybridembed as he
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "bench_tiered.py"
+SRC = str(Path(he.__file__).resolve().parents[1])  # the child imports the hybridembed under test
+
+
+def test_quick(tmp_path):
+    out = tmp_path / "tiered.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--dir", str(tmp_path), "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    speed, memory = res["speed"], res["memory"]
+    assert speed["equal_to_memory"] is True and speed["tiered_ms"] > 0 and speed["memory_ms"] > 0
+    assert 0 < speed["hit_rate"] < 1 and speed["disk_writes"] >= 0
+    assert memory["peak"] > 0 and memory["stats"]["evictions"] > 0
+    assert list(tmp_path.iterdir()) == [out]  # (the tables' files removed)
