@@ -47,17 +47,7 @@ class DenseStorage(RowStorage):
 
     def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
         super().__init__()
-        self.tables = list(tables)
-        self.dim = self.tables[0].embedding_dim
-        self.dtype = self.tables[0].dtype
-        self.compute_dtype = self.tables[0].compute_dtype  # of updates and optimizer state
-        offsets, total = {}, 0
-        for t in self.tables:
-            offsets[t.name] = total
-            total += t.num_embeddings
-        self.row_offset: dict[str, int] = offsets
-        self.table_index = {t.name: i for i, t in enumerate(self.tables)}
-        self.num_rows = total
+        offsets, total = self._lay_out(tables)
         weight = torch.empty(total, self.dim, dtype=self.dtype, device=device)
         advise_huge_pages(weight)  # before the first write, so the pages fault in huge
         if weight.device.type != "meta" and not _ROWS_FROM_CALLER.get():  # (meta: no rows to fill)
@@ -76,6 +66,22 @@ class DenseStorage(RowStorage):
                         col_start=t.col_start,
                     )
         self.weight = nn.Parameter(weight)
+
+    def _lay_out(self, tables: Sequence[TableConfig]) -> tuple[dict[str, int], int]:
+        """The group's tables one after the other: sets ``tables``, ``dim``, ``dtype``,
+        ``compute_dtype``, ``row_offset``, ``table_index``, ``num_rows``; returns (offsets, rows)."""
+        self.tables = list(tables)
+        self.dim = self.tables[0].embedding_dim
+        self.dtype = self.tables[0].dtype
+        self.compute_dtype = self.tables[0].compute_dtype  # of updates and optimizer state
+        offsets, total = {}, 0
+        for t in self.tables:
+            offsets[t.name] = total
+            total += t.num_embeddings
+        self.row_offset: dict[str, int] = offsets
+        self.table_index = {t.name: i for i, t in enumerate(self.tables)}
+        self.num_rows = total
+        return offsets, total
 
     def resolve(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> LookupPlan:
         """Ids shifted by their table's ``row_offset`` (and bounds-checked by the caller) are

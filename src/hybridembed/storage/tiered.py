@@ -118,10 +118,8 @@ class TieredStorage(DenseStorage):
 
     def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
         RowStorage.__init__(self)  # (not DenseStorage's: it would allocate every row)
-        self.tables = list(tables)
+        offsets, total = self._lay_out(tables)
         self.config = self.tables[0].tiered
-        self.dim, self.dtype = self.tables[0].embedding_dim, self.tables[0].dtype
-        self.compute_dtype = self.tables[0].compute_dtype
         self.seed = int(seed)
         if device is not None and torch.device(device).type != "cpu":
             raise ConfigError(
@@ -130,13 +128,6 @@ class TieredStorage(DenseStorage):
             )
         if any(t.shard is not None for t in self.tables):
             raise ConfigError("tiered tables are not sharded yet: use them in one process (he.convert)")
-        offsets, total = {}, 0
-        for t in self.tables:
-            offsets[t.name] = total
-            total += t.num_embeddings
-        self.row_offset: dict[str, int] = offsets
-        self.table_index = {t.name: i for i, t in enumerate(self.tables)}
-        self.num_rows = total
         self._starts = torch.tensor([offsets[t.name] for t in self.tables])
         cache = min(self.config.cache_rows, total)
         self.weight = nn.Parameter(torch.zeros(cache, self.dim, dtype=self.dtype))
@@ -228,15 +219,8 @@ class TieredStorage(DenseStorage):
             d_rows, d_slots = rows[disk], slots[disk]
             self.weight.detach().index_copy_(0, d_slots, self._rows_file.read(d_rows))
             self.counters["disk_reads"] += d_rows.numel()
-        fresh_rows, fresh_slots = rows[~disk], slots[~disk]
-        if fresh_rows.numel():
-            table = torch.searchsorted(self._starts, fresh_rows, right=True) - 1
-            for i, t in enumerate(self.tables):
-                sel = (table == i).nonzero().squeeze(1)
-                if sel.numel():
-                    local = fresh_rows.index_select(0, sel) - self.row_offset[t.name]
-                    vals = _init.generate(t.init, self.seed, t.init_name, local, self.dim, dtype=self.dtype)
-                    self.weight.detach().index_copy_(0, fresh_slots.index_select(0, sel), vals)
+        fresh = (~disk).nonzero().squeeze(1)
+        self._initial(rows, fresh, self.weight.detach(), slots.index_select(0, fresh))
         if self.optimizer is not None:
             with_state = where == ON_DISK
             self.reset_state_rows(slots[~with_state])
@@ -248,6 +232,19 @@ class TieredStorage(DenseStorage):
         self.origin[slots] = where
         self.slot_of[rows] = slots.to(torch.int32)
         self.dirty[slots] = False
+
+    def _initial(self, rows: torch.Tensor, pick: torch.Tensor, out: torch.Tensor, at: torch.Tensor) -> None:
+        """The initial values of rows ``rows[pick]`` (global) into ``out`` at ``at``: each table's
+        row-keyed initializer, as the table in memory starts."""
+        if pick.numel() == 0:
+            return
+        table = torch.searchsorted(self._starts, rows.index_select(0, pick), right=True) - 1
+        for i, t in enumerate(self.tables):
+            sel = (table == i).nonzero().squeeze(1)
+            if sel.numel():
+                local = rows.index_select(0, pick.index_select(0, sel)) - self.row_offset[t.name]
+                vals = _init.generate(t.init, self.seed, t.init_name, local, self.dim, dtype=self.dtype)
+                out.index_copy_(0, at.index_select(0, sel), vals)
 
     def _mark(self, slots: torch.Tensor) -> None:
         """Rows ``slots`` (cache slots) changed: written back when evicted."""
@@ -286,14 +283,7 @@ class TieredStorage(DenseStorage):
         for name, (_, fill) in spec.items():
             out[name].fill_(fill)
         fresh = (where == FRESH).nonzero().squeeze(1)
-        if fresh.numel():
-            table = torch.searchsorted(self._starts, rows.index_select(0, fresh), right=True) - 1
-            for i, t in enumerate(self.tables):
-                sel = fresh[(table == i)]
-                if sel.numel():
-                    local = rows.index_select(0, sel) - self.row_offset[t.name]
-                    vals = _init.generate(t.init, self.seed, t.init_name, local, self.dim, dtype=self.dtype)
-                    out["weight"].index_copy_(0, sel, vals)
+        self._initial(rows, fresh, out["weight"], fresh)
         disk = ((where == ON_DISK) | (where == ON_DISK_NO_STATE)).nonzero().squeeze(1)
         if disk.numel():
             out["weight"].index_copy_(0, disk, self._rows_file.read(rows.index_select(0, disk)))
