@@ -134,9 +134,11 @@ class Tiered:
     Args:
         path: a directory (made if missing) for the table's files: scratch working memory, like
             swap, made afresh when the table is built (checkpoints are what keep a table).
-        cache_rows: rows (and their optimizer state) held in memory for the group of tables
-            sharing this ``Tiered``; a batch's distinct rows (and those touched since the last
-            optimizer step) must fit.
+        cache_rows: rows (and their optimizer state) held in memory for each group of tables
+            sharing this ``Tiered`` (tables of one dim, dtype and optimizer form a group; each
+            group has a cache of its own); a batch's distinct rows (and those looked up in training
+            since the last optimizer step) must fit. Two live models must not share a ``path``
+            (refused: the files are locked).
 
     >>> import hybridembed as he
     >>> t = he.TableConfig("item", 10_000_000, 64, tiered=he.Tiered("tiers/item", cache_rows=1_000_000))

@@ -197,3 +197,39 @@ def test_tiered_tables_in_a_job_are_refused():
 
     (msg,) = spawn(_in_a_job, 1, timeout=120)
     assert "is tiered: tiered tables run in one process for now" in msg
+
+
+def test_two_live_tables_cannot_share_their_files_and_zero_grad_before_backward_keeps_its_rows(tmp_path):
+    import gc
+
+    tiered = he.Tiered(tmp_path, cache_rows=12)
+    ec = he.EmbeddingCollection(_tables(tiered), seed=1)
+    with pytest.raises(he.ConfigError, match="in use by another live tiered table"):
+        he.EmbeddingCollection(_tables(tiered), seed=1)
+    # zero_grad between forward and backward: the forward's rows stay cached until the step
+    ref = he.EmbeddingCollection(_tables(None), seed=1)
+    for m in (ref, ec):
+        opt = he.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.5), m)
+        out = m({"a": torch.arange(6), "b": torch.arange(6)})
+        opt.zero_grad()
+        if m is ec:
+            with pytest.raises(he.HybridEmbedError, match="needs 12 distinct rows"):
+                with torch.no_grad():
+                    m({"a": torch.arange(50, 56), "b": torch.arange(50, 56)})
+        sum(v.sum() for v in out.values()).backward()
+        opt.step()
+    _same(_state(ec), _state(ref))
+    del ec, opt, out, m
+    gc.collect()
+    he.EmbeddingCollection(_tables(tiered), seed=1)  # (the first one gone: its files are free)
+
+
+def test_runs_longer_than_one_call_are_split(tmp_path, monkeypatch):
+    from hybridembed.storage import tiered as T
+
+    monkeypatch.setattr(T, "_CALL_BYTES", 3 * 8 * 4)  # (three rows of 8 float32 per call)
+    ref = he.EmbeddingCollection(_tables(None), seed=6)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60)), seed=6)
+    for m in (ref, ec):
+        _train(m, steps=10)
+    _same(_state(ec), _state(ref))

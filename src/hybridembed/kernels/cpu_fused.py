@@ -141,7 +141,9 @@ def pooled_parts(storage, ids, offsets, psw, one_per_bag: bool, sizes: list[int]
     reach the step where the model left them: when they are views of one buffer (the model
     concatenated the outputs), that buffer is kept as it is with each bag's row in it, and the
     step's reduction reads the rows there; the (S, D) copy that autograd's backward of a split
-    makes (26 features x 8,192 bags x 64: 54 MB a step, ~4 ms here) is not made."""
+    makes (26 features x 8,192 bags x 64: 54 MB a step, ~4 ms here) is not made. So a gradient
+    tensor given to ``backward`` by hand (``torch.autograd.backward(outs, grads)``) is read at
+    ``opt.step()``: change it only after the step (as with the Triton path on CUDA)."""
     if not (torch.is_grad_enabled() and storage.weight.requires_grad):
         return tuple(torch.unsafe_split_with_sizes(pooled_lookup(storage, ids, offsets, psw, one_per_bag), sizes))
     return _KeptParts.apply(storage.weight, ids, offsets, psw, storage, one_per_bag, list(sizes))

@@ -257,7 +257,8 @@ class EmbeddingCollection(nn.Module):
     def weight(self, table: str) -> torch.Tensor:
         """(num_embeddings, D) rows of a dense table; a view sharing memory with the storage.
         Rows written through it are not counted as changed by ``he.save(incremental=True)``: save
-        once without ``incremental`` after such an edit."""
+        once without ``incremental`` after such an edit. A tiered table's rows are a copy (they are
+        not one matrix): write them with ``storage_of(table).write_range``."""
         st = self.storage_of(table)
         if st.keyed:
             raise ConfigError(f"table {table!r} is dynamic; read its rows with ec.dynamic_rows({table!r})")

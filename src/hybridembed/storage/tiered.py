@@ -27,6 +27,7 @@ through :meth:`read_range`: what keeps a table is a checkpoint.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import weakref
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ from .protocol import LookupPlan
 __all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE"]
 
 FRESH, ON_DISK, ON_DISK_NO_STATE = -1, -2, -3  # slot_of of a row not in the cache
+_CALL_BYTES = 1 << 30  # the most one preadv / pwritev call moves
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes")
 
 
@@ -84,12 +86,18 @@ class _File:
 
     def _runs(self, rows: torch.Tensor):
         """``rows`` (K,) -> (their order ascending, [(first position, end position, first row)] of
-        runs of consecutive rows in that order)."""
+        runs of consecutive rows in that order, each at most :data:`_CALL_BYTES`: Linux moves at
+        most 2 GiB per call)."""
         order = torch.argsort(rows)
         r = rows.index_select(0, order).numpy()
         cut = np.flatnonzero(np.diff(r) != 1) + 1
         starts, ends = np.r_[0, cut], np.r_[cut, r.size]
-        return order, zip(starts.tolist(), ends.tolist(), r[starts].tolist())
+        most = max(1, _CALL_BYTES // max(self.row_bytes, 1))
+        runs = []
+        for a, b, first in zip(starts.tolist(), ends.tolist(), r[starts].tolist()):
+            for lo in range(a, b, most):
+                runs.append((lo, min(b, lo + most), first + lo - a))
+        return order, runs
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (K,) -> (K, width)."""
@@ -98,7 +106,7 @@ class _File:
         for a, b, first in runs:
             want = (b - a) * self.row_bytes
             if os.preadv(self.fd, [memoryview(buf[a:b]).cast("B")], first * self.row_bytes) != want:
-                raise HybridEmbedError(f"tiered table file {self.path}: short read (truncated by another process?)")
+                raise HybridEmbedError(f"tiered table file {self.path}: a short read (the file was truncated?)")
         out = torch.empty(rows.numel(), self.width, dtype=self.dtype)
         out.index_copy_(0, order, torch.from_numpy(buf).view(self.dtype).view(-1, self.width))
         return out
@@ -108,7 +116,25 @@ class _File:
         order, runs = self._runs(rows)
         buf = data.index_select(0, order).contiguous().view(torch.uint8).numpy().reshape(rows.numel(), -1)
         for a, b, first in runs:
-            os.pwritev(self.fd, [memoryview(buf[a:b]).cast("B")], first * self.row_bytes)
+            view, at = memoryview(buf[a:b]).cast("B"), first * self.row_bytes
+            while len(view):  # (a write may move fewer bytes than asked)
+                n = os.pwritev(self.fd, [view], at)
+                view, at = view[n:], at + n
+
+
+def _lock(path: Path) -> int:
+    """An exclusive ``flock`` on ``path`` (made if missing): its descriptor. Two live tables never
+    share one set of files (the lock goes with the descriptor, or when the process ends)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(
+            f"{path}: the files of this table group are in use by another live tiered table (in this process or "
+            "another); give each model its own Tiered(path=...) directory"
+        ) from None
+    return fd
 
 
 class TieredStorage(DenseStorage):
@@ -137,6 +163,8 @@ class TieredStorage(DenseStorage):
         except OSError as e:
             raise ConfigError(f"Tiered(path={self.config.path!r}): cannot make the directory ({e.strerror})") from None
         self._name = self.tables[0].name if len(self.tables) == 1 else f"{self.tables[0].name}+{len(self.tables) - 1}"
+        lock = _lock(self.dir / f"{self._name}.lock")  # (held while this storage lives)
+        weakref.finalize(self, os.close, lock)
         self._rows_file = _File(self.dir / f"{self._name}.rows", total, self.dim, self.dtype)
         self._state_files: dict[str, _File] = {}
         self.slot_of = torch.full((total,), FRESH, dtype=torch.int32)  # (R,) see the module docstring
@@ -166,8 +194,8 @@ class TieredStorage(DenseStorage):
                 raise HybridEmbedError(
                     f"tiered tables {', '.join(t.name for t in self.tables)}: this lookup needs {uniq.numel()} "
                     f"distinct rows, the cache holds {self.weight.shape[0]} of which {int(keep.sum())} are this "
-                    "batch's or touched since the last optimizer step; raise Tiered(cache_rows=...) above a "
-                    "step's distinct rows. Nothing was changed"
+                    "batch's or looked up in training since the last optimizer step (he.wrap_optimizer's step "
+                    "frees them); raise Tiered(cache_rows=...) above a step's distinct rows. Nothing was changed"
                 )
             victims = candidates.index_select(0, torch.topk(self.last_used[candidates], short, largest=False).indices)
 
@@ -181,8 +209,8 @@ class TieredStorage(DenseStorage):
                     slots[miss] = new
             self.clock += 1
             self.last_used[slots] = self.clock
-            if self.optimizer is not None and torch.is_grad_enabled() and self.weight.requires_grad:
-                self.pending[slots] = True
+            if train and torch.is_grad_enabled() and self.weight.requires_grad:
+                self.pending[slots] = True  # (until the optimizer's step: zero_grad may come before a backward)
             c = self.counters
             c["lookups"] += 1
             c["hits"] += uniq.numel() - miss.numel()
@@ -255,10 +283,6 @@ class TieredStorage(DenseStorage):
     def after_step(self) -> None:
         self.pending.zero_()
         super().after_step()
-
-    def clear_grad(self) -> None:
-        super().clear_grad()
-        self.pending.zero_()
 
     def attach_optimizer(self, optimizer, hparams: dict) -> None:
         """The optimizer's state beside the cached rows, and its files beside the rows' file (every
