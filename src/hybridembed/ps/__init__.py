@@ -188,7 +188,8 @@ def serve(model: nn.Module, server: TableServer, link: ServerLink, timeout: date
     # runs of tests/ps/test_trainer_faults.py under load), so it is waited for, bounded
     if server.said_bye >= set(server.trainers) or server.failed:
         receiver.join(health.STORE_WAIT)
-    if server.failed:
+    if server.failed:  # (the trainers were told: the heartbeat stops now, before the store's host may go)
+        health.stop()
         raise health.RankLost(server.lost, [t for t in server.trainers if t not in server.active])
     ck.wait_pending(model)
     health.stop()  # (the trainers are gone: the store may go with them)
