@@ -488,7 +488,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
             top = kept_tensor(self, "_bounds", tuple(bounds), lo.device, lambda: torch.tensor(bounds, device=lo.device))
             oks.append(((lo >= 0) & (hi.to(torch.int64) < top)).all())
         else:
-            oks.extend((v.min() >= 0) & (v.max() < n) for v, n in zip(ones, bounds))
+            oks.extend((lo >= 0) & (hi < n) for v, n in zip(ones, bounds) for lo, hi in [torch.aminmax(v)])
         if not oks or bool(torch.stack(oks).all()):
             return None
         for (f, j), t in zip(reqs, tabs):  # (the first bad one, feature by feature)

@@ -157,17 +157,22 @@ class DenseStorage(RowStorage):
         """Writes ``data`` (as :meth:`read_range` returns it, any subset of its keys) at rows
         ``[row_start, row_start + K)``, columns ``[col_start, col_start + C)`` of ``table``;
         checked before anything is written."""
-        self._table(table)
-        k, cols = self._check_rows_data(table, data)
-        if not (_is_int(row_start) and _is_int(col_start)):
-            raise HybridEmbedError(f"table {table!r}: row_start and col_start must be ints")
-        self._check_range(table, (row_start, row_start + k), (col_start, col_start + cols))
+        k, cols = self._checked_write(table, row_start, data, col_start)
         a = self.row_offset[table] + row_start
         for name, v in data.items():
             dst = self.weight.detach() if name == "weight" else self.state[name]
             dst = dst[a : a + k, col_start : col_start + cols] if dst.dim() > 1 else dst[a : a + k]
             dst.copy_(v)
         self._mark_span(a, a + k)
+
+    def _checked_write(self, table: str, row_start: int, data: dict, col_start: int) -> tuple[int, int]:
+        """:meth:`write_range`'s checks: (rows K, columns C) of ``data``."""
+        self._table(table)
+        k, cols = self._check_rows_data(table, data)
+        if not (_is_int(row_start) and _is_int(col_start)):
+            raise HybridEmbedError(f"table {table!r}: row_start and col_start must be ints")
+        self._check_range(table, (row_start, row_start + k), (col_start, col_start + cols))
+        return k, cols
 
     def read_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(ids ``0..R-1`` (R,), rows (R, D), ``{state: (R, D) or (R,)}``) of ``table``, copies."""
@@ -181,6 +186,14 @@ class DenseStorage(RowStorage):
     ) -> None:
         """Sets rows ``ids`` (K,) distinct, in ``[0, num_embeddings)``, of ``table`` to ``rows`` (K, D)
         (and their optimizer state to ``state``); checked before anything is written."""
+        slots, data = self._checked_ids(table, ids, rows, state)
+        for name, v in data.items():
+            dst = self.weight.detach() if name == "weight" else self.state[name]
+            dst.index_copy_(0, slots, v.to(dst))
+        self._mark(slots)
+
+    def _checked_ids(self, table: str, ids, rows, state) -> tuple[torch.Tensor, dict]:
+        """:meth:`write_ids`'s checks: (the ids' rows in the group (K,), the data by name)."""
         start, n = self._span(table)
         ids, data = self._check_ids_data(table, ids, rows, state)
         if ids.numel():
@@ -190,11 +203,7 @@ class DenseStorage(RowStorage):
                 raise HybridEmbedError(
                     f"table {table!r}: id {bad} is outside the table's rows [0, {n}); a dense table has no other ids"
                 )
-        slots = ids + start
-        for name, v in data.items():
-            dst = self.weight.detach() if name == "weight" else self.state[name]
-            dst.index_copy_(0, slots, v.to(dst))
-        self._mark(slots)
+        return ids + start, data
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """``{"rows", "memory_bytes"}`` of ``table`` or (None) of the whole storage."""

@@ -43,17 +43,13 @@ from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
 from .base import RowStorage
 from .dense import DenseStorage
-from .protocol import LookupPlan
+from .protocol import LookupPlan, _nothing
 
 __all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE"]
 
 FRESH, ON_DISK, ON_DISK_NO_STATE = -1, -2, -3  # slot_of of a row not in the cache
 _CALL_BYTES = 1 << 30  # the most one preadv / pwritev call moves
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes")
-
-
-def _nothing() -> None:
-    pass
 
 
 class _File:
@@ -337,11 +333,7 @@ class TieredStorage(DenseStorage):
     def write_range(self, table: str, row_start: int, data: dict[str, torch.Tensor], col_start: int = 0) -> None:
         """As :meth:`DenseStorage.write_range`: each row read into the cache batch by batch, written
         there (it goes to disk when evicted)."""
-        self._table(table)
-        k, cols = self._check_rows_data(table, data)
-        if not (isinstance(row_start, int) and isinstance(col_start, int)):
-            raise HybridEmbedError(f"table {table!r}: row_start and col_start must be ints")
-        self._check_range(table, (row_start, row_start + k), (col_start, col_start + cols))
+        k, cols = self._checked_write(table, row_start, data, col_start)
         self._write(
             self.row_offset[table] + torch.arange(row_start, row_start + k), data, slice(col_start, col_start + cols)
         )
@@ -385,25 +377,12 @@ class TieredStorage(DenseStorage):
             "save with he.save(..., incremental=False)"
         )
 
-    def read_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        _, n = self._span(table)
-        data = self.read_range(table, 0, n)
-        return torch.arange(n), data.pop("weight"), data
-
     @torch.no_grad()
     def write_ids(
         self, table: str, ids: torch.Tensor, rows: torch.Tensor, state: dict[str, torch.Tensor] | None = None
     ) -> None:
-        start, n = self._span(table)
-        ids, data = self._check_ids_data(table, ids, rows, state)
-        if ids.numel():
-            lo, hi = torch.stack(torch.aminmax(ids)).tolist()
-            if lo < 0 or hi >= n:
-                raise HybridEmbedError(
-                    f"table {table!r}: id {lo if lo < 0 else hi} is outside the table's rows [0, {n}); a dense "
-                    "table has no other ids"
-                )
-        self._write(ids.to(torch.int64) + start, data, slice(None))
+        rows_at, data = self._checked_ids(table, ids, rows, state)
+        self._write(rows_at.to(torch.int64), data, slice(None))
 
     # --- accounting ---------------------------------------------------------------------------
     @property
