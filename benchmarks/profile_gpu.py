@@ -47,9 +47,8 @@ def main() -> None:
                     fn()
                 torch.cuda.synchronize()
             print(f"\n=== {name} {who} {what}: {wall * 1e3:.2f} ms per call (host returns after {host * 1e3:.2f} ms)")
-            print(
-                prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60)
-            )
+            for key in ("self_cuda_time_total", "self_cpu_time_total"):  # the device's share, then the host's
+                print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
 
 
 if __name__ == "__main__":

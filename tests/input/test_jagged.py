@@ -492,3 +492,16 @@ def test_validate_reports_the_first_decreasing_offset(lengths, data):
         j.validate(FEATURE, num_embeddings=1)
     assert info.value.position == first
     assert FEATURE in str(info.value)
+
+
+@given(st.lists(st.integers(0, 6), max_size=12))
+def test_run_index_searched_on_a_gpu_equals_repeat_interleave(lengths):
+    """The GPU's form of run_index (a search per position) gives what repeat_interleave gives,
+    empty runs, a run of all the ids and no runs included."""
+    from hybridembed.input.jagged import _searched_run_index, run_index
+
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    n = sum(lengths)
+    want = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+    assert torch.equal(run_index(counts, n), want)
+    assert torch.equal(_searched_run_index(counts, n), want)

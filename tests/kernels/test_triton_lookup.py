@@ -355,3 +355,14 @@ def test_copy_and_pickle_between_backward_and_step():
     torch.save(model, io.BytesIO())
     opt.step()
     assert not any(hasattr(st.weight, "_hybridembed_storage") for st in model["ec"].storages)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 7, 300])
+def test_last_start_is_the_cumulative_max_of_the_run_beginnings(chunks):
+    """The update's carry of partial sums names, per chunk, the chunk its run began in: the
+    count-and-scatter form equals the cumulative max it stands in for."""
+    gen = torch.Generator().manual_seed(chunks)
+    inside = torch.rand(chunks, generator=gen) < 0.6
+    inside[0] = False  # (chunk 0 always begins a run)
+    begins = torch.where(inside, -1, torch.arange(chunks))
+    assert torch.equal(tk.last_start(inside), torch.cummax(begins, 0).values)

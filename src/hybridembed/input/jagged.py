@@ -25,7 +25,7 @@ import torch
 from ..errors import InvalidInputError
 from ..init import stable_hash64
 
-__all__ = ["Jagged", "as_feature_inputs", "as_jagged", "bag_index", "offsets_from_lengths"]
+__all__ = ["Jagged", "as_feature_inputs", "as_jagged", "bag_index", "offsets_from_lengths", "run_index"]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -72,6 +72,23 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return offsets
+
+
+def run_index(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """Run lengths (R,) summing to ``n`` -> (n,) int64 run of each position, as
+    ``repeat_interleave(arange(R), counts)``. On a GPU it is a search per position: CUDA's
+    repeat_interleave writes each run with one warp, so a few long runs (a group's features,
+    hundreds of thousands of ids each) run nearly serially there (measured: 1.7 ms for 26 runs
+    of 330k ids on an H200, against microseconds searched)."""
+    if counts.device.type == "cpu":
+        return torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=n)
+    return _searched_run_index(counts, n)
+
+
+def _searched_run_index(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`run_index` as one binary search per position (on any device: the tests run it on CPU)."""
+    ends = torch.cumsum(counts, 0)
+    return torch.searchsorted(ends, torch.arange(n, device=counts.device, dtype=ends.dtype), right=True)
 
 
 def bag_index(offsets: torch.Tensor, n: int) -> torch.Tensor:

@@ -469,6 +469,16 @@ def _finish_runs(
         )
 
 
+def last_start(inside: torch.Tensor) -> torch.Tensor:
+    """(C,) bool, False at 0 -> (C,) int64: for each chunk the last chunk at or before it not
+    ``inside`` (a run begins there). The cumulative max of those indices, taken as a count and
+    a scatter: CUDA's cummax scans a 1-D tensor in one block (0.7 ms for 266k chunks on an H200)."""
+    k = torch.cumsum(~inside, 0)  # (C,) >= 1: the run-beginning chunks so far
+    at = torch.zeros(inside.numel() + 1, dtype=torch.int64, device=inside.device)
+    at[torch.where(inside, 0, k)] = torch.arange(inside.numel(), device=inside.device)  # (slot 0: a sink)
+    return at[k]
+
+
 def apply_fused(
     storage, ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw: torch.Tensor | None, hp: dict
 ) -> None:
@@ -513,7 +523,6 @@ def apply_fused(
     last = sorted_ids.index_select(0, (firsts + _CHUNK - 1).clamp_(max=n - 1))
     before = torch.cat([first.new_full((1,), -1), sorted_ids.index_select(0, firsts[1:] - 1)])
     inside = (before == first) & (first == last)  # the chunk lies inside a run begun before it
-    begins = torch.where(inside, -1, torch.arange(chunks, device=weight.device))  # its last run begins here
-    run_chunk = torch.cat([begins.new_zeros(1), torch.cummax(begins, 0).values[:-1]])  # (chunks,)
+    run_chunk = torch.cat([inside.new_zeros(1, dtype=torch.int64), last_start(inside)[:-1]])  # (chunks,)
     _carry_partials[(chunks,)](sorted_ids, run_chunk, buf, CHUNK=_CHUNK, BLOCK_D=block_d)
     _finish_runs[(chunks,)](sorted_ids, buf, *args, **flags)

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..config import MAX_SLOTS, TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
-from ..input import Jagged, as_feature_inputs, as_jagged
+from ..input import Jagged, as_feature_inputs, as_jagged, run_index
 from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, cpu_fused, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
@@ -595,25 +595,27 @@ class EmbeddingCollection(nn.Module):
                 if consts[2]:
                     ids = ids.view(f, -1).add(consts[0].unsqueeze(1)).view(-1)
             elif n:
-                cnt = device_tensor(counts, device)
-                rows = consts[1].repeat_interleave(cnt, output_size=n)  # (N,)
-                checks.append(((ids >= 0) & (ids < rows)).all())
+                which = run_index(device_tensor(counts, device), n)  # (N,) feature of each id
+                checks.append(((ids >= 0) & (ids < consts[1][which])).all())
                 if consts[2]:  # some table starts past row 0
-                    ids = ids + consts[0].repeat_interleave(cnt, output_size=n)
+                    ids = ids + consts[0][which]
         if all(self._trusted(j) for j in js):  # one id per bag, offsets made here: nothing to check
             offsets = self._one_per_bag(n, device)
             return _GroupBatch(storage, feats, [], ids, offsets, sizes, counts, _all(checks, device), one_per_bag=True)
-        cnt = device_tensor(counts, device)
-        offsets = torch.cat([*(j.offsets[:-1] for j in js), device_tensor([n], device)])  # (S+1,)
-        if offsets.dtype != torch.int64:
-            offsets = offsets.to(torch.int64)
-        if uniform and sizes[0]:
-            offsets[:-1].view(f, -1).add_(torch.arange(0, n, counts[0], device=device).unsqueeze(1))
-        elif n:
-            offsets[:-1] += torch.cumsum(cnt, 0).sub_(cnt).repeat_interleave(device_tensor(sizes, device))
+        cnt = counts[0] if uniform else device_tensor(counts, device)
+        starts = torch.arange(0, n, counts[0], device=device) if uniform else torch.cumsum(cnt, 0).sub_(cnt)  # (F,)
+        if sizes.count(sizes[0]) == f:  # as many bags each: one (F, B+1) stack, no per-feature slices
+            full = torch.stack([j.offsets for j in js])
+            firsts, lasts = full[:, 0], full[:, -1]
+            offsets = torch.empty(sum(sizes) + 1, dtype=torch.int64, device=device)
+            torch.add(full[:, :-1], starts.unsqueeze(1), out=offsets[:-1].view(f, -1))
+            offsets[-1] = n
+        else:
+            offsets = torch.cat([*(j.offsets[:-1] for j in js), device_tensor([n], device)]).to(torch.int64)
+            offsets[:-1] += starts[run_index(device_tensor(sizes, device), offsets.numel() - 1)]
+            firsts, lasts = torch.cat([j.offsets[:1] for j in js]), torch.cat([j.offsets[-1:] for j in js])
         # offsets well formed: each feature's first is 0 and last its id count, the joined ones never decrease
-        checks.append((torch.cat([j.offsets[:1] for j in js]) == 0).all())
-        checks.append((torch.cat([j.offsets[-1:] for j in js]) == cnt).all())
+        checks.append((firsts == 0).all() & (lasts == cnt).all())
         checks.append((offsets[1:] >= offsets[:-1]).all())
         return _GroupBatch(storage, feats, [], ids, offsets, sizes, counts, torch.stack(checks).all())
 
