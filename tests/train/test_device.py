@@ -159,9 +159,8 @@ def test_cuda_run_trains_checkpoints_and_exports_on_the_gpu(generated, tmp_path,
     assert cli.main([*argv, "--device", "cuda", "--max-rows", "1000"]) == 0
     out = capsys.readouterr().out
     assert "on cuda" in out and re.search(r"^epoch 1/1  train loss [\d.]+  test loss [\d.]+  AUC", out, re.M)
-    assert (tmp_path / "checkpoint" / cli.MODEL_DIR).is_dir() and (
-        tmp_path / "model.pt2"
-    ).is_file()  # the default export
+    # the checkpoint, and the export at its default name
+    assert (tmp_path / "checkpoint" / cli.MODEL_DIR).is_dir() and (tmp_path / "model.pt2").is_file()
 
 
 @cuda
