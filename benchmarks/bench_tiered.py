@@ -4,6 +4,7 @@ same tables in memory, and the memory of a table larger than the cache.
     python benchmarks/bench_tiered.py                       # both parts, defaults (~ a few minutes)
     python benchmarks/bench_tiered.py --part speed --steps 30
     python benchmarks/bench_tiered.py --part memory --memory-rows 160000000   # 40 GiB of rows (fp32, dim 64)
+    python benchmarks/bench_tiered.py --part memory --memory-rows 20000000 --checkpoint   # he.save / he.load of 5 GiB
     python benchmarks/bench_tiered.py --quick               # seconds: the smoke test
 
 **speed**: ``--tables`` tables of ``--rows`` rows x ``--dim`` (one group), one-hot power-law ids
@@ -15,7 +16,8 @@ first ``--warmup`` steps fill the cache and are not timed (the table in memory g
 **memory**: a fresh process builds one tiered table of ``--memory-rows`` rows x ``--dim`` with a
 cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-law ids; its peak
 resident memory (``VmHWM``, this process's own) against the cache's bytes (issue 26's target:
-peak <= cache + 2 GiB). The table's files are made in ``--dir`` (default: a temporary directory)
+peak <= cache + 2 GiB); with ``--checkpoint``, then ``he.save`` of it and ``he.load`` into a
+fresh tiered table, each one's peak (``VmHWM`` reset before it). The table's files are made in ``--dir`` (default: a temporary directory)
 and removed after.
 """
 
@@ -87,7 +89,7 @@ _CHILD = """
 import json, sys, time, torch
 import hybridembed as he
 from hybridembed.synthetic import powerlaw_ids
-rows, dim, cache, steps, batch, where = json.loads(sys.argv[1])
+rows, dim, cache, steps, batch, where, checkpoint = json.loads(sys.argv[1])
 def status(key):
     line = next(x for x in open("/proc/self/status") if x.startswith(key))
     return int(line.split()[1]) * 1024
@@ -105,13 +107,31 @@ for _ in range(steps):
     opt.step()
 train = time.perf_counter() - t0
 st = ec.storage_of("big").stats()
-print(json.dumps({"peak": status("VmHWM:"), "rss": status("VmRSS:"), "base": base, "built_s": built, "train_s": train,
-                  "stats": st}))
+out = {"peak": status("VmHWM:"), "rss": status("VmRSS:"), "base": base, "built_s": built, "train_s": train, "stats": st}
+if checkpoint:  # he.save, then he.load into a fresh tiered table: each one's peak (VmHWM reset before it)
+    def reset():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    reset(); t0 = time.perf_counter()
+    he.save(where + "/ck", ec, opt)
+    out["save_s"], out["save_peak"] = time.perf_counter() - t0, status("VmHWM:")
+    back = he.EmbeddingCollection([he.TableConfig("big", rows, dim, tiered=he.Tiered(where + "/back", cache_rows=cache))])
+    opt_back = he.wrap_optimizer(torch.optim.SGD(back.parameters(), lr=0.01), back, sparse=he.optim.RowWiseAdagrad(lr=0.01))
+    reset(); t0 = time.perf_counter()
+    he.load(where + "/ck", back, opt_back)
+    out["load_s"], out["load_peak"] = time.perf_counter() - t0, status("VmHWM:")
+    pick = torch.randint(0, rows - 1000, (20,), generator=g)  # 20 spans of 1,000 rows: equal, rows and state
+    a, b = ec.storage_of("big"), back.storage_of("big")
+    out["loaded_equal"] = all(
+        all(torch.equal(x, y) for x, y in zip(a.read_range("big", i, i + 1000).values(), b.read_range("big", i, i + 1000).values()))
+        for i in pick.tolist()
+    )
+print(json.dumps(out))
 """
 
 
 def memory(args: argparse.Namespace, where: str) -> dict:
-    spec = [args.memory_rows, args.dim, args.memory_cache, args.memory_steps, args.batch, where]
+    spec = [args.memory_rows, args.dim, args.memory_cache, args.memory_steps, args.batch, where, args.checkpoint]
     out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"the memory run failed:\n{out.stderr[-3000:]}")
@@ -136,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--memory-rows", type=int, default=40_000_000, help="rows of the memory part's table (10 GiB)")
     p.add_argument("--memory-cache", type=int, default=2_000_000)
     p.add_argument("--memory-steps", type=int, default=50)
+    p.add_argument("--checkpoint", action="store_true", help="memory part: he.save and he.load the table too")
     p.add_argument("--dir", help="where the tables' files go (default: a temporary directory)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
@@ -164,6 +185,13 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{r['stats']['hit_rate']:.3f}",
                 flush=True,
             )
+            if args.checkpoint:
+                print(
+                    f"checkpoint: he.save {r['save_s']:.1f} s, peak RSS {r['save_peak'] / 2**30:.2f} GiB; he.load into "
+                    f"a fresh tiered table {r['load_s']:.1f} s, peak RSS {r['load_peak'] / 2**30:.2f} GiB; loaded rows "
+                    f"and state equal: {r['loaded_equal']}",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:

@@ -1,5 +1,6 @@
 """``benchmarks/bench_tiered.py --quick``: both parts run end to end (the tiered tables equal to
-the tables in memory, the memory part's peak read from a fresh process). No timing is asserted.
+the tables in memory, the memory part's peak read from a fresh process, its table saved and
+loaded back equal). No timing is asserted.
 
     python -m pytest -q tests/bench/test_bench_tiered.py
 """
@@ -23,7 +24,7 @@ def test_quick(tmp_path):
     out = tmp_path / "tiered.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--dir", str(tmp_path), "--json", str(out)]
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--checkpoint", "--dir", str(tmp_path), "--json", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -31,4 +32,5 @@ def test_quick(tmp_path):
     assert speed["equal_to_memory"] is True and speed["tiered_ms"] > 0 and speed["memory_ms"] > 0
     assert 0 < speed["hit_rate"] < 1 and speed["disk_writes"] >= 0
     assert memory["peak"] > 0 and memory["stats"]["evictions"] > 0
+    assert memory["loaded_equal"] is True and memory["save_peak"] > 0 and memory["load_peak"] > 0
     assert list(tmp_path.iterdir()) == [out]  # (the tables' files removed)

@@ -4,6 +4,7 @@ checkpoints; refusals that change nothing."""
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 
@@ -229,3 +230,145 @@ def test_runs_longer_than_one_call_are_split(tmp_path, monkeypatch):
     for m in (ref, ec):
         _train(m, steps=10)
     _same(_state(ec), _state(ref))
+
+
+def _pieces(monkeypatch, rows: int) -> None:
+    """Checkpoint files of ``rows`` rows of these tables (dim 8, one float32 state)."""
+    from hybridembed.checkpoint import local, snapshot
+
+    monkeypatch.setattr(snapshot, "_PIECE_BYTES", rows * 8 * 4 * 2)
+    monkeypatch.setattr(local, "_PIECE_BYTES", rows * 8 * 4 * 2)
+
+
+def _gathers(monkeypatch) -> list[int]:
+    """The rows of every read of a tiered table through its tiers, from now on."""
+    seen: list[int] = []
+    real = TieredStorage._gather
+    monkeypatch.setattr(
+        TieredStorage, "_gather", lambda self, rows, cols: seen.append(rows.numel()) or real(self, rows, cols)
+    )
+    return seen
+
+
+def test_a_checkpoint_of_a_tiered_table_is_written_and_read_a_range_at_a_time(tmp_path, monkeypatch):
+    """A table larger than memory is checkpointed: he.save reads it a range of rows at a time
+    into files of at most _PIECE_BYTES, he.load writes it back range by range (never the whole
+    table in memory), and the reloaded table, tiered or in memory, trains on as the original."""
+    adagrad = OPTIMIZERS["adagrad"]
+    ref = he.EmbeddingCollection(_tables(None, adagrad), seed=2)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), adagrad), seed=2)
+    opt_ref, opt = _train(ref, steps=10), _train(ec, steps=10)
+    _pieces(monkeypatch, 8)
+    seen = _gathers(monkeypatch)
+    he.save(tmp_path / "ck", ec, opt)
+    assert seen and max(seen) <= 8, seen
+    manifest = he.checkpoint.read_manifest(tmp_path / "ck")
+    shards = manifest["tables"]["a"]["shards"]
+    assert len(shards) == 38 and [(s["row_start"], s["row_end"]) for s in shards[-2:]] == [(288, 296), (296, 300)]
+
+    back = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "b", cache_rows=50), adagrad), seed=9)
+    opt_back = he.wrap_optimizer(torch.optim.SGD(back.parameters(), lr=0.1), back)
+    seen.clear()
+    writes: list[int] = []
+    real_write = TieredStorage.write_range
+    monkeypatch.setattr(
+        TieredStorage,
+        "write_range",
+        lambda self, t, lo, d, c=0: writes.append(len(d["weight"])) or real_write(self, t, lo, d, c),
+    )
+    he.load(tmp_path / "ck", back, opt_back)
+    assert not seen and writes and max(writes) <= 8 and sum(writes) == 500, (seen, writes)
+    monkeypatch.undo()
+    mem = he.EmbeddingCollection(_tables(None, adagrad), seed=7)
+    opt_mem = he.wrap_optimizer(torch.optim.SGD(mem.parameters(), lr=0.1), mem)
+    he.load(tmp_path / "ck", mem, opt_mem)
+    _same(_state(back), _state(ref))
+    _same(_state(mem), _state(ref))
+    for m, o in ((ref, opt_ref), (back, opt_back), (mem, opt_mem)):  # the optimizer's step and state came too
+        g = torch.Generator().manual_seed(11)
+        for _ in range(4):
+            o.zero_grad()
+            sum(v.sum() for v in m(_batch(g)).values()).backward()
+            o.step()
+    _same(_state(back), _state(ref))
+    _same(_state(mem), _state(ref))
+
+
+def test_a_background_save_of_a_tiered_table_holds_its_rows_at_the_call(tmp_path, monkeypatch):
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), OPTIMIZERS["rowwise"]), seed=4)
+    opt = _train(ec, steps=5)
+    _pieces(monkeypatch, 16)
+    at_call = _state(ec)
+    handle = he.save(tmp_path / "ck", ec, opt, background=True)
+    _train(ec, steps=5, seed=1)  # (goes on changing rows on disk and in the cache)
+    handle.wait()
+    mem = he.EmbeddingCollection(_tables(None, OPTIMIZERS["rowwise"]), seed=0)
+    he.load(tmp_path / "ck", mem, he.wrap_optimizer(torch.optim.SGD(mem.parameters(), lr=0.1), mem))
+    _same(_state(mem), at_call)
+
+
+def test_a_damaged_piece_of_a_tiered_checkpoint_is_refused_and_changes_nothing(tmp_path, monkeypatch):
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), OPTIMIZERS["adagrad"]), seed=4)
+    opt = _train(ec, steps=3)
+    _pieces(monkeypatch, 32)
+    he.save(tmp_path / "ck", ec, opt)
+    piece = os.path.join(he.checkpoint.read_manifest(tmp_path / "ck")["path"], "tables", "b.00002.pt")
+    saved, size = torch.load(piece), os.path.getsize(piece)  # rows 64..95 of b, (32, 8) rows and state
+    bad = {"weight": saved["weight"].reshape(16, 16).clone(), "state": {"sum": saved["state"]["sum"].reshape(16, 16)}}
+    torch.save(bad, piece)  # (as many bytes: found by the per-range check, not the file size)
+    assert os.path.getsize(piece) == size
+    target = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "b", cache_rows=50), OPTIMIZERS["adagrad"]), seed=5)
+    opt_target = he.wrap_optimizer(torch.optim.SGD(target.parameters(), lr=0.1), target)
+    before = _state(target)
+    with pytest.raises(he.CheckpointError, match=r"b\.00002\.pt' does not hold 'weight' of shape \(32, 8\)"):
+        he.load(tmp_path / "ck", target, opt_target, verify=False)
+    _same(_state(target), before)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.bag, self.user = (
+            torch.nn.Embedding(300, 8),
+            torch.nn.EmbeddingBag(200, 8, mode="mean"),
+            torch.nn.Embedding(50, 8),
+        )
+
+    def forward(self, a, b, offsets, u):
+        return torch.cat([self.emb(a), self.bag(b, offsets), self.user(u)], 1)
+
+
+def test_convert_puts_dense_layers_on_disk_and_they_train_as_in_memory(tmp_path):
+    torch.manual_seed(0)
+    plain = _Model()
+    models = {k: copy.deepcopy(plain) for k in ("memory", "every", "one")}
+    old = models["every"].emb.weight
+    he.convert(models["memory"])
+    he.convert(models["every"], tiered=he.Tiered(tmp_path / "e", cache_rows=70), tables={"user": {"tiered": None}})
+    he.convert(models["one"], tables={"emb": {"tiered": he.Tiered(tmp_path / "o", cache_rows=40)}})
+    tiered = {
+        k: sorted(t for t in m.hybridembed.tables if m.hybridembed.storage_of(t).tiered) for k, m in models.items()
+    }
+    assert tiered == {"memory": [], "every": ["bag", "emb"], "one": ["emb"]}
+    assert old.shape == (0, 8)  # (its rows went to the files; its memory was handed back)
+    for m in models.values():
+        opt = he.wrap_optimizer(torch.optim.Adagrad(m.parameters(), lr=0.1), m)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(12):
+            a, b, u = (
+                (torch.rand(16, generator=g) ** 3 * 300).long(),
+                (torch.rand(32, generator=g) ** 3 * 200).long(),
+                torch.randint(0, 50, (16,), generator=g),
+            )
+            opt.zero_grad()
+            (m(a, b, torch.arange(0, 32, 2), u) * torch.linspace(-1, 1, 24)).sum().backward()
+            opt.step()
+    want = _state(models["memory"].hybridembed)
+    for k in ("every", "one"):
+        _same(_state(models[k].hybridembed), want)
+    with pytest.raises(he.ConfigError, match="tiered must be a he.Tiered"):
+        he.convert(_Model(), tiered=str(tmp_path))
+    with pytest.raises(he.ConfigError, match="tiered"):
+        he.convert(
+            _Model(), tables={"emb": {"dynamic": he.Dynamic(), "tiered": he.Tiered(tmp_path / "x", cache_rows=9)}}
+        )

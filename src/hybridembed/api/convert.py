@@ -42,7 +42,7 @@ optimizer settings go through ``tables={path: {"optimizer": he.optim.Adagrad(lr=
 ``tables=`` maps a layer's module path (any of its paths when shared) to one of:
 
 - a dict of :class:`~hybridembed.TableConfig` field overrides: ``name``, ``dtype``,
-  ``init``, ``optimizer``, ``dynamic``, e.g. ``{"user_emb": {"dynamic": he.Dynamic(capacity=10**6)}}``;
+  ``init``, ``optimizer``, ``dynamic``, ``tiered``, e.g. ``{"user_emb": {"dynamic": he.Dynamic(capacity=10**6)}}``;
 - a whole ``TableConfig`` (its ``embedding_dim`` must be the layer's; ``num_embeddings``
   the layer's or None when dynamic; ``combiner`` "sum": the layer's mode does the pooling);
 - ``None``: leave this layer an ordinary torch layer.
@@ -54,6 +54,11 @@ current weights (:func:`fitted_init`: the same normal or uniform distribution, s
 initialised with std 1e-4 keeps std 1e-4), so its trained rows are NOT carried over (the
 summary line says so) unless ``copy_dynamic_rows=True``, which loads them as ids ``0..N-1``
 (they must fit the capacity).
+
+``tiered=he.Tiered(path, cache_rows)`` puts every dense table (every layer not made dynamic)
+on disk with a cache of ``cache_rows`` rows per group (:class:`~hybridembed.Tiered`); a
+layer's own ``{"tiered": ...}`` entry wins. Their rows are written to the files a range at a
+time and the layer's weight memory is handed back as they go.
 
 Semantics kept: ``padding_idx`` (``nn.Embedding``: its position reads the row as it is
 and sends it no gradient; a dynamic table reads zeros there. ``nn.EmbeddingBag``: entries
@@ -116,7 +121,7 @@ import torch
 from torch import nn
 
 from .. import init as _init
-from ..config import STORAGE_DTYPES, Dynamic, TableConfig
+from ..config import STORAGE_DTYPES, Dynamic, TableConfig, Tiered
 from ..errors import ConfigError
 from ..modules.converted import (
     COLLECTION_ATTR,
@@ -135,7 +140,7 @@ __all__ = ["convert", "fitted_init", "ConvertedCollection", "HybridEmbedding", "
 
 log = get_logger(__name__)
 
-_OVERRIDABLE = ("name", "dtype", "init", "optimizer", "dynamic")
+_OVERRIDABLE = ("name", "dtype", "init", "optimizer", "dynamic", "tiered")
 
 
 # --- finding and checking layers ---------------------------------------------------------------
@@ -259,6 +264,7 @@ def _table_config(
     override: TableConfig | Mapping[str, Any] | None,
     taken: set[str],
     dynamic_default: Dynamic | None = None,
+    tiered_default: Tiered | None = None,
 ) -> TableConfig:
     n, d = weight.shape
     if isinstance(override, TableConfig):
@@ -292,6 +298,7 @@ def _table_config(
         init=fields.get("init", default_init),
         optimizer=fields.get("optimizer"),
         dynamic=dynamic,
+        tiered=fields.get("tiered", tiered_default if dynamic is None else None),
     )
 
 
@@ -366,6 +373,7 @@ def convert(
     dynamic: bool | Dynamic | str | Sequence[str] = False,
     grouped: bool = True,
     kernels: str = "auto",
+    tiered: Tiered | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` by a hybridembed layer.
 
@@ -386,6 +394,8 @@ def convert(
             (:mod:`hybridembed.modules.grouped`); False: one call per layer call.
         kernels: the kernel backend of the tables (see :class:`EmbeddingCollection`):
             ``"auto"``, ``"eager"``, ``"triton"`` or ``"numba"``. The tables stay on the layers' device.
+        tiered: a :class:`~hybridembed.Tiered` for every dense table: rows and optimizer state
+            in files under its ``path``, ``cache_rows`` of them in memory per group (None: in memory).
 
     Returns the converted model (``model`` itself unless it is an embedding layer). The
     tables live in ``model.hybridembed`` (a :class:`ConvertedCollection`). Raises
@@ -403,6 +413,8 @@ def convert(
         raise ConfigError(f"convert: grouped must be True or False, got {grouped!r}")
     if not isinstance(copy_dynamic_rows, bool):
         raise ConfigError(f"convert: copy_dynamic_rows must be True or False, got {copy_dynamic_rows!r}")
+    if tiered is not None and not isinstance(tiered, Tiered):
+        raise ConfigError(f"convert: tiered must be a he.Tiered(path, cache_rows) or None, got {tiered!r}")
     if isinstance(model, tuple(_LAYERS)):  # the model is one layer: convert it inside a holder
         holder = nn.Module()
         holder.add_module("layer", model)
@@ -414,6 +426,7 @@ def convert(
             dynamic=dynamic if isinstance(dynamic, (bool, Dynamic)) else [f"layer.{p}" for p in dynamic],
             grouped=False,  # a lone layer's output is used right away: nothing to group
             kernels=kernels,
+            tiered=tiered,
         )
         layer = converted.layer
         if isinstance(layer, _TableLayer):
@@ -449,7 +462,8 @@ def convert(
         for f in layers:
             _check_layer(f.paths[0], f.module, other_params)
         weight = layers[0].module.weight
-        cfg = _table_config(paths[0], weight, values[0] if given else None, taken, _dynamic_for(paths, dynamic))
+        override = values[0] if given else None
+        cfg = _table_config(paths[0], weight, override, taken, _dynamic_for(paths, dynamic), tiered)
         if cfg.name in taken:
             raise ConfigError(f"tables=: table name {cfg.name!r} is used twice; give each table its own name")
         taken.add(cfg.name)
@@ -472,6 +486,9 @@ def convert(
     with torch.no_grad():
         for layers, cfg in plans:
             paths = [p for f in layers for p in f.paths]
+            if cfg.tiered is not None:
+                _write_through(layers[0].module.weight, collection.storage_of(cfg.name), cfg.name)
+                continue
             if cfg.dynamic is None:
                 _take_over(layers[0].module.weight, collection.weight(cfg.name))
                 continue
@@ -560,6 +577,23 @@ def _take_over(old: nn.Parameter, rows: torch.Tensor) -> None:
     del src
     if alias:  # (a table of another dtype: the old weight keeps its own rows, untouched)
         old.data = rows  # (a reference kept to the old layer reads the table's current rows)
+        release_free_memory()
+
+
+def _write_through(old: nn.Parameter, storage, name: str) -> None:
+    """A layer's weight into its tiered table, 64 MiB at a time through the cache to the files;
+    when nothing else holds the weight, each part's pages are handed back as it goes and the
+    weight is left empty (a stale reference fails loudly instead of reading old rows)."""
+    sole = _only_holder(old) and old.device.type == "cpu" and old.is_contiguous()  # (before the view below)
+    src = old.detach()
+    step = max(1, _CHUNK_BYTES // max(1, src[0].numel() * src.element_size())) if len(src) else 1
+    for a in range(0, src.shape[0], step):
+        storage.write_range(name, a, {"weight": src[a : a + step]})
+        if sole:
+            discard_pages(src[a : a + step])
+    del src
+    if sole:
+        old.data = old.data.new_empty((0, old.shape[1]))
         release_free_memory()
 
 

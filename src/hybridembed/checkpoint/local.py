@@ -58,6 +58,7 @@ from .pieces import Target, assemble
 from .pieces import span as _span
 from .pieces import torch_load as _torch_load
 from .snapshot import (
+    _PIECE_BYTES,
     _header,
     _How,
     _next_version,
@@ -89,17 +90,21 @@ def save_local(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _
         storages = _storages(model)
         if parent is not None and any(st.checkpoint_base != parent["id"] for st in storages):
             parent = None  # the model was not saved to or loaded from the current version: a full one
-        snap = _snapshot(model, optimizer, extra_json, parent)
+        tmp = root / f".tmp-{version}-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            snap = _snapshot(model, optimizer, extra_json, parent, stage=tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     except BaseException:
         lock.release()
         raise
 
     def run() -> str:
         try:
-            tmp = root / f".tmp-{version}-{os.getpid()}"
             try:
-                tmp.mkdir()
-                manifest = _write_snapshot(tmp, snap)
+                manifest = _write_snapshot(tmp, snap, snap.written)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -125,6 +130,30 @@ def save_local(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _
         raise
     snap.finish(True)
     return out
+
+
+def _streamed(q: str, versions, target, dim: int, keyed: bool, names, into=None) -> tuple[dict, list[str]]:
+    """A tiered table read a range of rows at a time (never the whole table in memory):
+    checked (``into`` None: the entry's tensors on the meta device, for the checks of a whole
+    entry, and the problems), or written into ``into``'s storage (after every check passed)."""
+    n, step = target.num_rows, max(1, _PIECE_BYTES // (4 * dim * (1 + len(names))))
+    dtypes: dict[str, torch.dtype] = {}
+    shapes: dict[str, tuple] = {"weight": (n, dim)}
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        part, problems = assemble(q, versions, Target((lo, hi, 1), target.cols), dim, keyed, names)
+        if problems:
+            return {}, problems
+        data = {"weight": part["weight"], **part["state"]}
+        if into is not None:
+            into.storage.write_range(into.name, lo, data)
+            continue
+        for k, v in data.items():
+            if dtypes.setdefault(k, v.dtype) != v.dtype:
+                return {}, [f"table {q!r}: {k} of dtype {v.dtype} in rows {lo}..{hi - 1}, {dtypes[k]} before"]
+            shapes[k] = (n, *v.shape[1:])
+    meta = {k: torch.empty(shapes[k], dtype=dtypes.get(k, torch.float32), device="meta") for k in shapes}
+    return {"weight": meta.pop("weight"), "state": meta}, []
 
 
 @torch.no_grad()
@@ -164,8 +193,10 @@ def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any
 
     problems: list[str] = []
     entries = {}
+    streamed = {q for q, t in tables.items() if getattr(t.storage, "tiered", False)}
     for q, (target, keyed, names) in wanted.items():
-        entries[q], p = assemble(q, _versions_of(chain, q), target, tables[q].config.embedding_dim, keyed, names)
+        read = _streamed if q in streamed else assemble
+        entries[q], p = read(q, _versions_of(chain, q), target, tables[q].config.embedding_dim, keyed, names)
         problems.extend(p)
     dense = _torch_load(vdir, manifest["dense"]["file"])
     if not isinstance(dense, dict):
@@ -191,7 +222,10 @@ def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any
     # --- nothing was changed so far; from here on, apply ---------------------------------------
     if dense:
         model.load_state_dict(dense, strict=False)
-    _load_tables([(t.storage, t.name, entries[q]) for q, t in tables.items()])
+    _load_tables([(t.storage, t.name, entries[q]) for q, t in tables.items() if q not in streamed])
+    for q in streamed:
+        target, keyed, names = wanted[q]
+        _streamed(q, _versions_of(chain, q), target, tables[q].config.embedding_dim, keyed, names, into=tables[q])
     if optimizer is not None:
         if opt_file["kind"] == "torch":
             optimizer.load_state_dict(opt_file["state_dict"])
@@ -206,7 +240,8 @@ def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any
                 sparse[name] = {
                     **meta,
                     "ids": e["ids"] if tables[q].keyed else None,
-                    "state": e["state"],
+                    "state": {} if q in streamed else e["state"],
+                    "state_loaded": q in streamed,  # (a tiered table's state came in with its rows)
                 }
             optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
     _loaded_from(manifest, {id(t.storage): t.storage for t in tables.values()}.values(), optimizer)

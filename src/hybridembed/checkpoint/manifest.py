@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..optim.wrapper import HybridOptimizer
+from ..storage import serial
 from ..utils import get_logger
 from . import layout
 from .layout import (
@@ -546,14 +547,14 @@ def _check_optimizer_file(opt_file: dict, optimizer, tables: dict[str, _Table], 
             problems.append(f"table {q!r}: optimizer state saved for shape {meta['shape']}, the table is {t.shape}")
         if not isinstance(meta["step"], int) or not isinstance(meta["hparams"], dict):
             problems.append(f"table {q!r}: the optimizer file's step or hparams are malformed")
-        have = t.storage.table_state(t.name)
+        have = serial.state_shapes(t.storage, t.name)
         state = entries[q]["state"]
         if set(state) != set(have):
             problems.append(f"table {q!r}: optimizer state {sorted(state)} in the checkpoint, {sorted(have)} here")
             continue
-        rows = entries[q]["ids"].numel() if t.keyed else have[next(iter(have))].shape[0] if have else 0
+        rows = entries[q]["ids"].numel() if t.keyed else have[next(iter(have))][0] if have else 0
         for k, v in state.items():
-            want = (rows, *have[k].shape[1:])
+            want = (rows, *have[k][1:])
             if tuple(v.shape) != want or not v.is_floating_point():
                 problems.append(
                     f"table {q!r}: optimizer state {k!r} is {tuple(v.shape)} {_dtype_name(v.dtype)}, "

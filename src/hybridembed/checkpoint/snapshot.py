@@ -108,6 +108,7 @@ class _Snapshot:
         self.taken = taken  # id(storage) -> changes since the last checkpoint (to put back on failure)
         self.id = version_id
         self.parent: dict | None = None  # the version it is incremental on (None: a full one)
+        self.written: dict[str, dict] = {}  # files written already (tiered tables'): {"bytes", "sha256"}
 
     def finish(self, committed: bool) -> None:
         """After the commit (or its failure): count changes from this version, or put them back."""
@@ -149,6 +150,29 @@ def _table_files(storage, name: str, changes, state_names, rows_to_global=None) 
         "changed": int(slots.numel()),
         "removed": int(entry["removed"].numel()),
     }
+
+
+_PIECE_BYTES = 64 << 20  # rows and state of one file of a tiered table's checkpoint
+
+
+def _write_tiered(stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names) -> list[dict]:
+    """A tiered table's rows and state written into ``stage`` now (in the save's foreground
+    part, so a background save holds no copy of the table): a file per range of rows of at
+    most :data:`_PIECE_BYTES`, read through the tiers one range at a time, so a table larger
+    than memory is saved with the memory of one range. Its shard entries."""
+    n = storage._span(name)[1]
+    row_bytes = storage.weight.element_size() * storage.dim
+    row_bytes += sum(t.element_size() * t[0].numel() for k, t in storage.state.items() if k in state_names)
+    step = max(1, _PIECE_BYTES // max(row_bytes, 1))
+    shards = []
+    for i, lo in enumerate(range(0, n, step)):
+        hi = min(n, lo + step)
+        data = storage.read_range(name, lo, hi)
+        rel = f"tables/{stem}.{i:05d}.pt"
+        layout._write_file(stage / rel, {"weight": data.pop("weight"), "state": {k: data[k] for k in state_names}})
+        snap.written[rel] = {"bytes": (stage / rel).stat().st_size, "sha256": _sha256(stage / rel)}
+        shards.append({"file": rel, "row_start": lo, "row_end": hi})
+    return shards
 
 
 def _sparse_meta(optimizer) -> dict[str, dict]:
@@ -201,8 +225,9 @@ def _header(world: int, version_id: str) -> dict:
     }
 
 
-def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None) -> _Snapshot:
-    """Everything a save of a one-process model writes, copied now (the foreground part of a save)."""
+def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None, stage: Path | None = None) -> _Snapshot:
+    """Everything a save of a one-process model writes, copied now (the foreground part of a
+    save); a tiered table's files are written into ``stage`` (the version's temporary directory) now."""
     tables = _model_tables(model)
     hybrid = isinstance(optimizer, HybridOptimizer)
     meta: dict[str, dict] = {}
@@ -223,14 +248,13 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None) -> 
             t = tables[q]
             rel = f"tables/{stem}.00000.pt"
             changes = snap.taken[id(t.storage)] if parent is not None else None
-            obj, shard = _table_files(t.storage, t.name, changes, names[q])
-            snap.files[rel] = obj
-            if t.keyed:
-                n = shard["rows"]
-                shards = [{"file": rel, **shard}]
+            if getattr(t.storage, "tiered", False) and changes is None and stage is not None:
+                n, shards = t.config.num_embeddings, _write_tiered(stage, snap, t.storage, t.name, stem, names[q])
             else:
-                n = t.config.num_embeddings
-                shards = [{"file": rel, "row_start": 0, "row_end": n, **shard}]
+                obj, shard = _table_files(t.storage, t.name, changes, names[q])
+                snap.files[rel] = obj
+                n = shard["rows"] if t.keyed else t.config.num_embeddings
+                shards = [{"file": rel, **shard} if t.keyed else {"file": rel, "row_start": 0, "row_end": n, **shard}]
             table_entries[q] = {
                 "kind": t.kind,
                 "collection": q[: -len(t.name) - 1] if q != t.name else "",

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import ConfigError, HybridEmbedError
 from ..kernels import reduce_rows
-from ..storage import RowStorage
+from ..storage import RowStorage, serial
 from . import sparse as so
 from .hooks import RowGrads, SparseStepHook
 
@@ -207,7 +207,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         if missing or extra:
             raise HybridEmbedError(f"optimizer state tables differ: missing {missing}, unexpected {extra}")
         for name, (storage, _) in mine.items():
-            entry, have = sparse[name], storage.table_state(name)
+            entry, have = sparse[name], serial.state_shapes(storage, name)
             table = next(t for t in storage.tables if t.name == name)
             if list(entry.get("shape", [])) != [table.num_embeddings, table.embedding_dim]:
                 raise HybridEmbedError(
@@ -218,17 +218,19 @@ class HybridOptimizer(torch.optim.Optimizer):
                 raise HybridEmbedError(
                     f"table {name!r}: saved with {entry['optimizer']}, this optimizer uses {storage.optimizer.name}"
                 )
+            if entry.get("state_loaded") is True and storage.tiered:
+                continue  # (he.load wrote a tiered table's state with its rows, a range at a time)
             if set(entry["state"]) != set(have):
                 raise HybridEmbedError(f"table {name!r}: state {sorted(entry['state'])} != {sorted(have)}")
             for k, v in entry["state"].items():
                 if storage.keyed:
                     ids = entry.get("ids")
-                    if ids is None or tuple(v.shape) != (ids.numel(), *have[k].shape[1:]):
+                    if ids is None or tuple(v.shape) != (ids.numel(), *have[k][1:]):
                         raise HybridEmbedError(f"table {name!r}: state {k!r} does not match its ids")
                     continue
-                if tuple(v.shape) != tuple(have[k].shape):
+                if tuple(v.shape) != have[k]:
                     raise HybridEmbedError(
-                        f"table {name!r}: state {k!r} has shape {tuple(v.shape)}, expected {tuple(have[k].shape)}"
+                        f"table {name!r}: state {k!r} has shape {tuple(v.shape)}, expected {have[k]}"
                     )
         self.dense.load_state_dict(dense_sd)  # replaces its group dicts and state:
         self.param_groups = list(self.dense.param_groups) + self._sparse_groups  # re-link them
@@ -236,7 +238,8 @@ class HybridOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for name, (storage, group) in mine.items():
                 entry = sparse[name]
-                storage.load_table_state(name, entry.get("ids"), entry["state"])
+                if not (entry.get("state_loaded") is True and storage.tiered):
+                    storage.load_table_state(name, entry.get("ids"), entry["state"])
                 storage.step = int(entry["step"])
                 group.update({k: v for k, v in entry["hparams"].items() if k not in ("params", "storage")})
 

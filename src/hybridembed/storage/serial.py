@@ -162,6 +162,15 @@ def dense_as_dynamic(storage: RowStorage, weight: torch.Tensor) -> dict[str, tor
     }
 
 
+def state_shapes(storage: RowStorage, name: str) -> dict[str, tuple[int, ...]]:
+    """``{state: shape}`` of table ``name``'s optimizer state, as ``table_state`` would give it,
+    without reading it (a tiered table's state is not in memory)."""
+    if storage.keyed:
+        return {k: tuple(v.shape) for k, v in storage.table_state(name).items()}
+    n = storage._span(name)[1]
+    return {k: (n, *t.shape[1:]) for k, t in storage.state.items()}
+
+
 def load_entry(storage: RowStorage, name: str, entry: dict[str, Any]) -> None:
     """Write ``entry`` (checked with :func:`check_entry`) into table ``name`` of ``storage``."""
     if storage.keyed:
