@@ -143,9 +143,80 @@ def memory(args: argparse.Namespace, where: str) -> dict:
     return r
 
 
+def _cold(storage) -> None:
+    """The table's files out of the kernel's page cache (written, then dropped): reads go to the disk."""
+    import os
+
+    for f in (storage._rows_file, *storage._state_files.values()):
+        os.fsync(f.fd)
+        os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def prefetch(args: argparse.Namespace, where: str) -> dict:
+    """Cold-cache steps without and with ``ec.prefetch(next batch)``: the time a step spends in the
+    files' reads (main thread) without it, and how much of that the prefetch takes off the step."""
+    from hybridembed.storage import tiered as tiered_mod
+
+    rows, tables = args.prefetch_rows, args.tables
+    ts = [
+        he.TableConfig(f"t{i}", rows // tables, args.dim, tiered=he.Tiered(where, cache_rows=args.prefetch_cache))
+        for i in range(tables)
+    ]
+    ec = he.EmbeddingCollection(ts)
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.01), ec, sparse=he.optim.RowWiseAdagrad(lr=0.01))
+    st = ec.storage_of("t0")
+    g = torch.Generator().manual_seed(0)
+    step = max(1, args.prefetch_cache // 2)
+    for t in ts:  # every row written once (to disk, with state): a cold cache reads them back
+        for lo in range(0, t.num_embeddings, step):
+            n = min(step, t.num_embeddings - lo)
+            st.write_range(
+                t.name, lo, {"weight": torch.randn(n, args.dim, generator=g), "sum": torch.rand(n, generator=g)}
+            )
+    with torch.no_grad():  # (the last rows written out of the cache)
+        ec({t.name: torch.arange(0, min(step // tables, t.num_embeddings)) for t in ts})
+    read_s = [0.0]
+    real = tiered_mod._File.read
+
+    def timed(self, r):
+        import threading
+
+        t0 = time.perf_counter()
+        try:
+            return real(self, r)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                read_s[0] += time.perf_counter() - t0
+
+    tiered_mod._File.read = timed
+    out = {}
+    n = rows // tables
+    for mode in ("plain", "prefetch"):
+        k = args.warmup + args.steps
+        batches = [{t.name: torch.randint(0, n, (args.batch,), generator=g) for t in ts} for _ in range(k + 1)]
+        _cold(st)
+        for i in range(k):
+            if i == args.warmup:  # (the first steps warm the code, not the cache: uniform ids mostly miss)
+                read_s[0], t0 = 0.0, time.perf_counter()
+            y = ec(batches[i])
+            opt.zero_grad()
+            torch.autograd.backward(list(y.values()), [torch.ones_like(v) for v in y.values()])
+            if mode == "prefetch":
+                ec.prefetch(batches[i + 1])
+            opt.step()
+        out[mode] = {"step_ms": (time.perf_counter() - t0) / args.steps * 1e3, "read_ms": read_s[0] / args.steps * 1e3}
+    tiered_mod._File.read = real
+    plain, pre = out["plain"], out["prefetch"]
+    out["hidden"] = (plain["step_ms"] - pre["step_ms"]) / plain["read_ms"] if plain["read_ms"] else 0.0
+    out["stats"] = st.stats()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=["speed", "memory", "both"], default="both")
+    p.add_argument("--part", choices=["speed", "memory", "prefetch", "both"], default="both")
+    p.add_argument("--prefetch-rows", type=int, default=4_000_000, help="prefetch part: rows of all tables")
+    p.add_argument("--prefetch-cache", type=int, default=200_000)
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=500_000)
     p.add_argument("--dim", type=int, default=64)
@@ -164,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.tables, args.rows, args.dim, args.batch, args.steps, args.warmup = 2, 5_000, 8, 256, 3, 2
         args.memory_rows, args.memory_cache, args.memory_steps = 100_000, 400, 3
+        args.prefetch_rows, args.prefetch_cache = 40_000, 2_000
     root = tempfile.mkdtemp(prefix="hybridembed-tiered-", dir=args.dir)
     result: dict = {}
     try:
@@ -192,6 +264,15 @@ def main(argv: list[str] | None = None) -> dict:
                     f"and state equal: {r['loaded_equal']}",
                     flush=True,
                 )
+        if args.part == "prefetch" or args.quick:
+            r = result["prefetch"] = prefetch(args, f"{root}/prefetch")
+            print(
+                f"prefetch: {args.prefetch_rows:,} rows on disk, cold cache of {args.prefetch_cache:,}, uniform ids: "
+                f"a step {r['plain']['step_ms']:.1f} ms of which {r['plain']['read_ms']:.1f} ms reading; with "
+                f"ec.prefetch(next batch) {r['prefetch']['step_ms']:.1f} ms ({r['prefetch']['read_ms']:.1f} ms "
+                f"reading): {r['hidden']:.0%} of the read time hidden (target >= 70%)",
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:

@@ -372,3 +372,70 @@ def test_convert_puts_dense_layers_on_disk_and_they_train_as_in_memory(tmp_path)
         he.convert(
             _Model(), tables={"emb": {"dynamic": he.Dynamic(), "tiered": he.Tiered(tmp_path / "x", cache_rows=9)}}
         )
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+def test_prefetched_rows_train_as_the_table_in_memory(tmp_path, name, ahead):
+    """ec.prefetch(a later batch) reads its rows on disk in a background thread; the lookup takes
+    them from memory. Two batches ahead, some prefetched rows are loaded, changed and written back
+    before their batch comes: they are read again (equal to the table in memory either way)."""
+    opt_cfg = OPTIMIZERS[name]
+    g = torch.Generator().manual_seed(3)
+    batches = [_batch(g) for _ in range(30)]
+    runs = {}
+    for kind in ("memory", "tiered"):
+        tiered = he.Tiered(tmp_path / kind, cache_rows=60) if kind == "tiered" else None
+        ec = he.EmbeddingCollection(_tables(tiered, opt_cfg), seed=3)
+        opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+        for i, b in enumerate(batches):
+            opt.zero_grad()
+            sum((v * torch.linspace(-1, 2, v.shape[1])).sum() for v in ec(b).values()).backward()
+            if i + ahead < len(batches):
+                ec.prefetch(batches[i + ahead])  # (before the step: it reads while the step runs)
+            opt.step()
+        runs[kind] = ec
+    stats = runs["tiered"].storage_of("a").stats()
+    assert stats["prefetched"] > 50, stats
+    if ahead == 1:  # (nothing changes between the prefetch and its lookup: every row on disk came from it)
+        assert stats["disk_reads"] == 0, stats
+    _same(_state(runs["tiered"]), _state(runs["memory"]))
+
+
+def test_a_row_written_after_its_prefetch_is_read_again_and_a_failed_prefetch_is_dropped(tmp_path, monkeypatch):
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=64), OPTIMIZERS["adagrad"]), seed=1)
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=1)
+    st = ec.storage_of("a")
+    hot = {"a": torch.arange(0, 20), "b": torch.arange(0, 20)}
+    cold = {"a": torch.arange(100, 130), "b": torch.arange(100, 130)}
+    for m in (ec, ref):
+        opt = he.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
+        for b in (hot, cold, hot):  # hot rows go to disk, changed
+            opt.zero_grad()
+            sum(v.sum() for v in m(b).values()).backward()
+            opt.step()
+        if m is ec:
+            assert int((st.slot_of[100:130] < 0).sum()) > 10  # (cold rows on disk)
+            m.prefetch(cold)
+            st._prefetched.ready()
+        for b in (cold, hot, cold):  # cold rows taken from the prefetch, changed, written back, read again
+            opt.zero_grad()
+            sum(v.sum() for v in m(b).values()).backward()
+            opt.step()
+    assert st._prefetched.stale.any() and st.stats()["prefetched"] > 0
+    _same(_state(ec), _state(ref))
+    import threading
+
+    real = type(st._rows_file).read
+
+    def failing(self, rows):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError("the disk went away")
+        return real(self, rows)
+
+    monkeypatch.setattr(type(st._rows_file), "read", failing)
+    ec.prefetch(hot)
+    before = st.stats()["prefetched"]
+    for m in (ec, ref):
+        assert torch.equal(m(hot)["a"], ref(hot)["a"])
+    assert st._prefetched.error is not None and st.stats()["prefetched"] == before

@@ -33,6 +33,7 @@ from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, cpu_fused, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, TieredStorage, serial
+from ..storage.tiered import prefetch_rows
 from ..utils import check_device, device_tensor, kept_tensor
 from .compiled import compiled_forward, compiling
 
@@ -207,11 +208,11 @@ class EmbeddingCollection(nn.Module):
         features = check_arguments(tables, features, seed, pad, sequence_output)
         kernels = check_kernels(kernels)
         device = check_device(device, "EmbeddingCollection")
-        if device is not None and device.type == "meta" and any(t.dynamic for t in tables):
-            name = next(t.name for t in tables if t.dynamic)
+        name = next((t.name for t in tables if t.dynamic), None)
+        if device is not None and device.type == "meta" and name is not None:
+            msg = "cannot be built on the meta device (its hash index needs real memory); build it on 'cpu' or"
             raise ConfigError(
-                f"EmbeddingCollection: table {name!r} is dynamic and cannot be built on the meta device (its hash "
-                "index needs real memory); build it on 'cpu' or 'cuda', or make only fixed-size tables on meta"
+                f"EmbeddingCollection: table {name!r} is dynamic and {msg} 'cuda', or make only fixed-size tables on meta"
             )
         if any(t.name == "storages" for t in tables):
             raise ConfigError("'storages' is reserved; rename that table")
@@ -229,7 +230,7 @@ class EmbeddingCollection(nn.Module):
             _check_group_size(ts)
         self.storages = nn.ModuleList(self._make_storage(ts, device) for ts in keys.values())
         self.kernels = kernels
-        for st in self.storages:
+        for st in self.storages:  # (a plain attribute: read on every step)
             st.kernels = kernels
         self._table_group = {t.name: g for g, ts in enumerate(keys.values()) for t in ts}
         self.__dict__["_storage_list"] = list(self.storages)  # (plain list: indexed on every lookup)
@@ -282,6 +283,11 @@ class EmbeddingCollection(nn.Module):
             raise ConfigError(f"unknown table {table!r}; tables: {', '.join(self.tables)}")
         return self.storages[self._table_group[table]]
 
+    def prefetch(self, inputs: Mapping[str, Any]) -> None:
+        """Start reading, in the background, the rows of tiered tables that ``inputs`` (a later
+        forward's input: the next batch) will look up (:meth:`TieredStorage.prefetch`)."""
+        prefetch_rows(self._features.values(), self.storages, self._prepare(as_feature_inputs(inputs)))
+
     # --- forward -------------------------------------------------------------------------
     def _prepare(self, inputs: Mapping[str, Any]) -> dict[str, Jagged]:
         if not isinstance(inputs, Mapping):
@@ -302,12 +308,9 @@ class EmbeddingCollection(nn.Module):
         """One feature's input -> Jagged, with dtypes, shapes and device checked (no pass over data)."""
         device = self.storages[feat.group].weight.device
         if device.type == "meta":
-            raise InvalidInputError(
-                f"feature {feat.name!r}: its table {feat.table.name!r} was built on the meta device and has no "
-                "rows to look up; he.distribute(model) makes each rank's shards, or build the collection on cpu "
-                "or cuda",
-                feat.name,
-            )
+            msg = "was built on the meta device and has no rows to look up; he.distribute(model) makes each rank's"
+            msg += " shards, or build the collection on cpu or cuda"
+            raise InvalidInputError(f"feature {feat.name!r}: its table {feat.table.name!r} {msg}", feat.name)
         j = as_jagged(x, feat.name, self.pad)
         j.check_structure(feat.name)
         if j.values.device != device:  # (check_structure put offsets and weights beside the ids)
@@ -319,11 +322,9 @@ class EmbeddingCollection(nn.Module):
         return j
 
     def _unpadded(self, inputs: Mapping[str, Any]) -> tuple[dict[str, Jagged], list[torch.Tensor]]:
-        """:meth:`_prepare`, but id tensors ((B,) or (B, H)) on an accelerator are taken whole, as
-        bags of H ids, with the 0-d check that they hold no padding (queued, not synced): dropping
-        padding gives a size that depends on the data, which a GPU would have to report first. The
-        checks join the validation's one sync; when one fails, :meth:`forward` starts over with
-        :meth:`_prepare`."""
+        """:meth:`_prepare`, but id tensors ((B,) or (B, H)) on an accelerator taken whole, as bags of
+        H ids, with a queued 0-d check that they hold no padding (dropping it makes a data-dependent
+        size: a sync). When a check fails, :meth:`forward` starts over with :meth:`_prepare`."""
         jagged, assumed = {}, []
         for f, x in inputs.items() if isinstance(inputs, Mapping) else ():
             if (

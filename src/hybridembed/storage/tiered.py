@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,7 +50,7 @@ __all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE"]
 
 FRESH, ON_DISK, ON_DISK_NO_STATE = -1, -2, -3  # slot_of of a row not in the cache
 _CALL_BYTES = 1 << 30  # the most one preadv / pwritev call moves
-_STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes")
+_STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched")
 
 
 class _File:
@@ -118,6 +119,54 @@ class _File:
                 view, at = view[n:], at + n
 
 
+class _Prefetch:
+    """Rows (sorted, distinct, on disk when asked for) read from the files by a background thread:
+    rows ``rows`` (K,) into ``weight`` (K, D), the state of those with state into ``state``.
+    ``stale`` (K,) marks rows written since (their read may be torn or old: read again)."""
+
+    def __init__(self, rows: torch.Tensor, with_state: torch.Tensor, files: dict[str, _File], rows_file: _File):
+        self.rows, self.with_state = rows, with_state  # (K,) int64 ascending, (K,) bool
+        self.stale = torch.zeros(rows.numel(), dtype=torch.bool)
+        self.weight: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(files, rows_file), name="hybridembed-prefetch")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, files: dict[str, _File], rows_file: _File) -> None:
+        try:  # (preadv releases the GIL: the step goes on meanwhile)
+            self.weight = rows_file.read(self.rows)
+            picked = self.rows[self.with_state]
+            self.state = {name: f.read(picked) for name, f in files.items()} if picked.numel() else {}
+        except BaseException as e:  # noqa: BLE001 - a failed prefetch is dropped: the lookup reads itself
+            self.error = e
+
+    def positions(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions (K',) in ``rows`` found here and fresh, their positions here (K',))."""
+        at = torch.searchsorted(self.rows, rows).clamp_(max=max(self.rows.numel() - 1, 0))
+        hit = (self.rows.index_select(0, at) == rows) & ~self.stale.index_select(0, at)
+        found = hit.nonzero().squeeze(1)
+        return found, at.index_select(0, found)
+
+    def ready(self) -> bool:
+        """Wait for the read; whether it succeeded."""
+        self._thread.join()
+        return self.error is None and self.weight is not None
+
+
+def prefetch_rows(features, storages, jagged: dict) -> None:
+    """:meth:`EmbeddingCollection.prefetch`: each tiered group's rows of ``jagged`` (checked
+    inputs by feature name; ids outside a table dropped) to its storage's :meth:`~TieredStorage.prefetch`."""
+    rows: dict[int, list[torch.Tensor]] = {}
+    for feat in features:
+        if getattr(storages[feat.group], "tiered", False) and feat.name in jagged:
+            v, n = jagged[feat.name].values.to(torch.int64), feat.table.num_embeddings
+            rows.setdefault(feat.group, []).append(v[(v >= 0) & (v < n)] + feat.row_offset)
+    for g, parts in rows.items():
+        storages[g].prefetch(torch.cat(parts))
+
+
 def _lock(path: Path) -> int:
     """An exclusive ``flock`` on ``path`` (made if missing): its descriptor. Two live tables never
     share one set of files (the lock goes with the descriptor, or when the process ends)."""
@@ -172,6 +221,7 @@ class TieredStorage(DenseStorage):
         self.free = torch.arange(cache - 1, -1, -1)  # a stack
         self.clock = 0  # lookups so far (the time of LRU)
         self.counters = dict.fromkeys(_STATS, 0)
+        self._prefetched: _Prefetch | None = None  # the rows prefetch() is reading, or read
 
     # --- the cache ---------------------------------------------------------------------------
     def resolve(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> LookupPlan:
@@ -223,6 +273,9 @@ class TieredStorage(DenseStorage):
         changed = self.dirty.index_select(0, victims)
         w_slots, w_rows = victims[changed], rows[changed]
         if w_rows.numel():
+            if self._prefetched is not None:  # (a prefetched copy of a row written now is old)
+                found, at = self._prefetched.positions(w_rows)
+                self._prefetched.stale[at] = True
             self._rows_file.write(w_rows, self.weight.detach().index_select(0, w_slots))
             for name, f in self._state_files.items():
                 f.write(w_rows, self.state[name].index_select(0, w_slots).view(w_rows.numel(), -1))
@@ -239,15 +292,17 @@ class TieredStorage(DenseStorage):
         """Rows ``rows`` (U,) into free ``slots``: read from the files, or initialised."""
         where = self.slot_of.index_select(0, rows)
         disk = where != FRESH
+        taken = self._from_prefetch(rows, slots, where, disk)  # (U,) bool: rows (and state) given by it
+        disk &= ~taken
         if bool(disk.any()):
             d_rows, d_slots = rows[disk], slots[disk]
             self.weight.detach().index_copy_(0, d_slots, self._rows_file.read(d_rows))
             self.counters["disk_reads"] += d_rows.numel()
-        fresh = (~disk).nonzero().squeeze(1)
+        fresh = (where == FRESH).nonzero().squeeze(1)
         self._initial(rows, fresh, self.weight.detach(), slots.index_select(0, fresh))
         if self.optimizer is not None:
-            with_state = where == ON_DISK
-            self.reset_state_rows(slots[~with_state])
+            with_state = (where == ON_DISK) & ~taken
+            self.reset_state_rows(slots[(where != ON_DISK)])
             for name, f in self._state_files.items():
                 if bool(with_state.any()):
                     got = f.read(rows[with_state])
@@ -256,6 +311,53 @@ class TieredStorage(DenseStorage):
         self.origin[slots] = where
         self.slot_of[rows] = slots.to(torch.int32)
         self.dirty[slots] = False
+
+    # --- prefetch -------------------------------------------------------------------------------
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """Start reading, in a background thread, the rows ``rows`` (global, any order, repeats
+        allowed) that are on disk and not cached now, with their optimizer state; a later lookup
+        takes them from memory instead of the files. A hint: rows cached or never written are
+        skipped, a row written back meanwhile is read again, a failed read is dropped. One at a
+        time (a new call drops the previous one's rows)."""
+        self.drop_prefetch()
+        rows = torch.unique(rows.reshape(-1).to(torch.int64))
+        rows = rows[(rows >= 0) & (rows < self.num_rows)]
+        where = self.slot_of.index_select(0, rows)
+        on_disk = (where == ON_DISK) | (where == ON_DISK_NO_STATE)
+        if bool(on_disk.any()):
+            rows, where = rows[on_disk], where[on_disk]
+            self._prefetched = _Prefetch(rows, where == ON_DISK, dict(self._state_files), self._rows_file)
+
+    def drop_prefetch(self) -> None:
+        """Forget the rows prefetched (waits for a read in progress)."""
+        if self._prefetched is not None:
+            self._prefetched.ready()
+            self._prefetched = None
+
+    def _from_prefetch(self, rows, slots, where, disk) -> torch.Tensor:
+        """Rows of ``rows`` (U,) on disk that the prefetch holds, copied into ``slots``: (U,) bool."""
+        taken = torch.zeros(rows.numel(), dtype=torch.bool)
+        pf = self._prefetched
+        if pf is None or not bool(disk.any()):
+            return taken
+        found, at = pf.positions(rows)
+        if found.numel() == 0 or not pf.ready():
+            return taken
+        # on disk still, and its state read if it has state now (a row gains state only by a write)
+        ws = where.index_select(0, found) == ON_DISK
+        keep = disk.index_select(0, found) & ~(ws & ~pf.with_state.index_select(0, at))
+        found, at = found[keep], at[keep]
+        self.weight.detach().index_copy_(0, slots.index_select(0, found), pf.weight.index_select(0, at))
+        if self.optimizer is not None and pf.state:
+            sel = (where.index_select(0, found) == ON_DISK).nonzero().squeeze(1)
+            within = torch.cumsum(pf.with_state.long(), 0) - 1  # (K,) a row's place among those with state
+            for name, got in pf.state.items():
+                src = got.index_select(0, within.index_select(0, at.index_select(0, sel)))
+                dst = self.state[name]
+                dst.index_copy_(0, slots.index_select(0, found.index_select(0, sel)), src.view((-1, *dst.shape[1:])))
+        taken[found] = True
+        self.counters["prefetched"] += found.numel()
+        return taken
 
     def _initial(self, rows: torch.Tensor, pick: torch.Tensor, out: torch.Tensor, at: torch.Tensor) -> None:
         """The initial values of rows ``rows[pick]`` (global) into ``out`` at ``at``: each table's
@@ -283,6 +385,7 @@ class TieredStorage(DenseStorage):
     def attach_optimizer(self, optimizer, hparams: dict) -> None:
         """The optimizer's state beside the cached rows, and its files beside the rows' file (every
         row's state starts afresh: rows on disk keep their values, not their old state)."""
+        self.drop_prefetch()  # (its state files are made afresh below)
         super().attach_optimizer(optimizer, hparams)
         self._state_files = {
             name: _File(self.dir / f"{self._name}.{name}", self.num_rows, self.dim if t.dim() > 1 else 1, t.dtype)
