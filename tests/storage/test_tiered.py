@@ -439,3 +439,65 @@ def test_a_row_written_after_its_prefetch_is_read_again_and_a_failed_prefetch_is
     for m in (ec, ref):
         assert torch.equal(m(hot)["a"], ref(hot)["a"])
     assert st._prefetched.error is not None and st.stats()["prefetched"] == before
+
+
+_KILLED = r"""
+import os, signal, sys, torch
+import hybridembed as he
+from hybridembed.checkpoint import layout, local, snapshot
+sys.path.insert(0, sys.argv[2])
+from test_tiered import OPTIMIZERS, _step, _tables
+
+where = sys.argv[1]
+snapshot._PIECE_BYTES = local._PIECE_BYTES = 16 * 8 * 4 * 2  # (16 rows a file)
+ec = he.EmbeddingCollection(_tables(he.Tiered(where + "/tiers", cache_rows=50), OPTIMIZERS["adagrad"]), seed=6)
+opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+for s in range(6):
+    _step(ec, opt, s)
+    if s == 2:
+        he.save(where + "/ck", ec, opt, extra={"step": 3})
+real, written = layout._write_file, []
+def dying(path, obj):  # the step-6 save dies after two of its files
+    if len(written) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    written.append(path)
+    real(path, obj)
+layout._write_file = dying
+he.save(where + "/ck", ec, opt, extra={"step": 6})
+"""
+
+
+def _step(ec, opt, s: int) -> None:
+    g = torch.Generator().manual_seed(100 + s)
+    opt.zero_grad()
+    sum((v * torch.linspace(-1, 2, v.shape[1])).sum() for v in ec(_batch(g)).values()).backward()
+    opt.step()
+
+
+def test_a_job_killed_in_a_save_resumes_from_the_last_commit_and_trains_as_in_memory(tmp_path):
+    """A process training a tiered table is killed (SIGKILL) in the middle of a save: the last
+    committed checkpoint loads into a fresh tiered table (the dead one's files are scratch), and
+    training on from there equals an uninterrupted run in memory, bit for bit."""
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(he.__path__[0]), os.environ.get("PYTHONPATH", "")])
+    )
+    here = os.path.dirname(__file__)
+    run = subprocess.run(
+        [sys.executable, "-c", _KILLED, str(tmp_path), here], env=env, capture_output=True, timeout=120
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr.decode()[-2000:]
+    assert any(p.name.startswith(".tmp-") for p in (tmp_path / "ck").iterdir())  # (the save that died)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "again", cache_rows=50), OPTIMIZERS["adagrad"]), seed=0)
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    assert he.load(tmp_path / "ck", ec, opt)["extra"] == {"step": 3}
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=6)
+    opt_ref = he.wrap_optimizer(torch.optim.SGD(ref.parameters(), lr=0.1), ref)
+    for s in range(10):
+        _step(ref, opt_ref, s)
+        if s >= 3:
+            _step(ec, opt, s)
+    _same(_state(ec), _state(ref))
