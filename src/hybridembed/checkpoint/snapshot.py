@@ -129,17 +129,18 @@ def _table_files(storage, name: str, changes, state_names, rows_to_global=None) 
     if storage.keyed and changes is None:  # (copies)
         entry = {"state": {}, **storage.save_table(name, state_names)}
         return entry, {"rows": int(entry["ids"].numel())}
-    state_all = storage.table_state(name) if state_names and not storage.keyed else {}  # (dense: views)
     if changes is None:
+        state_all = storage.table_state(name) if state_names and not storage.keyed else {}  # (dense: views)
         weight = serial.table_entry(storage, name)["weight"].clone()  # its own: a view would save the group
         return {"weight": weight, "state": {k: v.clone() for k, v in state_all.items()}}, {}
     changed, removed = changes
     if not storage.keyed:
         rows = storage.changed_rows(name, changed)
+        got = storage.read_table_rows(name, rows)  # (copies of those rows only, wherever they are)
         obj = {
             "rows": rows if rows_to_global is None else rows_to_global(rows),
-            "weight": storage.table_rows(name).index_select(0, rows),
-            "state": {k: v.index_select(0, rows) for k, v in state_all.items()},
+            "weight": got.pop("weight"),
+            "state": {k: got[k] for k in state_names},
         }
         return obj, {"changed": int(rows.numel())}
     entry, slots = storage.save_changes(name, changed, removed)

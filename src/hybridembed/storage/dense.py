@@ -152,6 +152,15 @@ class DenseStorage(RowStorage):
             out[k] = (v[a:b, col_start:col_stop] if v.dim() > 1 else v[a:b]).clone()
         return out
 
+    def read_table_rows(self, table: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of ``table``'s rows ``rows`` (K,) (its own row numbers, in range): ``{"weight":
+        (K, D), state: (K, D) or (K,)}`` (an incremental checkpoint's changed rows)."""
+        at = rows.to(torch.int64) + self.row_offset[table]
+        return {
+            "weight": self.weight.detach().index_select(0, at),
+            **{k: v.index_select(0, at) for k, v in self.state.items()},
+        }
+
     @torch.no_grad()
     def write_range(self, table: str, row_start: int, data: dict[str, torch.Tensor], col_start: int = 0) -> None:
         """Writes ``data`` (as :meth:`read_range` returns it, any subset of its keys) at rows

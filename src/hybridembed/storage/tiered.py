@@ -302,7 +302,9 @@ class TieredStorage(DenseStorage):
         self._initial(rows, fresh, self.weight.detach(), slots.index_select(0, fresh))
         if self.optimizer is not None:
             with_state = (where == ON_DISK) & ~taken
-            self.reset_state_rows(slots[(where != ON_DISK)])
+            fresh_state = slots[(where != ON_DISK)]  # (its initial value: not a change of the row)
+            for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
+                self.state[name].index_fill_(0, fresh_state, fill)
             for name, f in self._state_files.items():
                 if bool(with_state.any()):
                     got = f.read(rows[with_state])
@@ -373,10 +375,24 @@ class TieredStorage(DenseStorage):
                 out.index_copy_(0, at.index_select(0, sel), vals)
 
     def _mark(self, slots: torch.Tensor) -> None:
-        """Rows ``slots`` (cache slots) changed: written back when evicted."""
+        """Rows ``slots`` (cache slots) changed: written back when evicted, and (once a checkpoint
+        counts changes) their table rows marked for the next incremental checkpoint."""
         if slots.numel():
-            self.dirty.index_fill_(0, slots.reshape(-1).long(), True)
-        super()._mark(slots)
+            s = slots.reshape(-1).long()
+            self.dirty.index_fill_(0, s, True)
+            if self._changed is not None:
+                rows = self.row_of_slot.index_select(0, s)
+                self._changed.index_fill_(0, rows[rows >= 0], True)
+
+    def track_changes(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """As :meth:`RowStorage.track_changes`, counted by table row (R,), not by cache slot."""
+        old = (self._changed, self._removed)
+        self._changed, self._removed = torch.zeros(self.num_rows, dtype=torch.bool), []
+        return old
+
+    def read_table_rows(self, table: str, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As :meth:`DenseStorage.read_table_rows`: read through the tiers (cached, on disk or initial)."""
+        return self._gather(rows.to(torch.int64) + self.row_offset[table], slice(None))
 
     def after_step(self) -> None:
         self.pending.zero_()
@@ -473,12 +489,6 @@ class TieredStorage(DenseStorage):
     def load_table_state(self, name: str, ids: torch.Tensor | None, state: dict[str, torch.Tensor]) -> None:
         start, n = self._span(name)
         self._write(torch.arange(start, start + n), dict(state), slice(None))
-
-    def changed_rows(self, name: str, changed: torch.Tensor) -> torch.Tensor:
-        raise HybridEmbedError(
-            f"table {name!r} is tiered: incremental checkpoints of tiered tables are not built yet; "
-            "save with he.save(..., incremental=False)"
-        )
 
     @torch.no_grad()
     def write_ids(
