@@ -179,21 +179,21 @@ def test_copying_is_refused_and_export_serves_the_rows(tmp_path):
         torch.testing.assert_close(served(b)[k], v)
 
 
-def _in_a_job(rank: int, world: int) -> str:
-    from hybridembed.distributed import ShardedCollection
-
+def _on_servers(rank: int, world: int, where: str) -> str:
+    ec = he.EmbeddingCollection([he.TableConfig("a", 10, 4, tiered=he.Tiered(f"{where}/{rank}", cache_rows=5))])
     try:
-        ShardedCollection([he.TableConfig("a", 10, 4, tiered=he.Tiered("tiers", cache_rows=5))])
+        he.distribute(torch.nn.ModuleDict({"ec": ec}), servers=1, server_exit=False)
     except he.ConfigError as e:
         return str(e)
     return "not refused"
 
 
-def test_tiered_tables_in_a_job_are_refused():
+def test_tiered_tables_on_parameter_servers_are_refused_on_every_rank(tmp_path):
+    """(In a sharded job they run: tests/distributed/test_tiered_job.py.)"""
     from hybridembed.launch import spawn
 
-    (msg,) = spawn(_in_a_job, 1, timeout=120)
-    assert "is tiered: tiered tables run in one process for now" in msg
+    for msg in spawn(_on_servers, 2, str(tmp_path), timeout=120):
+        assert "is tiered: tiered tables run in one process or a sharded job" in msg, msg
 
 
 def test_two_live_tables_cannot_share_their_files_and_zero_grad_before_backward_keeps_its_rows(tmp_path):

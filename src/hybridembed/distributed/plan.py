@@ -227,6 +227,11 @@ def _check_table_plan(tp: TablePlan, t: TableConfig, world_size: int) -> None:
         if (s.row_stop is None) != dynamic:
             what = "a dynamic table's shard has no row_stop (None)" if dynamic else "a shard's row_stop is an int"
             raise ConfigError(f"table {name!r}: {what}; got row_stop={s.row_stop!r}")
+    if t.tiered is not None and tp.sharding == "data_parallel":
+        raise ConfigError(
+            f"table {name!r} is tiered: a replica on every rank's disk is not built; shard it table_wise, "
+            "row_wise or column_wise"
+        )
     if dynamic and tp.sharding == "data_parallel":
         raise ConfigError(
             f"table {name!r} is dynamic: replicas would make different rows; shard it row_wise (by a hash of the id)"

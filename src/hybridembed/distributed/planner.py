@@ -102,9 +102,15 @@ class _Table:
     def dim(self) -> int:
         return self.config.embedding_dim
 
+    def _mem(self, rows: int, per_row: int) -> int:
+        """Memory of ``rows`` rows of ``per_row`` bytes: a tiered table holds its cache's rows (at most)
+        and one int32 per row (where the row is)."""
+        tiered = self.config.tiered
+        return rows * per_row if tiered is None else min(rows, tiered.cache_rows) * per_row + 4 * rows
+
     @property
     def nbytes(self) -> int:
-        return self.rows * self.row_bytes
+        return self._mem(self.rows, self.row_bytes)
 
     def shard_rows(self, tp: TablePlan, s: Shard) -> int:
         if s.row_stop is None:  # dynamic: hash shards hold an even share of the capacity
@@ -112,10 +118,10 @@ class _Table:
         return len(range(s.row_start, s.row_stop, s.row_step))
 
     def shard_bytes(self, tp: TablePlan, s: Shard) -> int:
-        return self.shard_rows(tp, s) * (s.width * self.elem_bytes + self.state_row_bytes)
+        return self._mem(self.shard_rows(tp, s), s.width * self.elem_bytes + self.state_row_bytes)
 
     def slice_bytes(self, width: int) -> int:
-        return self.rows * (width * self.elem_bytes + self.state_row_bytes)
+        return self._mem(self.rows, width * self.elem_bytes + self.state_row_bytes)
 
     def out_rows(self, frac: float) -> float:
         """Rows returned per sample by a shard owning ``frac`` of the ids: one per bag, or one
@@ -499,7 +505,7 @@ def make_plan(
                 fixed[name] = shard_table(c, sh, ranks or everyone, **opts)
         elif c.dynamic is not None:
             fixed[name] = shard_table(c, "row_wise", everyone, placement="hash")
-        elif t.nbytes < data_parallel_below:
+        elif t.nbytes < data_parallel_below and c.tiered is None:
             fixed[name] = shard_table(c, "data_parallel", everyone)
         elif column_slice_threshold is not None and c.num_embeddings * t.dim > column_slice_threshold and W > 1:
             n = min(-(-c.num_embeddings * t.dim // column_slice_threshold), t.dim, W)

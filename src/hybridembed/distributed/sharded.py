@@ -47,6 +47,7 @@ class ShardedTables(nn.Module):
     """
 
     sharded = True
+    takes_tiered = False  # tiered tables' shards on the ranks' disks (the sharded runtime: yes; servers: not yet)
     lookup_queue = None  # set by distribute on a converted model (one exchange per forward)
     layers_hold_keys = False  # set when converted layers read these tables (they write their state_dict entries)
 
@@ -84,10 +85,10 @@ class ShardedTables(nn.Module):
             check_wire(wire)
             tables = list(tables)
             tiered = [t.name for t in tables if getattr(t, "tiered", None) is not None]
-            if tiered:
+            if tiered and not self.takes_tiered:
                 raise ConfigError(
-                    f"table {tiered[0]!r} is tiered: tiered tables run in one process for now (he.convert / "
-                    "EmbeddingCollection), not sharded or on parameter servers"
+                    f"table {tiered[0]!r} is tiered: tiered tables run in one process or a sharded job "
+                    "(he.convert / he.distribute), not on parameter servers yet"
                 )
             _check_like_collection(tables, features, seed, pad, sequence_output)
             plan = checked_plan(plan, tables, self.world_size, memory_per_rank)

@@ -192,16 +192,18 @@ class TieredStorage(DenseStorage):
         offsets, total = self._lay_out(tables)
         self.config = self.tables[0].tiered
         self.seed = int(seed)
-        if device is not None and torch.device(device).type != "cpu":
+        kind = torch.device(device).type if device is not None else "cpu"
+        if kind not in ("cpu", "meta"):
             raise ConfigError(
                 f"tiered tables {', '.join(t.name for t in self.tables)}: on {device}; a tiered table's cache "
                 "lives on the CPU (tiers below a GPU are not built yet)"
             )
-        if any(t.shard is not None for t in self.tables):
-            raise ConfigError("tiered tables are not sharded yet: use them in one process (he.convert)")
         self._starts = torch.tensor([offsets[t.name] for t in self.tables])
         cache = min(self.config.cache_rows, total)
-        self.weight = nn.Parameter(torch.zeros(cache, self.dim, dtype=self.dtype))
+        self.weight = nn.Parameter(torch.zeros(cache, self.dim, dtype=self.dtype, device=kind))
+        self._state_files: dict[str, _File] = {}
+        if kind == "meta":  # (a model described on meta for he.distribute: no files, no rows to look up)
+            return
         self.dir = Path(self.config.path)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -211,7 +213,6 @@ class TieredStorage(DenseStorage):
         lock = _lock(self.dir / f"{self._name}.lock")  # (held while this storage lives)
         weakref.finalize(self, os.close, lock)
         self._rows_file = _File(self.dir / f"{self._name}.rows", total, self.dim, self.dtype)
-        self._state_files: dict[str, _File] = {}
         self.slot_of = torch.full((total,), FRESH, dtype=torch.int32)  # (R,) see the module docstring
         self.row_of_slot = torch.full((cache,), -1, dtype=torch.int64)  # (C,) -1: free
         self.last_used = torch.zeros(cache, dtype=torch.int64)
@@ -371,7 +372,11 @@ class TieredStorage(DenseStorage):
             sel = (table == i).nonzero().squeeze(1)
             if sel.numel():
                 local = rows.index_select(0, pick.index_select(0, sel)) - self.row_offset[t.name]
-                vals = _init.generate(t.init, self.seed, t.init_name, local, self.dim, dtype=self.dtype)
+                if t.shard is not None:  # (a shard's row i is the whole table's row_start + i * row_step)
+                    local = local * t.shard.row_step + t.shard.row_start
+                vals = _init.generate(
+                    t.init, self.seed, t.init_name, local, self.dim, dtype=self.dtype, col_start=t.col_start
+                )
                 out.index_copy_(0, at.index_select(0, sel), vals)
 
     def _mark(self, slots: torch.Tensor) -> None:
@@ -401,8 +406,10 @@ class TieredStorage(DenseStorage):
     def attach_optimizer(self, optimizer, hparams: dict) -> None:
         """The optimizer's state beside the cached rows, and its files beside the rows' file (every
         row's state starts afresh: rows on disk keep their values, not their old state)."""
-        self.drop_prefetch()  # (its state files are made afresh below)
         super().attach_optimizer(optimizer, hparams)
+        if self.weight.device.type == "meta":
+            return
+        self.drop_prefetch()  # (its state files are made afresh below)
         self._state_files = {
             name: _File(self.dir / f"{self._name}.{name}", self.num_rows, self.dim if t.dim() > 1 else 1, t.dtype)
             for name, t in self.state.items()

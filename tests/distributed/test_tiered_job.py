@@ -1,0 +1,122 @@
+"""Tiered tables in a sharded job: each shard's rows on its owner's disk with a cache, trained as
+one process holding the same tables in memory (row-wise, table-wise and column-wise shards); a
+checkpoint of the job loads into one process; replicas and parameter servers are refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import hybridembed as he
+from hybridembed.distributed import Plan, ShardedCollection, make_plan, plan_costs, shard_table
+from hybridembed.distributed.planner import checked_plan
+from hybridembed.launch import spawn
+from hybridembed.storage import TieredStorage
+
+STEPS = 4
+ADAGRAD = he.optim.Adagrad(lr=0.2)
+
+
+def _tables(where: str | None) -> list[he.TableConfig]:
+    def tiered(cache: int):
+        return he.Tiered(where, cache_rows=cache) if where is not None else None
+
+    return [
+        he.TableConfig("rows", 400, 8, optimizer=ADAGRAD, tiered=tiered(40)),
+        he.TableConfig("whole", 300, 8, combiner="mean", optimizer=ADAGRAD, tiered=tiered(50)),
+        he.TableConfig("cols", 200, 8, optimizer=ADAGRAD, tiered=tiered(60)),
+    ]
+
+
+def _batch(step: int, rank: int | None) -> dict[str, he.Jagged]:
+    """Rank ``rank``'s half of step ``step``'s batch (None: both halves, ranks concatenated)."""
+    if rank is None:
+        halves = [_batch(step, r) for r in range(2)]
+        return {k: he.Jagged.from_lists(halves[0][k].to_lists() + halves[1][k].to_lists()) for k in halves[0]}
+    g = torch.Generator().manual_seed(50 * step + rank)
+    rows = {"rows": 400, "whole": 300, "cols": 200}
+    return {
+        k: he.Jagged.from_lists([(torch.rand(n, generator=g) ** 2 * v).long().tolist() for n in (3, 1, 4, 2, 0, 5)])
+        for k, v in rows.items()
+    }
+
+
+def _train(ec, batch_of, scale: float) -> None:
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    for step in range(STEPS):
+        out = ec(batch_of(step))
+        opt.zero_grad()
+        (sum((v * torch.linspace(-1, 2, v.shape[1])).sum() for v in out.values()) * scale).backward()
+        opt.step()
+    return opt
+
+
+def _job(rank: int, world: int, where: str) -> dict:
+    tables = _tables(where)
+    plan = Plan(
+        world,
+        (
+            shard_table(tables[0], "row_wise", (0, 1)),
+            shard_table(tables[1], "table_wise", (1,)),
+            shard_table(tables[2], "column_wise", (0, 1)),
+        ),
+    )
+    ec = ShardedCollection(tables, plan=plan, seed=4)
+    tiered = [type(st).__name__ for st in ec.storages]
+    opt = _train(ec, lambda step: _batch(step, rank), 1.0)
+    evictions = sum(st.stats()["evictions"] for st in ec.storages if isinstance(st, TieredStorage))
+    he.save(f"{where}/ck", ec, opt)
+    return {"tiered": tiered, "evictions": evictions, "tables": {t.name: ec.gather_table(t.name) for t in tables}}
+
+
+def test_tiered_shards_train_as_one_process_in_memory_and_their_checkpoint_loads_in_one(tmp_path):
+    got = spawn(_job, 2, str(tmp_path), timeout=120)
+    ref = he.EmbeddingCollection(_tables(None), seed=4)
+    _train(ref, lambda step: _batch(step, None), 0.5)
+    for r in got:
+        assert set(r["tiered"]) == {"TieredStorage"} and r["evictions"] >= 0
+        for t in ref.tables:
+            torch.testing.assert_close(r["tables"][t], ref.weight(t), rtol=1e-5, atol=1e-6, msg=t)
+    assert sum(r["evictions"] for r in got) > 0
+    one = he.EmbeddingCollection(_tables(str(tmp_path / "one")), seed=0)  # the job's checkpoint, in one process
+    opt_one = he.wrap_optimizer(torch.optim.SGD(one.parameters(), lr=0.1), one)
+    he.load(tmp_path / "ck", one, opt_one)
+    for t in ref.tables:
+        torch.testing.assert_close(one.weight(t), ref.weight(t), rtol=1e-5, atol=1e-6, msg=t)
+        for k, v in ref.storage_of(t).table_state(t).items():
+            torch.testing.assert_close(one.storage_of(t).table_state(t)[k], v, rtol=1e-5, atol=1e-6, msg=f"{t}.{k}")
+
+
+def test_a_tiered_table_is_never_replicated_and_the_planner_counts_its_cache():
+    t = he.TableConfig("t", 1000, 4, tiered=he.Tiered("unused", cache_rows=50))
+    with pytest.raises(he.ConfigError, match="tiered: a replica on every rank"):
+        checked_plan(Plan(2, (shard_table(t, "data_parallel", (0, 1)),)), [t], 2, None)
+    assert make_plan([t], 2).tables[0].sharding != "data_parallel"  # (small enough to replicate in memory)
+    big = he.TableConfig("big", 10**9, 64)  # 476 GiB of rows and Adagrad state: a rank's memory holds its cache
+    tiered = replace(big, tiered=he.Tiered("unused", cache_rows=10**6))
+    in_memory, on_disk = (max(r.memory_bytes for r in plan_costs(make_plan([x], 2), [x])) for x in (big, tiered))
+    assert in_memory > 200 * 2**30 and on_disk < 5 * 2**30  # (its cache's rows and state, and 4 bytes a row)
+
+
+def _distributed(rank: int, world: int, where: str) -> dict:
+    """A model described on the meta device (no files, no rows) and he.distribute: each rank makes
+    only its shards, on its disk, by the planner's default plan."""
+    model = torch.nn.ModuleDict({"ec": he.EmbeddingCollection(_tables(where), seed=4, device="meta")})
+    model = he.distribute(model)
+    ec = model["ec"]
+    _train(ec, lambda step: _batch(step, rank), 1.0)
+    kinds = {tp.table: tp.sharding for tp in ec.plan.tables}
+    return {"kinds": kinds, "tables": {t: ec.gather_table(t) for t in ec.tables}}
+
+
+def test_a_model_of_tiered_tables_on_meta_is_distributed_on_the_ranks_disks(tmp_path):
+    got = spawn(_distributed, 2, str(tmp_path), timeout=120)
+    ref = he.EmbeddingCollection(_tables(None), seed=4)
+    _train(ref, lambda step: _batch(step, None), 0.5)
+    for r in got:
+        assert "data_parallel" not in r["kinds"].values(), r["kinds"]
+        for t in ref.tables:
+            torch.testing.assert_close(r["tables"][t], ref.weight(t), rtol=1e-5, atol=1e-6, msg=t)
+    assert any(p.suffix == ".rows" for p in tmp_path.iterdir())
