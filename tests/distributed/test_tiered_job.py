@@ -67,7 +67,16 @@ def _job(rank: int, world: int, where: str) -> dict:
     tiered = [type(st).__name__ for st in ec.storages]
     opt = _train(ec, lambda step: _batch(step, rank), 1.0)
     evictions = sum(st.stats()["evictions"] for st in ec.storages if isinstance(st, TieredStorage))
+    from hybridembed.checkpoint import collective, snapshot
+
+    snapshot._PIECE_BYTES = 40 * 8 * 4 * 2  # (40 rows a file: a shard is saved range by range)
+    seen: list[int] = []
+    real = TieredStorage._gather
+    TieredStorage._gather = lambda self, rows, cols: seen.append(rows.numel()) or real(self, rows, cols)
     he.save(f"{where}/ck", ec, opt)
+    TieredStorage._gather = real
+    # (a read per file of 640 bytes of rows and state: 40 rows of 8 columns, 80 of a 4-column slice)
+    assert seen and max(seen) <= 80 and collective._write_tiered is snapshot._write_tiered, seen
     return {"tiered": tiered, "evictions": evictions, "tables": {t.name: ec.gather_table(t.name) for t in tables}}
 
 
@@ -80,6 +89,12 @@ def test_tiered_shards_train_as_one_process_in_memory_and_their_checkpoint_loads
         for t in ref.tables:
             torch.testing.assert_close(r["tables"][t], ref.weight(t), rtol=1e-5, atol=1e-6, msg=t)
     assert sum(r["evictions"] for r in got) > 0
+    shards = he.checkpoint.read_manifest(tmp_path / "ck")["tables"]["rows"]["shards"]
+    assert len(shards) == 2 * 5 and {(s["row_start"], s["row_end"]) for s in shards} >= {
+        (0, 40),
+        (200, 240),
+        (360, 400),
+    }
     one = he.EmbeddingCollection(_tables(str(tmp_path / "one")), seed=0)  # the job's checkpoint, in one process
     opt_one = he.wrap_optimizer(torch.optim.SGD(one.parameters(), lr=0.1), one)
     he.load(tmp_path / "ck", one, opt_one)

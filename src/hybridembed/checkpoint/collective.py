@@ -79,6 +79,7 @@ from .snapshot import (
     _take_changes,
     _write_dense,
     _write_optimizer,
+    _write_tiered,
 )
 
 log = get_logger("hybridembed.checkpoint")
@@ -193,8 +194,11 @@ def _failures(reports: list[Any]) -> list[str]:
     return [f"rank {r}: {rep[0]}" for r, rep in enumerate(reports) if rep[0] is not None]
 
 
-def _snapshot_pieces(snap: _Snapshot, pieces: list[_Piece], stems: dict[str, str], optimizer, rank: int, delta: bool):
-    """This rank's pieces (rank 0 also the data-parallel ones), copied into ``snap.files``;
+def _snapshot_pieces(
+    snap: _Snapshot, pieces: list[_Piece], stems: dict[str, str], optimizer, rank: int, delta: bool, stage=None
+):
+    """This rank's pieces (rank 0 also the data-parallel ones), copied into ``snap.files`` (a
+    tiered shard's written into ``stage`` now, a range at a time, see ``snapshot._write_tiered``);
     returns what the manifest needs of them: ``{tables: {q: [shard entries]}, meta: {q: ...}}``."""
     tables: dict[str, list[dict]] = {}
     meta: dict[str, dict] = {}
@@ -211,14 +215,22 @@ def _snapshot_pieces(snap: _Snapshot, pieces: list[_Piece], stems: dict[str, str
         to_global = None
         if not piece.keyed:
             to_global = lambda r, sp=sp: r.mul(sp["row_step"]).add_(sp["row_start"])  # noqa: E731
-        obj, extra = _table_files(piece.storage, piece.name, changes, names, to_global)
-        snap.files[rel] = obj
-        shard = {"file": rel, **{k: v for k, v in sp.items() if k != "replicated"}, **extra}
+        shard = {k: v for k, v in sp.items() if k != "replicated"}
         if managed:
             opt = opt_meta[piece.name]
             shard["step"] = opt["step"]
             meta[q] = {k: opt[k] for k in ("optimizer", "hparams", "step")}
-        tables.setdefault(q, []).append({**shard, "optimizer_state": names})
+        if getattr(piece.storage, "tiered", False) and changes is None and stage is not None:
+            # a tiered shard: its files written now, a range of its rows each (global rows row_start + i * row_step)
+            stem = f"{stems[q]}.{piece.spec['shard']:05d}"
+            for lo, hi, rel in _write_tiered(stage, snap, piece.storage, piece.name, stem, names):
+                step = sp["row_step"]
+                span = {"row_start": sp["row_start"] + lo * step, "row_end": sp["row_start"] + hi * step}
+                tables.setdefault(q, []).append({**shard, "file": rel, **span, "optimizer_state": names})
+            continue
+        obj, extra = _table_files(piece.storage, piece.name, changes, names, to_global)
+        snap.files[rel] = obj
+        tables.setdefault(q, []).append({**shard, "file": rel, **extra, "optimizer_state": names})
     return {"tables": tables, "meta": meta}
 
 
@@ -297,7 +309,7 @@ def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: d
         part: dict[str, Any] = {"tables": {}, "meta": {}}
         try:  # (a failure here is reported with the writes below: every rank raises, none hangs)
             snap.taken = _take_changes(storages)
-            part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None)
+            part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None, tmp)
             if rank == 0:
 
                 def copy_of(rel: str, obj: Any) -> str:
@@ -313,7 +325,7 @@ def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: d
 
         def run(grp) -> str:
             # 3. every rank writes its shards into the temporary directory
-            files, error = {}, snap_error
+            files, error = dict(snap.written), snap_error
             try:
                 for rel, obj in snap.files.items() if snap_error is None else ():
                     layout._write_file(tmp / rel, obj)

@@ -156,11 +156,12 @@ def _table_files(storage, name: str, changes, state_names, rows_to_global=None) 
 _PIECE_BYTES = 64 << 20  # rows and state of one file of a tiered table's checkpoint
 
 
-def _write_tiered(stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names) -> list[dict]:
+def _write_tiered(stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names) -> list[tuple]:
     """A tiered table's rows and state written into ``stage`` now (in the save's foreground
     part, so a background save holds no copy of the table): a file per range of rows of at
-    most :data:`_PIECE_BYTES`, read through the tiers one range at a time, so a table larger
-    than memory is saved with the memory of one range. Its shard entries."""
+    most :data:`_PIECE_BYTES` (``tables/<stem>.<i>.pt``), read through the tiers one range at a
+    time, so a table larger than memory is saved with the memory of one range. Returns
+    ``[(first row, end row, file)]`` (the table's own rows)."""
     n = storage._span(name)[1]
     row_bytes = storage.weight.element_size() * storage.dim
     row_bytes += sum(t.element_size() * t[0].numel() for k, t in storage.state.items() if k in state_names)
@@ -172,7 +173,7 @@ def _write_tiered(stage: Path, snap: _Snapshot, storage, name: str, stem: str, s
         rel = f"tables/{stem}.{i:05d}.pt"
         layout._write_file(stage / rel, {"weight": data.pop("weight"), "state": {k: data[k] for k in state_names}})
         snap.written[rel] = {"bytes": (stage / rel).stat().st_size, "sha256": _sha256(stage / rel)}
-        shards.append({"file": rel, "row_start": lo, "row_end": hi})
+        shards.append((lo, hi, rel))
     return shards
 
 
@@ -250,7 +251,9 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None, sta
             rel = f"tables/{stem}.00000.pt"
             changes = snap.taken[id(t.storage)] if parent is not None else None
             if getattr(t.storage, "tiered", False) and changes is None and stage is not None:
-                n, shards = t.config.num_embeddings, _write_tiered(stage, snap, t.storage, t.name, stem, names[q])
+                n = t.config.num_embeddings
+                ranges = _write_tiered(stage, snap, t.storage, t.name, stem, names[q])
+                shards = [{"file": rel, "row_start": lo, "row_end": hi} for lo, hi, rel in ranges]
             else:
                 obj, shard = _table_files(t.storage, t.name, changes, names[q])
                 snap.files[rel] = obj
