@@ -80,10 +80,35 @@ def _job(rank: int, world: int, where: str) -> dict:
     return {"tiered": tiered, "evictions": evictions, "tables": {t.name: ec.gather_table(t.name) for t in tables}}
 
 
+def _load_job(rank: int, world: int, where: str) -> dict:
+    """The job's checkpoint into a fresh job of tiered shards by the planner's plan (a range at a time)."""
+    from hybridembed.checkpoint import local
+
+    local._PIECE_BYTES = 40 * 8 * 4 * 2
+    ec = ShardedCollection(_tables(f"{where}/again"), seed=0)
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    writes: list[int] = []
+    real = TieredStorage.write_range
+    TieredStorage.write_range = lambda self, t, lo, d, c=0: writes.append(len(d["weight"])) or real(self, t, lo, d, c)
+    he.load(f"{where}/ck", ec, opt)
+    TieredStorage.write_range = real
+    loaded = {t: ec.gather_table(t) for t in ec.tables}
+    _more(ec, opt, lambda step: _batch(step, rank), 1.0)  # (the optimizer state came too: Adagrad's steps equal)
+    return {"writes": writes, "loaded": loaded, "tables": {t: ec.gather_table(t) for t in ec.tables}}
+
+
+def _more(ec, opt, batch_of, scale: float) -> None:
+    for step in (10, 11):
+        out = ec(batch_of(step))
+        opt.zero_grad()
+        (sum((v * torch.linspace(-1, 2, v.shape[1])).sum() for v in out.values()) * scale).backward()
+        opt.step()
+
+
 def test_tiered_shards_train_as_one_process_in_memory_and_their_checkpoint_loads_in_one(tmp_path):
     got = spawn(_job, 2, str(tmp_path), timeout=120)
     ref = he.EmbeddingCollection(_tables(None), seed=4)
-    _train(ref, lambda step: _batch(step, None), 0.5)
+    opt_ref = _train(ref, lambda step: _batch(step, None), 0.5)
     for r in got:
         assert set(r["tiered"]) == {"TieredStorage"} and r["evictions"] >= 0
         for t in ref.tables:
@@ -102,6 +127,14 @@ def test_tiered_shards_train_as_one_process_in_memory_and_their_checkpoint_loads
         torch.testing.assert_close(one.weight(t), ref.weight(t), rtol=1e-5, atol=1e-6, msg=t)
         for k, v in ref.storage_of(t).table_state(t).items():
             torch.testing.assert_close(one.storage_of(t).table_state(t)[k], v, rtol=1e-5, atol=1e-6, msg=f"{t}.{k}")
+    loaded = spawn(_load_job, 2, str(tmp_path), timeout=120)  # ... and into a new job of tiered shards
+    want = {t: ref.weight(t).clone() for t in ref.tables}
+    _more(ref, opt_ref, lambda step: _batch(step, None), 0.5)
+    for r in loaded:
+        assert r["writes"] and max(r["writes"]) <= 80, r["writes"]  # (range by range)
+        for t in ref.tables:
+            torch.testing.assert_close(r["loaded"][t], want[t], rtol=1e-5, atol=1e-6, msg=t)
+            torch.testing.assert_close(r["tables"][t], ref.weight(t), rtol=1e-5, atol=1e-6, msg=t)
 
 
 def test_a_tiered_table_is_never_replicated_and_the_planner_counts_its_cache():

@@ -46,6 +46,7 @@ from .local import (
     _cannot_write,
     _load_tables,
     _loaded_from,
+    _streamed,
 )
 from .lock import (
     _lock,
@@ -520,7 +521,8 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
         where = f"table {q!r} shard {piece.spec['shard']}"
         target = _target(piece)
         versions = _versions_of(chain, q)
-        entry, probs = assemble(q, versions, target, piece.whole.embedding_dim, piece.keyed, names[id(piece)])
+        read = _streamed if getattr(piece.storage, "tiered", False) else assemble  # (tiered: range by range)
+        entry, probs = read(q, versions, target, piece.whole.embedding_dim, piece.keyed, names[id(piece)])
         if probs:
             problems += probs
             continue
@@ -528,12 +530,12 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
         missing, errors = serial.check_entry(piece.storage, piece.name, entry, f"{where}: ", strict_dtype=True)
         problems += [f"{k}: missing" for k in missing] + errors
         if _managed(piece, optimizer) and not missing and not errors:
-            have = piece.storage.table_state(piece.name)
+            have = serial.state_shapes(piece.storage, piece.name)
             rows = entry["ids"].numel() if piece.keyed else piece.config.num_embeddings
             if set(state) != set(have):
                 problems.append(f"{where}: optimizer state {sorted(state)} in the checkpoint, {sorted(have)} here")
             for k, v in state.items():
-                want = (rows, *have[k].shape[1:]) if k in have else None
+                want = (rows, *have[k][1:]) if k in have else None
                 if want is not None and (not torch.is_tensor(v) or tuple(v.shape) != want):
                     problems.append(f"{where}: optimizer state {k!r} is {_shape(v)}, expected {want}")
             meta = sparse_meta.get(q)
@@ -559,7 +561,14 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
             if saved_sizes != sizes and not getattr(optimizer, "dense_elsewhere", False):
                 problems.append(f"the optimizer file's parameter groups hold {saved_sizes} parameters, here {sizes}")
     _raise(vdir, problems, "does not match the model")
-    return {"manifest": manifest, "loaded": loaded, "dense": dense, "opt_file": opt_file}
+    return {
+        "manifest": manifest,
+        "loaded": loaded,
+        "dense": dense,
+        "opt_file": opt_file,
+        "chain": chain,
+        "names": names,
+    }
 
 
 def _shape(v: Any) -> str:
@@ -610,7 +619,12 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
     # --- every rank checked its part; from here on, apply ---------------------------------------
     if dense:
         model.load_state_dict(dense, strict=False)
-    _load_tables([(piece.storage, piece.name, entry) for piece, entry, _, _ in loaded])
+    tiered = {id(p) for p, *_ in loaded if getattr(p.storage, "tiered", False)}
+    _load_tables([(piece.storage, piece.name, entry) for piece, entry, _, _ in loaded if id(piece) not in tiered])
+    for piece, *_ in loaded:  # (tiered shards: checked range by range, now written range by range)
+        if id(piece) in tiered:
+            versions, names = _versions_of(prepared["chain"], piece.qualified), prepared["names"][id(piece)]
+            _streamed(piece.qualified, versions, _target(piece), piece.whole.embedding_dim, False, names, into=piece)
     opt_file = prepared["opt_file"]
     if optimizer is not None and opt_file["kind"] == "torch":
         optimizer.load_state_dict(opt_file["state_dict"])
@@ -626,7 +640,8 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
                 "optimizer": piece.storage.optimizer.name,
                 "hparams": meta.get("hparams", {}),
                 "step": int(step),
-                "state": state,
+                "state": {} if id(piece) in tiered else state,
+                "state_loaded": id(piece) in tiered,  # (a tiered shard's state came in with its rows)
             }
         optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
     _loaded_from(manifest, {id(st): st for sc in colls.values() for st in sc.storages}.values(), optimizer)

@@ -133,15 +133,18 @@ def save_local(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _
 
 
 def _streamed(q: str, versions, target, dim: int, keyed: bool, names, into=None) -> tuple[dict, list[str]]:
-    """A tiered table read a range of rows at a time (never the whole table in memory):
-    checked (``into`` None: the entry's tensors on the meta device, for the checks of a whole
-    entry, and the problems), or written into ``into``'s storage (after every check passed)."""
-    n, step = target.num_rows, max(1, _PIECE_BYTES // (4 * dim * (1 + len(names))))
+    """A tiered table (or shard: ``target``'s row ``i`` is the table's ``a + i * s``) read a range
+    of rows at a time (never the whole table in memory): checked (``into`` None: the entry's
+    tensors on the meta device, for the checks of a whole entry, and the problems), or written
+    into ``into``'s storage (``.storage``, ``.name``; after every check passed)."""
+    (a, _, s), width = target.rows, target.cols[1] - target.cols[0]
+    n, step = target.num_rows, max(1, _PIECE_BYTES // (4 * width * (1 + len(names))))
     dtypes: dict[str, torch.dtype] = {}
-    shapes: dict[str, tuple] = {"weight": (n, dim)}
+    shapes: dict[str, tuple] = {"weight": (n, width)}
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        part, problems = assemble(q, versions, Target((lo, hi, 1), target.cols), dim, keyed, names)
+        span = Target((a + lo * s, a + hi * s, s), target.cols)
+        part, problems = assemble(q, versions, span, dim, keyed, names)
         if problems:
             return {}, problems
         data = {"weight": part["weight"], **part["state"]}
