@@ -179,21 +179,46 @@ def test_copying_is_refused_and_export_serves_the_rows(tmp_path):
         torch.testing.assert_close(served(b)[k], v)
 
 
-def _on_servers(rank: int, world: int, where: str) -> str:
-    ec = he.EmbeddingCollection([he.TableConfig("a", 10, 4, tiered=he.Tiered(f"{where}/{rank}", cache_rows=5))])
-    try:
-        he.distribute(torch.nn.ModuleDict({"ec": ec}), servers=1, server_exit=False)
-    except he.ConfigError as e:
-        return str(e)
-    return "not refused"
+def _on_servers(rank: int, world: int, where: str):
+    """A tiered table on a parameter server (rank 1): its shard on the server's disk."""
+    tables = _tables(he.Tiered(where, cache_rows=60), OPTIMIZERS["adagrad"])
+    model = he.distribute(
+        torch.nn.ModuleDict({"ec": he.EmbeddingCollection(tables, seed=3, device="meta")}), servers=1, server_exit=False
+    )
+    if model is None:  # (the server: it served until the trainer finished)
+        return None
+    opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        opt.zero_grad()
+        sum((v * torch.linspace(-1, 2, v.shape[1])).sum() for v in model["ec"](_batch(g)).values()).backward()
+        opt.step()
+    he.save(f"{where}/ck", model, opt)
+    return {t: model["ec"].gather_table(t) for t in ("a", "b")}
 
 
-def test_tiered_tables_on_parameter_servers_are_refused_on_every_rank(tmp_path):
-    """(In a sharded job they run: tests/distributed/test_tiered_job.py.)"""
+def test_a_tiered_table_on_a_parameter_server_trains_as_in_memory(tmp_path):
+    """(In a sharded job: tests/distributed/test_tiered_job.py.)"""
     from hybridembed.launch import spawn
 
-    for msg in spawn(_on_servers, 2, str(tmp_path), timeout=120):
-        assert "is tiered: tiered tables run in one process or a sharded job" in msg, msg
+    got, served = spawn(_on_servers, 2, str(tmp_path), timeout=120)
+    assert served is None and any(p.suffix == ".rows" for p in tmp_path.iterdir())
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=3)
+    opt = he.wrap_optimizer(torch.optim.SGD(ref.parameters(), lr=0.1), ref)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        opt.zero_grad()
+        sum((v * torch.linspace(-1, 2, v.shape[1])).sum() for v in ref(_batch(g)).values()).backward()
+        opt.step()
+    for t in ("a", "b"):
+        torch.testing.assert_close(got[t], ref.weight(t), rtol=1e-6, atol=1e-7, msg=t)
+    mem = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=0)  # the server's checkpoint
+    he.load(
+        tmp_path / "ck",
+        torch.nn.ModuleDict({"ec": mem}),
+        he.wrap_optimizer(torch.optim.SGD(mem.parameters(), lr=0.1), mem),
+    )
+    _same(_state(mem), _state(ref))
 
 
 def test_two_live_tables_cannot_share_their_files_and_zero_grad_before_backward_keeps_its_rows(tmp_path):

@@ -104,8 +104,6 @@ class ShardedCollection(ShardedTables, ShardedStep):
     same order each step (checked by a digest in every exchange).
     """
 
-    takes_tiered = True  # (each shard of a tiered table on its owner's disk: files named by the shard)
-
     def __init__(
         self,
         tables: Sequence[TableConfig],

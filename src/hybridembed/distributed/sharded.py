@@ -47,7 +47,6 @@ class ShardedTables(nn.Module):
     """
 
     sharded = True
-    takes_tiered = False  # tiered tables' shards on the ranks' disks (the sharded runtime: yes; servers: not yet)
     lookup_queue = None  # set by distribute on a converted model (one exchange per forward)
     layers_hold_keys = False  # set when converted layers read these tables (they write their state_dict entries)
 
@@ -84,12 +83,6 @@ class ShardedTables(nn.Module):
                 raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
             check_wire(wire)
             tables = list(tables)
-            tiered = [t.name for t in tables if getattr(t, "tiered", None) is not None]
-            if tiered and not self.takes_tiered:
-                raise ConfigError(
-                    f"table {tiered[0]!r} is tiered: tiered tables run in one process or a sharded job "
-                    "(he.convert / he.distribute), not on parameter servers yet"
-                )
             _check_like_collection(tables, features, seed, pad, sequence_output)
             plan = checked_plan(plan, tables, self.world_size, memory_per_rank)
         except HybridEmbedError as e:

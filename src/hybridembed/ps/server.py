@@ -447,9 +447,13 @@ class TableServer:
             st.after_step()
 
     def _slots(self, st, items) -> torch.Tensor:
-        """Pushed (shard, local ids) -> rows of ``st`` (-1 for a dynamic id no longer held)."""
+        """Pushed (shard, local ids) -> rows of ``st`` (-1 for a dynamic id no longer held); a
+        tiered storage's rows are brought into its cache (read back if evicted since the pull)."""
         if not st.keyed:
-            return torch.cat([ids + h.offset for h, ids, _ in items])
+            rows = torch.cat([ids + h.offset for h, ids, _ in items])
+            if getattr(st, "tiered", False):
+                return st.resolve(rows, [], [], False).commit()[0].to(torch.int64)
+            return rows
         ids = torch.cat([x[1] for x in items])
         tabs = torch.cat([torch.full((x[1].numel(),), x[0].table_index, dtype=torch.int32) for x in items])
         slots = st.slots(ids, tabs, False).to(torch.int64)
