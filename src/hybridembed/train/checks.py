@@ -92,6 +92,7 @@ def _state_problems(state: dict[str, Any]) -> list[str]:
 def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
     """Fills defaults in place (from the checkpoint with --resume); returns its state, if any."""
     state = None
+    args.hashed_tables = True if getattr(args, "tiered", None) else None
     if args.resume:
         state = _read_state(args.resume, "--checkpoint" if getattr(args, "restart", None) is not None else "--resume")
         for k, saved in state["arch"].items():
@@ -110,6 +111,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
     for k, v in DATA_DEFAULTS[args.dataset].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    _resolve_tiered(args)
     args.lr_given = args.lr is not None
     if args.lr is None:
         args.lr = LR_DEFAULTS[args.optimizer]
@@ -160,6 +162,26 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
             )
     _check_outputs(args)
     return state
+
+
+def _resolve_tiered(args: argparse.Namespace) -> None:
+    """--tiered DIR: dense tables on disk, in one process on the CPU; a checkpoint of such tables
+    resumes with --tiered again (its files are where the rows work, not what keeps them)."""
+    if args.hashed_tables and not args.tiered:
+        raise UsageError("the checkpoint's tables are tiered (hashed into files on disk): give --tiered DIR to resume")
+    if not args.tiered:
+        if args.tiered_cache is not None:
+            raise UsageError("--tiered-cache applies to --tiered DIR only")
+        return
+    args.tiered_cache = args.tiered_cache or 262_144
+    for bad, why in (
+        ((args.nproc or 1) > 1 or args.servers, "runs in one process (no --nproc N or --servers S yet)"),
+        (torch.device(args.device).type != "cpu", "keeps its cache on the CPU (no --device cuda)"),
+        (not args.capacity, "needs --capacity N > 0: the rows of each table"),
+        (args.min_count != 1, "admits every id (its tables have a row for every hash): drop --min-count"),
+    ):
+        if bad:
+            raise UsageError(f"--tiered {args.tiered} {why}")
 
 
 def _resolve_device(args: argparse.Namespace, world: int) -> None:

@@ -266,6 +266,12 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
             generate_if_needed(args)
         job.barrier()
     train, test, desc = load_data(args)
+    most = max(args.batch_size, min(8192, len(test) if test is not None else 0))  # (a training or evaluation batch)
+    if args.tiered and args.tiered_cache < most * len(train.features):
+        raise UsageError(
+            f"--tiered-cache {args.tiered_cache} rows cannot hold a batch's rows: up to {most * len(train.features):,} "
+            f"({len(train.features)} features x {most:,} samples of a training or evaluation batch); give at least that"
+        )
     model = M.build(
         args.model,
         train.num_dense,
@@ -279,6 +285,8 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
         min_count=args.min_count,
         device=args.device,
         kernels=args.kernels,
+        tiered=args.tiered,
+        tiered_cache=args.tiered_cache or 0,
     )
     if job.parallel:
         model = _distribute(args, model)

@@ -27,12 +27,13 @@ import torch
 from torch import nn
 
 from .. import init as he_init
-from ..config import Dynamic, TableConfig
+from ..config import Dynamic, TableConfig, Tiered
 from ..modules import EmbeddingCollection
 
 __all__ = [
     "MODELS",
     "DynamicEmbeddings",
+    "TieredEmbeddings",
     "TorchEmbeddings",
     "DLRM",
     "WideDeep",
@@ -76,6 +77,37 @@ class DynamicEmbeddings(nn.Module):
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
         out = self.collection({n: sparse[:, j] for j, n in enumerate(self.names)})  # {feature: (B, D)}
+        return torch.stack([out[n] for n in self.names], 1)  # (B, F, D)
+
+
+class TieredEmbeddings(nn.Module):
+    """One dense tiered table of ``rows`` rows per feature, ids hashed into it (``id mod rows``:
+    ids that collide share a row): (B, F) int64 ids -> (B, F, D). The rows and optimizer state
+    live in files under ``where``, ``cache_rows`` of them in memory (:class:`hybridembed.Tiered`;
+    the tables form one group, so one cache)."""
+
+    def __init__(
+        self,
+        features: Sequence[str],
+        dim: int,
+        rows: int,
+        where: str,
+        cache_rows: int,
+        prefix: str = "",
+        seed: int = 0,
+        init: he_init.Init | None = None,
+    ):
+        super().__init__()
+        self.features, self.rows = list(features), int(rows)
+        self.names = [f"{prefix}{f}".replace(".", "_") for f in self.features]
+        tiered = Tiered(where, cache_rows=cache_rows)
+        init = init or he_init.uniform(-0.05, 0.05)
+        tables = [TableConfig(n, self.rows, dim, init=init, tiered=tiered) for n in self.names]
+        self.collection = EmbeddingCollection(tables, seed=seed)
+
+    def forward(self, sparse: torch.Tensor) -> torch.Tensor:
+        ids = sparse.remainder(self.rows)  # (any int64, negative too, into [0, rows))
+        out = self.collection({n: ids[:, j] for j, n in enumerate(self.names)})  # {feature: (B, D)}
         return torch.stack([out[n] for n in self.names], 1)  # (B, F, D)
 
 
@@ -243,6 +275,8 @@ def build(
     min_count: int = 1,
     device: torch.device | str | None = None,
     kernels: str = "auto",
+    tiered: str | None = None,
+    tiered_cache: int = 0,
 ) -> nn.Module:
     """A model by name (``dlrm``, ``wdl``, ``deepfm``, ``dcnv2``).
 
@@ -253,7 +287,8 @@ def build(
     The dense layers' initial weights come from ``torch.manual_seed(seed)`` (made on the CPU,
     then moved: the same on every device). ``device``: where the model lives (the dynamic
     tables are made there, not moved); ``kernels``: their backend (``"auto"``, ``"eager"``,
-    ``"triton"``; see :mod:`hybridembed.kernels.backend`).
+    ``"triton"``; see :mod:`hybridembed.kernels.backend`). ``tiered``: a directory: the tables
+    are :class:`TieredEmbeddings` there (``capacity`` rows each, ``tiered_cache`` rows in memory).
     """
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; allowed: {', '.join(MODELS)}")
@@ -262,6 +297,8 @@ def build(
     def embeddings(d: int, prefix: str) -> nn.Module:
         if vocab_sizes is not None:
             return TorchEmbeddings(vocab_sizes, d)
+        if tiered is not None:
+            return TieredEmbeddings(features, d, capacity, tiered, tiered_cache, prefix=prefix, seed=seed)
         return DynamicEmbeddings(
             features,
             d,

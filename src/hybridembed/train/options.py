@@ -33,6 +33,7 @@ ARCH_DEFAULTS: dict[str, Any] = {
     "bottom_mlp": [64],
     "cross_layers": 2,
     "optimizer": "adagrad",
+    "hashed_tables": False,  # --tiered: dense tables of --capacity rows, ids hashed into them
 }
 # per-dataset defaults of the training flags
 DATA_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -192,6 +193,20 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="DLRM's bottom MLP over the dense features (default 64; a last layer of width D is added)",
     )
     m.add_argument("--cross-layers", type=_number(int, 0, False), metavar="N", help="DCNv2's cross layers (default 2)")
+    m.add_argument(
+        "--tiered",
+        metavar="DIR",
+        help="tables on local disk: one table of --capacity rows per feature, ids hashed into it (colliding ids "
+        "share a row), its rows and optimizer state in files under DIR, --tiered-cache rows in memory; for tables "
+        "larger than memory (one process, CPU; give DIR again with --resume)",
+    )
+    m.add_argument(
+        "--tiered-cache",
+        type=_number(int, 0, False),
+        metavar="ROWS",
+        help="--tiered: rows (and their optimizer state) kept in memory, for all the tables together (default "
+        "262144; a step's distinct rows must fit)",
+    )
     m.add_argument(
         "--optimizer",
         choices=["adagrad", "adam"],

@@ -75,6 +75,15 @@ def epoch_line(
         parts.append(f"test loss {ev.loss:.4f}  {auc_text(ev)}")
     if tr is not None:
         parts.append(f"{tr.rows:,} samples in {tr.seconds:.1f} s = {tr.samples_per_s:,.0f} samples/s")
+    tiered = [m.collection for m in model.modules() if isinstance(m, M.TieredEmbeddings)]
+    if tiered:  # (rows on disk: how often a step's rows were found in memory)
+        stats = [st.stats() for c in tiered for st in c.storages]
+        seen = sum(s["hits"] + s["misses"] for s in stats)
+        hits = sum(s["hits"] for s in stats)
+        parts.append(
+            f"cache hit rate {hits / seen if seen else 0.0:.3f} ({sum(s['disk_reads'] for s in stats):,} rows read from disk)"
+        )
+        return "  ".join(parts)
     rows, evicted, _ = table_stats(model, job)
     parts.append(f"table rows {rows:,}" + (f" ({evicted:,} evicted)" if evicted else ""))
     return "  ".join(parts)
@@ -107,6 +116,13 @@ def describe_model(args: argparse.Namespace, model: nn.Module, features: int, jo
             f"{threads} per process"
         )
     kernels = getattr(args, "kernels_resolved", "eager")
+    if getattr(args, "tiered", None):
+        return (
+            f"model {args.model}: {features} tiered tables (dim {args.embedding_dim}, {args.capacity:,} rows each, ids "
+            f"hashed into them; files under {args.tiered}, {args.tiered_cache:,} rows in memory), {dense:,} dense "
+            f"parameters; {opt} lr {args.lr:g} via he.wrap_optimizer, batch {args.batch_size:,}, {threads}; on cpu, "
+            f"{kernels} kernels"
+        )
     return (
         f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}), "
         f"{dense:,} dense parameters; {opt} lr {args.lr:g} via he.wrap_optimizer, batch {args.batch_size:,}, "
