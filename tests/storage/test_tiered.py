@@ -461,8 +461,7 @@ def test_a_row_written_after_its_prefetch_is_read_again_and_a_failed_prefetch_is
     monkeypatch.setattr(type(st._rows_file), "read", failing)
     ec.prefetch(hot)
     before = st.stats()["prefetched"]
-    for m in (ec, ref):
-        assert torch.equal(m(hot)["a"], ref(hot)["a"])
+    assert torch.equal(ec(hot)["a"], ref(hot)["a"])  # (the lookup read the files itself)
     assert st._prefetched.error is not None and st.stats()["prefetched"] == before
 
 
@@ -536,7 +535,7 @@ def test_incremental_checkpoints_of_a_tiered_table_hold_the_rows_changed_and_loa
     ref = he.EmbeddingCollection(_tables(None, opt_cfg), seed=8)
     ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), opt_cfg), seed=8)
     opt_ref, opt = _train(ref, steps=6), _train(ec, steps=6)
-    _pieces(monkeypatch, 64)
+    _pieces(monkeypatch, 16)
     he.save(tmp_path / "ck", ec, opt, incremental=True)  # (the first: full)
     touched = {"a": set(), "b": set()}
     g = torch.Generator().manual_seed(21)
@@ -553,12 +552,30 @@ def test_incremental_checkpoints_of_a_tiered_table_hold_the_rows_changed_and_loa
     he.save(tmp_path / "ck", ec, opt, incremental=True)
     manifest = he.checkpoint.read_manifest(tmp_path / "ck")
     assert manifest["incremental"]["length"] == 1
-    for t in ("a", "b"):
-        (shard,) = manifest["tables"][t]["shards"]
-        assert shard["changed"] == len(touched[t])
-    assert max(seen) <= max(len(touched["a"]), len(touched["b"])), seen
+    per = (16 * 8 * 4 * 2) // (8 * 4 + 4)  # rows a file: 8 floats of row and one of row-wise state each
+    for t in ("a", "b"):  # (in files of at most `per` rows, written in the save's foreground)
+        shards = manifest["tables"][t]["shards"]
+        assert sum(s["changed"] for s in shards) == len(touched[t]) and len(shards) == -(-len(touched[t]) // per)
+    assert max(seen) <= per, seen
     monkeypatch.undo()
     for tiered in (None, he.Tiered(tmp_path / "b", cache_rows=50)):
         m = he.EmbeddingCollection(_tables(tiered, opt_cfg), seed=1)
         he.load(tmp_path / "ck", m, he.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m))
         _same(_state(m), _state(ref))
+
+
+def test_a_load_while_rows_wait_for_their_step_is_refused_and_changes_nothing(tmp_path):
+    """A backward's rows stay cached for the optimizer's step: he.load before that step is
+    refused (it would write through that cache), nothing loaded; after the step it loads."""
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=2)
+    he.save(tmp_path / "ck", ref, _train(ref, steps=2))
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "t", cache_rows=50), OPTIMIZERS["adagrad"]), seed=5)
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    sum(v.sum() for v in ec({"a": torch.arange(40), "b": torch.arange(5)}).values()).backward()
+    before = _state(ec)
+    with pytest.raises(he.CheckpointError, match=r"45 rows looked up in training are held .* call it \(opt.step\(\)\)"):
+        he.load(tmp_path / "ck", ec, opt)
+    _same(_state(ec), before)
+    opt.step()
+    he.load(tmp_path / "ck", ec, opt)
+    _same(_state(ec), _state(ref))

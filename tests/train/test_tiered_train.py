@@ -31,14 +31,18 @@ def test_tiered_tables_train_checkpoint_resume_like_one_run_and_export(generated
         [*base, "--workdir", str(tmp_path / "a"), "--tiered", str(tmp_path / "a/tiers"), "--epochs", "2"], capsys
     )
     assert "26 tiered tables (dim 4, 5,000 rows each, ids hashed into them" in straight
-    hit = re.search(r"cache hit rate ([\d.]+) \(([\d,]+) rows read from disk\)", straight)
+    hit = re.search(r"cache hit rate ([\d.]+) so far \(([\d,]+) rows read from disk\)", straight)
     assert hit and 0 < float(hit.group(1)) < 1 and int(hit.group(2).replace(",", "")) > 0, straight  # (evictions)
     b = ["--workdir", str(tmp_path / "b"), "--tiered", str(tmp_path / "b/tiers")]
     first = _run([*base, *b, "--epochs", "1"], capsys)
     assert _epoch(first, 1) == _epoch(straight, 1)
-    resumed = _run([*base, *b, "--resume", str(tmp_path / "b/checkpoint"), "--epochs", "2"], capsys)
+    assert not (tmp_path / "a/model.pt2").exists()  # (no export unless asked: it holds every table in memory)
+    resumed = _run(
+        [*base, *b, "--resume", str(tmp_path / "b/checkpoint"), "--epochs", "2", "--export", str(tmp_path / "m.pt2")],
+        capsys,
+    )
     assert _epoch(resumed, 2) == _epoch(straight, 2)  # (rows and Adagrad state came back through the tiers)
-    assert (tmp_path / "b/model.pt2").is_file()
+    assert (tmp_path / "m.pt2").is_file()
 
 
 @pytest.mark.parametrize(
@@ -64,3 +68,7 @@ def test_tiered_cache_alone_and_a_tiered_checkpoint_without_tiered_are_refused(g
     _run([*argv, "--tiered", str(tmp_path / "tiers"), "--tiered-cache", "9000"], capsys)
     assert cli.main([*argv, "--resume", str(tmp_path / "checkpoint"), "--epochs", "2"]) == 2
     assert "give --tiered DIR to resume" in capsys.readouterr().err
+    _run([*argv, "--workdir", str(tmp_path / "dyn"), "--no-export"], capsys)  # dynamic tables in memory
+    again = [*argv, "--resume", str(tmp_path / "dyn/checkpoint"), "--tiered", str(tmp_path / "t2"), "--epochs", "2"]
+    assert cli.main(again) == 2
+    assert "the checkpoint's tables are dynamic tables in memory; resume without --tiered" in capsys.readouterr().err

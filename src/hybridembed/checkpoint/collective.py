@@ -44,6 +44,7 @@ from .layout import (
 )
 from .local import (
     _cannot_write,
+    _held,
     _load_tables,
     _loaded_from,
     _streamed,
@@ -81,6 +82,7 @@ from .snapshot import (
     _write_dense,
     _write_optimizer,
     _write_tiered,
+    _write_tiered_changes,
 )
 
 log = get_logger("hybridembed.checkpoint")
@@ -221,13 +223,19 @@ def _snapshot_pieces(
             opt = opt_meta[piece.name]
             shard["step"] = opt["step"]
             meta[q] = {k: opt[k] for k in ("optimizer", "hparams", "step")}
-        if getattr(piece.storage, "tiered", False) and changes is None and stage is not None:
-            # a tiered shard: its files written now, a range of its rows each (global rows row_start + i * row_step)
+        if getattr(piece.storage, "tiered", False) and stage is not None:
+            # a tiered shard: its files written now, a part of its rows each (global rows row_start + i * row_step)
             stem = f"{stems[q]}.{piece.spec['shard']:05d}"
-            for lo, hi, rel in _write_tiered(stage, snap, piece.storage, piece.name, stem, names):
+            args = (stage, snap, piece.storage, piece.name, stem, names)
+            if changes is None:
+                written = [(lo, hi, rel, {}) for lo, hi, rel in _write_tiered(*args)]
+            else:
+                parts = _write_tiered_changes(*args, changes[0], to_global)
+                written = [(lo, hi, rel, {"changed": k}) for lo, hi, rel, k in parts]
+            for lo, hi, rel, extra in written:
                 step = sp["row_step"]
                 span = {"row_start": sp["row_start"] + lo * step, "row_end": sp["row_start"] + hi * step}
-                tables.setdefault(q, []).append({**shard, "file": rel, **span, "optimizer_state": names})
+                tables.setdefault(q, []).append({**shard, "file": rel, **span, **extra, "optimizer_state": names})
             continue
         obj, extra = _table_files(piece.storage, piece.name, changes, names, to_global)
         snap.files[rel] = obj
@@ -505,7 +513,7 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
     manifest = read_manifest(path)
     vdir = Path(manifest["path"])
     chain = _chain(manifest)
-    problems = _check_sharded_model(manifest, model, colls, optimizer)
+    problems = _held(_storages(model)) + _check_sharded_model(manifest, model, colls, optimizer)
     _raise(vdir, problems + (_check_chain(chain) if not problems else []), "does not match the model")
     pieces = [p for path_, sc in colls.items() for p in _shard_pieces(path_, sc)]
     names = {id(p): _state_names(manifest, p.qualified, optimizer) if _managed(p, optimizer) else [] for p in pieces}
@@ -624,7 +632,10 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
     for piece, *_ in loaded:  # (tiered shards: checked range by range, now written range by range)
         if id(piece) in tiered:
             versions, names = _versions_of(prepared["chain"], piece.qualified), prepared["names"][id(piece)]
-            _streamed(piece.qualified, versions, _target(piece), piece.whole.embedding_dim, False, names, into=piece)
+            _, late = _streamed(
+                piece.qualified, versions, _target(piece), piece.whole.embedding_dim, False, names, piece
+            )
+            _raise(Path(manifest["path"]), late, "changed while it was loaded (a shard is partly loaded: load again)")
     opt_file = prepared["opt_file"]
     if optimizer is not None and opt_file["kind"] == "torch":
         optimizer.load_state_dict(opt_file["state_dict"])

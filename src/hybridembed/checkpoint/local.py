@@ -132,6 +132,20 @@ def save_local(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _
     return out
 
 
+def _held(storages) -> list[str]:
+    """Tiered storages whose cache holds rows for a gradient not yet applied (a backward without
+    its optimizer step): loading would write through that cache, so it is refused first."""
+    out = []
+    for st in storages:
+        if getattr(st, "tiered", False) and st.weight.device.type != "meta" and bool(st.pending.any()):
+            names = ", ".join(t.name for t in st.tables)
+            out.append(
+                f"tiered table(s) {names}: {int(st.pending.sum())} rows looked up in training are held for the "
+                "optimizer's next step; call it (opt.step()) before he.load"
+            )
+    return out
+
+
 def _streamed(q: str, versions, target, dim: int, keyed: bool, names, into=None) -> tuple[dict, list[str]]:
     """A tiered table (or shard: ``target``'s row ``i`` is the table's ``a + i * s``) read a range
     of rows at a time (never the whole table in memory): checked (``into`` None: the entry's
@@ -148,7 +162,7 @@ def _streamed(q: str, versions, target, dim: int, keyed: bool, names, into=None)
         if problems:
             return {}, problems
         data = {"weight": part["weight"], **part["state"]}
-        if into is not None:
+        if into is not None:  # (checked before: a file that changed since is refused, mid-load)
             into.storage.write_range(into.name, lo, data)
             continue
         for k, v in data.items():
@@ -189,7 +203,10 @@ def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any
     vdir = Path(manifest["path"])
     chain = _chain(manifest)
     tables = _model_tables(model)
-    _raise(vdir, _check_model(manifest, model, optimizer, tables) + _check_chain(chain), "does not match the model")
+    held = _held({id(t.storage): t.storage for t in tables.values()}.values())
+    _raise(
+        vdir, held + _check_model(manifest, model, optimizer, tables) + _check_chain(chain), "does not match the model"
+    )
     wanted = {q: (_whole(t.config, t.keyed), t.keyed, _state_names(manifest, q, optimizer)) for q, t in tables.items()}
     reads = [(q, target, keyed) for q, (target, keyed, _) in wanted.items()]
     _raise(vdir, _check_chain_files(chain, reads, optimizer is not None, verify)[0], "is damaged")
@@ -228,7 +245,8 @@ def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any
     _load_tables([(t.storage, t.name, entries[q]) for q, t in tables.items() if q not in streamed])
     for q in streamed:
         target, keyed, names = wanted[q]
-        _streamed(q, _versions_of(chain, q), target, tables[q].config.embedding_dim, keyed, names, into=tables[q])
+        _, late = _streamed(q, _versions_of(chain, q), target, tables[q].config.embedding_dim, keyed, names, tables[q])
+        _raise(vdir, late, "changed while it was loaded (this table is partly loaded: load again)")
     if optimizer is not None:
         if opt_file["kind"] == "torch":
             optimizer.load_state_dict(opt_file["state_dict"])

@@ -177,6 +177,30 @@ def _write_tiered(stage: Path, snap: _Snapshot, storage, name: str, stem: str, s
     return shards
 
 
+def _write_tiered_changes(
+    stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names, changed, to_global=None
+) -> list[tuple[str, int]]:
+    """An incremental version's rows of a tiered table: those changed since the last version
+    (``changed``: the storage's mask), written into ``stage`` now in files of at most
+    :data:`_PIECE_BYTES` (``tables/<stem>.<i>.pt``: rows (global with ``to_global``), weight,
+    state), read through the tiers a file's rows at a time. Returns ``[(first row, end row, file,
+    rows in it)]``: the files' spans tile the table (each file's rows ascending within its span)."""
+    rows = storage.changed_rows(name, changed)
+    row_bytes = storage.weight.element_size() * storage.dim
+    row_bytes += sum(t.element_size() * t[0].numel() for k, t in storage.state.items() if k in state_names)
+    parts = rows.split(max(1, _PIECE_BYTES // max(row_bytes, 1))) or (rows,)
+    starts = [0] + [int(p[0]) for p in parts[1:]] + [storage._span(name)[1]]
+    out = []
+    for i, part in enumerate(parts):
+        got = storage.read_table_rows(name, part)
+        rel = f"tables/{stem}.{i:05d}.pt"
+        obj = {"rows": part if to_global is None else to_global(part), "weight": got.pop("weight")}
+        layout._write_file(stage / rel, {**obj, "state": {k: got[k] for k in state_names}})
+        snap.written[rel] = {"bytes": (stage / rel).stat().st_size, "sha256": _sha256(stage / rel)}
+        out.append((starts[i], starts[i + 1], rel, int(part.numel())))
+    return out
+
+
 def _sparse_meta(optimizer) -> dict[str, dict]:
     """``{table: {optimizer, hparams, step, shape}}`` of a hybrid optimizer's tables (exact types)."""
     out = {}
@@ -250,10 +274,14 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None, sta
             t = tables[q]
             rel = f"tables/{stem}.00000.pt"
             changes = snap.taken[id(t.storage)] if parent is not None else None
-            if getattr(t.storage, "tiered", False) and changes is None and stage is not None:
+            if getattr(t.storage, "tiered", False) and stage is not None:  # (written now, a part at a time)
                 n = t.config.num_embeddings
-                ranges = _write_tiered(stage, snap, t.storage, t.name, stem, names[q])
-                shards = [{"file": rel, "row_start": lo, "row_end": hi} for lo, hi, rel in ranges]
+                if changes is None:
+                    ranges = _write_tiered(stage, snap, t.storage, t.name, stem, names[q])
+                    shards = [{"file": rel, "row_start": lo, "row_end": hi} for lo, hi, rel in ranges]
+                else:
+                    parts = _write_tiered_changes(stage, snap, t.storage, t.name, stem, names[q], changes[0])
+                    shards = [{"file": rel, "row_start": lo, "row_end": hi, "changed": k} for lo, hi, rel, k in parts]
             else:
                 obj, shard = _table_files(t.storage, t.name, changes, names[q])
                 snap.files[rel] = obj

@@ -202,9 +202,11 @@ class TieredStorage(DenseStorage):
         cache = min(self.config.cache_rows, total)
         self.weight = nn.Parameter(torch.zeros(cache, self.dim, dtype=self.dtype, device=kind))
         self._state_files: dict[str, _File] = {}
+        self.dir, self._rows_file, self.counters = Path(self.config.path), None, dict.fromkeys(_STATS, 0)
+        self.slot_of = torch.zeros(0, dtype=torch.int32)
+        self.row_of_slot = torch.zeros(0, dtype=torch.int64)
         if kind == "meta":  # (a model described on meta for he.distribute: no files, no rows to look up)
             return
-        self.dir = Path(self.config.path)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -221,7 +223,6 @@ class TieredStorage(DenseStorage):
         self.pending = torch.zeros(cache, dtype=torch.bool)  # a gradient kept for the next step may name it
         self.free = torch.arange(cache - 1, -1, -1)  # a stack
         self.clock = 0  # lookups so far (the time of LRU)
-        self.counters = dict.fromkeys(_STATS, 0)
         self._prefetched: _Prefetch | None = None  # the rows prefetch() is reading, or read
 
     # --- the cache ---------------------------------------------------------------------------
@@ -517,7 +518,7 @@ class TieredStorage(DenseStorage):
         ``misses``, ``hit_rate`` (distinct rows of lookups found cached), evictions, disk reads and writes."""
         c = dict(self.counters)
         seen = c["hits"] + c["misses"]
-        disk = sum(os.path.getsize(f.path) for f in (self._rows_file, *self._state_files.values()))
+        disk = sum(os.path.getsize(f.path) for f in (self._rows_file, *self._state_files.values()) if f is not None)
         out = {"rows": self.num_rows, "memory_bytes": self.memory_bytes, "disk_bytes": disk}
         if table is not None:
             out["rows"] = self._span(table)[1]

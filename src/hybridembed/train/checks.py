@@ -97,6 +97,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
         state = _read_state(args.resume, "--checkpoint" if getattr(args, "restart", None) is not None else "--resume")
         for k, saved in state["arch"].items():
             given = getattr(args, k, None)
+            if k == "hashed_tables" and given and not saved:
+                raise UsageError(
+                    "--tiered: the checkpoint's tables are dynamic tables in memory; resume without --tiered"
+                )
             if given is not None and given != saved:
                 flag = "--" + k.replace("_", "-")
                 shown = ",".join(map(str, saved)) if isinstance(saved, list) else saved
@@ -182,6 +186,8 @@ def _resolve_tiered(args: argparse.Namespace) -> None:
     ):
         if bad:
             raise UsageError(f"--tiered {args.tiered} {why}")
+    if args.export is None:  # (an export holds every table in memory: only when asked for, --export PATH)
+        args.no_export = True
 
 
 def _resolve_device(args: argparse.Namespace, world: int) -> None:

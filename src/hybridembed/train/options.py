@@ -198,7 +198,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         metavar="DIR",
         help="tables on local disk: one table of --capacity rows per feature, ids hashed into it (colliding ids "
         "share a row), its rows and optimizer state in files under DIR, --tiered-cache rows in memory; for tables "
-        "larger than memory (one process, CPU; give DIR again with --resume)",
+        "larger than memory (one process, CPU; give DIR again with --resume; no export unless --export PATH: an "
+        "export holds the tables in memory). wdl and deepfm have two sets of tables, each with its own cache",
     )
     m.add_argument(
         "--tiered-cache",

@@ -80,9 +80,8 @@ def epoch_line(
         stats = [st.stats() for c in tiered for st in c.storages]
         seen = sum(s["hits"] + s["misses"] for s in stats)
         hits = sum(s["hits"] for s in stats)
-        parts.append(
-            f"cache hit rate {hits / seen if seen else 0.0:.3f} ({sum(s['disk_reads'] for s in stats):,} rows read from disk)"
-        )
+        reads = sum(s["disk_reads"] for s in stats)
+        parts.append(f"cache hit rate {hits / seen if seen else 0.0:.3f} so far ({reads:,} rows read from disk)")
         return "  ".join(parts)
     rows, evicted, _ = table_stats(model, job)
     parts.append(f"table rows {rows:,}" + (f" ({evicted:,} evicted)" if evicted else ""))
