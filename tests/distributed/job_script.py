@@ -102,6 +102,10 @@ def main() -> None:
     servers, faults, at = int(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[4])
     victims = {int(v) for v in sys.argv[3].split(",")}
     rank = int(os.environ["RANK"])
+    if os.environ.get("JOB_EXIT_CHECK") == "1":  # (runs after the library's own exit handlers: registered first)
+        import atexit
+
+        atexit.register(lambda: print(f"AT EXIT initialized={dist.is_initialized()}", flush=True))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("JOB_TIMEOUT", "10"))))
     ddp = os.environ.get("JOB_DDP", "1") == "1"
     plain = os.environ.get("JOB_MODEL") == "plain"

@@ -47,6 +47,15 @@ def _reference(plain: bool, world: int, steps: int, skipped: set[int]) -> dict:
     return {n: ec.weight(n) for n in ("a", "b")}
 
 
+def test_a_script_that_ends_without_destroying_its_process_group_has_it_destroyed_at_exit():
+    """Most scripts end without destroy_process_group(): the library destroys the groups at exit,
+    while the interpreter is whole (gloo's threads freeing tensors in its finalisation aborted a
+    rank now and then: 'terminate called without an active exception', exit code -6)."""
+    ranks = run_job(SCRIPT, ["0", "none", "1", "1"], 2, timeout=90, env={"JOB_STEPS": "2", "JOB_EXIT_CHECK": "1"})
+    for r in ranks:
+        assert r.code == 0 and "AT EXIT initialized=False" in r.out, (r.rank, r.code, r.out[-500:], r.err[-2000:])
+
+
 @pytest.mark.parametrize("model", ["collection", "plain"])
 def test_bad_input_on_one_rank_fails_the_step_on_every_rank_and_a_skipping_loop_finishes(model):
     faults = BAD_PLAIN if model == "plain" else BAD_EC

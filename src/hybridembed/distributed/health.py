@@ -238,6 +238,7 @@ def heartbeat() -> _Heartbeat | None:
             else:
                 _install_excepthook()
                 before_shutdown(stop)
+                _destroy_at_exit_once()
         beat = _beat
     if old is not None:  # (the last job's beat, joined outside the lock)
         old.stop()
@@ -255,6 +256,29 @@ def stop() -> None:
 
 
 atexit.register(stop)
+_exit_hook = False
+
+
+def _destroy_at_exit_once() -> None:
+    global _exit_hook
+    if not _exit_hook:
+        _exit_hook = True
+        atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    """A job's script that ends without ``destroy_process_group()`` (most do): its groups are
+    destroyed here, while the interpreter is whole. Otherwise gloo's worker threads free their
+    last work's tensors during the interpreter's finalisation, which now and then aborts the
+    process ("terminate called without an active exception", exit code -6; pytorch/pytorch
+    #190489). Not after an unhandled exception: a collective may still wait for a lost peer."""
+    if _failure is not None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - leaving either way
+        pass
+
 
 _before_shutdown: list = []  # callables run before a process group shuts down
 _shutdown = None  # ProcessGroup.shutdown as torch defines it (wrapped once, see before_shutdown)
