@@ -82,7 +82,6 @@ from .snapshot import (
     _write_dense,
     _write_optimizer,
     _write_tiered,
-    _write_tiered_changes,
 )
 
 log = get_logger("hybridembed.checkpoint")
@@ -226,15 +225,11 @@ def _snapshot_pieces(
         if getattr(piece.storage, "tiered", False) and stage is not None:
             # a tiered shard: its files written now, a part of its rows each (global rows row_start + i * row_step)
             stem = f"{stems[q]}.{piece.spec['shard']:05d}"
-            args = (stage, snap, piece.storage, piece.name, stem, names)
-            if changes is None:
-                written = [(lo, hi, rel, {}) for lo, hi, rel in _write_tiered(*args)]
-            else:
-                parts = _write_tiered_changes(*args, changes[0], to_global)
-                written = [(lo, hi, rel, {"changed": k}) for lo, hi, rel, k in parts]
-            for lo, hi, rel, extra in written:
+            mask = changes[0] if changes is not None else None
+            for lo, hi, rel, k in _write_tiered(stage, snap, piece.storage, piece.name, stem, names, mask, to_global):
                 step = sp["row_step"]
                 span = {"row_start": sp["row_start"] + lo * step, "row_end": sp["row_start"] + hi * step}
+                extra = {} if k is None else {"changed": k}
                 tables.setdefault(q, []).append({**shard, "file": rel, **span, **extra, "optimizer_state": names})
             continue
         obj, extra = _table_files(piece.storage, piece.name, changes, names, to_global)

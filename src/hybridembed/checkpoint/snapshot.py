@@ -156,48 +156,37 @@ def _table_files(storage, name: str, changes, state_names, rows_to_global=None) 
 _PIECE_BYTES = 64 << 20  # rows and state of one file of a tiered table's checkpoint
 
 
-def _write_tiered(stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names) -> list[tuple]:
-    """A tiered table's rows and state written into ``stage`` now (in the save's foreground
-    part, so a background save holds no copy of the table): a file per range of rows of at
-    most :data:`_PIECE_BYTES` (``tables/<stem>.<i>.pt``), read through the tiers one range at a
-    time, so a table larger than memory is saved with the memory of one range. Returns
-    ``[(first row, end row, file)]`` (the table's own rows)."""
+def _write_tiered(
+    stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names, changed=None, to_global=None
+) -> list[tuple[int, int, str, int | None]]:
+    """A tiered table written into ``stage`` now (in the save's foreground part, so a background
+    save holds no copy of it), in files of at most :data:`_PIECE_BYTES` (``tables/<stem>.<i>.pt``)
+    read through the tiers one file at a time: a table larger than memory is saved with the
+    memory of one file. All its rows by range (``changed`` None), or an incremental version's
+    rows changed since the last (``changed``: the storage's mask; each file also holds those
+    rows, global with ``to_global``). Returns ``[(first row, end row, file, changed rows in it or
+    None)]``: the files' spans tile the table (the table's own rows)."""
     n = storage._span(name)[1]
     row_bytes = storage.weight.element_size() * storage.dim
     row_bytes += sum(t.element_size() * t[0].numel() for k, t in storage.state.items() if k in state_names)
     step = max(1, _PIECE_BYTES // max(row_bytes, 1))
-    shards = []
-    for i, lo in enumerate(range(0, n, step)):
-        hi = min(n, lo + step)
-        data = storage.read_range(name, lo, hi)
-        rel = f"tables/{stem}.{i:05d}.pt"
-        layout._write_file(stage / rel, {"weight": data.pop("weight"), "state": {k: data[k] for k in state_names}})
-        snap.written[rel] = {"bytes": (stage / rel).stat().st_size, "sha256": _sha256(stage / rel)}
-        shards.append((lo, hi, rel))
-    return shards
-
-
-def _write_tiered_changes(
-    stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names, changed, to_global=None
-) -> list[tuple[str, int]]:
-    """An incremental version's rows of a tiered table: those changed since the last version
-    (``changed``: the storage's mask), written into ``stage`` now in files of at most
-    :data:`_PIECE_BYTES` (``tables/<stem>.<i>.pt``: rows (global with ``to_global``), weight,
-    state), read through the tiers a file's rows at a time. Returns ``[(first row, end row, file,
-    rows in it)]``: the files' spans tile the table (each file's rows ascending within its span)."""
-    rows = storage.changed_rows(name, changed)
-    row_bytes = storage.weight.element_size() * storage.dim
-    row_bytes += sum(t.element_size() * t[0].numel() for k, t in storage.state.items() if k in state_names)
-    parts = rows.split(max(1, _PIECE_BYTES // max(row_bytes, 1))) or (rows,)
-    starts = [0] + [int(p[0]) for p in parts[1:]] + [storage._span(name)[1]]
+    if changed is None:
+        parts = [(lo, min(n, lo + step), None) for lo in range(0, n, step)]
+    else:
+        split = storage.changed_rows(name, changed).split(step)
+        split = split or (torch.zeros(0, dtype=torch.int64),)
+        starts = [0] + [int(p[0]) for p in split[1:]] + [n]
+        parts = [(starts[i], starts[i + 1], rows) for i, rows in enumerate(split)]
     out = []
-    for i, part in enumerate(parts):
-        got = storage.read_table_rows(name, part)
+    for i, (lo, hi, rows) in enumerate(parts):
+        got = storage.read_range(name, lo, hi) if rows is None else storage.read_table_rows(name, rows)
+        obj = {"weight": got.pop("weight"), "state": {k: got[k] for k in state_names}}
+        if rows is not None:
+            obj["rows"] = rows if to_global is None else to_global(rows)
         rel = f"tables/{stem}.{i:05d}.pt"
-        obj = {"rows": part if to_global is None else to_global(part), "weight": got.pop("weight")}
-        layout._write_file(stage / rel, {**obj, "state": {k: got[k] for k in state_names}})
+        layout._write_file(stage / rel, obj)
         snap.written[rel] = {"bytes": (stage / rel).stat().st_size, "sha256": _sha256(stage / rel)}
-        out.append((starts[i], starts[i + 1], rel, int(part.numel())))
+        out.append((lo, hi, rel, None if rows is None else int(rows.numel())))
     return out
 
 
@@ -276,12 +265,12 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None, sta
             changes = snap.taken[id(t.storage)] if parent is not None else None
             if getattr(t.storage, "tiered", False) and stage is not None:  # (written now, a part at a time)
                 n = t.config.num_embeddings
-                if changes is None:
-                    ranges = _write_tiered(stage, snap, t.storage, t.name, stem, names[q])
-                    shards = [{"file": rel, "row_start": lo, "row_end": hi} for lo, hi, rel in ranges]
-                else:
-                    parts = _write_tiered_changes(stage, snap, t.storage, t.name, stem, names[q], changes[0])
-                    shards = [{"file": rel, "row_start": lo, "row_end": hi, "changed": k} for lo, hi, rel, k in parts]
+                mask = changes[0] if changes is not None else None
+                parts = _write_tiered(stage, snap, t.storage, t.name, stem, names[q], mask)
+                shards = [
+                    {"file": rel, "row_start": lo, "row_end": hi, **({} if k is None else {"changed": k})}
+                    for lo, hi, rel, k in parts
+                ]
             else:
                 obj, shard = _table_files(t.storage, t.name, changes, names[q])
                 snap.files[rel] = obj
