@@ -25,6 +25,11 @@ Contenders (``--contenders``):
 - ``data_parallel``: small tables (``--small-rows``, 1,000) all ``data_parallel``;
 - ``table_wise_bf16`` / ``row_wise_bf16``: ``table_wise`` / ``row_wise`` with ``wire="bf16"``
   (rows and their gradients cross as bfloat16);
+- ``default_pipe`` / ``table_wise_pipe``: ``default`` / ``table_wise`` pipelined: after each
+  forward, ``he.prefetch(model, next batch)`` sends the next step's ids while this step's
+  backward and optimizer step run (``hybridembed.distributed.ahead``);
+- ``table_wise_dedup`` / ``table_wise_dedup_pipe``: ``table_wise`` (pipelined) with
+  ``dedup=True`` (a feature's distinct ids' rows cross, pooled by the requester);
 - ``single`` / ``single_small``: ``he.convert`` of the same model in one process (world 1 only):
   the references of the large and the small tables;
 - ``torchrec_tw`` / ``torchrec_rw``: TorchRec's ``DistributedModelParallel`` of an
@@ -73,7 +78,19 @@ from hybridembed.synthetic import powerlaw_ids
 
 TABLES = 26
 LR = 0.01
-HYBRID = ("default", "table_wise", "row_wise", "row_wise_mod", "data_parallel", "table_wise_bf16", "row_wise_bf16")
+HYBRID = (
+    "default",
+    "table_wise",
+    "row_wise",
+    "row_wise_mod",
+    "data_parallel",
+    "table_wise_bf16",
+    "row_wise_bf16",
+    "default_pipe",
+    "table_wise_pipe",
+    "table_wise_dedup",
+    "table_wise_dedup_pipe",
+)
 SINGLE = ("single", "single_small", "dlrm_single")  # one process: world 1 only
 TORCHREC = ("torchrec_tw", "torchrec_rw")
 CONTENDERS = (*HYBRID, "single", "single_small", *TORCHREC, "dlrm", "dlrm_single")
@@ -326,9 +343,10 @@ def _hybrid(name: str, rank: int, world: int, cfg: dict) -> tuple[Callable, Call
         model = he.convert(model)
         plan = None
     else:
-        kind = name.removesuffix("_bf16")
+        kind = name.removesuffix("_pipe").removesuffix("_bf16").removesuffix("_dedup")
         plan = None if kind == "default" else explicit_plan(kind, rows, cfg["dim"], world)
-        model = he.distribute(model, plan, wire="bf16" if name.endswith("_bf16") else None)
+        wire = "bf16" if "_bf16" in name else None
+        model = he.distribute(model, plan, wire=wire, dedup="_dedup" in name)
         sharded = [m for m in model.modules() if isinstance(m, ShardedCollection)][0]
         plan = sharded.plan
         kinds: dict[str, int] = {}
@@ -339,17 +357,23 @@ def _hybrid(name: str, rank: int, world: int, cfg: dict) -> tuple[Callable, Call
     opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=LR), model, sparse=he.optim.RowWiseAdagrad(lr=LR))
     upstream = _upstream(rank, cfg)
 
-    def step(b: tuple[list[torch.Tensor], torch.Tensor], mark: Callable[[str], None] = _no_mark) -> None:
+    pipelined = name.endswith("_pipe")
+
+    def step(
+        b: tuple[list[torch.Tensor], torch.Tensor], mark: Callable[[str], None] = _no_mark, following=None
+    ) -> None:
         ids, y = b
         out = model(ids)
         mark("forward")
+        if pipelined and following is not None:  # the next batch's ids go out while this step computes
+            he.prefetch(model, {f"embs.{i}": x for i, x in enumerate(following[0])})
         opt.zero_grad()
         backward(out, y, upstream)
         mark("zero_grad + backward")
         opt.step()
         mark("optimizer step")
 
-    info["_plan"] = plan
+    info["_plan"], info["_pipelined"] = plan, pipelined
     return step, (lambda b: b), info
 
 
@@ -475,28 +499,38 @@ def run_rank(rank: int, world: int, name: str, cfg: dict) -> dict[str, Any]:
     raw = make_batches(rank, cfg["batch"], rows, cfg["seed"])
     batches = [native(b) for b in raw]
     build_s = time.perf_counter() - t0
-    for i in range(cfg["warmup"]):
-        step(batches[i % len(batches)])
+    pipelined, done = info.pop("_pipelined", False), [0]
+
+    def go(
+        mark: Callable[[str], None] = _no_mark,
+    ) -> None:  # the next batch of the cycle (a pipeline: and the one after)
+        k = done[0]
+        done[0] += 1
+        b = batches[k % len(batches)]
+        step(b, mark, following=batches[(k + 1) % len(batches)]) if pipelined else step(b, mark)
+
+    for _ in range(cfg["warmup"]):
+        go()
     times, cpu = [], []
-    for i in range(cfg["steps"]):
+    for _ in range(cfg["steps"]):
         dist.barrier()
         t, c0 = time.perf_counter(), time.process_time()
-        step(batches[i % len(batches)])
+        go()
         times.append((time.perf_counter() - t) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
     out: dict[str, Any] = {"rank": rank, "times_ms": times, "cpu_ms": cpu, "build_s": build_s, **info}
     with Counter(rank) as c:
-        step(batches[0], c.mark)
+        go(c.mark)
     out["bytes"] = c.summary()
     if plan is not None:
         names = [f"embs__{i}" for i in range(TABLES)]
         out["min_bytes"] = minimum_bytes(plan, raw[0][0], names, cfg["dim"])
     if cfg["profile"] and name not in SINGLE:
-        out["profile"] = profile(step, batches, cfg, rank, ours=name not in TORCHREC)
+        out["profile"] = profile(go, cfg, rank, ours=name not in TORCHREC)
     return out
 
 
-def profile(step: Callable, batches: list, cfg: dict, rank: int, ours: bool = True) -> dict[str, Any]:
+def profile(go: Callable, cfg: dict, rank: int, ours: bool = True) -> dict[str, Any]:
     """Rank 0's time per phase (the step's forward / backward / optimizer split by its marks,
     wrapped runtime methods and collectives) over ``profile_steps`` steps, then the top
     operators by self CPU time (torch.profiler) over as many more."""
@@ -513,15 +547,15 @@ def profile(step: Callable, batches: list, cfg: dict, rank: int, ours: bool = Tr
         last[0] = now
 
     with Phases(rank) as ph:
-        for i in range(n):
+        for _ in range(n):
             dist.barrier()
             t = last[0] = time.perf_counter()
-            step(batches[i % len(batches)], mark)
+            go(mark)
             ph.add("step", (time.perf_counter() - t) * 1e3)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(n):
+        for _ in range(n):
             dist.barrier()
-            step(batches[i % len(batches)])
+            go()
     avg = prof.key_averages()
     top = sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     ops = [

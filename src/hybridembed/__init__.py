@@ -4,7 +4,7 @@
 """
 
 from . import _env, init, optim
-from .api import convert, distribute, export, load, save
+from .api import convert, distribute, export, load, prefetch, save
 from .config import Dynamic, TableConfig, Tiered, tables_from_torchrec
 from .errors import CheckpointError, ConfigError, HybridEmbedError, InvalidInputError, RankLost
 from .input import Jagged
@@ -34,6 +34,7 @@ __all__ = [
     "init",
     "load",
     "optim",
+    "prefetch",
     "save",
     "tables_from_torchrec",
     "tune_cpu_allocator",

@@ -4,5 +4,6 @@ from ..checkpoint import load, save
 from .convert import convert
 from .distribute import distribute
 from .export import export
+from .prefetch import prefetch
 
-__all__ = ["convert", "distribute", "export", "load", "save"]
+__all__ = ["convert", "distribute", "export", "load", "prefetch", "save"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import warnings
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -44,10 +43,11 @@ from ..input import Jagged, as_feature_inputs, as_jagged, offsets_from_lengths
 from ..kernels import bag_scale
 from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
-from ..storage import serial
 from ..storage.dense import rows_from_caller
 from ..utils import check_device, kept_tensor
 from . import health
+from .ahead import Channel, Pipelined, Sent
+from .entries import ShardedEntries
 from .exchange import (
     FAILED,
     FOLD_ROWS,
@@ -68,11 +68,7 @@ from .step import ShardedStep
 __all__ = ["ShardedCollection", "REDUCTIONS"]
 
 
-def _is_sharded(x: Any) -> bool:
-    return type(x).__name__ == "ShardedTensor"
-
-
-class ShardedCollection(ShardedTables, ShardedStep):
+class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
     """Tables sharded over a process group, looked up like an :class:`EmbeddingCollection`.
 
     Args:
@@ -146,7 +142,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
             wire=wire,
         )
         self.dedup = dedup
-        self._exchanges = 0  # exchanges made (the same count on every rank)
+        self._main = Channel(self._group)  # the exchange's group, and its count of headers
         self._scale = 1.0 / self.world_size if reduction == "mean" else 1.0
         self._column_tables = [n for n, route in self._routes.items() if route.slices_columns]
         local_tables = [
@@ -256,120 +252,6 @@ class ShardedCollection(ShardedTables, ShardedStep):
         dist.all_gather_object(everyone, mine, group=self._group)
         return assemble(route, [p for rank_parts in everyone for p in rank_parts])
 
-    # --- state_dict: the whole model's keys, sharded values (torch.distributed.checkpoint) ----------
-    def table_entry(self, name: str) -> dict[str, Any]:
-        """Table ``name``'s ``state_dict`` entry on this rank, under the unsharded table's keys
-        where a sharded value can say what it holds: ``{"weight": ShardedTensor}`` of the whole
-        (rows, dim) table with this rank's shards as its local shards (views of the rows: a
-        ``torch.distributed.checkpoint.load`` writes into them), for table-wise, column-wise and
-        block row-wise tables; ``{"weight": (rows, dim)}`` for a replicated one (every rank the
-        same: DCP writes it once). Tables a rectangle cannot describe (``mod`` row placement,
-        dynamic tables) keep their shards' own entries, ``{"shard<i>.<key>": ...}``: saved and
-        loaded at this plan, not resharded by DCP (``he.save`` / ``he.load`` reshard them).
-        Builds no collective: any rank may call it alone."""
-        t, route = self.tables[name], self._routes[name]
-        if route.replicated:
-            return serial.table_entry(self.replicated.storage_of(name), name)
-        spans = [route.span(pos) for pos in range(len(route))]
-        if t.dynamic is not None or any(sp.rows is None or sp.rows.step != 1 for sp in spans if len(sp.rows or ()) > 1):
-            return {
-                f"shard{route.shards[pos][0]}.{k}": v
-                for pos in self._positions_here(route)
-                for k, v in serial.table_entry(
-                    self.local.storage_of(route.local_name(pos)), route.local_name(pos)
-                ).items()
-            }
-        from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-        def meta(pos: int) -> ShardMetadata:  # (ShardedTensor places shards by the job's global ranks)
-            sp, owner = spans[pos], dist.get_global_rank(self._group, route.shards[pos][1].rank)
-            return ShardMetadata(
-                [sp.rows.start, sp.cols.start], [len(sp.rows), len(sp.cols)], f"rank:{owner}/{self._device}"
-            )
-
-        local = [Shard(self.local.weight(route.local_name(pos)), meta(pos)) for pos in self._positions_here(route)]
-        dtype = t.dtype
-        props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format, pin_memory=False)  # fmt: skip
-        glob = ShardedTensorMetadata([meta(pos) for pos in range(len(route))], torch.Size([t.num_embeddings, t.embedding_dim]), props)  # fmt: skip
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # (ShardedTensor: what DCP reshards uneven shards with)
-            st = ShardedTensor._init_from_local_shards_and_global_metadata(local, glob, process_group=self._group)
-        return {"weight": st}
-
-    def load_table_entry(self, name: str, entry: Mapping[str, Any], where: str, errors: list[str]) -> None:
-        """Loads table ``name`` from ``entry`` (keys as :meth:`table_entry` writes them; or a whole
-        (rows, dim) ``weight``, e.g. a one-process model's, of which this rank copies its shards'
-        slices), appending what does not fit to ``errors`` (named by ``where``)."""
-        t, route = self.tables[name], self._routes[name]
-        if route.replicated:
-            storage = self.replicated.storage_of(name)
-            lacking, problems = serial.check_entry(storage, name, dict(entry), where)
-            errors.extend([f"missing {k}" for k in lacking] + problems)
-            if not lacking and not problems:
-                serial.load_entry(storage, name, dict(entry))
-            return
-        w = entry.get("weight")
-        with torch.no_grad():
-            if isinstance(w, torch.Tensor) and not _is_sharded(w) and t.dynamic is None:
-                if tuple(w.shape) != (t.num_embeddings, t.embedding_dim):
-                    errors.append(
-                        f"{where}weight: shape {tuple(w.shape)}, the table is {(t.num_embeddings, t.embedding_dim)}"
-                    )
-                    return
-                for pos in self._positions_here(route):
-                    sp, local = route.span(pos), route.local_name(pos)
-                    rows = w[sp.rows.start : sp.rows.stop : sp.rows.step, sp.cols.start : sp.cols.stop]
-                    serial.load_entry(self.local.storage_of(local), local, {"weight": rows})  # (rows marked changed)
-                return
-            if _is_sharded(w):
-                mine = {(s.metadata.shard_offsets[0], s.metadata.shard_offsets[1]): s.tensor for s in w.local_shards()}
-                for pos in self._positions_here(route):
-                    sp = route.span(pos)
-                    got = mine.get((sp.rows.start, sp.cols.start))
-                    ours = self.local.weight(route.local_name(pos))
-                    if got is None or tuple(got.shape) != tuple(ours.shape):
-                        errors.append(
-                            f"{where}weight: a ShardedTensor of another plan; load it with torch.distributed.checkpoint.load into this model's own state_dict()"
-                        )
-                        return
-                    local = route.local_name(pos)
-                    if got.data_ptr() != ours.data_ptr():
-                        serial.load_entry(self.local.storage_of(local), local, {"weight": got})
-                    else:  # (DCP wrote into the rows themselves: count them changed for incremental saves)
-                        storage = self.local.storage_of(local)
-                        storage._mark_span(*storage._rows_of(local))
-                return
-            for pos in self._positions_here(route):  # (the shards' own entries)
-                local = route.local_name(pos)
-                part = {
-                    k.split(".", 1)[1]: v for k, v in entry.items() if k.startswith(f"shard{route.shards[pos][0]}.")
-                }
-                storage = self.local.storage_of(local)
-                lacking, problems = serial.check_entry(storage, local, part, f"{where}shard{route.shards[pos][0]}.")
-                errors.extend([f"missing {where}shard{route.shards[pos][0]}.{k}" for k in lacking] + problems)
-                if not lacking and not problems:
-                    serial.load_entry(storage, local, part)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        if self.layers_hold_keys:  # (a converted model: each layer writes its table under its own key)
-            return
-        for name in self.tables:
-            for k, v in self.table_entry(name).items():
-                destination[f"{prefix}{name}.{k}"] = v
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        if self.layers_hold_keys:
-            return
-        for name in self.tables:
-            head = f"{prefix}{name}."
-            entry = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
-            if not entry:
-                missing.append(f"{head}weight")
-                continue
-            self.load_table_entry(name, entry, head, errors)
-
     # --- forward -----------------------------------------------------------------------------
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
         try:  # (a refusal here reaches every rank: see step_failed)
@@ -457,20 +339,36 @@ class ShardedCollection(ShardedTables, ShardedStep):
     # --- the exchange ------------------------------------------------------------------------
     def _run(self, reqs: list[tuple[str, Jagged]], train: bool) -> list[torch.Tensor | Jagged]:
         """One exchange: the lookups of ``reqs`` (checked structurally), every rank's in the same step."""
+        ahead, order = self._take_ahead(), None
+        if ahead is not None:  # (its phases 1 to 4 ran in ec.prefetch)
+            sent, order = self._sent_ahead(ahead, reqs)
+        else:
+            sent = self._send_ids(reqs, self._main)  # 1. to 4.
+        rows_of = self._rows_for(sent, train) if sent.pairs else {}  # 5. to 7.
+        out = self._combine(sent.reqs, sent.tabs, rows_of, sent.back, train)  # 8.
+        return out if order is None else [out[i] for i in order]
+
+    def _send_ids(self, reqs: list[tuple[str, Jagged]], channel: Channel, error: Exception | None = None) -> Sent:
+        """Phases 1 to 4 of :meth:`_run`, the header on ``channel``: the ids checked, routed and sent to
+        their owners. ``error``: this rank's refused input (the header tells every rank; raised)."""
         tabs = [self.tables[self.features[f]] for f, _ in reqs]
         try:  # (any failure before the header still reaches every rank: see step_failed)
-            error = self._validate(reqs, tabs)  # 1. (a refused input travels in the header)
+            error = error or self._validate(reqs, tabs)  # 1. (a refused input travels in the header)
             pairs, sends, back = self._route(reqs, tabs, error)  # 2.
             pooled_here = self._dedup(sends) if error is None and self.dedup else {}
         except Exception as e:
-            self.step_failed(e)
+            self._header(
+                channel, INVALID if isinstance(e, InvalidInputError) else FAILED, False, 0, why=health.first_line(e)
+            )
             raise
-        if pairs:
-            rows_of = self._exchange_rows(reqs, pairs, sends, pooled_here, error, train)  # 3. to 7.
-        else:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
-            rows_of = {}
-            self._step_header(reqs, error)
-        return self._combine(reqs, tabs, rows_of, back, train)
+        if not pairs:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
+            step, _ = self._step_header(channel, reqs, error)
+            return Sent(reqs, tabs, pairs, sends, back, pooled_here, step)
+        by_rank: list[list[int]] = [[] for _ in range(self.world_size)]
+        for i, p in enumerate(pairs):
+            by_rank[p.rank].append(i)
+        step, received = self._ids_to_owners(channel, reqs, pairs, sends, by_rank, error)  # 3., 4.
+        return Sent(reqs, tabs, pairs, sends, back, pooled_here, step, by_rank, received)
 
     def _validate(self, reqs: list[tuple[str, Jagged]], tabs: list[TableConfig]) -> InvalidInputError | None:
         """Phase 1: every request's ids in global id space (one host sync); the first bad one's error."""
@@ -569,26 +467,23 @@ class ShardedCollection(ShardedTables, ShardedStep):
 
     # --- failures: every rank learns them in the header of the exchange --------------------------
     def _header(
-        self, failed: int, has_w: bool, digest: int, nints: list[int] | None = None, why: str = "", rows: int = 0
-    ) -> list:
+        self, channel: Channel, failed: int, has_w: bool, digest: int, nints=None, why: str = "", rows: int = 0
+    ) -> tuple[str, list]:
         """Phase 3 of :meth:`_run`: this rank's :class:`Header` to every rank, theirs back (one small
-        all-to-all of fixed size); ``why``: this rank's failure, for the others' errors; ``rows``: the
-        row elements this rank will receive."""
+        all-to-all of fixed size, on ``channel``); ``why``: this rank's failure, for the others'
+        errors; ``rows``: the row elements this rank will receive. Returns (the step's key, the headers)."""
         world = self.world_size
         nints = nints if nints is not None else [0] * world
-        self._exchanges += 1
+        step = channel.next_step()
         if failed:
-            health.tell(self._step_key(self.rank), why)
+            health.tell(f"{step}/{self.rank}", why)
         if world == 1:
-            return [Header(failed, int(has_w), digest, nints[0], rows)]
+            return step, [Header(failed, int(has_w), digest, nints[0], rows)]
         send = [Header(failed, int(has_w), digest, n, rows).pack() for n in nints]
         send_h = torch.tensor(send, dtype=torch.int64, device=self._device).view(-1)  # (NCCL sends device tensors only)
-        return Header.unpack(exchange(send_h, [Header.SIZE] * world, [Header.SIZE] * world, self._group))
+        return step, Header.unpack(exchange(send_h, [Header.SIZE] * world, [Header.SIZE] * world, channel.group))
 
-    def _step_key(self, rank: int) -> str:
-        return f"step/{self._group.group_name}/{self._exchanges}/{rank}"
-
-    def _raise_if_failed(self, got: list, error: BaseException | None, reqs) -> None:
+    def _raise_if_failed(self, step: str, got: list, error: BaseException | None, reqs) -> None:
         """Every rank's header -> raises on every rank when one failed (this rank's own error, or one
         naming the ranks at fault and why) or when the ranks looked up different features, so no rank
         waits for a peer that gave up or reads what it did not send."""
@@ -596,7 +491,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
             raise error
         failed = [r for r, h in enumerate(got) if h.failed]
         if failed:
-            why = "; ".join(f"rank {r}: {health.told(self._step_key(r)) or 'its error names it'}" for r in failed)
+            why = "; ".join(f"rank {r}: {health.told(f'{step}/{r}') or 'its error names it'}" for r in failed)
             if all(got[r].failed == INVALID for r in failed):
                 raise InvalidInputError(
                     f"rank(s) {', '.join(map(str, failed))} got invalid input in this step ({why}); nothing was "
@@ -614,54 +509,69 @@ class ShardedCollection(ShardedTables, ShardedStep):
                 "same lookups, in the same order, each step); this rank's: " + ", ".join(f for f, _ in reqs)
             )
 
-    def _step_header(self, reqs, error, has_w: bool = False, nints: list[int] | None = None, rows: int = 0) -> list:
+    def _step_header(self, channel: Channel, reqs, error, has_w=False, nints=None, rows: int = 0) -> tuple[str, list]:
         """The headers of this step's exchange (``error``: this rank's refused input, or None);
         raises on every rank when any rank failed or the ranks looked up different features."""
         why = health.first_line(error) if error is not None else ""
         digest = features_digest([f for f, _ in reqs])
-        got = self._header(INVALID if error is not None else 0, has_w, digest, nints, why, rows)
-        self._raise_if_failed(got, error, reqs)
-        return got
+        step, got = self._header(channel, INVALID if error is not None else 0, has_w, digest, nints, why, rows)
+        self._raise_if_failed(step, got, error, reqs)
+        return step, got
 
     def step_failed(self, error: BaseException) -> None:
         """This rank cannot make its step's lookups (its input was refused before the exchange, or the
         model's forward raised before its lookups ran): the other ranks learn it in the header of the
         exchange they are waiting in, and raise, instead of waiting for this rank or pairing their step
         with its next one. Called by :meth:`forward`, :meth:`lookup_many` and a converted model's lookup
-        queue; the caller raises ``error`` itself."""
+        queue; the caller raises ``error`` itself. With a prefetch waiting (the others are in its
+        second half), they learn it there."""
+        if self._abandon_ahead(error):
+            return
         code = INVALID if isinstance(error, InvalidInputError) else FAILED
-        self._header(code, False, 0, why=health.first_line(error))
+        self._header(self._main, code, False, 0, why=health.first_line(error))
 
-    def _exchange_rows(self, reqs, pairs, sends, pooled_here, error, train) -> dict[int, torch.Tensor]:
-        """Phases 3 to 7 of :meth:`_run`: header, ids (and weights) to the owners, their lookups,
-        rows back. Returns each pair's rows (its bags', or pooled here from distinct ids' rows)."""
-        by_rank: list[list[int]] = [[] for _ in range(self.world_size)]
-        for i, p in enumerate(pairs):
-            by_rank[p.rank].append(i)
-        mine = by_rank[self.rank]
-        sizes, recv_ids, recv_w, fold = self._ids_to_owners(reqs, pairs, sends, by_rank, error)  # 3., 4.
-        flat_send, failure = self._owner_rows(mine, pairs, sizes, recv_ids, recv_w, train)  # 5.
-        flat = self._rows_back(flat_send, failure, pairs, sends, by_rank, sizes[0], fold)  # 6.
+    def _rows_for(self, sent: Sent, train: bool) -> dict[int, torch.Tensor]:
+        """Phases 5 to 7 of :meth:`_run`: the owners' lookups, rows back. Returns each pair's rows
+        (its bags', or pooled here from distinct ids' rows)."""
+        pairs, sends, by_rank = sent.pairs, sent.sends, sent.by_rank
+        sizes, recv_ids, recv_w, fold = sent.received
+        flat_send, failure = self._owner_rows(sent.step, by_rank[self.rank], pairs, sizes, recv_ids, recv_w, train)
+        flat = self._rows_back(sent.step, flat_send, failure, pairs, sends, by_rank, sizes[0], fold)  # 6.
         order = [i for r in range(self.world_size) for i in by_rank[r]]
         recv_pieces = [sends[i].lengths.numel() * pairs[i].width for i in order]
         rows_of = {i: piece.view(-1, pairs[i].width) for i, piece in zip(order, flat.split(recv_pieces))}
-        self._pool_here(rows_of, pooled_here)  # 7.
+        self._pool_here(rows_of, sent.pooled_here)  # 7.
         return rows_of
 
-    def _ids_to_owners(self, reqs, pairs, sends: list[Sends], by_rank: list[list[int]], error) -> tuple:
+    def _fail_rows(self, sent: Sent, error: BaseException) -> None:
+        """Phase 6 of ``sent`` with this rank failed (its forward raised, or its lookups were not
+        the ones prefetched): it sends zero rows and a failed status, so every rank raises."""
+        if not sent.pairs:  # (nothing crosses: the ranks agree on a flag instead)
+            self._agree_ahead(sent, failed=True)
+            return
+        sizes, _, _, fold = sent.received
+        health.tell(f"{sent.step}/{self.rank}/lookup", health.first_line(error))
+        zeros = self._zero_rows(sent.by_rank[self.rank], sent.pairs, sizes)
+        with contextlib.suppress(Exception):  # (raises ``error`` once the others have it)
+            self._rows_back(sent.step, zeros, error, sent.pairs, sent.sends, sent.by_rank, sizes[0], fold)
+
+    def _ids_to_owners(self, channel, reqs, pairs, sends: list[Sends], by_rank: list[list[int]], error) -> tuple:
         """Phases 3 and 4: to each owner the sizes of each of its pairs (bags, ids, one id per bag),
         then their bag lengths (unless one id per bag) and ids, the header first saying how many
         int64s that is (and whether per-id weights follow, sent next). Returns what this rank
         received: per source (bags, ids, one-per-bag flags of each pair here, payload piece
         sizes), the ids and lengths, the weights (or None), and whether the owners' status rides
-        in the rows' all-to-all (every rank receives at most :data:`FOLD_ROWS` row elements)."""
-        world, group = self.world_size, self._group
+        in the rows' all-to-all (every rank receives at most :data:`FOLD_ROWS` row elements); and
+        the step's key first."""
+        world, group = self.world_size, channel.group
         out_ints = [self._empty_ids] * world
         if error is None:
             out_ints = [self._ints_to(by_rank[r], sends) for r in range(world)]
         send_sizes = [int(x.numel()) for x in out_ints]
         incoming = sum(x.lengths.numel() * p.width for x, p in zip(sends, pairs))
-        got = self._step_header(reqs, error, any(x.weights is not None for x in sends), send_sizes, incoming)
+        step, got = self._step_header(
+            channel, reqs, error, any(x.weights is not None for x in sends), send_sizes, incoming
+        )
         fold = max(h.rows for h in got) <= FOLD_ROWS
         recv_sizes = [h.nints for h in got]
         recv = out_ints[0] if world == 1 else exchange(torch.cat(out_ints), send_sizes, recv_sizes, group)
@@ -676,7 +586,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
         if any(h.weights for h in got):
             ws = [self._weights_to(by_rank[r], sends) for r in range(world)]
             recv_w = exchange(torch.cat(ws), [w.numel() for w in ws], [sum(n) for n in nids], group)
-        return (bags, nids, ones, payload), [c[m:] for c in chunks], recv_w, fold
+        return step, ((bags, nids, ones, payload), [c[m:] for c in chunks], recv_w, fold)
 
     def _ints_to(self, pairs_there: list[int], sends: list[Sends]) -> torch.Tensor:
         """The int64s for one owner: the sizes of each of its pairs, then their lengths and ids."""
@@ -693,18 +603,22 @@ class ShardedCollection(ShardedTables, ShardedStep):
         ]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=cdt, device=dev)
 
-    def _owner_rows(self, mine, pairs, sizes, recv_ids, recv_w, train) -> tuple[torch.Tensor, Exception | None]:
+    def _owner_rows(self, step, mine, pairs, sizes, recv_ids, recv_w, train) -> tuple[torch.Tensor, Exception | None]:
         """Phase 5: the owner's lookups, one request per (source, pair), in the order the rows go
         back. A lookup that fails sends zero rows (and its failure, raised after phase 6)."""
         try:
             return self._own_lookups(mine, pairs, sizes, recv_ids, recv_w, train), None
         except Exception as e:  # the others get zero rows and a failed status, then everyone raises
-            health.tell(self._step_key(self.rank) + "/lookup", health.first_line(e))
-            width = [pairs[i].width for i in mine]
-            total = sum(b[k] * w for b in sizes[0] for k, w in enumerate(width))
-            return torch.zeros(total, dtype=self._wire, device=self._device), e
+            health.tell(f"{step}/{self.rank}/lookup", health.first_line(e))
+            return self._zero_rows(mine, pairs, sizes), e
 
-    def _rows_back(self, flat_send, failure, pairs, sends, by_rank, bags, fold: bool) -> torch.Tensor:
+    def _zero_rows(self, mine, pairs, sizes) -> torch.Tensor:
+        """Zeros in place of the rows this rank owes every source (a failed owner's)."""
+        width = [pairs[i].width for i in mine]
+        total = sum(b[k] * w for b in sizes[0] for k, w in enumerate(width))
+        return torch.zeros(total, dtype=self._wire, device=self._device)
+
+    def _rows_back(self, step, flat_send, failure, pairs, sends, by_rank, bags, fold: bool) -> torch.Tensor:
         """Phase 6: rows back: per source, its bags of every pair this rank owns (the kernels'
         outputs as they are), and the owners' status (``fold``: after each owner's rows in the same
         all-to-all; else in one of its own): a lookup that failed on one rank fails on every rank.
@@ -732,9 +646,7 @@ class ShardedCollection(ShardedTables, ShardedStep):
         flat = flat.to(self._wire)
         bad = [r for r, x in enumerate(statuses) if x != 1.0]
         if bad:
-            why = "; ".join(
-                f"rank {r}: {health.told(self._step_key(r) + '/lookup') or 'its error names it'}" for r in bad
-            )
+            why = "; ".join(f"rank {r}: {health.told(f'{step}/{r}/lookup') or 'its error names it'}" for r in bad)
             raise HybridEmbedError(
                 f"the lookup failed on rank(s) {', '.join(map(str, bad))} ({why}); no row was changed"
             )

@@ -268,6 +268,23 @@ class LookupQueue:
     def __len__(self) -> int:
         return len(self._thread.pending)
 
+    def capture(self, call: Callable[[], Any]) -> list[tuple[str, Jagged]]:
+        """The lookups ``call()`` requests (a converted layer called on its next input), checked as
+        the queue checks them, as ``(feature, ids)``: recorded, not run (their outputs raise if
+        used). What this thread had queued stays queued. For ``he.prefetch``."""
+        t = self._thread
+        saved = (t.pending, t.depth, t.defer, t.mode)
+        t.pending, t.depth, t.defer = [], 1, True
+        try:
+            call()
+            got = t.pending
+        finally:
+            dropped = t.pending
+            t.pending, t.depth, t.defer, t.mode = saved
+            for r in dropped:
+                r.out._error, r.out._queue = RuntimeError("a lookup recorded for a prefetch has no rows"), None
+        return [(r.feature, r.ids) for r in got]
+
     def request(
         self,
         feature: str,

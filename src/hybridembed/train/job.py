@@ -251,6 +251,35 @@ def _prefetcher(model: nn.Module, remote) -> Callable[[D.Batch], None]:
     return prefetch
 
 
+def _pipeliner(model: nn.Module) -> Callable[[D.Batch], None] | None:
+    """A sharded job's pipeline: after each forward, the next batch's ids sent to their owners
+    while this step's backward and optimizer step run (``ec.prefetch``; None: no sharded tables)."""
+    from ..api.prefetch import prefetch as prefetch_layers
+    from ..distributed import ShardedCollection
+
+    collections = [
+        m.collection
+        for m in model.modules()
+        if isinstance(m, M.DynamicEmbeddings) and isinstance(m.collection, ShardedCollection)
+    ]
+    names = [m.names for m in model.modules() if isinstance(m, M.DynamicEmbeddings) and m.collection in collections]
+    layers = [
+        (path, len(m.tables))
+        for path, m in model.named_modules()
+        if isinstance(m, M.TorchEmbeddings) and isinstance(getattr(m.tables[0], "collection", None), ShardedCollection)
+    ]
+    if not collections and not layers:
+        return None
+
+    def send(b: D.Batch) -> None:
+        for ec, ns in zip(collections, names):
+            ec.prefetch({n: b.sparse[:, j] for j, n in enumerate(ns)})
+        if layers:  # (converted nn.Embedding layers: one call for all, as their collection may be shared)
+            prefetch_layers(model, {f"{p}.tables.{j}".lstrip("."): b.sparse[:, j] for p, n in layers for j in range(n)})
+
+    return send
+
+
 def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE) -> int:
     """Reads the data and builds the model (distributed in a job), then :func:`_train` on it;
     a parameter server serves instead, until the trainers leave."""
@@ -356,6 +385,7 @@ def _train(
     example = next(iter(test.batches(8))) if test is not None and len(test) else None
     estimate = train.estimate_rows()
     ahead = _prefetcher(inner, remote) if args.servers and args.prefetch else None
+    pipeline = _pipeliner(inner) if job.parallel and not args.servers and not args.no_pipeline else None
     for epoch in range(epoch0, args.epochs):
         label = f"epoch {epoch + 1}/{args.epochs}"
         bar = progress(estimate, skip * args.batch_size, label, args.no_progress or not job.main)
@@ -376,7 +406,15 @@ def _train(
         if cuda:  # page-locked in the reader's thread, so the copy to the GPU does not block
             batches = pinned(batches)
         try:
-            tr = train_epoch(model, optimizer, to_device(D.prefetch(batches), device), on_step, job, prefetch=ahead)
+            tr = train_epoch(
+                model,
+                optimizer,
+                to_device(D.prefetch(batches), device),
+                on_step,
+                job,
+                prefetch=ahead,
+                pipeline=pipeline,
+            )
         finally:
             if bar is not None:
                 bar.close()

@@ -74,6 +74,7 @@ def train_epoch(
     on_step: Callable[[int, float | torch.Tensor], None] | None = None,
     job: Job = ONE,
     prefetch: Callable[[Batch], None] | None = None,
+    pipeline: Callable[[Batch], None] | None = None,
 ) -> EpochStats:
     """One pass of ``model`` over ``batches``; ``on_step(rows, loss)`` after every step (``loss``: a
     float, or in one process a 0-d tensor on the model's device, read only when shown).
@@ -84,13 +85,15 @@ def train_epoch(
     gets the global rows and this rank's loss; the returned loss, rows and time are global.
 
     ``prefetch(batch)`` gets this rank's part of the next batch before ``optimizer.step``
-    (parameter servers: its rows are pulled while this step's gradients are pushed).
+    (parameter servers: its rows are pulled while this step's gradients are pushed);
+    ``pipeline(batch)`` gets it right after this step's forward (sharded tables: its ids are sent
+    to their owners while this step's backward and optimizer step run).
     """
     model.train()
     t0 = time.perf_counter()
     loss_sum, rows, steps = 0.0, 0, 0
     loss_acc = None  # one process: the summed loss, on the device
-    for b, following in _with_next(batches, prefetch is not None):
+    for b, following in _with_next(batches, prefetch is not None or pipeline is not None):
         if not job.parallel:
             logits = model(b.dense, b.sparse)  # (B,)
             loss = F.binary_cross_entropy_with_logits(logits, b.label)
@@ -100,6 +103,8 @@ def train_epoch(
             logits = model(mine.dense, mine.sparse)  # (B / N,)
             total = F.binary_cross_entropy_with_logits(logits, mine.label, reduction="sum")
             loss = total * (job.world / len(b))
+            if pipeline is not None and following is not None:
+                pipeline(job.part(following))
             value = total.item() / max(len(mine), 1)
         optimizer.zero_grad()
         loss.backward()

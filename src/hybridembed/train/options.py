@@ -254,6 +254,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "its WORLD_SIZE, joined; `hybridembed launch` runs torchrun)",
     )
     t.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="with --nproc N: send each batch's ids to the tables' owners in its own step; by default they are sent "
+        "during the step before (after its forward, while its backward and optimizer step run: exact the same)",
+    )
+    t.add_argument(
         "--timeout",
         type=_number(float, 0.0, False),
         metavar="SECONDS",

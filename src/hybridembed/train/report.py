@@ -111,8 +111,8 @@ def describe_model(args: argparse.Namespace, model: nn.Module, features: int, jo
         return (
             f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
             f"sharded over {job.world} processes), {dense:,} dense parameters (data-parallel); {opt} lr {args.lr:g} "
-            f"via he.wrap_optimizer, batch {args.batch_size:,} (~{args.batch_size // job.world:,} per process, {wire}), "
-            f"{threads} per process"
+            f"via he.wrap_optimizer, batch {args.batch_size:,} (~{args.batch_size // job.world:,} per process, {wire}"
+            f"{'' if getattr(args, 'no_pipeline', False) else ', ids sent a step ahead'}), {threads} per process"
         )
     kernels = getattr(args, "kernels_resolved", "eager")
     if getattr(args, "tiered", None):
