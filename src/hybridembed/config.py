@@ -199,7 +199,8 @@ class TableConfig:
         shard: a :class:`ShardOf` when this config is one shard of a sharded table (the
             sharded runtime makes these; users leave it None).
         tiered: a :class:`Tiered`: the rows live on local disk behind an in-memory cache
-            (dense tables in one process; see docs/tiered.md).
+            (dense tables; dynamic ones with ``Dynamic(capacity=None)``, rows beyond the cache
+            spilled to disk; see docs/tiered.md).
 
     >>> import hybridembed as he
     >>> he.TableConfig("user", num_embeddings=1000, embedding_dim=16, combiner="mean")
@@ -225,10 +226,11 @@ class TableConfig:
                 raise ConfigError(
                     f"table {self.name!r}: tiered must be a he.Tiered(path, cache_rows), got {self.tiered!r}"
                 )
-            if self.dynamic is not None:
+            if self.dynamic is not None and (self.dynamic.capacity is not None or self.dynamic.eviction == "ttl"):
                 raise ConfigError(
-                    f"table {self.name!r}: a tiered table is dense (num_embeddings rows on disk); dynamic tables "
-                    "are not tiered yet: bound them with Dynamic(capacity=...)"
+                    f"table {self.name!r}: a tiered dynamic table keeps every row it admits (on disk beyond "
+                    "Tiered(cache_rows=...)): give it Dynamic(capacity=None) and eviction 'lru' or 'lfu' (which rows "
+                    "stay in memory), not a capacity or 'ttl' (which drop rows)"
                 )
         if self.dynamic is not None:
             if not isinstance(self.dynamic, Dynamic):

@@ -58,7 +58,8 @@ summary line says so) unless ``copy_dynamic_rows=True``, which loads them as ids
 ``tiered=he.Tiered(path, cache_rows)`` puts every dense table (every layer not made dynamic)
 on disk with a cache of ``cache_rows`` rows per group (:class:`~hybridembed.Tiered`); a
 layer's own ``{"tiered": ...}`` entry wins. Their rows are written to the files a range at a
-time and the layer's weight memory is handed back as they go.
+time and the layer's weight memory is handed back as they go. A layer made dynamic takes
+``{"dynamic": he.Dynamic(), "tiered": ...}``: its rows beyond the cache spill to disk.
 
 Semantics kept: ``padding_idx`` (``nn.Embedding``: its position reads the row as it is
 and sends it no gradient; a dynamic table reads zeros there. ``nn.EmbeddingBag``: entries
@@ -486,7 +487,7 @@ def convert(
     with torch.no_grad():
         for layers, cfg in plans:
             paths = [p for f in layers for p in f.paths]
-            if cfg.tiered is not None:
+            if cfg.tiered is not None and cfg.dynamic is None:
                 _write_through(layers[0].module.weight, collection.storage_of(cfg.name), cfg.name)
                 continue
             if cfg.dynamic is None:

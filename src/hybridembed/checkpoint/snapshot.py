@@ -144,7 +144,8 @@ def _table_files(storage, name: str, changes, state_names, rows_to_global=None) 
         }
         return obj, {"changed": int(rows.numel())}
     entry, slots = storage.save_changes(name, changed, removed)
-    state = {k: storage.state[k].index_select(0, slots) for k in state_names}
+    held = entry.pop("state", None)  # (a tiered table's: its rows are not all in the cache)
+    state = {k: held[k] if held is not None else storage.state[k].index_select(0, slots) for k in state_names}
     live = int(storage.stats(name)["rows"])
     return {**entry, "state": state}, {
         "rows": live,

@@ -34,6 +34,7 @@ from ..kernels import bag_scale, cpu_fused, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
 from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, TieredStorage, serial
 from ..storage.tiered import prefetch_rows
+from ..storage.tiered_hash import TieredHashStorage
 from ..utils import check_device, device_tensor, kept_tensor
 from .compiled import compiled_forward, compiling
 
@@ -246,7 +247,10 @@ class EmbeddingCollection(nn.Module):
 
     def _make_storage(self, tables: list[TableConfig], device) -> RowStorage:
         """The storage of one group (a parameter-server trainer's collection makes remote ones)."""
-        kind = HashStorage if tables[0].dynamic else TieredStorage if tables[0].tiered else DenseStorage
+        if tables[0].dynamic is not None:
+            kind = TieredHashStorage if tables[0].tiered is not None else HashStorage
+        else:
+            kind = TieredStorage if tables[0].tiered is not None else DenseStorage
         return kind(tables, seed=self.seed, device=device)
 
     # --- inspection ----------------------------------------------------------------------
@@ -270,6 +274,8 @@ class EmbeddingCollection(nn.Module):
         st = self.storage_of(table)
         if not st.keyed:
             raise ConfigError(f"table {table!r} is dense; read its rows with ec.weight({table!r})")
+        if getattr(st, "spills", False):  # (rows on disk too)
+            return st.read_ids(table)[:2]
         ids, slots = st.table_slots(table)
         return ids, st.weight.detach().index_select(0, slots)
 

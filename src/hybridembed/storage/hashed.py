@@ -148,7 +148,7 @@ class HashStorage(RowStorage):
         keys = [_init.table_key(self.seed, t.init_name) for t in self.tables]
         self.register_buffer("_table_keys", torch.tensor(keys, device=device), persistent=False)
         self.capacity = self.config.capacity  # per table; the group holds capacity x tables slots
-        slots = self.capacity * len(self.tables) if self.capacity is not None else self.config.initial_rows
+        slots = self._initial_slots()
         weight = torch.empty(slots + 1, self.dim, dtype=self.dtype, device=device)
         advise_huge_pages(weight)
         weight[0] = self.config.default_value
@@ -177,6 +177,10 @@ class HashStorage(RowStorage):
         self._applied_clock = 0  # the clock at the last optimizer step
         self._gen = torch.Generator(device=dev).manual_seed(self.seed)  # admission draws
         self._build_index(slots)
+
+    def _initial_slots(self) -> int:
+        """Row slots made at construction (a capped group: all of them; else ``initial_rows``)."""
+        return self.capacity * len(self.tables) if self.capacity is not None else self.config.initial_rows
 
     # --- the hash index ------------------------------------------------------------------
     def _hash(self, keys: torch.Tensor, tabs: torch.Tensor, salt: int = 0) -> torch.Tensor:

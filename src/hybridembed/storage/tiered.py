@@ -46,7 +46,7 @@ from .base import RowStorage
 from .dense import DenseStorage
 from .protocol import LookupPlan, _nothing
 
-__all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE"]
+__all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE", "prefetch_rows"]
 
 FRESH, ON_DISK, ON_DISK_NO_STATE = -1, -2, -3  # slot_of of a row not in the cache
 _CALL_BYTES = 1 << 30  # the most one preadv / pwritev call moves
@@ -74,6 +74,16 @@ class _File:
                 "Tiered(path=...) a writable directory on a disk with room for the table and its optimizer state"
             ) from None
         self._closer = weakref.finalize(self, os.close, self.fd)
+
+    def reserve(self, rows: int) -> None:
+        """Room on disk for ``rows`` rows (the file grows; a full disk raises here, before a write)."""
+        try:
+            os.posix_fallocate(self.fd, 0, max(rows * self.row_bytes, 1))
+        except OSError as e:
+            raise HybridEmbedError(
+                f"tiered table file {self.path}: cannot grow to {rows * self.row_bytes / 2**20:,.1f} MiB "
+                f"({e.strerror}); nothing was changed: free room on that disk"
+            ) from None
 
     def __reduce__(self):  # (and deepcopy: two tables must not share one file and its descriptor)
         raise HybridEmbedError(

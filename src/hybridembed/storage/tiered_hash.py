@@ -1,0 +1,523 @@
+"""``TieredHashStorage``: dynamic tables (any int64 id, rows made on first sight) whose rows live on
+local disk behind a bounded in-memory cache (:class:`~hybridembed.Tiered` on a dynamic table).
+
+Shape legend: ``C`` cache slots, ``R`` records on disk, ``N`` ids of a batch, ``D`` dim.
+
+The cache is a :class:`~hybridembed.storage.HashStorage` of ``cache_rows`` slots (its index of the
+ids it holds, rows, optimizer state, recency, frequency, admission and counters). When a batch
+needs room, the least recently used rows (``eviction="lfu"``: least often) that no pending
+gradient names are *spilled*: each written with its optimizer state to its home record on disk.
+A row looked up again is read back from there (it was admitted once: no admission again). So the
+table keeps every row it admitted, in memory or on disk, and trains exactly as the same dynamic
+table in memory without a capacity (DeepRec's multi-tier EmbeddingVariable: hot ids in DRAM, the
+rest on SSD).
+
+On disk: ``R`` fixed-size records (the rows, and each optimizer state, one file each, grown as
+rows spill; a full disk fails before anything changes). In memory, per record: its (table, id),
+recency, frequency, whether it holds the row now (``live``: the row is not cached) and
+HashStorage's open-addressing index (table, id) -> record, insert-only (a row keeps its home
+record for life): about 70 bytes per row on disk. A batch needs all its distinct rows in the
+cache at once: more than it holds is refused before anything changes. Whole-table reads
+(``state_dict``, ``he.save``, ``dynamic_rows``, export) merge the cache and the records and hold
+the table's rows in memory while they run (dense tiered tables stream checkpoints range by
+range; dynamic ones do not yet).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import TableConfig
+from ..errors import ConfigError, HybridEmbedError
+from .hashed import _EMPTY, _FIND_WINDOW, _PROBES, HashStorage, sort_pairs
+from .protocol import LookupPlan, _nothing
+from .tiered import _File, _lock
+
+__all__ = ["TieredHashStorage"]
+
+
+class _Homes:
+    """(table, id) -> home record: :class:`HashStorage`'s index (its eager find and insert) over
+    records; insert-only, rebuilt twice as large when half full."""
+
+    kernels = "eager"
+    _hash = HashStorage._hash
+    _window = HashStorage._window
+    find = HashStorage._find
+    _insert = HashStorage._insert
+
+    def __init__(self) -> None:
+        self.weight = torch.zeros(0)  # (the kernel choice reads its device: the CPU)
+        self.key = torch.zeros(0, dtype=torch.int64)  # (>= n,) the pair of each record
+        self.tab = torch.zeros(0, dtype=torch.int32)
+        self.n = 0  # records made
+        self._reset(16)
+
+    def _reset(self, positions: int) -> None:
+        self._mask = positions - 1
+        self._hrow = torch.full((positions, 2), _EMPTY, dtype=torch.int64)
+        self._claim = torch.full((positions,), -1, dtype=torch.int32)
+        self._probe_offsets = torch.arange(_PROBES)
+        self._find_offsets = torch.arange(_FIND_WINDOW)
+
+    def lookup(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
+        """(K,) records of (table, id) pairs; -1 where none."""
+        if keys.numel() == 0 or self.n == 0:
+            return torch.full((keys.numel(),), -1, dtype=torch.int64)
+        return self.find(keys, tabs)
+
+    def add(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
+        """Records for (table, id) pairs (distinct, without one): their numbers (K,)."""
+        n, m = self.n, keys.numel()
+        if n + m > self.key.numel():
+            size = max(2 * self.key.numel(), n + m, 1024)
+            self.key = torch.cat([self.key[:n], torch.zeros(size - n, dtype=torch.int64)])
+            self.tab = torch.cat([self.tab[:n], torch.full((size - n,), _EMPTY, dtype=torch.int32)])
+        recs = torch.arange(n, n + m)
+        self.key[n : n + m], self.tab[n : n + m] = keys, tabs.to(torch.int32)
+        self.n = n + m
+        if 2 * self.n > self._mask + 1:
+            self._reset(1 << math.ceil(math.log2(4 * self.n)))
+            self._insert(self.key[: self.n], self.tab[: self.n], torch.arange(self.n))
+        else:
+            self._insert(keys, tabs.to(torch.int32), recs)
+        return recs
+
+
+class TieredHashStorage(HashStorage):
+    """Rows of a group of dynamic tables on disk, ``cache_rows`` of them in memory (module docstring)."""
+
+    spills = True
+
+    def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
+        kind = torch.device(device).type if device is not None else "cpu"
+        if kind not in ("cpu", "meta"):
+            raise ConfigError(
+                f"tiered tables {', '.join(t.name for t in tables)}: on {device}; a tiered table's cache lives "
+                "on the CPU (tiers below a GPU are not built yet)"
+            )
+        super().__init__(tables, seed, device)
+        self.tier = self.tables[0].tiered
+        self.spill_counters = dict.fromkeys(("spilled", "read_back", "disk_writes"), 0)
+        self._homes = _Homes()
+        self.rec_last = torch.zeros(0, dtype=torch.int64)  # (R,) recency of each record's row
+        self.rec_freq = torch.zeros(0, dtype=torch.int64)
+        self.rec_live = torch.zeros(0, dtype=torch.bool)  # holds the row now (it is not cached)
+        self.rec_state = torch.zeros(0, dtype=torch.bool)  # its optimizer state written (else: initial)
+        self.rec_changed = torch.zeros(0, dtype=torch.bool)  # changed since the last checkpoint
+        self._rows_file: _File | None = None
+        self._state_files: dict[str, _File] = {}
+        self._reserved = 0  # records the files have room for
+        if kind == "meta":
+            return
+        self.dir = Path(self.tier.path)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"Tiered(path={self.tier.path!r}): cannot make the directory ({e.strerror})") from None
+        self._name = self.tables[0].name if len(self.tables) == 1 else f"{self.tables[0].name}+{len(self.tables) - 1}"
+        weakref.finalize(self, os.close, _lock(self.dir / f"{self._name}.lock"))
+        self._rows_file = _File(self.dir / f"{self._name}.rows", 0, self.dim, self.dtype)
+
+    def _initial_slots(self) -> int:
+        return self.tables[0].tiered.cache_rows  # (fixed: rows beyond it spill to disk)
+
+    def _grow(self, needed: int) -> None:  # pragma: no cover - the plan makes room first
+        raise HybridEmbedError("a tiered dynamic table's cache does not grow (a bug: rows were not spilled first)")
+
+    # --- the lookup ---------------------------------------------------------------------------
+    def plan_lookup(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> LookupPlan:
+        """As :meth:`HashStorage.plan_lookup`; ids with a row on disk are read back into the cache
+        (in eval too), making room by spilling. Refused (nothing changed) when the batch's rows
+        do not fit the cache or the disk."""
+        keys, ktabs, perm, counts = sort_pairs(ids, tabs, len(self.tables))
+        found = self._find(keys, ktabs)
+        with torch.no_grad():
+            miss = (found < 0).nonzero().squeeze(1)
+            recs = self._homes.lookup(keys.index_select(0, miss), ktabs.index_select(0, miss))
+            on_disk = recs >= 0
+            on_disk[on_disk.clone()] = self.rec_live.index_select(0, recs[on_disk])
+            back, recs = miss[on_disk], recs[on_disk]
+            absent = miss[~on_disk]
+            ok = commit_admission = None
+            rollback = _nothing
+            new = absent[:0]
+            if train and absent.numel():
+                ok, commit_admission, rollback = self._admit(keys[absent], ktabs[absent], counts[absent])
+                new = absent if ok is None else absent[ok]
+            try:
+                victims = self._plan_spills(back.numel() + new.numel(), found.clamp_min(0))
+                self._reserve(victims)
+            except HybridEmbedError:
+                rollback()
+                raise
+
+        def commit() -> tuple[torch.Tensor, tuple | None]:
+            with torch.no_grad():
+                self._spill(victims)
+                if back.numel():
+                    found[back] = self._read_back(keys[back], ktabs[back], recs)
+            if not train:
+                return self._per_id(found.clamp_min(0), perm, counts), None
+            rej = None if ok is None else absent[~ok]
+            return self._commit_lookup(
+                keys, ktabs, perm, counts, found, absent, new, rej, victims[:0], commit_admission
+            )
+
+        return LookupPlan(commit, rollback)
+
+    def _plan_spills(self, needed: int, batch_slots: torch.Tensor) -> torch.Tensor:
+        """Slots to spill so ``needed`` rows fit (``evict_fraction`` of the cache at least, as
+        eviction in memory): the least recently (or often) used that no pending gradient names."""
+        short = needed - self.free.numel()
+        if short <= 0:
+            return torch.zeros(0, dtype=torch.int64)
+        cand = ((self.slot_table >= 0) & ~self._protected(batch_slots)).nonzero().squeeze(1)
+        if cand.numel() < short:
+            raise HybridEmbedError(
+                f"tiered dynamic tables {', '.join(t.name for t in self.tables)}: this batch needs {needed} rows in "
+                f"the cache, {self.free.numel()} of its {self.weight.shape[0] - 1} slots are free and {cand.numel()} "
+                "can be spilled (rows looked up since the last optimizer step stay); raise Tiered(cache_rows=...) "
+                "above a step's distinct rows. Nothing was changed"
+            )
+        k = min(max(short, math.ceil(self.config.evict_fraction * (self.weight.shape[0] - 1))), cand.numel())
+        if self.config.eviction == "lfu":
+            score = self.freq[cand] * (self.clock + 2) + self.last_seen[cand]
+        else:
+            score = self.last_seen[cand]
+        order = torch.argsort(self.slot_key[cand], stable=True)  # (ties by id: victims do not depend on slots)
+        order = order[torch.argsort(score[order], stable=True)]
+        return cand[order[:k]]
+
+    def _reserve(self, victims: torch.Tensor) -> None:
+        """Room in the files for the victims' records (before any change: a full disk refuses the batch)."""
+        if victims.numel() == 0:
+            return
+        fresh = int((self._homes.lookup(self.slot_key[victims], self.slot_table[victims]) < 0).sum())
+        self._room(self._homes.n + fresh)
+
+    def _room(self, records: int) -> None:
+        if records <= self._reserved:
+            return
+        size = max(records, 2 * self._reserved, 1024)
+        for f in (self._rows_file, *self._state_files.values()):
+            f.reserve(size)
+        self._reserved = size
+
+    def _records(self) -> None:
+        """The per-record arrays as long as the index's."""
+        size = self._homes.key.numel()
+        if self.rec_last.numel() < size:
+            extra = size - self.rec_last.numel()
+            for name in ("rec_last", "rec_freq"):
+                setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.int64)]))
+            for name in ("rec_live", "rec_state", "rec_changed"):
+                setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.bool)]))
+
+    def _home(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
+        """The records of (table, id) pairs, made for those without one."""
+        recs = self._homes.lookup(keys, tabs)
+        fresh = (recs < 0).nonzero().squeeze(1)
+        if fresh.numel():
+            recs[fresh] = self._homes.add(keys.index_select(0, fresh), tabs.index_select(0, fresh))
+            self._records()
+            self._room(self._homes.n)
+        return recs
+
+    def _spill(self, victims: torch.Tensor) -> None:
+        """Rows ``victims`` (slots) written to their records, then freed from the cache."""
+        if victims.numel() == 0:
+            return
+        n = victims.numel()
+        recs = self._home(self.slot_key[victims], self.slot_table[victims])
+        self._rows_file.write(recs, self.weight.detach().index_select(0, victims))
+        for name, f in self._state_files.items():
+            f.write(recs, self.state[name].index_select(0, victims).view(n, -1))
+        self.rec_state[recs] = bool(self._state_files)
+        self.rec_last[recs], self.rec_freq[recs] = self.last_seen[victims], self.freq[victims]
+        self.rec_live[recs] = True
+        changed, self._changed = self._changed, None  # (a spilled row is kept: not removed)
+        if changed is not None:
+            self.rec_changed[recs] = changed.index_select(0, victims)
+            changed[victims] = False
+        try:
+            self._evict(victims, count=False)
+        finally:
+            self._changed = changed
+        self.spill_counters["spilled"] += n
+        self.spill_counters["disk_writes"] += n
+
+    def _read_back(self, keys: torch.Tensor, tabs: torch.Tensor, recs: torch.Tensor) -> torch.Tensor:
+        """Rows of records ``recs`` (K,) into free slots (with their state, recency, frequency): the slots."""
+        slots = self._allocate(keys.numel())
+        self._insert(keys, tabs, slots)
+        self.weight.detach().index_copy_(0, slots, self._rows_file.read(recs))
+        self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
+        self.last_seen[slots], self.freq[slots] = self.rec_last[recs], self.rec_freq[recs]
+        self.size += self._per_table(tabs)
+        self._state_into(self.state, slots, recs)
+        if self._changed is not None:
+            self._changed[slots] = self.rec_changed.index_select(0, recs)
+        self.rec_changed[recs] = False
+        self.rec_live[recs] = False
+        self.spill_counters["read_back"] += keys.numel()
+        return slots
+
+    def _state_into(self, out: dict[str, torch.Tensor], at: torch.Tensor, recs: torch.Tensor) -> None:
+        """Records ``recs``' optimizer state into ``out[name]`` at ``at`` (initial where none written)."""
+        if self.optimizer is None or recs.numel() == 0:
+            return
+        has = self.rec_state.index_select(0, recs)
+        for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
+            if name not in out:
+                continue
+            out[name].index_fill_(0, at[~has], fill)
+            if name in self._state_files and bool(has.any()):
+                got = self._state_files[name].read(recs[has])
+                out[name].index_copy_(0, at[has], got.view((-1, *out[name].shape[1:])))
+
+    def attach_optimizer(self, optimizer, hparams: dict) -> None:
+        """The optimizer's state beside the cached rows, and its files beside the rows' file (every
+        row's state starts afresh: rows on disk keep their values, not their old state)."""
+        super().attach_optimizer(optimizer, hparams)
+        if self._rows_file is None:
+            return
+        self._state_files = {
+            name: _File(self.dir / f"{self._name}.{name}", self._reserved, self.dim if t.dim() > 1 else 1, t.dtype)
+            for name, t in self.state.items()
+        }
+        self.rec_state.zero_()
+
+    # --- whole tables: the cache and the records merged ----------------------------------------
+    def _rows_of(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids ascending (K,), their cache slots (-1: on disk), their records (-1: cached))."""
+        i = self.table_index[self._table(name).name]
+        ids, slots = super().table_slots(self.tables[i].name)
+        n = self._homes.n
+        d = (self.rec_live[:n] & (self._homes.tab[:n] == i)).nonzero().squeeze(1)
+        ids = torch.cat([ids, self._homes.key.index_select(0, d)])
+        order = torch.argsort(ids)
+        none_s, none_r = torch.full((d.numel(),), -1, dtype=torch.int64), torch.full((slots.numel(),), -1)
+        return ids[order], torch.cat([slots, none_s])[order], torch.cat([none_r, d])[order]
+
+    def _read(self, slots: torch.Tensor, recs: torch.Tensor, state: Sequence[str]) -> dict[str, Any]:
+        """Copies of rows (cached at ``slots`` >= 0, else on disk at ``recs``): weight, recency,
+        frequency and ``state`` (a dict)."""
+        c, d = (slots >= 0).nonzero().squeeze(1), (recs >= 0).nonzero().squeeze(1)
+        cs, dr = slots.index_select(0, c), recs.index_select(0, d)
+        out: dict[str, Any] = {"weight": torch.empty(slots.numel(), self.dim, dtype=self.dtype)}
+        out["weight"].index_copy_(0, c, self.weight.detach().index_select(0, cs))
+        if d.numel():
+            out["weight"].index_copy_(0, d, self._rows_file.read(dr))
+        for name, mem, rec in (("last_seen", self.last_seen, self.rec_last), ("freq", self.freq, self.rec_freq)):
+            out[name] = torch.empty(slots.numel(), dtype=torch.int64)
+            out[name].index_copy_(0, c, mem.index_select(0, cs)).index_copy_(0, d, rec.index_select(0, dr))
+        st = {k: self.state[k].new_empty((slots.numel(), *self.state[k].shape[1:])) for k in state}
+        for k in state:
+            st[k].index_copy_(0, c, self.state[k].index_select(0, cs))
+        self._state_into(st, d, dr)
+        out["state"] = {k: st[k] for k in state}
+        return out
+
+    def table_slots(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        raise HybridEmbedError(
+            f"table {self._table(name).name!r} is tiered: its rows on disk have no slot; read them with read_ids"
+        )
+
+    def table_ids(self, name: str) -> torch.Tensor:
+        return self._rows_of(name)[0]
+
+    def table_state(self, name: str) -> dict[str, torch.Tensor]:
+        _, slots, recs = self._rows_of(name)
+        return self._read(slots, recs, list(self.state))["state"]
+
+    def read_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        ids, slots, recs = self._rows_of(table)
+        got = self._read(slots, recs, list(self.state))
+        return ids, got["weight"], got["state"]
+
+    def save_table(self, name: str, state: Sequence[str] = ()) -> dict[str, Any]:
+        i = self.table_index[name]
+        ids, slots, recs = self._rows_of(name)
+        got = self._read(slots, recs, state)
+        out = {
+            "ids": ids,
+            "weight": got["weight"],
+            "last_seen": got["last_seen"],
+            "freq": got["freq"],
+            "stats": self.counters[i].clone(),
+            "clock": torch.tensor(self.clock),
+            "generator": self._gen.get_state(),
+        }
+        if self.sketch.numel():
+            out["sketch"] = self.sketch[i].clone()
+        if state:
+            out["state"] = got["state"]
+        return out
+
+    def track_changes(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """As :meth:`RowStorage.track_changes`; the mask counts the cache's slots, then the records."""
+        old, removed = super().track_changes()
+        recs = self.rec_changed[: self._homes.n].clone()
+        self.rec_changed.zero_()
+        return (None if old is None else torch.cat([old, recs])), removed
+
+    def restore_changes(self, changed: torch.Tensor | None, removed: list[torch.Tensor]) -> None:
+        slots = self.weight.shape[0]
+        super().restore_changes(None if changed is None else changed[:slots], removed)
+        if changed is not None and self._changed is not None:
+            recs = changed[slots:]
+            self.rec_changed[: recs.numel()] |= recs
+        elif self._changed is not None:
+            self.rec_changed.fill_(True)
+
+    def save_changes(self, name, changed, removed) -> tuple[dict[str, Any], torch.Tensor]:
+        """As :meth:`HashStorage.save_changes` (``changed``: :meth:`track_changes`' mask), the rows'
+        optimizer state in the entry's ``"state"``; -> (entry, the changed rows' ids)."""
+        i, c = self.table_index[name], self.weight.shape[0]
+        ids, slots, recs = self._rows_of(name)
+        mem, disk = changed[:c], changed[c:]
+        pick = torch.zeros(ids.numel(), dtype=torch.bool)
+        cached = slots >= 0
+        pick[cached] = mem.index_select(0, slots[cached])
+        held = (recs >= 0) & (recs < disk.numel())
+        pick[held] = disk.index_select(0, recs[held])
+        sel = pick.nonzero().squeeze(1)
+        got = self._read(slots.index_select(0, sel), recs.index_select(0, sel), list(self.state))
+        gone = [r[0][r[1] == i] for r in removed]
+        gone = torch.cat(gone).unique() if gone else ids[:0]
+        out = {
+            "ids": ids.index_select(0, sel),
+            "weight": got["weight"],
+            "last_seen": got["last_seen"],
+            "freq": got["freq"],
+            "stats": self.counters[i].clone(),
+            "clock": torch.tensor(self.clock),
+            "generator": self._gen.get_state(),
+            "removed": gone[~torch.isin(gone, ids)],
+            "state": got["state"],
+        }
+        if self.sketch.numel():
+            out["sketch"] = self.sketch[i].clone()
+        return out, out["ids"]
+
+    @torch.no_grad()
+    def load_table_state(self, name: str, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Writes ``state`` of rows ``ids`` (K,), which the table must hold (cached or on disk)."""
+        i = self.table_index[name]
+        ids = ids.to(torch.int64)
+        tabs = torch.full_like(ids, i, dtype=torch.int32)
+        slots = self._find(ids, tabs)
+        recs = self._homes.lookup(ids, tabs)
+        disk = slots < 0
+        if bool((disk & ((recs < 0) | ~self.rec_live.index_select(0, recs.clamp_min(0)))).any()):
+            raise HybridEmbedError(
+                f"table {name!r}: optimizer state for ids the table does not hold; load the model first"
+            )
+        c = (~disk).nonzero().squeeze(1)
+        for k, v in state.items():
+            self.state[k].index_copy_(0, slots.index_select(0, c), v.index_select(0, c).to(self.state[k]))
+        self._mark(slots.index_select(0, c))
+        d = disk.nonzero().squeeze(1)
+        if d.numel():
+            dr = recs.index_select(0, d)
+            for k, f in self._state_files.items():
+                f.write(dr, state[k].index_select(0, d).to(self.state[k].dtype).reshape(d.numel(), -1))
+            self.rec_state[dr] = bool(self._state_files)
+            self.rec_changed[dr] = True
+
+    @torch.no_grad()
+    def write_ids(
+        self, table: str, ids: torch.Tensor, rows: torch.Tensor, state: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """As :meth:`HashStorage.write_ids`: rows cached are written there, others to their records
+        (ids the table does not hold get records: initial state where none is given)."""
+        i = self.table_index[self._table(table).name]
+        ids, data = self._check_ids_data(table, ids, rows, state)
+        tabs = torch.full_like(ids, i, dtype=torch.int32)
+        slots = self._find(ids, tabs)
+        c, d = (slots >= 0).nonzero().squeeze(1), (slots < 0).nonzero().squeeze(1)
+        cs = slots.index_select(0, c)
+        for name, v in data.items():
+            dst = self.weight.detach() if name == "weight" else self.state[name]
+            dst.index_copy_(0, cs, v.index_select(0, c).to(dst))
+        self._mark(cs)
+        if d.numel():
+            self._write_records(
+                ids.index_select(0, d), tabs.index_select(0, d), {k: v.index_select(0, d) for k, v in data.items()}
+            )
+
+    def _write_records(self, keys, tabs, data: dict[str, torch.Tensor], last=None, freq=None) -> None:
+        """Rows (and the state given) written to the records of (table, id) pairs not cached."""
+        recs = self._home(keys, tabs)
+        self._rows_file.write(recs, data["weight"].to(self.dtype))
+        given = [k for k in self._state_files if k in data]
+        for k in given:
+            self._state_files[k].write(recs, data[k].to(self.state[k].dtype).reshape(recs.numel(), -1))
+        self.rec_state[recs] = bool(given) and len(given) == len(self._state_files)
+        self.rec_last[recs] = self.clock if last is None else last
+        self.rec_freq[recs] = 0 if freq is None else freq
+        self.rec_live[recs] = True
+        self.rec_changed[recs] = True
+
+    def load_tables(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace the rows of several tables: their cached rows dropped, their records emptied, the
+        entries' rows written to records (read into the cache when looked up)."""
+        which = torch.tensor([self.table_index[n] for n in entries], dtype=torch.int32)
+        old = torch.isin(self.slot_table, which.to(self.slot_table.device)).nonzero().squeeze(1)
+        self._evict(old, count=False)  # (a reload is not an eviction)
+        n = self._homes.n
+        mine = torch.isin(self._homes.tab[:n], which)
+        self.rec_live[:n][mine] = False
+        for name, entry in entries.items():
+            i, ids = self.table_index[name], entry["ids"].to(torch.int64)
+            tabs = torch.full_like(ids, i, dtype=torch.int32)
+            self._write_records(ids, tabs, {"weight": entry["weight"]}, entry["last_seen"], entry["freq"])
+            self.counters[i] = entry["stats"].to(self.counters)
+            self.clock = max(self.clock, int(entry["clock"]))
+            if "generator" in entry:
+                self._load_generator(entry["generator"])
+            if "sketch" in entry and self.sketch.numel():
+                self.sketch[i] = entry["sketch"].to(self.sketch)
+        self._applied_clock = self.clock
+
+    # --- accounting ---------------------------------------------------------------------------
+    def _disk_rows(self, i: int | None = None) -> int:
+        n = self._homes.n
+        live = self.rec_live[:n]
+        return int((live & (self._homes.tab[:n] == i)).sum()) if i is not None else int(live.sum())
+
+    def table_stats(self, name: str) -> dict[str, float]:
+        s = super().table_stats(name)
+        s["size"] += self._disk_rows(self.table_index[name])
+        return s
+
+    def stats(self, table: str | None = None) -> dict[str, Any]:
+        """As :meth:`HashStorage.stats` (``rows``: cached and on disk), with ``disk_rows``,
+        ``cache_rows``, ``disk_bytes``, and rows ``spilled`` / ``read_back`` so far."""
+        s = super().stats(table)  # (of a table: its size counts its records already, see table_stats)
+        disk = self._disk_rows(None if table is None else self.table_index[self._table(table).name])
+        if table is None:
+            s["rows"] = s["size"] = s["rows"] + disk
+        files = (self._rows_file, *self._state_files.values())
+        s["disk_rows"], s["cache_rows"] = disk, self.weight.shape[0] - 1
+        s["disk_bytes"] = sum(os.path.getsize(f.path) for f in files if f is not None)
+        s["memory_bytes"] = self.memory_bytes
+        return s | dict(self.spill_counters)
+
+    @property
+    def memory_bytes(self) -> int:
+        """The cache's bytes (rows, state, index) and, per record, its pair, recency, frequency,
+        flags and index positions."""
+        recs = self.rec_last.numel() * (8 + 8 + 3) + self._homes.key.numel() * 12 + self._homes._hrow.numel() * 8
+        return super().memory_bytes + recs
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, on disk: {self._disk_rows()} rows, path={str(self.tier.path)!r}"

@@ -1,0 +1,195 @@
+"""Tiered dynamic tables (``TableConfig(None, dim, dynamic=he.Dynamic(), tiered=he.Tiered(...))``:
+any int64 id, rows beyond a bounded cache spilled to disk) against the same dynamic tables in memory:
+every optimizer, admission, lru and lfu, eval lookups; state_dict and checkpoints (full and
+incremental, into tiers or memory); refusals that change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridembed as he
+from hybridembed.optim import sparse as so
+from hybridembed.storage.tiered import _File
+from hybridembed.storage.tiered_hash import TieredHashStorage
+
+OPTIMIZERS = {
+    "sgd": so.SGD(lr=0.1),
+    "adagrad": so.Adagrad(lr=0.1, initial_accumulator_value=0.1),
+    "rowwise": so.RowWiseAdagrad(lr=0.1),
+    "adam": so.Adam(lr=0.01),
+    "ftrl": so.Ftrl(lr=0.1),  # (no fused kernel: the eager update)
+}
+
+
+def _tables(tiered: he.Tiered | None, opt=None, **dynamic) -> list[he.TableConfig]:
+    dyn = he.Dynamic(**dynamic)
+    return [
+        he.TableConfig("a", None, 8, optimizer=opt, dynamic=dyn, tiered=tiered),
+        he.TableConfig("b", None, 8, combiner="mean", optimizer=opt, dynamic=dyn, tiered=tiered),
+    ]
+
+
+def _batch(g: torch.Generator) -> dict:
+    ids = (torch.rand(24, generator=g) ** 3 * 400).long() - 7  # (power-law-ish, negative ids too)
+    return {
+        "a": (torch.rand(16, generator=g) ** 2 * 10**9).long() % 300,
+        "b": he.Jagged.from_lengths(ids, torch.tensor([5, 7, 0, 12])),
+    }
+
+
+def _loss(out: dict) -> torch.Tensor:
+    return sum((v * torch.linspace(-1, 2, v.shape[1])).sum() for v in out.values())
+
+
+def _train(ec, steps: int = 30, seed: int = 0, opt=None):
+    opt = opt or he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        _loss(ec(_batch(g))).backward()
+        opt.step()
+    return opt
+
+
+def _state(ec) -> dict:
+    out = {}
+    for n in ec.tables:
+        ids, rows, state = ec.storage_of(n).read_ids(n)
+        out[f"{n}.ids"], out[n] = ids, rows
+        out |= {f"{n}.{k}": v for k, v in state.items()}
+        stats = ec.storage_of(n).table_stats(n)
+        out[f"{n}.stats"] = torch.tensor([stats[k] for k in ("size", "inserted", "rejected", "hits", "lookups")])
+    return out
+
+
+def _same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_tiered_dynamic_table_trains_as_the_table_in_memory(tmp_path, name):
+    opt = OPTIMIZERS[name]
+    ref = he.EmbeddingCollection(_tables(None, opt), seed=3)
+    _train(ref)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60), opt), seed=3)
+    _train(ec)
+    st = ec.storage_of("a")
+    assert isinstance(st, TieredHashStorage) and st.weight.shape[0] == 61  # (the cache never grows)
+    stats = st.stats()
+    assert stats["spilled"] > 100 and stats["read_back"] > 50 and stats["disk_rows"] > stats["cache_rows"], stats
+    assert stats["rows"] == sum(ref.storage_of("a").stats()["rows"] for _ in [0])
+    _same(_state(ec), _state(ref))
+    ec.eval(), ref.eval()  # eval: rows on disk are read back; unknown ids get the default row, admitted nowhere
+    g = torch.Generator().manual_seed(99)
+    for _ in range(3):
+        b = _batch(g)
+        for f, x in ec(b).items():
+            torch.testing.assert_close(x, ref(b)[f], rtol=0, atol=0)
+    assert ec.storage_of("a").stats()["rows"] == ref.storage_of("a").stats()["rows"]
+
+
+@pytest.mark.parametrize("dynamic", [{"eviction": "lfu"}, {"min_count": 2}, {"admit_probability": 0.5}])
+def test_which_rows_stay_in_memory_and_admission_do_not_change_the_result(tmp_path, dynamic):
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"], **dynamic), seed=1)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60), OPTIMIZERS["adagrad"], **dynamic), seed=1)
+    _train(ref, seed=4)
+    _train(ec, seed=4)
+    _same(_state(ec), _state(ref))
+
+
+def test_state_dict_and_checkpoints_full_and_incremental_through_the_tiers(tmp_path):
+    adagrad = OPTIMIZERS["adagrad"]
+    ref = he.EmbeddingCollection(_tables(None, adagrad), seed=2)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=60), adagrad), seed=2)
+    opt_ref, opt = _train(ref, steps=10), _train(ec, steps=10)
+    sd, sd_ref = ec.state_dict(), ref.state_dict()
+    assert sd.keys() == sd_ref.keys()
+    for k, v in sd_ref.items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=0)
+    he.save(tmp_path / "ck", ec, opt)
+    _train(ec, steps=6, seed=5, opt=opt)
+    _train(ref, steps=6, seed=5, opt=opt_ref)
+    he.save(tmp_path / "ck", ec, opt, incremental=True)  # (rows changed in the cache and on disk since)
+    loaded = []
+    for tiered in (he.Tiered(tmp_path / "b", cache_rows=60), None):  # into tiers and into memory
+        back = he.EmbeddingCollection(_tables(tiered, adagrad), seed=2)  # (rows made later: keyed by the seed)
+        opt_back = he.wrap_optimizer(torch.optim.SGD(back.parameters(), lr=0.1), back)
+        he.load(tmp_path / "ck", back, opt_back)
+        _same(_state(back), _state(ref))
+        loaded.append((back, opt_back))
+    _train(ref, steps=5, seed=11, opt=opt_ref)
+    for back, opt_back in loaded:  # and they go on as the reference
+        _train(back, steps=5, seed=11, opt=opt_back)
+        _same(_state(back), _state(ref))
+    # a checkpoint of the table in memory loads into tiers too
+    he.save(tmp_path / "ck_ref", ref, opt_ref)
+    other = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "c", cache_rows=60), adagrad), seed=2)
+    opt_other = he.wrap_optimizer(torch.optim.SGD(other.parameters(), lr=0.1), other)
+    he.load(tmp_path / "ck_ref", other, opt_other)
+    _same(_state(other), _state(ref))
+    assert other.storage_of("a").stats()["disk_rows"] == other.storage_of("a").stats()["rows"]  # (loaded to disk)
+
+
+def test_refusals_change_nothing(tmp_path, monkeypatch):
+    with pytest.raises(he.ConfigError, match="Dynamic\\(capacity=None\\)"):
+        he.TableConfig("a", None, 8, dynamic=he.Dynamic(capacity=100), tiered=he.Tiered(tmp_path, 10))
+    with pytest.raises(he.ConfigError, match="'ttl'"):
+        he.TableConfig("a", None, 8, dynamic=he.Dynamic(eviction="ttl", ttl_steps=3), tiered=he.Tiered(tmp_path, 10))
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "t", cache_rows=40), OPTIMIZERS["adagrad"]), seed=1)
+    opt = _train(ec, steps=5)
+    before = _state(ec)
+    with pytest.raises(
+        he.HybridEmbedError, match=r"this batch needs \d+ rows in the cache, 0 of its 40 slots.*Nothing was changed"
+    ):
+        ec({"a": torch.arange(1000, 1050), "b": torch.arange(3)})  # (more distinct rows than the cache)
+    _same(_state(ec), before)
+
+    def full(self, rows):
+        raise he.HybridEmbedError(f"tiered table file {self.path}: cannot grow (No space left on device)")
+
+    monkeypatch.setattr(_File, "reserve", full)
+    with pytest.raises(he.HybridEmbedError, match="No space left"):  # (a spill needs room on a full disk)
+        for step in range(50):
+            opt.zero_grad()
+            _loss(ec({"a": torch.arange(2000 + 30 * step, 2030 + 30 * step), "b": torch.arange(3)})).backward()
+            opt.step()
+            before = _state(ec)
+    _same(_state(ec), before)
+    monkeypatch.undo()
+    _train(ec, steps=3, opt=opt)  # (it goes on once there is room)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.user = torch.nn.Embedding(500, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.user(ids)).squeeze(1)
+
+
+def test_a_converted_layer_made_dynamic_and_tiered_trains_as_the_plain_layer(tmp_path):
+    """``he.convert(model, tables={layer: {"dynamic": ..., "tiered": ...}}, copy_dynamic_rows=True)``:
+    the layer's rows as ids 0..N-1, most of them on disk; Adagrad (lazy = dense) as torch's."""
+    plain = _Model()
+    spec = {"user": {"dynamic": he.Dynamic(), "tiered": he.Tiered(tmp_path, cache_rows=64)}}
+    model = he.convert(_Model(), tables=spec, copy_dynamic_rows=True)
+    st = model.user.collection.storage_of(model.user.table)
+    assert isinstance(st, TieredHashStorage) and st.stats()["disk_rows"] >= 500 - 64
+    opts = [torch.optim.Adagrad(plain.parameters(), lr=0.1)]
+    opts.append(he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        ids = torch.randint(0, 500, (40,), generator=g)
+        for m, o in zip((plain, model), opts):
+            o.zero_grad()
+            m(ids).pow(2).mean().backward()
+            o.step()
+    ids, rows = model.user.collection.dynamic_rows(model.user.table)
+    assert torch.equal(ids, torch.arange(500))
+    torch.testing.assert_close(rows, plain.user.weight.detach(), rtol=1e-6, atol=1e-7)
