@@ -3,6 +3,7 @@ same tables in memory, and the memory of a table larger than the cache.
 
     python benchmarks/bench_tiered.py                       # both parts, defaults (~ a few minutes)
     python benchmarks/bench_tiered.py --part speed --steps 30
+    python benchmarks/bench_tiered.py --part dynamic --steps 30   # dynamic tables (any int64 id) on disk
     python benchmarks/bench_tiered.py --part memory --memory-rows 160000000   # 40 GiB of rows (fp32, dim 64)
     python benchmarks/bench_tiered.py --part memory --memory-rows 20000000 --checkpoint   # he.save / he.load of 5 GiB
     python benchmarks/bench_tiered.py --quick               # seconds: the smoke test
@@ -12,6 +13,11 @@ same tables in memory, and the memory of a table larger than the cache.
 the fused CPU step. The tiered collection's cache holds ``--cache-frac`` of the rows. Both
 collections train in one process, interleaved step by step, on the same batches; medians. The
 first ``--warmup`` steps fill the cache and are not timed (the table in memory gets the same).
+
+**dynamic**: as speed, with dynamic tables (``he.Dynamic()``: ids made on first sight; the ids
+are the power-law ids spread over int64), in memory unbounded against tiered (rows beyond the
+cache spilled to disk, :mod:`hybridembed.storage.tiered_hash`); the cache holds ``--cache-frac``
+of ``--tables`` x ``--rows``.
 
 **memory**: a fresh process builds one tiered table of ``--memory-rows`` rows x ``--dim`` with a
 cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-law ids; its peak
@@ -38,23 +44,32 @@ import hybridembed as he
 from hybridembed.synthetic import powerlaw_ids
 
 
-def _collection(tables: int, rows: int, dim: int, tiered: he.Tiered | None, seed: int = 0):
-    ts = [he.TableConfig(f"t{i}", rows, dim, tiered=tiered) for i in range(tables)]
+def _collection(tables: int, rows: int, dim: int, tiered: he.Tiered | None, seed: int = 0, dynamic: bool = False):
+    if dynamic:  # (unbounded in memory, rows made on first sight; tiered: beyond the cache on disk)
+        dyn = he.Dynamic(initial_rows=1 << 16)
+        ts = [he.TableConfig(f"t{i}", None, dim, dynamic=dyn, tiered=tiered) for i in range(tables)]
+    else:
+        ts = [he.TableConfig(f"t{i}", rows, dim, tiered=tiered) for i in range(tables)]
     ec = he.EmbeddingCollection(ts, seed=seed)
     opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.01), ec, sparse=he.optim.RowWiseAdagrad(lr=0.01))
     return ec, opt
 
 
-def speed(args: argparse.Namespace, where: str) -> dict:
+_SPREAD = -7046029254386353131  # (odd: ids * it spread over int64, as a dynamic table's raw ids)
+
+
+def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
     g = torch.Generator().manual_seed(0)
     steps = args.warmup + args.steps
+    spread = _SPREAD if dynamic else 1
     batches = [
-        {f"t{i}": powerlaw_ids(args.batch, args.rows, generator=g) for i in range(args.tables)} for _ in range(steps)
+        {f"t{i}": powerlaw_ids(args.batch, args.rows, generator=g) * spread for i in range(args.tables)}
+        for _ in range(steps)
     ]
     cache = int(args.cache_frac * args.rows * args.tables)
     contenders = {
-        "memory": _collection(args.tables, args.rows, args.dim, None),
-        "tiered": _collection(args.tables, args.rows, args.dim, he.Tiered(where, cache_rows=cache)),
+        "memory": _collection(args.tables, args.rows, args.dim, None, dynamic=dynamic),
+        "tiered": _collection(args.tables, args.rows, args.dim, he.Tiered(where, cache_rows=cache), dynamic=dynamic),
     }
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for s, b in enumerate(batches):
@@ -68,10 +83,14 @@ def speed(args: argparse.Namespace, where: str) -> dict:
                 times[name].append((time.perf_counter() - t0) * 1e3)
     st = contenders["tiered"][0].storage_of("t0").stats()
     res = {k: statistics.median(v) for k, v in times.items()}
+    rows_of = (lambda ec, n: ec.dynamic_rows(n)[1]) if dynamic else (lambda ec, n: ec.weight(n))
     same = all(
-        torch.equal(contenders["tiered"][0].weight(n), contenders["memory"][0].weight(n))
+        torch.equal(rows_of(contenders["tiered"][0], n), rows_of(contenders["memory"][0], n))
         for n in ("t0", f"t{args.tables - 1}")
     )
+    if dynamic:  # (the rows the tables hold: in memory all; tiered, the cache's and those spilled to disk)
+        st["disk_reads"], st["disk_writes"] = st["read_back"], st["spilled"]
+        st["hit_rate"] = 1 - st["read_back"] / max(1, st["lookups"])
     return {
         "memory_ms": res["memory"],
         "tiered_ms": res["tiered"],
@@ -82,6 +101,7 @@ def speed(args: argparse.Namespace, where: str) -> dict:
         "disk_reads": st["disk_reads"],
         "disk_writes": st["disk_writes"],
         "equal_to_memory": same,
+        **({"table_rows": st["rows"], "disk_rows": st["disk_rows"]} if dynamic else {}),
     }
 
 
@@ -214,7 +234,7 @@ def prefetch(args: argparse.Namespace, where: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=["speed", "memory", "prefetch", "both"], default="both")
+    p.add_argument("--part", choices=["speed", "dynamic", "memory", "prefetch", "both"], default="both")
     p.add_argument("--prefetch-rows", type=int, default=4_000_000, help="prefetch part: rows of all tables")
     p.add_argument("--prefetch-cache", type=int, default=200_000)
     p.add_argument("--tables", type=int, default=8)
@@ -246,6 +266,16 @@ def main(argv: list[str] | None = None) -> dict:
                 f"({args.cache_frac:.0%}), batch {args.batch}: in memory {r['memory_ms']:.1f} ms, tiered "
                 f"{r['tiered_ms']:.1f} ms ({r['ratio']:.2f}x; target <= 2x); hit rate {r['hit_rate']:.3f}, "
                 f"equal to the table in memory: {r['equal_to_memory']}",
+                flush=True,
+            )
+        if args.part == "dynamic" or args.quick:
+            r = result["dynamic"] = speed(args, f"{root}/dynamic", dynamic=True)
+            print(
+                f"dynamic: {args.tables} dynamic tables, power-law ids over {args.rows:,} ids each spread over int64, "
+                f"{r['table_rows']:,} rows made; cache {r['cache_rows']:,} rows ({r['disk_rows']:,} on disk), batch "
+                f"{args.batch}: in memory {r['memory_ms']:.1f} ms, tiered {r['tiered_ms']:.1f} ms ({r['ratio']:.2f}x; "
+                f"target <= 2x); rows read back {r['disk_reads']:,}, spilled {r['disk_writes']:,}; equal to the tables "
+                f"in memory: {r['equal_to_memory']}",
                 flush=True,
             )
         if args.part in ("memory", "both"):

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import Plan, ShardedCollection, make_plan, plan_costs, shard_table
@@ -177,3 +178,31 @@ def test_a_model_of_tiered_tables_on_meta_is_distributed_on_the_ranks_disks(tmp_
         for t in ref.tables:
             torch.testing.assert_close(r["tables"][t], ref.weight(t), rtol=1e-5, atol=1e-6, msg=t)
     assert any(p.suffix == ".rows" for p in tmp_path.iterdir())
+
+
+def _dynamic_job(rank: int, world: int, where: str | None, seed: int) -> tuple:
+    """A dynamic table row-wise over the ranks, tiered (rows beyond 30 a shard spilled to disk) or not."""
+    t = he.TableConfig(
+        "e", None, 8, dynamic=he.Dynamic(), tiered=he.Tiered(where, cache_rows=30) if where is not None else None
+    )
+    ec = ShardedCollection([t], plan=Plan(world, (shard_table(t, "row_wise", tuple(range(world))),)), seed=3)
+    opt = he.wrap_optimizer(
+        torch.optim.Adagrad(ec.parameters(), lr=0.1), nn.ModuleDict({"ec": ec, "d": nn.Linear(1, 1)})
+    )
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        ids = torch.randint(-500, 500, (world, 16), generator=g)[rank]
+        opt.zero_grad()
+        (ec({"e": ids})["e"] * torch.linspace(-1, 1, 8)).sum().backward()
+        opt.step()
+    spilled = sum(st.stats().get("spilled", 0) for st in ec.storages)
+    return ec.gather_table("e"), spilled
+
+
+def test_a_tiered_dynamic_table_sharded_row_wise_trains_as_in_memory(tmp_path):
+    tiered = spawn(_dynamic_job, 2, str(tmp_path), 5, timeout=120)
+    memory = spawn(_dynamic_job, 2, None, 5, timeout=120)
+    (ids, rows), spilled = tiered[0]
+    assert all(r[1] > 0 for r in tiered)  # (each rank's shard spilled rows to its disk)
+    assert torch.equal(ids, memory[0][0][0]) and ids.numel() > 300
+    torch.testing.assert_close(rows, memory[0][0][1], rtol=0, atol=0)

@@ -193,3 +193,29 @@ def test_a_converted_layer_made_dynamic_and_tiered_trains_as_the_plain_layer(tmp
     ids, rows = model.user.collection.dynamic_rows(model.user.table)
     assert torch.equal(ids, torch.arange(500))
     torch.testing.assert_close(rows, plain.user.weight.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead):
+    """ec.prefetch(a later batch) reads its rows on disk in a background thread; read back, they
+    come from memory. Two batches ahead, some records are written again before their batch comes:
+    read again (equal to the table in memory either way)."""
+    g = torch.Generator().manual_seed(3)
+    batches = [_batch(g) for _ in range(30)]
+    runs = {}
+    for kind in ("memory", "tiered"):
+        tiered = he.Tiered(tmp_path / kind, cache_rows=60) if kind == "tiered" else None
+        ec = he.EmbeddingCollection(_tables(tiered, OPTIMIZERS["adagrad"]), seed=3)
+        opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+        for i, b in enumerate(batches):
+            opt.zero_grad()
+            _loss(ec(b)).backward()
+            if i + ahead < len(batches):
+                ec.prefetch(batches[i + ahead])
+            opt.step()
+        runs[kind] = ec
+    stats = runs["tiered"].storage_of("a").stats()
+    assert stats["prefetched"] > 50, stats
+    if ahead == 1:  # (nothing is written between the prefetch and its lookup: every row read back came from it)
+        assert stats["prefetched"] == stats["read_back"], stats
+    _same(_state(runs["tiered"]), _state(runs["memory"]))

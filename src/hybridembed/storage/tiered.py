@@ -167,14 +167,22 @@ class _Prefetch:
 
 def prefetch_rows(features, storages, jagged: dict) -> None:
     """:meth:`EmbeddingCollection.prefetch`: each tiered group's rows of ``jagged`` (checked
-    inputs by feature name; ids outside a table dropped) to its storage's :meth:`~TieredStorage.prefetch`."""
+    inputs by feature name; ids outside a table dropped) to its storage's :meth:`~TieredStorage.prefetch`
+    (a tiered dynamic group: its ids to ``prefetch_ids``)."""
     rows: dict[int, list[torch.Tensor]] = {}
+    keyed: dict[int, list[tuple[torch.Tensor, int]]] = {}
     for feat in features:
+        if getattr(storages[feat.group], "spills", False) and feat.name in jagged:  # (dynamic: by id)
+            keyed.setdefault(feat.group, []).append((jagged[feat.name].values.to(torch.int64), feat.table_index))
         if getattr(storages[feat.group], "tiered", False) and feat.name in jagged:
             v, n = jagged[feat.name].values.to(torch.int64), feat.table.num_embeddings
             rows.setdefault(feat.group, []).append(v[(v >= 0) & (v < n)] + feat.row_offset)
     for g, parts in rows.items():
         storages[g].prefetch(torch.cat(parts))
+    for g, parts in keyed.items():
+        ids = torch.cat([v for v, _ in parts])
+        tabs = torch.cat([torch.full((v.numel(),), i, dtype=torch.int32) for v, i in parts])
+        storages[g].prefetch_ids(ids, tabs)
 
 
 def _lock(path: Path) -> int:

@@ -38,7 +38,7 @@ from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
 from .hashed import _EMPTY, _FIND_WINDOW, _PROBES, HashStorage, sort_pairs
 from .protocol import LookupPlan, _nothing
-from .tiered import _File, _lock
+from .tiered import _File, _lock, _Prefetch
 
 __all__ = ["TieredHashStorage"]
 
@@ -105,7 +105,7 @@ class TieredHashStorage(HashStorage):
             )
         super().__init__(tables, seed, device)
         self.tier = self.tables[0].tiered
-        self.spill_counters = dict.fromkeys(("spilled", "read_back", "disk_writes"), 0)
+        self.spill_counters = dict.fromkeys(("spilled", "read_back", "disk_writes", "prefetched"), 0)
         self._homes = _Homes()
         self.rec_last = torch.zeros(0, dtype=torch.int64)  # (R,) recency of each record's row
         self.rec_freq = torch.zeros(0, dtype=torch.int64)
@@ -115,6 +115,7 @@ class TieredHashStorage(HashStorage):
         self._rows_file: _File | None = None
         self._state_files: dict[str, _File] = {}
         self._reserved = 0  # records the files have room for
+        self._prefetched: _Prefetch | None = None  # records prefetch() is reading, or read
         if kind == "meta":
             return
         self.dir = Path(self.tier.path)
@@ -237,6 +238,7 @@ class TieredHashStorage(HashStorage):
             return
         n = victims.numel()
         recs = self._home(self.slot_key[victims], self.slot_table[victims])
+        self._written(recs)
         self._rows_file.write(recs, self.weight.detach().index_select(0, victims))
         for name, f in self._state_files.items():
             f.write(recs, self.state[name].index_select(0, victims).view(n, -1))
@@ -258,17 +260,76 @@ class TieredHashStorage(HashStorage):
         """Rows of records ``recs`` (K,) into free slots (with their state, recency, frequency): the slots."""
         slots = self._allocate(keys.numel())
         self._insert(keys, tabs, slots)
-        self.weight.detach().index_copy_(0, slots, self._rows_file.read(recs))
+        taken = self._from_prefetch(recs, slots)  # (K,) bool: rows (and state) the prefetch had read
+        rest = (~taken).nonzero().squeeze(1)
+        if rest.numel():
+            r, s = recs.index_select(0, rest), slots.index_select(0, rest)
+            self.weight.detach().index_copy_(0, s, self._rows_file.read(r))
+            self._state_into(self.state, s, r)
         self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
         self.last_seen[slots], self.freq[slots] = self.rec_last[recs], self.rec_freq[recs]
         self.size += self._per_table(tabs)
-        self._state_into(self.state, slots, recs)
         if self._changed is not None:
             self._changed[slots] = self.rec_changed.index_select(0, recs)
         self.rec_changed[recs] = False
         self.rec_live[recs] = False
         self.spill_counters["read_back"] += keys.numel()
         return slots
+
+    # --- prefetch -------------------------------------------------------------------------------
+    def prefetch_ids(self, ids: torch.Tensor, tabs: torch.Tensor) -> None:
+        """Start reading, in a background thread, the rows on disk of (table index ``tabs``, id
+        ``ids``) pairs (a later batch's), with their optimizer state; a lookup that reads them
+        back takes them from memory. A hint: rows cached or never seen are skipped, a record
+        written meanwhile is read again, a failed read is dropped. One at a time."""
+        self.drop_prefetch()
+        keys, ktabs, _, _ = sort_pairs(ids.to(torch.int64), tabs.to(torch.int32), len(self.tables))
+        recs = self._homes.lookup(keys, ktabs)
+        on_disk = recs >= 0
+        on_disk[on_disk.clone()] = self.rec_live.index_select(0, recs[on_disk])
+        recs = torch.sort(recs[on_disk]).values
+        if recs.numel():
+            self._prefetched = _Prefetch(
+                recs, self.rec_state.index_select(0, recs), dict(self._state_files), self._rows_file
+            )
+
+    def _written(self, recs: torch.Tensor) -> None:
+        """Records ``recs`` are (re)written now: a prefetched copy of them is old."""
+        if self._prefetched is not None:
+            _, at = self._prefetched.positions(recs)
+            self._prefetched.stale[at] = True
+
+    def drop_prefetch(self) -> None:
+        """Forget the rows prefetched (waits for a read in progress)."""
+        if self._prefetched is not None:
+            self._prefetched.ready()
+            self._prefetched = None
+
+    def _from_prefetch(self, recs: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Records ``recs`` (K,) the prefetch holds (fresh), copied into ``slots``: (K,) bool."""
+        taken = torch.zeros(recs.numel(), dtype=torch.bool)
+        pf = self._prefetched
+        if pf is None:
+            return taken
+        found, at = pf.positions(recs)
+        if found.numel() == 0 or not pf.ready():
+            return taken
+        keep = ~(self.rec_state.index_select(0, recs.index_select(0, found)) & ~pf.with_state.index_select(0, at))
+        found, at = found[keep], at[keep]  # (a record given state since its read: read again)
+        at_slots = slots.index_select(0, found)
+        self.weight.detach().index_copy_(0, at_slots, pf.weight.index_select(0, at))
+        if self.optimizer is not None:
+            has = pf.with_state.index_select(0, at)
+            within = torch.cumsum(pf.with_state.long(), 0) - 1  # (a record's place among those with state)
+            for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
+                dst = self.state[name]
+                dst.index_fill_(0, at_slots[~has], fill)
+                if name in pf.state and bool(has.any()):
+                    src = pf.state[name].index_select(0, within.index_select(0, at[has]))
+                    dst.index_copy_(0, at_slots[has], src.view((-1, *dst.shape[1:])))
+        taken[found] = True
+        self.spill_counters["prefetched"] += found.numel()
+        return taken
 
     def _state_into(self, out: dict[str, torch.Tensor], at: torch.Tensor, recs: torch.Tensor) -> None:
         """Records ``recs``' optimizer state into ``out[name]`` at ``at`` (initial where none written)."""
@@ -289,6 +350,7 @@ class TieredHashStorage(HashStorage):
         super().attach_optimizer(optimizer, hparams)
         if self._rows_file is None:
             return
+        self.drop_prefetch()  # (its state files are made afresh below)
         self._state_files = {
             name: _File(self.dir / f"{self._name}.{name}", self._reserved, self.dim if t.dim() > 1 else 1, t.dtype)
             for name, t in self.state.items()
@@ -428,6 +490,7 @@ class TieredHashStorage(HashStorage):
         d = disk.nonzero().squeeze(1)
         if d.numel():
             dr = recs.index_select(0, d)
+            self._written(dr)
             for k, f in self._state_files.items():
                 f.write(dr, state[k].index_select(0, d).to(self.state[k].dtype).reshape(d.numel(), -1))
             self.rec_state[dr] = bool(self._state_files)
@@ -457,6 +520,7 @@ class TieredHashStorage(HashStorage):
     def _write_records(self, keys, tabs, data: dict[str, torch.Tensor], last=None, freq=None) -> None:
         """Rows (and the state given) written to the records of (table, id) pairs not cached."""
         recs = self._home(keys, tabs)
+        self._written(recs)
         self._rows_file.write(recs, data["weight"].to(self.dtype))
         given = [k for k in self._state_files if k in data]
         for k in given:
@@ -470,6 +534,7 @@ class TieredHashStorage(HashStorage):
     def load_tables(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace the rows of several tables: their cached rows dropped, their records emptied, the
         entries' rows written to records (read into the cache when looked up)."""
+        self.drop_prefetch()  # (records are rewritten)
         which = torch.tensor([self.table_index[n] for n in entries], dtype=torch.int32)
         old = torch.isin(self.slot_table, which.to(self.slot_table.device)).nonzero().squeeze(1)
         self._evict(old, count=False)  # (a reload is not an eviction)
