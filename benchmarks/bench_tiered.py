@@ -71,6 +71,10 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
         "memory": _collection(args.tables, args.rows, args.dim, None, dynamic=dynamic),
         "tiered": _collection(args.tables, args.rows, args.dim, he.Tiered(where, cache_rows=cache), dynamic=dynamic),
     }
+    if dynamic:  # (the same, with ec.prefetch(next batch) after each backward)
+        contenders["tiered_prefetch"] = _collection(
+            args.tables, args.rows, args.dim, he.Tiered(where + "-prefetch", cache_rows=cache), dynamic=dynamic
+        )
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for s, b in enumerate(batches):
         for name, (ec, opt) in contenders.items():
@@ -78,6 +82,8 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
             out = ec(b)
             opt.zero_grad()
             torch.autograd.backward(list(out.values()), [torch.ones_like(v) for v in out.values()])
+            if name == "tiered_prefetch" and s + 1 < len(batches):
+                ec.prefetch(batches[s + 1])
             opt.step()
             if s >= args.warmup:
                 times[name].append((time.perf_counter() - t0) * 1e3)
@@ -102,6 +108,11 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
         "disk_writes": st["disk_writes"],
         "equal_to_memory": same,
         **({"table_rows": st["rows"], "disk_rows": st["disk_rows"]} if dynamic else {}),
+        **(
+            {"prefetch_ms": res["tiered_prefetch"], "prefetch_ratio": res["tiered_prefetch"] / res["memory"]}
+            if dynamic
+            else {}
+        ),
     }
 
 
@@ -274,8 +285,9 @@ def main(argv: list[str] | None = None) -> dict:
                 f"dynamic: {args.tables} dynamic tables, power-law ids over {args.rows:,} ids each spread over int64, "
                 f"{r['table_rows']:,} rows made; cache {r['cache_rows']:,} rows ({r['disk_rows']:,} on disk), batch "
                 f"{args.batch}: in memory {r['memory_ms']:.1f} ms, tiered {r['tiered_ms']:.1f} ms ({r['ratio']:.2f}x; "
-                f"target <= 2x); rows read back {r['disk_reads']:,}, spilled {r['disk_writes']:,}; equal to the tables "
-                f"in memory: {r['equal_to_memory']}",
+                f"target <= 2x); with ec.prefetch(next batch) {r['prefetch_ms']:.1f} ms ({r['prefetch_ratio']:.2f}x); "
+                f"rows read back {r['disk_reads']:,}, spilled {r['disk_writes']:,}; equal to the tables in memory: "
+                f"{r['equal_to_memory']}",
                 flush=True,
             )
         if args.part in ("memory", "both"):

@@ -70,7 +70,9 @@ def _same(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_tiered_dynamic_table_trains_as_the_table_in_memory(tmp_path, name):
+def test_a_tiered_dynamic_table_trains_as_the_table_in_memory(tmp_path, name, monkeypatch):
+    """(Each spill appends its rows to the files; they are compacted when mostly dead: often here.)"""
+    monkeypatch.setattr(TieredHashStorage, "COMPACT_AT", 50)
     opt = OPTIMIZERS[name]
     ref = he.EmbeddingCollection(_tables(None, opt), seed=3)
     _train(ref)
@@ -80,6 +82,7 @@ def test_a_tiered_dynamic_table_trains_as_the_table_in_memory(tmp_path, name):
     assert isinstance(st, TieredHashStorage) and st.weight.shape[0] == 61  # (the cache never grows)
     stats = st.stats()
     assert stats["spilled"] > 100 and stats["read_back"] > 50 and stats["disk_rows"] > stats["cache_rows"], stats
+    assert stats["compactions"] >= 1, stats
     assert stats["rows"] == sum(ref.storage_of("a").stats()["rows"] for _ in [0])
     _same(_state(ec), _state(ref))
     ec.eval(), ref.eval()  # eval: rows on disk are read back; unknown ids get the default row, admitted nowhere
@@ -196,7 +199,10 @@ def test_a_converted_layer_made_dynamic_and_tiered_trains_as_the_plain_layer(tmp
 
 
 @pytest.mark.parametrize("ahead", [1, 2])
-def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead):
+@pytest.mark.parametrize("compact", [False, True])
+def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead, compact, monkeypatch):
+    if compact:  # (a compaction moves rows on disk: it drops what was prefetched)
+        monkeypatch.setattr(TieredHashStorage, "COMPACT_AT", 50)
     """ec.prefetch(a later batch) reads its rows on disk in a background thread; read back, they
     come from memory. Two batches ahead, some records are written again before their batch comes:
     read again (equal to the table in memory either way)."""
@@ -216,6 +222,9 @@ def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead):
         runs[kind] = ec
     stats = runs["tiered"].storage_of("a").stats()
     assert stats["prefetched"] > 50, stats
-    if ahead == 1:  # (nothing is written between the prefetch and its lookup: every row read back came from it)
+    assert (stats["compactions"] > 0) == compact, stats
+    if (
+        ahead == 1 and not compact
+    ):  # (nothing is written between the prefetch and its lookup: every row read back came from it)
         assert stats["prefetched"] == stats["read_back"], stats
     _same(_state(runs["tiered"]), _state(runs["memory"]))

@@ -95,6 +95,7 @@ class TieredHashStorage(HashStorage):
     """Rows of a group of dynamic tables on disk, ``cache_rows`` of them in memory (module docstring)."""
 
     spills = True
+    COMPACT_AT = 1 << 16  # dead places (rows read back or written again elsewhere) before compacting, at least
 
     def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
         kind = torch.device(device).type if device is not None else "cpu"
@@ -105,16 +106,18 @@ class TieredHashStorage(HashStorage):
             )
         super().__init__(tables, seed, device)
         self.tier = self.tables[0].tiered
-        self.spill_counters = dict.fromkeys(("spilled", "read_back", "disk_writes", "prefetched"), 0)
+        self.spill_counters = dict.fromkeys(("spilled", "read_back", "disk_writes", "prefetched", "compactions"), 0)
         self._homes = _Homes()
         self.rec_last = torch.zeros(0, dtype=torch.int64)  # (R,) recency of each record's row
         self.rec_freq = torch.zeros(0, dtype=torch.int64)
         self.rec_live = torch.zeros(0, dtype=torch.bool)  # holds the row now (it is not cached)
         self.rec_state = torch.zeros(0, dtype=torch.bool)  # its optimizer state written (else: initial)
         self.rec_changed = torch.zeros(0, dtype=torch.bool)  # changed since the last checkpoint
+        self.rec_at = torch.zeros(0, dtype=torch.int64)  # where in the files its row is (-1: nowhere yet)
         self._rows_file: _File | None = None
         self._state_files: dict[str, _File] = {}
-        self._reserved = 0  # records the files have room for
+        self._reserved = 0  # places the files have room for
+        self._tail = 0  # the next free place: each spill appends (one write a file), compaction reclaims
         self._prefetched: _Prefetch | None = None  # records prefetch() is reading, or read
         if kind == "meta":
             return
@@ -198,19 +201,62 @@ class TieredHashStorage(HashStorage):
         return cand[order[:k]]
 
     def _reserve(self, victims: torch.Tensor) -> None:
-        """Room in the files for the victims' records (before any change: a full disk refuses the batch)."""
+        """Room in the files for the victims' rows (before any change: a full disk refuses the
+        batch); the files compacted first when most of them is dead (rows read back or moved)."""
         if victims.numel() == 0:
             return
-        fresh = int((self._homes.lookup(self.slot_key[victims], self.slot_table[victims]) < 0).sum())
-        self._room(self._homes.n + fresh)
+        live = int(self.rec_live.sum())
+        if self._tail - live > max(live, self.COMPACT_AT):
+            self._compact()
+        self._room(self._tail + victims.numel())
 
-    def _room(self, records: int) -> None:
-        if records <= self._reserved:
+    def _room(self, places: int) -> None:
+        if places <= self._reserved:
             return
-        size = max(records, 2 * self._reserved, 1024)
+        size = max(places, 2 * self._reserved, 1024)
         for f in (self._rows_file, *self._state_files.values()):
             f.reserve(size)
         self._reserved = size
+
+    def _append(self, n: int) -> torch.Tensor:
+        """``n`` consecutive free places at the end of the files (reserved already)."""
+        self._room(self._tail + n)
+        at = torch.arange(self._tail, self._tail + n)
+        self._tail += n
+        return at
+
+    def _compact(self) -> None:
+        """The rows on disk rewritten to the start of new files in the order of their places (few
+        calls: rows spilled together sit together), which then replace the old ones. Changes no row."""
+        self.drop_prefetch()
+        live = self.rec_live[: self._homes.n].nonzero().squeeze(1)
+        live = live.index_select(0, torch.argsort(self.rec_at.index_select(0, live)))
+        old = {"rows": self._rows_file, **self._state_files}
+        new: dict[str, _File] = {}
+        try:
+            for k, f in old.items():
+                new[k] = _File(f.path.with_name(f.path.name + ".new"), live.numel(), f.width, f.dtype)
+            step = max(1, (64 << 20) // sum(f.row_bytes for f in old.values()))
+            for lo in range(0, live.numel(), step):
+                part = live[lo : lo + step]
+                src, dst = self.rec_at.index_select(0, part), torch.arange(lo, lo + part.numel())
+                for k, f in old.items():
+                    new[k].write(dst, f.read(src))
+        except (OSError, HybridEmbedError, ConfigError) as e:
+            for f in new.values():
+                f.path.unlink(missing_ok=True)
+            raise HybridEmbedError(
+                f"tiered dynamic tables {', '.join(t.name for t in self.tables)}: compacting their files failed "
+                f"({e}); nothing was changed: free room on that disk"
+            ) from None
+        for k, f in new.items():
+            os.replace(f.path, old[k].path)
+            f.path = old[k].path
+        self._rows_file, self._state_files = new.pop("rows"), new
+        self.rec_at.fill_(-1)
+        self.rec_at[live] = torch.arange(live.numel())
+        self._tail = self._reserved = live.numel()
+        self.spill_counters["compactions"] += 1
 
     def _records(self) -> None:
         """The per-record arrays as long as the index's."""
@@ -221,6 +267,7 @@ class TieredHashStorage(HashStorage):
                 setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.int64)]))
             for name in ("rec_live", "rec_state", "rec_changed"):
                 setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.bool)]))
+            self.rec_at = torch.cat([self.rec_at, torch.full((extra,), -1, dtype=torch.int64)])
 
     def _home(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """The records of (table, id) pairs, made for those without one."""
@@ -229,7 +276,6 @@ class TieredHashStorage(HashStorage):
         if fresh.numel():
             recs[fresh] = self._homes.add(keys.index_select(0, fresh), tabs.index_select(0, fresh))
             self._records()
-            self._room(self._homes.n)
         return recs
 
     def _spill(self, victims: torch.Tensor) -> None:
@@ -238,10 +284,10 @@ class TieredHashStorage(HashStorage):
             return
         n = victims.numel()
         recs = self._home(self.slot_key[victims], self.slot_table[victims])
-        self._written(recs)
-        self._rows_file.write(recs, self.weight.detach().index_select(0, victims))
+        at = self.rec_at[recs] = self._append(n)  # (appended: one write a file)
+        self._rows_file.write(at, self.weight.detach().index_select(0, victims))
         for name, f in self._state_files.items():
-            f.write(recs, self.state[name].index_select(0, victims).view(n, -1))
+            f.write(at, self.state[name].index_select(0, victims).view(n, -1))
         self.rec_state[recs] = bool(self._state_files)
         self.rec_last[recs], self.rec_freq[recs] = self.last_seen[victims], self.freq[victims]
         self.rec_live[recs] = True
@@ -264,7 +310,7 @@ class TieredHashStorage(HashStorage):
         rest = (~taken).nonzero().squeeze(1)
         if rest.numel():
             r, s = recs.index_select(0, rest), slots.index_select(0, rest)
-            self.weight.detach().index_copy_(0, s, self._rows_file.read(r))
+            self.weight.detach().index_copy_(0, s, self._rows_file.read(self.rec_at.index_select(0, r)))
             self._state_into(self.state, s, r)
         self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
         self.last_seen[slots], self.freq[slots] = self.rec_last[recs], self.rec_freq[recs]
@@ -287,17 +333,17 @@ class TieredHashStorage(HashStorage):
         recs = self._homes.lookup(keys, ktabs)
         on_disk = recs >= 0
         on_disk[on_disk.clone()] = self.rec_live.index_select(0, recs[on_disk])
-        recs = torch.sort(recs[on_disk]).values
-        if recs.numel():
-            self._prefetched = _Prefetch(
-                recs, self.rec_state.index_select(0, recs), dict(self._state_files), self._rows_file
-            )
+        recs = recs[on_disk]
+        at, order = torch.sort(self.rec_at.index_select(0, recs))
+        if at.numel():  # (read by place; a row's place changes only when it is written again)
+            with_state = self.rec_state.index_select(0, recs.index_select(0, order))
+            self._prefetched = _Prefetch(at, with_state, dict(self._state_files), self._rows_file)
 
-    def _written(self, recs: torch.Tensor) -> None:
-        """Records ``recs`` are (re)written now: a prefetched copy of them is old."""
+    def _written(self, at: torch.Tensor) -> None:
+        """Places ``at`` are written again in place now: a prefetched copy of them is old."""
         if self._prefetched is not None:
-            _, at = self._prefetched.positions(recs)
-            self._prefetched.stale[at] = True
+            _, pos = self._prefetched.positions(at)
+            self._prefetched.stale[pos] = True
 
     def drop_prefetch(self) -> None:
         """Forget the rows prefetched (waits for a read in progress)."""
@@ -311,7 +357,7 @@ class TieredHashStorage(HashStorage):
         pf = self._prefetched
         if pf is None:
             return taken
-        found, at = pf.positions(recs)
+        found, at = pf.positions(self.rec_at.index_select(0, recs))
         if found.numel() == 0 or not pf.ready():
             return taken
         keep = ~(self.rec_state.index_select(0, recs.index_select(0, found)) & ~pf.with_state.index_select(0, at))
@@ -341,7 +387,7 @@ class TieredHashStorage(HashStorage):
                 continue
             out[name].index_fill_(0, at[~has], fill)
             if name in self._state_files and bool(has.any()):
-                got = self._state_files[name].read(recs[has])
+                got = self._state_files[name].read(self.rec_at.index_select(0, recs[has]))
                 out[name].index_copy_(0, at[has], got.view((-1, *out[name].shape[1:])))
 
     def attach_optimizer(self, optimizer, hparams: dict) -> None:
@@ -377,7 +423,7 @@ class TieredHashStorage(HashStorage):
         out: dict[str, Any] = {"weight": torch.empty(slots.numel(), self.dim, dtype=self.dtype)}
         out["weight"].index_copy_(0, c, self.weight.detach().index_select(0, cs))
         if d.numel():
-            out["weight"].index_copy_(0, d, self._rows_file.read(dr))
+            out["weight"].index_copy_(0, d, self._rows_file.read(self.rec_at.index_select(0, dr)))
         for name, mem, rec in (("last_seen", self.last_seen, self.rec_last), ("freq", self.freq, self.rec_freq)):
             out[name] = torch.empty(slots.numel(), dtype=torch.int64)
             out[name].index_copy_(0, c, mem.index_select(0, cs)).index_copy_(0, d, rec.index_select(0, dr))
@@ -490,9 +536,10 @@ class TieredHashStorage(HashStorage):
         d = disk.nonzero().squeeze(1)
         if d.numel():
             dr = recs.index_select(0, d)
-            self._written(dr)
+            at = self.rec_at.index_select(0, dr)  # (in place: the row stays where it is)
+            self._written(at)
             for k, f in self._state_files.items():
-                f.write(dr, state[k].index_select(0, d).to(self.state[k].dtype).reshape(d.numel(), -1))
+                f.write(at, state[k].index_select(0, d).to(self.state[k].dtype).reshape(d.numel(), -1))
             self.rec_state[dr] = bool(self._state_files)
             self.rec_changed[dr] = True
 
@@ -507,29 +554,54 @@ class TieredHashStorage(HashStorage):
         tabs = torch.full_like(ids, i, dtype=torch.int32)
         slots = self._find(ids, tabs)
         c, d = (slots >= 0).nonzero().squeeze(1), (slots < 0).nonzero().squeeze(1)
+        if d.numel():  # (first: a full disk refuses the call before anything is written)
+            self._write_records(
+                ids.index_select(0, d), tabs.index_select(0, d), {k: v.index_select(0, d) for k, v in data.items()}
+            )
         cs = slots.index_select(0, c)
         for name, v in data.items():
             dst = self.weight.detach() if name == "weight" else self.state[name]
             dst.index_copy_(0, cs, v.index_select(0, c).to(dst))
         self._mark(cs)
-        if d.numel():
-            self._write_records(
-                ids.index_select(0, d), tabs.index_select(0, d), {k: v.index_select(0, d) for k, v in data.items()}
-            )
 
     def _write_records(self, keys, tabs, data: dict[str, torch.Tensor], last=None, freq=None) -> None:
-        """Rows (and the state given) written to the records of (table, id) pairs not cached."""
+        """Rows (and the state given) of (table, id) pairs not cached written to disk: a row on disk
+        in place (its state and counters kept unless given), others appended as new rows (initial
+        state, recency now, frequency 0, unless given)."""
         recs = self._home(keys, tabs)
-        self._written(recs)
-        self._rows_file.write(recs, data["weight"].to(self.dtype))
+        had = self.rec_live.index_select(0, recs)
+        fresh = (~had).nonzero().squeeze(1)
+        self._room(self._tail + fresh.numel())  # (before any write: a full disk changes nothing)
+        at = self.rec_at.index_select(0, recs)
+        if fresh.numel():
+            at[fresh] = self._append(fresh.numel())
+            self.rec_at[recs.index_select(0, fresh)] = at.index_select(0, fresh)
+            self.rec_state[recs.index_select(0, fresh)] = False
+            self.rec_last[recs.index_select(0, fresh)] = self.clock
+            self.rec_freq[recs.index_select(0, fresh)] = 0
+        self._written(at)
+        self._rows_file.write(at, data["weight"].to(self.dtype))
         given = [k for k in self._state_files if k in data]
         for k in given:
-            self._state_files[k].write(recs, data[k].to(self.state[k].dtype).reshape(recs.numel(), -1))
-        self.rec_state[recs] = bool(given) and len(given) == len(self._state_files)
-        self.rec_last[recs] = self.clock if last is None else last
-        self.rec_freq[recs] = 0 if freq is None else freq
+            self._state_files[k].write(at, data[k].to(self.state[k].dtype).reshape(recs.numel(), -1))
+        if given and len(given) == len(self._state_files):
+            self.rec_state[recs] = True
+        elif given:  # (some state given, the rest initial: written as such)
+            self._state_files_fill(at, recs, given)
+        if last is not None:
+            self.rec_last[recs], self.rec_freq[recs] = last, freq
         self.rec_live[recs] = True
         self.rec_changed[recs] = True
+
+    def _state_files_fill(self, at: torch.Tensor, recs: torch.Tensor, given: list[str]) -> None:
+        """Rows at ``at`` given some of their state: the rest written as it stands (initial for rows
+        without state on disk), so all their state is on disk."""
+        spec = self.optimizer.state_spec(self.hparams)
+        none = (~self.rec_state.index_select(0, recs)).nonzero().squeeze(1)
+        for k, f in self._state_files.items():
+            if k not in given and none.numel():
+                f.write(at.index_select(0, none), torch.full((none.numel(), f.width), spec[k][1], dtype=f.dtype))
+        self.rec_state[recs] = True
 
     def load_tables(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace the rows of several tables: their cached rows dropped, their records emptied, the
