@@ -17,7 +17,9 @@ first ``--warmup`` steps fill the cache and are not timed (the table in memory g
 **dynamic**: as speed, with dynamic tables (``he.Dynamic()``: ids made on first sight; the ids
 are the power-law ids spread over int64), in memory unbounded against tiered (rows beyond the
 cache spilled to disk, :mod:`hybridembed.storage.tiered_hash`); the cache holds ``--cache-frac``
-of ``--tables`` x ``--rows``.
+of ``--tables`` x ``--rows``; ``--with-prefetch``: the tiered collection calls ``ec.prefetch(next
+batch)`` after each backward, and the contenders run one after the other, not interleaved (the
+prefetch thread would read during the other's step).
 
 **memory**: a fresh process builds one tiered table of ``--memory-rows`` rows x ``--dim`` with a
 cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-law ids; its peak
@@ -71,22 +73,26 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
         "memory": _collection(args.tables, args.rows, args.dim, None, dynamic=dynamic),
         "tiered": _collection(args.tables, args.rows, args.dim, he.Tiered(where, cache_rows=cache), dynamic=dynamic),
     }
-    if dynamic:  # (the same, with ec.prefetch(next batch) after each backward)
-        contenders["tiered_prefetch"] = _collection(
-            args.tables, args.rows, args.dim, he.Tiered(where + "-prefetch", cache_rows=cache), dynamic=dynamic
-        )
+    ahead = dynamic and args.with_prefetch  # (the tiered one calls ec.prefetch(next batch) after each backward)
     times: dict[str, list[float]] = {k: [] for k in contenders}
-    for s, b in enumerate(batches):
-        for name, (ec, opt) in contenders.items():
-            t0 = time.perf_counter()
-            out = ec(b)
-            opt.zero_grad()
-            torch.autograd.backward(list(out.values()), [torch.ones_like(v) for v in out.values()])
-            if name == "tiered_prefetch" and s + 1 < len(batches):
-                ec.prefetch(batches[s + 1])
-            opt.step()
-            if s >= args.warmup:
-                times[name].append((time.perf_counter() - t0) * 1e3)
+    # interleaved step by step; with a prefetch, one contender after the other (its thread would
+    # otherwise read during the other contender's step, slowing it: measured 19 -> 35 ms)
+    order = (
+        [(s, name) for name in contenders for s in range(len(batches))]
+        if ahead
+        else [(s, name) for s in range(len(batches)) for name in contenders]
+    )
+    for s, name in order:
+        b, (ec, opt) = batches[s], contenders[name]
+        t0 = time.perf_counter()
+        out = ec(b)
+        opt.zero_grad()
+        torch.autograd.backward(list(out.values()), [torch.ones_like(v) for v in out.values()])
+        if ahead and name == "tiered" and s + 1 < len(batches):
+            ec.prefetch(batches[s + 1])
+        opt.step()
+        if s >= args.warmup:
+            times[name].append((time.perf_counter() - t0) * 1e3)
     st = contenders["tiered"][0].storage_of("t0").stats()
     res = {k: statistics.median(v) for k, v in times.items()}
     rows_of = (lambda ec, n: ec.dynamic_rows(n)[1]) if dynamic else (lambda ec, n: ec.weight(n))
@@ -108,11 +114,7 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
         "disk_writes": st["disk_writes"],
         "equal_to_memory": same,
         **({"table_rows": st["rows"], "disk_rows": st["disk_rows"]} if dynamic else {}),
-        **(
-            {"prefetch_ms": res["tiered_prefetch"], "prefetch_ratio": res["tiered_prefetch"] / res["memory"]}
-            if dynamic
-            else {}
-        ),
+        "prefetch": bool(ahead),
     }
 
 
@@ -253,6 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--cache-frac", type=float, default=0.1)
+    p.add_argument(
+        "--with-prefetch", action="store_true", help="dynamic part: the tiered tables prefetch the next batch"
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--memory-rows", type=int, default=40_000_000, help="rows of the memory part's table (10 GiB)")
@@ -285,8 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"dynamic: {args.tables} dynamic tables, power-law ids over {args.rows:,} ids each spread over int64, "
                 f"{r['table_rows']:,} rows made; cache {r['cache_rows']:,} rows ({r['disk_rows']:,} on disk), batch "
                 f"{args.batch}: in memory {r['memory_ms']:.1f} ms, tiered {r['tiered_ms']:.1f} ms ({r['ratio']:.2f}x; "
-                f"target <= 2x); with ec.prefetch(next batch) {r['prefetch_ms']:.1f} ms ({r['prefetch_ratio']:.2f}x); "
-                f"rows read back {r['disk_reads']:,}, spilled {r['disk_writes']:,}; equal to the tables in memory: "
+                f"target <= 2x){'; with ec.prefetch(next batch)' if r['prefetch'] else ''}; rows read back {r['disk_reads']:,}, spilled {r['disk_writes']:,}; equal to the tables in memory: "
                 f"{r['equal_to_memory']}",
                 flush=True,
             )
