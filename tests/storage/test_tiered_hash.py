@@ -228,3 +228,75 @@ def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead, 
     ):  # (nothing is written between the prefetch and its lookup: every row read back came from it)
         assert stats["prefetched"] == stats["read_back"], stats
     _same(_state(runs["tiered"]), _state(runs["memory"]))
+
+
+def _one(tmp_path, tiered: bool, cache: int = 4):
+    t = he.TableConfig(
+        "a", None, 4, optimizer=OPTIMIZERS["adagrad"], dynamic=he.Dynamic(),
+        tiered=he.Tiered(tmp_path, cache_rows=cache) if tiered else None,
+    )  # fmt: skip
+    ec = he.EmbeddingCollection([t], seed=1)
+    return ec, he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+
+
+def _step(ec, opt, ids: list[int]) -> None:
+    opt.zero_grad()
+    ec({"a": torch.tensor(ids)})["a"].sum().backward()
+    opt.step()
+
+
+def test_rows_on_disk_reloaded_reattached_and_read_after_a_failed_read_stay_exact(tmp_path, monkeypatch):
+    """Regressions: an incremental save after a reload says which rows on disk were dropped; a new
+    optimizer's fresh state reaches rows on disk in the next delta; a read that fails changes nothing;
+    a reload on a full disk changes nothing."""
+    for tiered in (False, True):  # an incremental checkpoint after load_state_dict: the dropped rows stay dropped
+        ec, opt = _one(tmp_path / f"t{tiered}", tiered)
+        _step(ec, opt, [0, 1, 2, 3])
+        _step(ec, opt, [10, 11, 12, 13])  # (tiered: 0..3 on disk)
+        other, o2 = _one(tmp_path / f"o{tiered}", False)
+        _step(other, o2, [10, 11])
+        he.save(tmp_path / f"ck{tiered}", ec, opt)
+        ec.load_state_dict(other.state_dict())
+        he.save(tmp_path / f"ck{tiered}", ec, opt, incremental=True)
+        back, ob = _one(tmp_path / f"b{tiered}", False)
+        he.load(tmp_path / f"ck{tiered}", back, ob)
+        assert back.storage_of("a").read_ids("a")[0].tolist() == [10, 11]
+    ec, opt = _one(tmp_path / "r", True)  # a new optimizer: the rows on disk get fresh state, saved as such
+    _step(ec, opt, [0, 1, 2, 3])
+    _step(ec, opt, [10, 11, 12, 13])
+    he.save(tmp_path / "ck_r", ec, opt)
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec, sparse=so.Adagrad(lr=0.1))
+    he.save(tmp_path / "ck_r", ec, opt, incremental=True)
+    back, ob = _one(tmp_path / "rb", False)
+    he.load(tmp_path / "ck_r", back, ob)
+    _same(_state(back), _state(ec))
+    good = _state(ec)
+    real = _File.read
+
+    def broken(self, rows):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(_File, "read", broken)
+    ec.eval()
+    with pytest.raises(OSError):
+        ec({"a": torch.tensor([0, 1])})  # (on disk: the read fails)
+    monkeypatch.setattr(_File, "read", real)
+    _same(_state(ec), good)
+    assert torch.equal(ec({"a": torch.tensor([0, 1])})["a"], good["a"][:2])
+    big, ob = _one(tmp_path / "big", False)
+    _step(big, ob, list(range(3000)))  # (more rows than the files have room for)
+    monkeypatch.setattr(_File, "reserve", lambda self, rows: (_ for _ in ()).throw(he.HybridEmbedError("disk full")))
+    with pytest.raises(he.HybridEmbedError, match="disk full"):
+        ec.load_state_dict(big.state_dict())
+    _same(_state(ec), good)
+
+
+def test_a_table_stepped_by_another_optimizer_is_refused_not_corrupted(tmp_path):
+    """Rows a training lookup handed out stay cached until he.wrap_optimizer's step: with a plain
+    torch optimizer they never leave, so the cache fills and a lookup is refused (a pending
+    gradient would otherwise land on the id that took its slot)."""
+    t = he.TableConfig("a", None, 4, dynamic=he.Dynamic(), tiered=he.Tiered(tmp_path, cache_rows=4))
+    ec = he.EmbeddingCollection([t], seed=1)
+    ec({"a": torch.tensor([0, 1, 2, 3])})["a"].sum().backward()
+    with pytest.raises(he.HybridEmbedError, match="rows looked up since the last optimizer step stay"):
+        ec({"a": torch.tensor([10, 11])})

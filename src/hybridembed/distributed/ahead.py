@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HybridEmbedError, InvalidInputError
-from ..input import as_feature_inputs
+from ..input import Jagged, as_feature_inputs
 from . import health
 
 __all__ = ["Pipelined", "Sent", "Channel"]
@@ -61,17 +61,23 @@ class Sent:
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Whether two tensors hold the same values: the same memory seen the same way, unchanged
-    since (cheap), else compared element by element."""
+    """Whether ``b`` holds the values of ``a`` (a prefetch's own copy, or a read-only tensor the
+    collection keeps: compared by identity), element by element."""
     if a is None or b is None:
         return a is b
     if a is b:
         return True
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
-    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a._version == b._version:
-        return True
     return bool(torch.equal(a, b))
+
+
+def _copied(j: Jagged, kept: bool) -> Jagged:
+    """``j``'s values and weights copied (what the thread sends and the next forward is compared
+    with: a batch changed in place after ``prefetch`` does not change what was sent); its offsets
+    too unless ``kept`` (the collection's own read-only ones, whose identity skips their checks)."""
+    w = None if j.weights is None else j.weights.detach().clone()
+    return Jagged(j.values.clone(), j.offsets if kept else j.offsets.clone(), w)
 
 
 def _order(prefetched: list, reqs: list) -> list[int] | None:
@@ -97,12 +103,15 @@ def _order(prefetched: list, reqs: list) -> list[int] | None:
 class Ahead:
     """One exchange's first half, run by ``work()`` in a background thread."""
 
-    def __init__(self, reqs: list, work: Callable[[], Sent]) -> None:
+    def __init__(self, reqs: list, work: Callable[[], Sent], threaded: bool = True) -> None:
         self.reqs = reqs
         self._sent: Sent | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(work,), daemon=True, name="hybridembed-ahead")
-        self._thread.start()
+        if threaded:
+            self._thread.start()
+        else:  # (NCCL: collectives of two communicators issued from two threads may deadlock; here, now)
+            self._run(work)
 
     def _run(self, work: Callable[[], Sent]) -> None:
         try:
@@ -113,7 +122,8 @@ class Ahead:
 
     def result(self) -> Sent:
         """The sent exchange (waits for the thread); what it raised is raised here."""
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
         if self._error is not None:
             raise self._error
         assert self._sent is not None
@@ -177,10 +187,12 @@ class Pipelined:
                 "a prefetch is already waiting for the next forward; prefetch once per step, after its forward"
             )
         channel = self._channel_ahead()
+        threaded = dist.get_backend(self._group) != "nccl"
         if error is None:
-            self._ahead = Ahead(reqs, lambda: self._send_ids(reqs, channel))
+            reqs = [(f, _copied(j, self._trusted(j))) for f, j in reqs]
+            self._ahead = Ahead(reqs, lambda: self._send_ids(reqs, channel), threaded)
         else:
-            self._ahead = Ahead(reqs, lambda: self._send_failed(error, channel))
+            self._ahead = Ahead(reqs, lambda: self._send_failed(error, channel), threaded)
 
     def _channel_ahead(self) -> Channel:
         """The prefetches' process group (the same ranks as the exchange's; made by the first
@@ -195,34 +207,46 @@ class Pipelined:
         ahead, self.__dict__["_ahead"] = self._ahead, None
         return ahead
 
-    def _sent_ahead(self, ahead: Ahead, reqs: list) -> tuple[Sent, list[int] | None]:
-        """The prefetched exchange for this forward's ``reqs`` and the order of its outputs
-        (None: as prefetched); a forward whose lookups differ makes every rank raise."""
+    def _sent_ahead(self, ahead: Ahead, reqs: list) -> tuple[Sent, list, list[int]]:
+        """The prefetched exchange for this forward's ``reqs``, ``reqs`` in the prefetch's order,
+        and where each of ``reqs`` is in it; a forward whose lookups differ makes every rank raise (the ranks agree on it before
+        any owner looks anything up: one small all-reduce)."""
         sent = ahead.result()  # (a prefetch that failed on any rank raises here, on every rank)
-        order = _order(ahead.reqs, reqs)
-        if order is None:
-            error = HybridEmbedError(
-                f"rank {self.rank}: this forward's lookups ({', '.join(f for f, _ in reqs)}) are not the ones "
-                f"prefetched ({', '.join(f for f, _ in ahead.reqs)}, or their ids differ): the step after "
-                "ec.prefetch(inputs) must look up those inputs; nothing was looked up or changed on any rank"
-            )
-            self._fail_rows(sent, error)
-            raise error
-        if not sent.pairs:
-            self._agree_ahead(sent, failed=False)
-        return sent, None if order == list(range(len(order))) else order
+        try:
+            order = _order(ahead.reqs, reqs)
+            if order is None:
+                differ = [f for (f, a), (g, b) in zip(ahead.reqs, reqs) if f != g or not _same(a.values, b.values)]
+                raise HybridEmbedError(
+                    f"rank {self.rank}: this forward's lookups ({', '.join(f for f, _ in reqs)}) are not the ones "
+                    f"prefetched ({', '.join(f for f, _ in ahead.reqs)}; first difference: "
+                    f"{differ[0] if differ else 'their number'}): the step after ec.prefetch(inputs) must look up "
+                    "those inputs, unchanged; nothing was looked up or changed on any rank"
+                )
+        except Exception as e:
+            self._fail_rows(sent, e)
+            raise
+        self._agree_ahead(sent, failed=False)
+        mine = [None] * len(reqs)
+        for q, p in enumerate(order):
+            mine[p] = reqs[q]
+        return sent, mine, order
 
-    def _agree_ahead(self, sent: Sent, failed: bool) -> None:
-        """A prefetch of lookups where nothing crosses (replicated tables only): the ranks agree
-        whether every one of them took it (one small all-reduce), so a rank that failed does
-        not leave the others to go on alone."""
-        flag = torch.tensor([int(failed)], dtype=torch.int64, device=self._device)
+    def _agree_ahead(self, sent: Sent, failed: bool, why: str = "") -> None:
+        """Before the second half of a prefetched exchange: the ranks agree that every one of them
+        takes it (one small all-reduce), so no owner looks anything up for a step some rank
+        refused (its forward failed, or looked up other ids)."""
+        if failed:
+            health.tell(f"{sent.step}/{self.rank}/ahead", why)
+        flag = torch.tensor([int(failed) << self.rank], dtype=torch.int64, device=self._device)
         if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        if int(flag) and not failed:
+            dist.all_reduce(flag, group=self._group)
+        bad = [r for r in range(self.world_size) if int(flag) >> r & 1]
+        if bad and not failed:
+            said = {r: health.told(f"{sent.step}/{r}/ahead") or "its error names it" for r in bad}
+            told = "; ".join(w if w.startswith(f"rank {r}:") else f"rank {r}: {w}" for r, w in said.items())
             raise HybridEmbedError(
-                "another rank's forward failed, or did not look up what was prefetched, in this step; nothing was "
-                "looked up or changed on any rank"
+                f"rank(s) {', '.join(map(str, bad))} did not take this step's prefetched lookups ({told}); nothing "
+                "was looked up or changed on any rank"
             )
 
     def _abandon_ahead(self, error: BaseException) -> bool:

@@ -339,14 +339,14 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
     # --- the exchange ------------------------------------------------------------------------
     def _run(self, reqs: list[tuple[str, Jagged]], train: bool) -> list[torch.Tensor | Jagged]:
         """One exchange: the lookups of ``reqs`` (checked structurally), every rank's in the same step."""
-        ahead, order = self._take_ahead(), None
+        ahead = self._take_ahead()
         if ahead is not None:  # (its phases 1 to 4 ran in ec.prefetch)
-            sent, order = self._sent_ahead(ahead, reqs)
+            sent, mine, order = self._sent_ahead(ahead, reqs)  # (this forward's requests, in the prefetch's order)
         else:
-            sent = self._send_ids(reqs, self._main)  # 1. to 4.
+            sent, mine, order = self._send_ids(reqs, self._main), reqs, None  # 1. to 4.
         rows_of = self._rows_for(sent, train) if sent.pairs else {}  # 5. to 7.
-        out = self._combine(sent.reqs, sent.tabs, rows_of, sent.back, train)  # 8.
-        return out if order is None else [out[i] for i in order]
+        out = self._combine(mine, sent.tabs, rows_of, sent.back, train)  # 8.
+        return out if order is None else [out[p] for p in order]
 
     def _send_ids(self, reqs: list[tuple[str, Jagged]], channel: Channel, error: Exception | None = None) -> Sent:
         """Phases 1 to 4 of :meth:`_run`, the header on ``channel``: the ids checked, routed and sent to
@@ -514,7 +514,8 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         raises on every rank when any rank failed or the ranks looked up different features."""
         why = health.first_line(error) if error is not None else ""
         digest = features_digest([f for f, _ in reqs])
-        step, got = self._header(channel, INVALID if error is not None else 0, has_w, digest, nints, why, rows)
+        code = 0 if error is None else INVALID if isinstance(error, InvalidInputError) else FAILED
+        step, got = self._header(channel, code, has_w, digest, nints, why, rows)
         self._raise_if_failed(step, got, error, reqs)
         return step, got
 
@@ -544,16 +545,11 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         return rows_of
 
     def _fail_rows(self, sent: Sent, error: BaseException) -> None:
-        """Phase 6 of ``sent`` with this rank failed (its forward raised, or its lookups were not
-        the ones prefetched): it sends zero rows and a failed status, so every rank raises."""
-        if not sent.pairs:  # (nothing crosses: the ranks agree on a flag instead)
-            self._agree_ahead(sent, failed=True)
-            return
-        sizes, _, _, fold = sent.received
-        health.tell(f"{sent.step}/{self.rank}/lookup", health.first_line(error))
-        zeros = self._zero_rows(sent.by_rank[self.rank], sent.pairs, sizes)
-        with contextlib.suppress(Exception):  # (raises ``error`` once the others have it)
-            self._rows_back(sent.step, zeros, error, sent.pairs, sent.sends, sent.by_rank, sizes[0], fold)
+        """A prefetched exchange this rank cannot take (its forward raised, or its lookups were not
+        the ones prefetched): the ranks' agreement before its second half says so, and every rank
+        raises before any owner looks anything up."""
+        with contextlib.suppress(Exception):  # (the caller raises ``error``)
+            self._agree_ahead(sent, failed=True, why=health.first_line(error))
 
     def _ids_to_owners(self, channel, reqs, pairs, sends: list[Sends], by_rank: list[list[int]], error) -> tuple:
         """Phases 3 and 4: to each owner the sizes of each of its pairs (bags, ids, one id per bag),

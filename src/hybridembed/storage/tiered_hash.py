@@ -119,6 +119,7 @@ class TieredHashStorage(HashStorage):
         self._reserved = 0  # places the files have room for
         self._tail = 0  # the next free place: each spill appends (one write a file), compaction reclaims
         self._prefetched: _Prefetch | None = None  # records prefetch() is reading, or read
+        self.pinned = torch.zeros(self.weight.shape[0], dtype=torch.bool)  # a pending gradient may name it
         if kind == "meta":
             return
         self.dir = Path(self.tier.path)
@@ -171,11 +172,22 @@ class TieredHashStorage(HashStorage):
             if not train:
                 return self._per_id(found.clamp_min(0), perm, counts), None
             rej = None if ok is None else absent[~ok]
-            return self._commit_lookup(
-                keys, ktabs, perm, counts, found, absent, new, rej, victims[:0], commit_admission
-            )
+            out = self._commit_lookup(keys, ktabs, perm, counts, found, absent, new, rej, victims[:0], commit_admission)
+            if torch.is_grad_enabled() and self.weight.requires_grad:  # (until the optimizer's step)
+                self.pinned[found[found > 0]] = True
+            return out
 
         return LookupPlan(commit, rollback)
+
+    def _protected(self, batch_slots: torch.Tensor) -> torch.Tensor:
+        """As :meth:`HashStorage._protected`, and every row a training lookup handed out since the
+        last step of ``he.wrap_optimizer`` (a table stepped by another optimizer keeps them: its
+        cache fills and is refused, not corrupted)."""
+        return super()._protected(batch_slots) | self.pinned
+
+    def after_step(self) -> None:
+        super().after_step()
+        self.pinned.zero_()
 
     def _plan_spills(self, needed: int, batch_slots: torch.Tensor) -> torch.Tensor:
         """Slots to spill so ``needed`` rows fit (``evict_fraction`` of the cache at least, as
@@ -304,14 +316,20 @@ class TieredHashStorage(HashStorage):
 
     def _read_back(self, keys: torch.Tensor, tabs: torch.Tensor, recs: torch.Tensor) -> torch.Tensor:
         """Rows of records ``recs`` (K,) into free slots (with their state, recency, frequency): the slots."""
-        slots = self._allocate(keys.numel())
-        self._insert(keys, tabs, slots)
-        taken = self._from_prefetch(recs, slots)  # (K,) bool: rows (and state) the prefetch had read
+        n = keys.numel()  # (read first, into temporaries: a failed read changes nothing)
+        rows = torch.empty(n, self.dim, dtype=self.dtype)
+        state = {k: v.new_empty((n, *v.shape[1:])) for k, v in self.state.items()}
+        taken = self._from_prefetch(recs, rows, state)  # (K,) bool: rows (and state) the prefetch had read
         rest = (~taken).nonzero().squeeze(1)
         if rest.numel():
-            r, s = recs.index_select(0, rest), slots.index_select(0, rest)
-            self.weight.detach().index_copy_(0, s, self._rows_file.read(self.rec_at.index_select(0, r)))
-            self._state_into(self.state, s, r)
+            r = recs.index_select(0, rest)
+            rows.index_copy_(0, rest, self._rows_file.read(self.rec_at.index_select(0, r)))
+            self._state_into(state, rest, r)
+        slots = self._allocate(n)
+        self._insert(keys, tabs, slots)
+        self.weight.detach().index_copy_(0, slots, rows)
+        for k, v in state.items():
+            self.state[k].index_copy_(0, slots, v)
         self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
         self.last_seen[slots], self.freq[slots] = self.rec_last[recs], self.rec_freq[recs]
         self.size += self._per_table(tabs)
@@ -351,8 +369,9 @@ class TieredHashStorage(HashStorage):
             self._prefetched.ready()
             self._prefetched = None
 
-    def _from_prefetch(self, recs: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Records ``recs`` (K,) the prefetch holds (fresh), copied into ``slots``: (K,) bool."""
+    def _from_prefetch(self, recs: torch.Tensor, rows: torch.Tensor, state: dict) -> torch.Tensor:
+        """Records ``recs`` (K,) the prefetch holds (fresh), copied into ``rows`` (K, D) and ``state``
+        at their positions: (K,) bool."""
         taken = torch.zeros(recs.numel(), dtype=torch.bool)
         pf = self._prefetched
         if pf is None:
@@ -362,17 +381,16 @@ class TieredHashStorage(HashStorage):
             return taken
         keep = ~(self.rec_state.index_select(0, recs.index_select(0, found)) & ~pf.with_state.index_select(0, at))
         found, at = found[keep], at[keep]  # (a record given state since its read: read again)
-        at_slots = slots.index_select(0, found)
-        self.weight.detach().index_copy_(0, at_slots, pf.weight.index_select(0, at))
+        rows.index_copy_(0, found, pf.weight.index_select(0, at))
         if self.optimizer is not None:
             has = pf.with_state.index_select(0, at)
             within = torch.cumsum(pf.with_state.long(), 0) - 1  # (a record's place among those with state)
             for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
-                dst = self.state[name]
-                dst.index_fill_(0, at_slots[~has], fill)
+                dst = state[name]
+                dst.index_fill_(0, found[~has], fill)
                 if name in pf.state and bool(has.any()):
                     src = pf.state[name].index_select(0, within.index_select(0, at[has]))
-                    dst.index_copy_(0, at_slots[has], src.view((-1, *dst.shape[1:])))
+                    dst.index_copy_(0, found[has], src.view((-1, *dst.shape[1:])))
         taken[found] = True
         self.spill_counters["prefetched"] += found.numel()
         return taken
@@ -402,6 +420,8 @@ class TieredHashStorage(HashStorage):
             for name, t in self.state.items()
         }
         self.rec_state.zero_()
+        if self._changed is not None:  # (every row's state is new, on disk too: the next delta holds them all)
+            self.rec_changed |= self.rec_live
 
     # --- whole tables: the cache and the records merged ----------------------------------------
     def _rows_of(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -525,7 +545,10 @@ class TieredHashStorage(HashStorage):
         slots = self._find(ids, tabs)
         recs = self._homes.lookup(ids, tabs)
         disk = slots < 0
-        if bool((disk & ((recs < 0) | ~self.rec_live.index_select(0, recs.clamp_min(0)))).any()):
+        held = recs >= 0
+        live = torch.zeros_like(held)
+        live[held] = self.rec_live.index_select(0, recs[held])
+        if bool((disk & ~live).any()):
             raise HybridEmbedError(
                 f"table {name!r}: optimizer state for ids the table does not hold; load the model first"
             )
@@ -607,12 +630,15 @@ class TieredHashStorage(HashStorage):
         """Replace the rows of several tables: their cached rows dropped, their records emptied, the
         entries' rows written to records (read into the cache when looked up)."""
         self.drop_prefetch()  # (records are rewritten)
+        self._room(self._tail + sum(int(e["ids"].numel()) for e in entries.values()))  # (a full disk: nothing changed)
         which = torch.tensor([self.table_index[n] for n in entries], dtype=torch.int32)
         old = torch.isin(self.slot_table, which.to(self.slot_table.device)).nonzero().squeeze(1)
         self._evict(old, count=False)  # (a reload is not an eviction)
         n = self._homes.n
-        mine = torch.isin(self._homes.tab[:n], which)
-        self.rec_live[:n][mine] = False
+        mine = (torch.isin(self._homes.tab[:n], which) & self.rec_live[:n]).nonzero().squeeze(1)
+        if self._changed is not None and mine.numel():  # (their rows on disk dropped too: an incremental save says so)
+            self._removed.append(torch.stack([self._homes.key[mine], self._homes.tab[mine].long()]))
+        self.rec_live[mine] = False
         for name, entry in entries.items():
             i, ids = self.table_index[name], entry["ids"].to(torch.int64)
             tabs = torch.full_like(ids, i, dtype=torch.int32)
