@@ -157,8 +157,8 @@ def test_refusals():
         he.Tiered("x", cache_rows=0)
     with pytest.raises(he.ConfigError, match="tiered must be a he.Tiered"):
         he.TableConfig("a", 10, 4, tiered="tiers")
-    with pytest.raises(he.ConfigError, match="dynamic tables are not tiered yet"):
-        he.TableConfig("a", None, 4, dynamic=he.Dynamic(), tiered=he.Tiered("x", cache_rows=5))
+    with pytest.raises(he.ConfigError, match="keeps every row it admits"):  # (tests/storage/test_tiered_hash.py)
+        he.TableConfig("a", None, 4, dynamic=he.Dynamic(capacity=9), tiered=he.Tiered("x", cache_rows=5))
 
 
 def test_copying_is_refused_and_export_serves_the_rows(tmp_path):
@@ -393,9 +393,10 @@ def test_convert_puts_dense_layers_on_disk_and_they_train_as_in_memory(tmp_path)
         _same(_state(models[k].hybridembed), want)
     with pytest.raises(he.ConfigError, match="tiered must be a he.Tiered"):
         he.convert(_Model(), tiered=str(tmp_path))
-    with pytest.raises(he.ConfigError, match="tiered"):
+    with pytest.raises(he.ConfigError, match="keeps every row it admits"):  # (a capacity would drop rows)
         he.convert(
-            _Model(), tables={"emb": {"dynamic": he.Dynamic(), "tiered": he.Tiered(tmp_path / "x", cache_rows=9)}}
+            _Model(),
+            tables={"emb": {"dynamic": he.Dynamic(capacity=9), "tiered": he.Tiered(tmp_path / "x", cache_rows=9)}},
         )
 
 

@@ -32,9 +32,8 @@ from ..input import Jagged, as_feature_inputs, as_jagged, run_index
 from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale, cpu_fused, pooled_lookup
 from ..kernels.backend import check_kernels, uses_triton
-from ..storage import DenseStorage, HashStorage, LookupPlan, RowStorage, TieredStorage, serial
+from ..storage import LookupPlan, RowStorage, serial, storage_class
 from ..storage.tiered import prefetch_rows
-from ..storage.tiered_hash import TieredHashStorage
 from ..utils import check_device, device_tensor, kept_tensor
 from .compiled import compiled_forward, compiling
 
@@ -247,11 +246,7 @@ class EmbeddingCollection(nn.Module):
 
     def _make_storage(self, tables: list[TableConfig], device) -> RowStorage:
         """The storage of one group (a parameter-server trainer's collection makes remote ones)."""
-        if tables[0].dynamic is not None:
-            kind = TieredHashStorage if tables[0].tiered is not None else HashStorage
-        else:
-            kind = TieredStorage if tables[0].tiered is not None else DenseStorage
-        return kind(tables, seed=self.seed, device=device)
+        return storage_class(tables[0])(tables, seed=self.seed, device=device)
 
     # --- inspection ----------------------------------------------------------------------
     @property
@@ -274,10 +269,7 @@ class EmbeddingCollection(nn.Module):
         st = self.storage_of(table)
         if not st.keyed:
             raise ConfigError(f"table {table!r} is dense; read its rows with ec.weight({table!r})")
-        if getattr(st, "spills", False):  # (rows on disk too)
-            return st.read_ids(table)[:2]
-        ids, slots = st.table_slots(table)
-        return ids, st.weight.detach().index_select(0, slots)
+        return st.rows_by_id(table)
 
     def dynamic_stats(self) -> dict[str, dict[str, float]]:
         """Per dynamic table: size, capacity, inserted, evicted, rejected, hits, lookups, hit_rate."""

@@ -139,6 +139,11 @@ class RowStorage(nn.Module):
             for name, (per_element, fill) in optimizer.state_spec(hparams).items()
         }
 
+    def rows_by_id(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A keyed table's (ids ascending (K,), copies of their rows (K, D)) (its ``table_slots``)."""
+        ids, slots = self.table_slots(name)
+        return ids, self.weight.detach().index_select(0, slots)
+
     def reset_state_rows(self, slots: torch.Tensor) -> None:
         """Optimizer state of ``slots`` back to its initial value (rows given to new ids)."""
         if self.optimizer is None or slots.numel() == 0:

@@ -459,6 +459,9 @@ class TieredHashStorage(HashStorage):
             f"table {self._table(name).name!r} is tiered: its rows on disk have no slot; read them with read_ids"
         )
 
+    def rows_by_id(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read_ids(name)[:2]
+
     def table_ids(self, name: str) -> torch.Tensor:
         return self._rows_of(name)[0]
 
