@@ -144,6 +144,24 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, 
                 dist.destroy_process_group()
             except Exception:
                 pass
+        if "store" in locals() and world > 1:
+            _leave(store, rank, world, min(pg_timeout, _STORE_WAIT_S))
+
+
+_STORE_WAIT_S = 30.0  # the most the store's host waits for the other ranks to finish
+
+
+def _leave(store, rank: int, world: int, wait_s: float) -> None:
+    """This rank is done. Rank 0, whose process hosts the job's store, stays until every rank is
+    (a parameter server that still serves a slower trainer would otherwise find the store gone
+    and fail the job), or ``wait_s`` seconds; a rank that died is the parent's to report."""
+    try:
+        store.add("spawn/done", 1)
+        deadline = time.monotonic() + wait_s
+        while rank == 0 and store.add("spawn/done", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 - leaving either way
+        pass
 
 
 def spawn(
