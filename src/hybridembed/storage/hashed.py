@@ -691,12 +691,8 @@ class HashStorage(RowStorage):
             "weight": self.weight.detach().index_select(0, slots),
             "last_seen": self.last_seen[slots],
             "freq": self.freq[slots],
-            "stats": self.counters[i].clone(),
-            "clock": torch.tensor(self.clock),
-            "generator": self._gen.get_state(),
+            **self._table_wide(i),
         }
-        if self.sketch.numel():
-            out["sketch"] = self.sketch[i].clone()
         if state:
             out["state"] = {k: self.state[k].index_select(0, slots) for k in state}
         return out
@@ -719,14 +715,18 @@ class HashStorage(RowStorage):
             "weight": self.weight.detach().index_select(0, s),
             "last_seen": self.last_seen.index_select(0, s),
             "freq": self.freq.index_select(0, s),
-            "stats": self.counters[i].clone(),
-            "clock": torch.tensor(self.clock),
-            "generator": self._gen.get_state(),
             "removed": gone[~torch.isin(gone, ids)],
+            **self._table_wide(i),
         }
+        return out, s
+
+    def _table_wide(self, i: int) -> dict[str, Any]:
+        """A checkpoint entry's table-wide part of table index ``i``: its counters, the clock, the
+        admission generator's state and (where kept) its sketch."""
+        out = {"stats": self.counters[i].clone(), "clock": torch.tensor(self.clock), "generator": self._gen.get_state()}
         if self.sketch.numel():
             out["sketch"] = self.sketch[i].clone()
-        return out, s
+        return out
 
     def load_table(self, name: str, entry: dict[str, torch.Tensor]) -> None:
         """Replace table ``name``'s rows with ``entry`` (as from :meth:`save_table`; checked first with

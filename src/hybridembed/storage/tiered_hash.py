@@ -481,20 +481,8 @@ class TieredHashStorage(HashStorage):
         i = self.table_index[name]
         ids, slots, recs = self._rows_of(name)
         got = self._read(slots, recs, state)
-        out = {
-            "ids": ids,
-            "weight": got["weight"],
-            "last_seen": got["last_seen"],
-            "freq": got["freq"],
-            "stats": self.counters[i].clone(),
-            "clock": torch.tensor(self.clock),
-            "generator": self._gen.get_state(),
-        }
-        if self.sketch.numel():
-            out["sketch"] = self.sketch[i].clone()
-        if state:
-            out["state"] = got["state"]
-        return out
+        out = {"ids": ids, "weight": got["weight"], "last_seen": got["last_seen"], "freq": got["freq"]}
+        return out | self._table_wide(i) | ({"state": got["state"]} if state else {})
 
     def track_changes(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """As :meth:`RowStorage.track_changes`; the mask counts the cache's slots, then the records."""
@@ -527,20 +515,8 @@ class TieredHashStorage(HashStorage):
         got = self._read(slots.index_select(0, sel), recs.index_select(0, sel), list(self.state))
         gone = [r[0][r[1] == i] for r in removed]
         gone = torch.cat(gone).unique() if gone else ids[:0]
-        out = {
-            "ids": ids.index_select(0, sel),
-            "weight": got["weight"],
-            "last_seen": got["last_seen"],
-            "freq": got["freq"],
-            "stats": self.counters[i].clone(),
-            "clock": torch.tensor(self.clock),
-            "generator": self._gen.get_state(),
-            "removed": gone[~torch.isin(gone, ids)],
-            "state": got["state"],
-        }
-        if self.sketch.numel():
-            out["sketch"] = self.sketch[i].clone()
-        return out, out["ids"]
+        out = {"ids": ids.index_select(0, sel), "removed": gone[~torch.isin(gone, ids)], **self._table_wide(i)}
+        return out | {k: got[k] for k in ("weight", "last_seen", "freq", "state")}, out["ids"]
 
     @torch.no_grad()
     def load_table_state(self, name: str, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
