@@ -67,12 +67,12 @@ def test_nproc_2_trains_like_one_process_and_rank_0_prints_once(generated, tmp_p
 
 
 def test_the_pipelined_job_trains_as_the_unpipelined_one(generated, tmp_path, capfd):
-    """By default each batch's ids are sent a step ahead (``ec.prefetch`` after the forward):
-    the same steps, the same figures as ``--no-pipeline``."""
+    """``--pipeline``: each batch's ids are sent a step ahead (``ec.prefetch`` after the forward):
+    the same steps, the same figures as without."""
     flags = ("--nproc", "2", "--no-checkpoint", "--no-export", "--model", "dcnv2")
-    assert cli.main(_argv(generated, tmp_path / "a", *flags)) == 0
+    assert cli.main(_argv(generated, tmp_path / "a", *flags, "--pipeline")) == 0
     piped = capfd.readouterr().out
-    assert cli.main(_argv(generated, tmp_path / "b", *flags, "--no-pipeline")) == 0
+    assert cli.main(_argv(generated, tmp_path / "b", *flags)) == 0
     plain = capfd.readouterr().out
     assert "ids sent a step ahead" in piped and "ids sent a step ahead" not in plain
     assert EPOCH.findall(piped) and [x[:3] for x in EPOCH.findall(piped)] == [x[:3] for x in EPOCH.findall(plain)]

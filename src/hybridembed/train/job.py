@@ -385,7 +385,7 @@ def _train(
     example = next(iter(test.batches(8))) if test is not None and len(test) else None
     estimate = train.estimate_rows()
     ahead = _prefetcher(inner, remote) if args.servers and args.prefetch else None
-    pipeline = _pipeliner(inner) if job.parallel and not args.servers and not args.no_pipeline else None
+    pipeline = _pipeliner(inner) if job.parallel and not args.servers and args.pipeline else None
     for epoch in range(epoch0, args.epochs):
         label = f"epoch {epoch + 1}/{args.epochs}"
         bar = progress(estimate, skip * args.batch_size, label, args.no_progress or not job.main)

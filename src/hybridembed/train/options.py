@@ -254,10 +254,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "its WORLD_SIZE, joined; `hybridembed launch` runs torchrun)",
     )
     t.add_argument(
-        "--no-pipeline",
+        "--pipeline",
         action="store_true",
-        help="with --nproc N: send each batch's ids to the tables' owners in its own step; by default they are sent "
-        "during the step before (after its forward, while its backward and optimizer step run: exact the same)",
+        help="with --nproc N: send each batch's ids to the tables' owners during the step before (after its forward, "
+        "while its backward and optimizer step run; the same figures); off by default: measured no faster on a "
+        "2-core machine (docs/benchmarks.md)",
     )
     t.add_argument(
         "--timeout",

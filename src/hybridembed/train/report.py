@@ -112,7 +112,7 @@ def describe_model(args: argparse.Namespace, model: nn.Module, features: int, jo
             f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
             f"sharded over {job.world} processes), {dense:,} dense parameters (data-parallel); {opt} lr {args.lr:g} "
             f"via he.wrap_optimizer, batch {args.batch_size:,} (~{args.batch_size // job.world:,} per process, {wire}"
-            f"{'' if getattr(args, 'no_pipeline', False) else ', ids sent a step ahead'}), {threads} per process"
+            f"{', ids sent a step ahead' if getattr(args, 'pipeline', False) else ''}), {threads} per process"
         )
     kernels = getattr(args, "kernels_resolved", "eager")
     if getattr(args, "tiered", None):
