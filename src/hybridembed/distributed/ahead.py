@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import HybridEmbedError, InvalidInputError
-from ..input import Jagged, as_feature_inputs
+from ..errors import HybridEmbedError
+from ..input import Jagged
 from . import health
 
 __all__ = ["Pipelined", "Sent", "Channel"]
@@ -144,13 +144,7 @@ class Pipelined:
         every rank prefetches at the same step. An input this rank refuses makes every rank raise
         in the next forward (and, when it is not ids at all, here too)."""
         try:
-            inputs = as_feature_inputs(inputs)
-            if not isinstance(inputs, Mapping):
-                raise InvalidInputError(f"inputs must be a mapping {{feature name: ids}}, got {type(inputs).__name__}")
-            reqs = [(f, self._as_input(f, inputs[f])) for f in self.features if f in inputs]
-            unknown = [k for k in inputs if k not in self.features]
-            if unknown:
-                raise InvalidInputError(f"unknown feature {unknown[0]!r}; features: {', '.join(self.features)}")
+            reqs = self._forward_requests(inputs)  # (checked as the forward checks them)
         except Exception as e:
             self._send_ahead([], e)
             raise
@@ -159,13 +153,7 @@ class Pipelined:
     def prefetch_many(self, requests: Sequence[tuple[str, Any]]) -> None:
         """:meth:`prefetch` of the next :meth:`lookup_many` (the same ``(feature, ids)`` pairs)."""
         try:
-            if not isinstance(requests, Sequence) or not all(isinstance(r, tuple) and len(r) == 2 for r in requests):
-                raise InvalidInputError("prefetch_many takes a sequence of (feature name, ids) pairs")
-            reqs = []
-            for f, ids in requests:
-                if f not in self.features:
-                    raise InvalidInputError(f"unknown feature {f!r}; features: {', '.join(self.features)}", f)
-                reqs.append((f, self._as_input(f, ids)))
+            reqs = self._many_requests(requests, what="prefetch_many")
         except Exception as e:
             self._send_ahead([], e)
             raise

@@ -255,23 +255,36 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
     # --- forward -----------------------------------------------------------------------------
     def forward(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor | Jagged]:
         try:  # (a refusal here reaches every rank: see step_failed)
-            inputs = as_feature_inputs(inputs)
-            if not isinstance(inputs, Mapping):
-                raise InvalidInputError(f"inputs must be a mapping {{feature name: ids}}, got {type(inputs).__name__}")
-            unknown = [k for k in inputs if k not in self.features]
-            if unknown:
-                raise InvalidInputError(
-                    f"unknown feature {unknown[0]!r}; features: {', '.join(self.features)}", unknown[0]
-                )
-            missing = [f for f in self.features if f not in inputs]
-            if missing:
-                raise InvalidInputError(f"missing feature {missing[0]!r}: every feature needs an input", missing[0])
-            reqs = [(f, self._as_input(f, inputs[f])) for f in self.features]
+            reqs = self._forward_requests(inputs)
         except Exception as e:
             self.step_failed(e)
             raise
         out = self._run(reqs, self.training)
         return dict(zip(self.features, out))
+
+    def _forward_requests(self, inputs: Mapping[str, Any]) -> list[tuple[str, Jagged]]:
+        """A forward's input (every feature, nothing else) -> its requests, checked structurally."""
+        inputs = as_feature_inputs(inputs)
+        if not isinstance(inputs, Mapping):
+            raise InvalidInputError(f"inputs must be a mapping {{feature name: ids}}, got {type(inputs).__name__}")
+        unknown = [k for k in inputs if k not in self.features]
+        if unknown:
+            raise InvalidInputError(f"unknown feature {unknown[0]!r}; features: {', '.join(self.features)}", unknown[0])
+        missing = [f for f in self.features if f not in inputs]
+        if missing:
+            raise InvalidInputError(f"missing feature {missing[0]!r}: every feature needs an input", missing[0])
+        return [(f, self._as_input(f, inputs[f])) for f in self.features]
+
+    def _many_requests(self, requests, checked: bool = False, what: str = "lookup_many") -> list[tuple[str, Jagged]]:
+        """``(feature, ids)`` pairs -> requests (their ids checked structurally unless ``checked``)."""
+        if not isinstance(requests, Sequence) or not all(isinstance(r, tuple) and len(r) == 2 for r in requests):
+            raise InvalidInputError(f"{what} takes a sequence of (feature name, ids) pairs")
+        reqs = []
+        for f, ids in requests:
+            if f not in self.features:
+                raise InvalidInputError(f"unknown feature {f!r}; features: {', '.join(self.features)}", f)
+            reqs.append((f, ids if checked else self._as_input(f, ids)))
+        return reqs
 
     def lookup(self, feature: str, ids: Any) -> torch.Tensor | Jagged:
         """One feature: a whole exchange (every rank must call it too); prefer ``forward``."""
@@ -287,13 +300,7 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
 
     def _lookup_many(self, requests, train: bool | None, checked: bool) -> list:
         try:  # (a refusal here reaches every rank: see step_failed)
-            if not isinstance(requests, Sequence) or not all(isinstance(r, tuple) and len(r) == 2 for r in requests):
-                raise InvalidInputError("lookup_many takes a sequence of (feature name, ids) pairs")
-            reqs = []
-            for f, ids in requests:
-                if f not in self.features:
-                    raise InvalidInputError(f"unknown feature {f!r}; features: {', '.join(self.features)}", f)
-                reqs.append((f, ids if checked else self._as_input(f, ids)))
+            reqs = self._many_requests(requests, checked)
         except Exception as e:
             self.step_failed(e)
             raise

@@ -756,13 +756,17 @@ class HashStorage(RowStorage):
                 self.weight.index_copy_(0, slots, entry["weight"].to(self.weight))
             self.last_seen[slots] = entry["last_seen"].to(self.last_seen)
             self.freq[slots] = entry["freq"].to(self.freq)
-            self.counters[i] = entry["stats"].to(self.counters)
-            self.clock = max(self.clock, int(entry["clock"]))
-            if "generator" in entry:
-                self._load_generator(entry["generator"])
-            if "sketch" in entry and self.sketch.numel():
-                self.sketch[i] = entry["sketch"].to(self.sketch)
+            self._load_table_wide(i, entry)
         self._applied_clock = self.clock
+
+    def _load_table_wide(self, i: int, entry: dict) -> None:
+        """:meth:`_table_wide`'s part of an entry back into table index ``i``."""
+        self.counters[i] = entry["stats"].to(self.counters)
+        self.clock = max(self.clock, int(entry["clock"]))
+        if "generator" in entry:
+            self._load_generator(entry["generator"])
+        if "sketch" in entry and self.sketch.numel():
+            self.sketch[i] = entry["sketch"].to(self.sketch)
 
     def _load_generator(self, state: torch.Tensor) -> None:
         """The admission generator's saved state; one saved on another kind of device (a CPU

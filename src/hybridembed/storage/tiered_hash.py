@@ -625,12 +625,7 @@ class TieredHashStorage(HashStorage):
             i, ids = self.table_index[name], entry["ids"].to(torch.int64)
             tabs = torch.full_like(ids, i, dtype=torch.int32)
             self._write_records(ids, tabs, {"weight": entry["weight"]}, entry["last_seen"], entry["freq"])
-            self.counters[i] = entry["stats"].to(self.counters)
-            self.clock = max(self.clock, int(entry["clock"]))
-            if "generator" in entry:
-                self._load_generator(entry["generator"])
-            if "sketch" in entry and self.sketch.numel():
-                self.sketch[i] = entry["sketch"].to(self.sketch)
+            self._load_table_wide(i, entry)
         self._applied_clock = self.clock
 
     # --- accounting ---------------------------------------------------------------------------
