@@ -257,6 +257,34 @@ def test_runs_longer_than_one_call_are_split(tmp_path, monkeypatch):
     _same(_state(ec), _state(ref))
 
 
+@pytest.mark.parametrize("numba", [True, False], ids=["numba", "python"])
+def test_a_file_reads_and_writes_scattered_rows_and_runs_and_a_truncated_file_is_a_clear_error(
+    tmp_path, monkeypatch, numba
+):
+    """``_File``: one call a run of consecutive rows, in Numba's loop or (without Numba) Python's;
+    a run longer than one call's bytes is cut; a short read raises, naming the file."""
+    from hybridembed.storage import tiered as T
+
+    if numba and T._io() is None:
+        pytest.skip("Numba does not import here")
+    if not numba:
+        monkeypatch.setattr(T, "_io", lambda: None)
+    monkeypatch.setattr(T, "_CALL_BYTES", 3 * 5 * 4)  # (three rows of 5 float32 per call)
+    f = T._File(tmp_path / "f.rows", 64, 5, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    want = torch.zeros(64, 5)
+    for rows in (torch.tensor([9, 3, 4, 5, 6, 7, 8, 40, 63]), torch.randperm(64, generator=g)[:20], torch.arange(2)):
+        data = torch.randn(rows.numel(), 5, generator=g)
+        f.write(rows, data)
+        want[rows] = data
+        assert torch.equal(f.read(rows), data)
+    assert torch.equal(f.read(torch.arange(64).flip(0)), want.flip(0))
+    assert f.read(torch.zeros(0, dtype=torch.int64)).shape == (0, 5)
+    os.truncate(f.path, 40 * 5 * 4)
+    with pytest.raises(he.HybridEmbedError, match=r"f\.rows: a short read \(the file was truncated\?\)"):
+        f.read(torch.tensor([2, 39, 41]))
+
+
 def _pieces(monkeypatch, rows: int) -> None:
     """Checkpoint files of ``rows`` rows of these tables (dim 8, one float32 state)."""
     from hybridembed.checkpoint import local, snapshot

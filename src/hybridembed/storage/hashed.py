@@ -212,16 +212,16 @@ class HashStorage(RowStorage):
         """(A,) probe starts -> (A, W) the next W = len(offsets) positions (linear probing, wrapping)."""
         return (pos.unsqueeze(1) + offsets) & self._mask
 
-    def _find(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
-        """(U,) slots of (table, id) pairs; -1 where absent.
+    def _find(self, keys: torch.Tensor, tabs: torch.Tensor, where: bool = False) -> torch.Tensor:
+        """(U,) slots of (table, id) pairs (``where``: their index positions, eager); -1 where absent.
 
         Linear probing. The first round reads each pair's home position (most pairs are
         decided there); the few left read the next ``_FIND_WINDOW`` positions a round, where a
-        pair's first position that holds it (found) or is empty (absent: there are no
-        tombstones, eviction rebuilds the index) decides: about 2 rounds instead of one per
+        pair's first position that holds it (found) or is empty (absent: eviction rebuilds the
+        index; a tiered table's tombstones never match and never end a probe) decides: about 2 rounds instead of one per
         probe (7 measured), each of ~15 small ops. With Triton kernels
         (:func:`hybridembed.kernels.triton_hash.find`): one launch, no host sync."""
-        if uses_triton(self.kernels, self.weight):
+        if uses_triton(self.kernels, self.weight) and not where:
             from ..kernels import triton_hash
 
             return triton_hash.find(self._hrow, self._mask, keys, tabs, self._hash(keys, tabs) & self._mask)
@@ -230,7 +230,7 @@ class HashStorage(RowStorage):
         row = self._hrow.index_select(0, pos)  # (U, 2): each home position read once
         word = row[:, 1]
         hit = (row[:, 0] == keys) & ((word & _HIGH) == tw)
-        out = torch.where(hit, word & _LOW, -1)
+        out = torch.where(hit, pos if where else word & _LOW, -1)
         active = (~hit & (word >= 0)).nonzero().squeeze(1)  # home held by another pair: probe on
         pos = pos.index_select(0, active) + 1
         while active.numel():
@@ -241,7 +241,8 @@ class HashStorage(RowStorage):
             hit = (row[..., 0] == k) & ((word & _HIGH) == t)  # (A, W)
             stop = hit | (word < 0)
             first = stop.to(torch.uint8).argmax(1, keepdim=True)  # (A, 1): the deciding position
-            found = torch.where(hit.gather(1, first), word.gather(1, first) & _LOW, -1).squeeze(1)
+            at = win.gather(1, first) if where else word.gather(1, first) & _LOW
+            found = torch.where(hit.gather(1, first), at, -1).squeeze(1)
             out.index_copy_(0, active, found)
             more = (~stop.any(1)).nonzero().squeeze(1)
             active, pos = active.index_select(0, more), pos.index_select(0, more) + _FIND_WINDOW
@@ -306,12 +307,13 @@ class HashStorage(RowStorage):
         self.reset_state_rows(slots)
 
     def _evict(self, victims: torch.Tensor, count: bool = True) -> None:
-        """Free ``victims`` (slots) in one batch, then rebuild the index from the live rows."""
+        """Free ``victims`` (slots) in one batch, then drop them from the index (:meth:`_unindex`)."""
         if victims.numel() == 0:
             return
-        per_table = self._per_table(self.slot_table[victims])
+        keys, tabs = self.slot_key[victims], self.slot_table[victims]
+        per_table = self._per_table(tabs)
         if self._changed is not None:  # (id, table) of each row dropped, for an incremental checkpoint
-            self._removed.append(torch.stack([self.slot_key[victims], self.slot_table[victims].long()]))
+            self._removed.append(torch.stack([keys, tabs.long()]))
         if count:
             self.counters[:, 1] += per_table
         self.size -= per_table
@@ -324,7 +326,10 @@ class HashStorage(RowStorage):
             self._replace_grad(
                 g, torch.sparse_coo_tensor(g._indices()[:, keep], g._values()[keep], g.shape, check_invariants=False)
             )
-        self._build_index(self.weight.shape[0] - 1)
+        self._unindex(keys, tabs)
+
+    def _unindex(self, keys: torch.Tensor, tabs: torch.Tensor) -> None:
+        self._build_index(self.weight.shape[0] - 1)  # (the pairs whose slots were freed: rebuilt without them)
 
     def _protected(self, batch_slots: torch.Tensor) -> torch.Tensor:
         """(C+1,) bool: rows that may not be evicted now — this batch's, and every row touched
@@ -769,9 +774,8 @@ class HashStorage(RowStorage):
             self.sketch[i] = entry["sketch"].to(self.sketch)
 
     def _load_generator(self, state: torch.Tensor) -> None:
-        """The admission generator's saved state; one saved on another kind of device (a CPU
-        state on CUDA, or back) cannot be carried over: the draws go on from a seed of the
-        table's seed and clock, the same in every process."""
+        """The admission generator's saved state; one saved on another kind of device (CPU, CUDA)
+        cannot be carried over: the draws go on from a seed of the table's seed and clock."""
         if state.numel() == self._gen.get_state().numel():
             self._gen.set_state(state.cpu() if self._gen.device.type == "cpu" else state)
             return

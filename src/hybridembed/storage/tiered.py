@@ -28,6 +28,7 @@ through :meth:`read_range`: what keeps a table is a checkpoint.
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import threading
 import weakref
@@ -91,42 +92,61 @@ class _File:
             "and load it into a new model"
         )
 
-    def _runs(self, rows: torch.Tensor):
-        """``rows`` (K,) -> (their order ascending, [(first position, end position, first row)] of
-        runs of consecutive rows in that order, each at most :data:`_CALL_BYTES`: Linux moves at
-        most 2 GiB per call)."""
+    def _runs(self, rows: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
+        """``rows`` (K,) -> (their order ascending, then per run of consecutive rows in that order:
+        its first byte and end byte in the sorted rows' buffer, its byte offset in the file), each
+        run at most :data:`_CALL_BYTES` (Linux moves at most 2 GiB per call)."""
         order = torch.argsort(rows)
         r = rows.index_select(0, order).numpy()
+        if r.size == 0:
+            return order, *(np.zeros(0, dtype=np.int64),) * 3
         cut = np.flatnonzero(np.diff(r) != 1) + 1
         starts, ends = np.r_[0, cut], np.r_[cut, r.size]
         most = max(1, _CALL_BYTES // max(self.row_bytes, 1))
-        runs = []
-        for a, b, first in zip(starts.tolist(), ends.tolist(), r[starts].tolist()):
-            for lo in range(a, b, most):
-                runs.append((lo, min(b, lo + most), first + lo - a))
-        return order, runs
+        if int((ends - starts).max()) > most:  # (rare: a run cut into calls of at most `most` rows)
+            lo = np.concatenate([np.arange(a, b, most) for a, b in zip(starts.tolist(), ends.tolist())])
+            starts, ends = lo, np.minimum(np.r_[lo[1:], r.size], lo + most)
+        rb = self.row_bytes
+        return order, starts * rb, ends * rb, r[starts] * rb
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (K,) -> (K, width)."""
-        order, runs = self._runs(rows)
-        buf = np.empty((rows.numel(), self.row_bytes), dtype=np.uint8)
-        for a, b, first in runs:
-            want = (b - a) * self.row_bytes
-            if os.preadv(self.fd, [memoryview(buf[a:b]).cast("B")], first * self.row_bytes) != want:
-                raise HybridEmbedError(f"tiered table file {self.path}: a short read (the file was truncated?)")
+        order, starts, ends, offsets = self._runs(rows)
+        buf = torch.empty(rows.numel() * self.row_bytes, dtype=torch.uint8)
+        first = _io().pread_runs(self.fd, buf.numpy(), starts, ends, offsets) if _io() else 0
+        if first >= 0:  # (no Numba, or a run failed: Python's calls from there, which raise the error)
+            view = memoryview(buf.numpy())
+            for a, b, at in zip(starts[first:].tolist(), ends[first:].tolist(), offsets[first:].tolist()):
+                if os.preadv(self.fd, [view[a:b]], at) != b - a:
+                    raise HybridEmbedError(f"tiered table file {self.path}: a short read (the file was truncated?)")
         out = torch.empty(rows.numel(), self.width, dtype=self.dtype)
-        out.index_copy_(0, order, torch.from_numpy(buf).view(self.dtype).view(-1, self.width))
-        return out
+        return out.index_copy_(0, order, buf.view(self.dtype).view(-1, self.width))
 
     def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """``data`` (K, width) into rows ``rows`` (K,) distinct."""
-        order, runs = self._runs(rows)
-        buf = data.index_select(0, order).contiguous().view(torch.uint8).numpy().reshape(rows.numel(), -1)
-        for a, b, first in runs:
-            view, at = memoryview(buf[a:b]).cast("B"), first * self.row_bytes
+        order, starts, ends, offsets = self._runs(rows)
+        flat = data.index_select(0, order).contiguous().view(torch.uint8).numpy().reshape(-1)
+        first = _io().pwrite_runs(self.fd, flat, starts, ends, offsets) if _io() else 0
+        if first < 0:
+            return
+        buf = memoryview(flat)  # (no Numba, or a run failed: Python's calls from there, which raise the error)
+        for a, b, at in zip(starts[first:].tolist(), ends[first:].tolist(), offsets[first:].tolist()):
+            view = buf[a:b]
             while len(view):  # (a write may move fewer bytes than asked)
                 n = os.pwritev(self.fd, [view], at)
                 view, at = view[n:], at + n
+
+
+@functools.cache
+def _io():
+    """The Numba loops of :mod:`hybridembed.kernels._numba_io`, or None (no Numba: Python's loop)."""
+    from ..kernels import cpu_fused
+
+    if not cpu_fused.available():
+        return None
+    from ..kernels import _numba_io
+
+    return _numba_io
 
 
 class _Prefetch:

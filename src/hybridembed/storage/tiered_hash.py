@@ -12,18 +12,21 @@ table keeps every row it admitted, in memory or on disk, and trains exactly as t
 table in memory without a capacity (DeepRec's multi-tier EmbeddingVariable: hot ids in DRAM, the
 rest on SSD).
 
-On disk: the rows, and each optimizer state, one file each. A spill appends its rows at the end
-of the files (one write a file; measured 4.09x -> 2.8x the step in memory against a write per
-row in place), so a row's place moves; the files are compacted (the rows on disk rewritten in
-order) when most of them is dead, and grown before anything changes (a full disk refuses the
-batch). In memory, per record (one per row ever spilled): its (table, id), place, recency,
-frequency, whether it holds the row now (``live``: the row is not cached), and HashStorage's
-open-addressing index (table, id) -> record, insert-only (a row keeps its record for life):
-70-100 bytes per row on disk. A batch needs all its distinct rows in the
-cache at once: more than it holds is refused before anything changes. Whole-table reads
-(``state_dict``, ``he.save``, ``dynamic_rows``, export) merge the cache and the records and hold
-the table's rows in memory while they run (dense tiered tables stream checkpoints range by
-range; dynamic ones do not yet).
+On disk: one file of records, each a row and its optimizer state (one read brings a row back
+whole). A spill appends its records at the end of the file (one write; measured 4.09x -> 2.8x
+the step in memory against a write per row in place), so a row's place moves; the file is
+compacted (the live records rewritten in order) when most of it is dead, and grown before
+anything changes (a full disk refuses the batch). Scattered reads and writes go through a Numba
+loop of ``pread`` / ``pwrite`` (:mod:`hybridembed.kernels._numba_io`). A spilled row leaves a
+tombstone in the cache's index instead of a rebuild.
+
+In memory, per record (one per row ever spilled): its (table, id), place, recency, frequency,
+whether it holds the row now (``live``: the row is not cached), and HashStorage's open-addressing
+index (table, id) -> record, insert-only (a row keeps its record for life): 70-100 bytes per row
+on disk. A batch needs all its distinct rows in the cache at once: more than it holds is refused
+before anything changes. Whole-table reads (``state_dict``, ``he.save``, ``dynamic_rows``,
+export) merge the cache and the records and hold the table's rows in memory while they run (dense
+tiered tables stream checkpoints range by range; dynamic ones do not yet).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from .protocol import LookupPlan, _nothing
 from .tiered import _File, _lock, _Prefetch
 
 __all__ = ["TieredHashStorage"]
+
+_TOMB = torch.tensor([[_EMPTY, ((1 << 31) - 1) << 32]])  # an index row of a spilled pair: no table has this number
 
 
 class _Homes:
@@ -114,11 +119,10 @@ class TieredHashStorage(HashStorage):
         self.rec_last = torch.zeros(0, dtype=torch.int64)  # (R,) recency of each record's row
         self.rec_freq = torch.zeros(0, dtype=torch.int64)
         self.rec_live = torch.zeros(0, dtype=torch.bool)  # holds the row now (it is not cached)
-        self.rec_state = torch.zeros(0, dtype=torch.bool)  # its optimizer state written (else: initial)
         self.rec_changed = torch.zeros(0, dtype=torch.bool)  # changed since the last checkpoint
         self.rec_at = torch.zeros(0, dtype=torch.int64)  # where in the files its row is (-1: nowhere yet)
-        self._rows_file: _File | None = None
-        self._state_files: dict[str, _File] = {}
+        self._file: _File | None = None  # (places, record bytes) uint8: each record a row and its optimizer state
+        self._parts = self._parts_of()  # where in a record each of them is
         self._reserved = 0  # places the files have room for
         self._tail = 0  # the next free place: each spill appends (one write a file), compaction reclaims
         self._prefetched: _Prefetch | None = None  # records prefetch() is reading, or read
@@ -132,7 +136,22 @@ class TieredHashStorage(HashStorage):
             raise ConfigError(f"Tiered(path={self.tier.path!r}): cannot make the directory ({e.strerror})") from None
         self._name = self.tables[0].name if len(self.tables) == 1 else f"{self.tables[0].name}+{len(self.tables) - 1}"
         weakref.finalize(self, os.close, _lock(self.dir / f"{self._name}.lock"))
-        self._rows_file = _File(self.dir / f"{self._name}.rows", 0, self.dim, self.dtype)
+        self._file = _File(self.dir / f"{self._name}.rows", 0, self._record_bytes(self._parts), torch.uint8)
+
+    def _build_index(self, slots: int) -> None:
+        super()._build_index(2 * slots)  # (twice the positions: room for the tombstones of spills)
+        self._tombs = 0
+
+    def _unindex(self, keys: torch.Tensor, tabs: torch.Tensor) -> None:
+        """Spilled (table, id) pairs' index positions made tombstones (they never match and never
+        end a probe) instead of rebuilding the index (measured ~3 ms a spill of 4k rows from a
+        40k-row cache); rebuilt when rows and tombstones would fill half the index."""
+        live = self.weight.shape[0] - 1 - self.free.numel()
+        if 2 * (live + self._tombs + keys.numel()) > self._mask + 1:
+            return super()._unindex(keys, tabs)
+        pos = self._find(keys, tabs, where=True)
+        self._hrow.index_copy_(0, pos, _TOMB.expand(pos.numel(), 2))
+        self._tombs += keys.numel()
 
     def _initial_slots(self) -> int:
         return self.tables[0].tiered.cache_rows  # (fixed: rows beyond it spill to disk)
@@ -229,8 +248,7 @@ class TieredHashStorage(HashStorage):
         if places <= self._reserved:
             return
         size = max(places, 2 * self._reserved, 1024)
-        for f in (self._rows_file, *self._state_files.values()):
-            f.reserve(size)
+        self._file.reserve(size)
         self._reserved = size
 
     def _append(self, n: int) -> torch.Tensor:
@@ -240,38 +258,78 @@ class TieredHashStorage(HashStorage):
         self._tail += n
         return at
 
-    def _compact(self) -> None:
-        """The rows on disk rewritten to the start of new files in the order of their places (few
-        calls: rows spilled together sit together), which then replace the old ones. Changes no row."""
+    def _compact(self, parts: list | None = None) -> None:
+        """The records on disk rewritten to the start of a new file in the order of their places
+        (few calls: rows spilled together sit together), which then replaces the old one. Changes
+        no row. ``parts``: a new record layout (an optimizer attached: the rows, with initial state)."""
         self.drop_prefetch()
         live = self.rec_live[: self._homes.n].nonzero().squeeze(1)
         live = live.index_select(0, torch.argsort(self.rec_at.index_select(0, live)))
-        old = {"rows": self._rows_file, **self._state_files}
-        new: dict[str, _File] = {}
+        old, new = self._file, None
+        width = self._record_bytes(parts or self._parts)
         try:
-            for k, f in old.items():
-                new[k] = _File(f.path.with_name(f.path.name + ".new"), live.numel(), f.width, f.dtype)
-            step = max(1, (64 << 20) // sum(f.row_bytes for f in old.values()))
+            new = _File(old.path.with_name(old.path.name + ".new"), live.numel(), width, torch.uint8)
+            step = max(1, (64 << 20) // max(old.row_bytes, width))
             for lo in range(0, live.numel(), step):
                 part = live[lo : lo + step]
-                src, dst = self.rec_at.index_select(0, part), torch.arange(lo, lo + part.numel())
-                for k, f in old.items():
-                    new[k].write(dst, f.read(src))
+                records = old.read(self.rec_at.index_select(0, part))
+                if parts is not None:
+                    fresh = self._initial(part.numel(), parts) | {"weight": self._unpack(records)["weight"]}
+                    records = self._pack(fresh, parts)
+                new.write(torch.arange(lo, lo + part.numel()), records)
         except (OSError, HybridEmbedError, ConfigError) as e:
-            for f in new.values():
-                f.path.unlink(missing_ok=True)
+            if new is not None:
+                new.path.unlink(missing_ok=True)
             raise HybridEmbedError(
-                f"tiered dynamic tables {', '.join(t.name for t in self.tables)}: compacting their files failed "
+                f"tiered dynamic tables {', '.join(t.name for t in self.tables)}: rewriting their file failed "
                 f"({e}); nothing was changed: free room on that disk"
             ) from None
-        for k, f in new.items():
-            os.replace(f.path, old[k].path)
-            f.path = old[k].path
-        self._rows_file, self._state_files = new.pop("rows"), new
+        os.replace(new.path, old.path)
+        new.path, self._file = old.path, new
+        self._parts = parts or self._parts
         self.rec_at.fill_(-1)
         self.rec_at[live] = torch.arange(live.numel())
         self._tail = self._reserved = live.numel()
-        self.spill_counters["compactions"] += 1
+        self.spill_counters["compactions"] += parts is None
+
+    # --- records: a row and its optimizer state, as bytes -----------------------------------
+    def _parts_of(self) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+        """A record's parts: (name, dtype, one row's shape, first byte, end byte): the row, then
+        each optimizer state (one file, one read a record: measured 2.3x -> 2.0x the step in memory
+        against a file each)."""
+        parts, at = [], 0
+        for name, t in (("weight", self.weight), *self.state.items()):
+            n = t.dtype.itemsize * math.prod(t.shape[1:])
+            parts.append((name, t.dtype, tuple(t.shape[1:]), at, at + n))
+            at += n
+        return parts
+
+    @staticmethod
+    def _record_bytes(parts: list) -> int:
+        return parts[-1][4]
+
+    def _pack(self, data: dict[str, torch.Tensor], parts: list | None = None) -> torch.Tensor:
+        """Rows and their state (each (K, ...)) -> records (K, record bytes) uint8."""
+        parts = parts or self._parts
+        k = data["weight"].shape[0]
+        cols = [
+            data[n].to(dt).reshape(k, (b - a) // dt.itemsize).contiguous().view(torch.uint8) for n, dt, _, a, b in parts
+        ]
+        return torch.cat(cols, 1)
+
+    def _unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Records (K, record bytes) uint8 -> their rows and state (copies, each (K, ...))."""
+        k = records.shape[0]
+        return {n: records[:, a:b].contiguous().view(dt).view(k, *shape) for n, dt, shape, a, b in self._parts}
+
+    def _initial(self, k: int, parts: list | None = None) -> dict[str, torch.Tensor]:
+        """Initial optimizer state of ``k`` rows, by name (no weight)."""
+        spec = self.optimizer.state_spec(self.hparams) if self.optimizer is not None else {}
+        return {n: torch.full((k, *shape), spec[n][1], dtype=dt) for n, dt, shape, _, _ in (parts or self._parts)[1:]}
+
+    def _read_records(self, recs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows and state of records ``recs`` (K,) on disk, by name."""
+        return self._unpack(self._file.read(self.rec_at.index_select(0, recs)))
 
     def _records(self) -> None:
         """The per-record arrays as long as the index's."""
@@ -280,7 +338,7 @@ class TieredHashStorage(HashStorage):
             extra = size - self.rec_last.numel()
             for name in ("rec_last", "rec_freq"):
                 setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.int64)]))
-            for name in ("rec_live", "rec_state", "rec_changed"):
+            for name in ("rec_live", "rec_changed"):
                 setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.bool)]))
             self.rec_at = torch.cat([self.rec_at, torch.full((extra,), -1, dtype=torch.int64)])
 
@@ -299,11 +357,9 @@ class TieredHashStorage(HashStorage):
             return
         n = victims.numel()
         recs = self._home(self.slot_key[victims], self.slot_table[victims])
-        at = self.rec_at[recs] = self._append(n)  # (appended: one write a file)
-        self._rows_file.write(at, self.weight.detach().index_select(0, victims))
-        for name, f in self._state_files.items():
-            f.write(at, self.state[name].index_select(0, victims).view(n, -1))
-        self.rec_state[recs] = bool(self._state_files)
+        at = self.rec_at[recs] = self._append(n)  # (appended: one write)
+        rows = {"weight": self.weight.detach().index_select(0, victims)}
+        self._file.write(at, self._pack(rows | {k: v.index_select(0, victims) for k, v in self.state.items()}))
         self.rec_last[recs], self.rec_freq[recs] = self.last_seen[victims], self.freq[victims]
         self.rec_live[recs] = True
         changed, self._changed = self._changed, None  # (a spilled row is kept: not removed)
@@ -320,19 +376,20 @@ class TieredHashStorage(HashStorage):
     def _read_back(self, keys: torch.Tensor, tabs: torch.Tensor, recs: torch.Tensor) -> torch.Tensor:
         """Rows of records ``recs`` (K,) into free slots (with their state, recency, frequency): the slots."""
         n = keys.numel()  # (read first, into temporaries: a failed read changes nothing)
-        rows = torch.empty(n, self.dim, dtype=self.dtype)
-        state = {k: v.new_empty((n, *v.shape[1:])) for k, v in self.state.items()}
-        taken = self._from_prefetch(recs, rows, state)  # (K,) bool: rows (and state) the prefetch had read
-        rest = (~taken).nonzero().squeeze(1)
-        if rest.numel():
-            r = recs.index_select(0, rest)
-            rows.index_copy_(0, rest, self._rows_file.read(self.rec_at.index_select(0, r)))
-            self._state_into(state, rest, r)
+        got = self._from_prefetch(recs)  # ((K,) bool: records the prefetch had read, their rows and state)
+        if got is None:
+            data = self._read_records(recs)
+        else:
+            taken, data = got
+            rest = (~taken).nonzero().squeeze(1)
+            if rest.numel():
+                for k, v in self._read_records(recs.index_select(0, rest)).items():
+                    data[k].index_copy_(0, rest, v)
         slots = self._allocate(n)
         self._insert(keys, tabs, slots)
-        self.weight.detach().index_copy_(0, slots, rows)
-        for k, v in state.items():
-            self.state[k].index_copy_(0, slots, v)
+        self.weight.detach().index_copy_(0, slots, data["weight"])
+        for k, v in self.state.items():
+            v.index_copy_(0, slots, data[k])
         self.slot_key[slots], self.slot_table[slots] = keys, tabs.to(torch.int32)
         self.last_seen[slots], self.freq[slots] = self.rec_last[recs], self.rec_freq[recs]
         self.size += self._per_table(tabs)
@@ -356,9 +413,8 @@ class TieredHashStorage(HashStorage):
         on_disk[on_disk.clone()] = self.rec_live.index_select(0, recs[on_disk])
         recs = recs[on_disk]
         at, order = torch.sort(self.rec_at.index_select(0, recs))
-        if at.numel():  # (read by place; a row's place changes only when it is written again)
-            with_state = self.rec_state.index_select(0, recs.index_select(0, order))
-            self._prefetched = _Prefetch(at, with_state, dict(self._state_files), self._rows_file)
+        if at.numel():  # (read by place, whole records; a row's place changes only when it is written again)
+            self._prefetched = _Prefetch(at, torch.zeros(at.numel(), dtype=torch.bool), {}, self._file)
 
     def _written(self, at: torch.Tensor) -> None:
         """Places ``at`` are written again in place now: a prefetched copy of them is old."""
@@ -372,57 +428,32 @@ class TieredHashStorage(HashStorage):
             self._prefetched.ready()
             self._prefetched = None
 
-    def _from_prefetch(self, recs: torch.Tensor, rows: torch.Tensor, state: dict) -> torch.Tensor:
-        """Records ``recs`` (K,) the prefetch holds (fresh), copied into ``rows`` (K, D) and ``state``
-        at their positions: (K,) bool."""
-        taken = torch.zeros(recs.numel(), dtype=torch.bool)
+    def _from_prefetch(self, recs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """Records ``recs`` (K,) the prefetch holds (fresh): ((K,) bool which, their rows and state
+        by name (K, ...) where taken), or None (none)."""
         pf = self._prefetched
         if pf is None:
-            return taken
+            return None
         found, at = pf.positions(self.rec_at.index_select(0, recs))
         if found.numel() == 0 or not pf.ready():
-            return taken
-        keep = ~(self.rec_state.index_select(0, recs.index_select(0, found)) & ~pf.with_state.index_select(0, at))
-        found, at = found[keep], at[keep]  # (a record given state since its read: read again)
-        rows.index_copy_(0, found, pf.weight.index_select(0, at))
-        if self.optimizer is not None:
-            has = pf.with_state.index_select(0, at)
-            within = torch.cumsum(pf.with_state.long(), 0) - 1  # (a record's place among those with state)
-            for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
-                dst = state[name]
-                dst.index_fill_(0, found[~has], fill)
-                if name in pf.state and bool(has.any()):
-                    src = pf.state[name].index_select(0, within.index_select(0, at[has]))
-                    dst.index_copy_(0, found[has], src.view((-1, *dst.shape[1:])))
+            return None
+        got = self._unpack(pf.weight.index_select(0, at))
+        out = {k: v.new_empty((recs.numel(), *v.shape[1:])) for k, v in got.items()}
+        for k, v in got.items():
+            out[k].index_copy_(0, found, v)
+        taken = torch.zeros(recs.numel(), dtype=torch.bool)
         taken[found] = True
         self.spill_counters["prefetched"] += found.numel()
-        return taken
-
-    def _state_into(self, out: dict[str, torch.Tensor], at: torch.Tensor, recs: torch.Tensor) -> None:
-        """Records ``recs``' optimizer state into ``out[name]`` at ``at`` (initial where none written)."""
-        if self.optimizer is None or recs.numel() == 0:
-            return
-        has = self.rec_state.index_select(0, recs)
-        for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
-            if name not in out:
-                continue
-            out[name].index_fill_(0, at[~has], fill)
-            if name in self._state_files and bool(has.any()):
-                got = self._state_files[name].read(self.rec_at.index_select(0, recs[has]))
-                out[name].index_copy_(0, at[has], got.view((-1, *out[name].shape[1:])))
+        return taken, out
 
     def attach_optimizer(self, optimizer, hparams: dict) -> None:
         """The optimizer's state beside the cached rows, and its files beside the rows' file (every
         row's state starts afresh: rows on disk keep their values, not their old state)."""
         super().attach_optimizer(optimizer, hparams)
-        if self._rows_file is None:
+        if self._file is None:
+            self._parts = self._parts_of()
             return
-        self.drop_prefetch()  # (its state files are made afresh below)
-        self._state_files = {
-            name: _File(self.dir / f"{self._name}.{name}", self._reserved, self.dim if t.dim() > 1 else 1, t.dtype)
-            for name, t in self.state.items()
-        }
-        self.rec_state.zero_()
+        self._compact(self._parts_of())  # (the rows on disk rewritten beside their initial state)
         if self._changed is not None:  # (every row's state is new, on disk too: the next delta holds them all)
             self.rec_changed |= self.rec_live
 
@@ -443,17 +474,19 @@ class TieredHashStorage(HashStorage):
         frequency and ``state`` (a dict)."""
         c, d = (slots >= 0).nonzero().squeeze(1), (recs >= 0).nonzero().squeeze(1)
         cs, dr = slots.index_select(0, c), recs.index_select(0, d)
+        disk = self._read_records(dr) if d.numel() else None
         out: dict[str, Any] = {"weight": torch.empty(slots.numel(), self.dim, dtype=self.dtype)}
         out["weight"].index_copy_(0, c, self.weight.detach().index_select(0, cs))
-        if d.numel():
-            out["weight"].index_copy_(0, d, self._rows_file.read(self.rec_at.index_select(0, dr)))
+        if disk is not None:
+            out["weight"].index_copy_(0, d, disk["weight"])
         for name, mem, rec in (("last_seen", self.last_seen, self.rec_last), ("freq", self.freq, self.rec_freq)):
             out[name] = torch.empty(slots.numel(), dtype=torch.int64)
             out[name].index_copy_(0, c, mem.index_select(0, cs)).index_copy_(0, d, rec.index_select(0, dr))
         st = {k: self.state[k].new_empty((slots.numel(), *self.state[k].shape[1:])) for k in state}
         for k in state:
             st[k].index_copy_(0, c, self.state[k].index_select(0, cs))
-        self._state_into(st, d, dr)
+            if disk is not None:
+                st[k].index_copy_(0, d, disk[k])
         out["state"] = {k: st[k] for k in state}
         return out
 
@@ -542,10 +575,10 @@ class TieredHashStorage(HashStorage):
         if d.numel():
             dr = recs.index_select(0, d)
             at = self.rec_at.index_select(0, dr)  # (in place: the row stays where it is)
+            cur = self._read_records(dr)
+            cur |= {k: v.index_select(0, d).to(cur[k].dtype).view_as(cur[k]) for k, v in state.items() if k in cur}
             self._written(at)
-            for k, f in self._state_files.items():
-                f.write(at, state[k].index_select(0, d).to(self.state[k].dtype).reshape(d.numel(), -1))
-            self.rec_state[dr] = bool(self._state_files)
+            self._file.write(at, self._pack(cur))
             self.rec_changed[dr] = True
 
     @torch.no_grad()
@@ -574,39 +607,29 @@ class TieredHashStorage(HashStorage):
         in place (its state and counters kept unless given), others appended as new rows (initial
         state, recency now, frequency 0, unless given)."""
         recs = self._home(keys, tabs)
+        k = recs.numel()
         had = self.rec_live.index_select(0, recs)
         fresh = (~had).nonzero().squeeze(1)
         self._room(self._tail + fresh.numel())  # (before any write: a full disk changes nothing)
         at = self.rec_at.index_select(0, recs)
+        cur = self._initial(k)
+        kept = had.nonzero().squeeze(1)
+        if kept.numel() and any(n not in data for n in cur):  # (their state on disk, kept)
+            for n, v in self._read_records(recs.index_select(0, kept)).items():
+                if n in cur:
+                    cur[n].index_copy_(0, kept, v)
+        cur |= {n: v.to(dt).reshape(k, *shape) for n, dt, shape, _, _ in self._parts if (v := data.get(n)) is not None}
         if fresh.numel():
             at[fresh] = self._append(fresh.numel())
             self.rec_at[recs.index_select(0, fresh)] = at.index_select(0, fresh)
-            self.rec_state[recs.index_select(0, fresh)] = False
             self.rec_last[recs.index_select(0, fresh)] = self.clock
             self.rec_freq[recs.index_select(0, fresh)] = 0
         self._written(at)
-        self._rows_file.write(at, data["weight"].to(self.dtype))
-        given = [k for k in self._state_files if k in data]
-        for k in given:
-            self._state_files[k].write(at, data[k].to(self.state[k].dtype).reshape(recs.numel(), -1))
-        if given and len(given) == len(self._state_files):
-            self.rec_state[recs] = True
-        elif given:  # (some state given, the rest initial: written as such)
-            self._state_files_fill(at, recs, given)
+        self._file.write(at, self._pack(cur))
         if last is not None:
             self.rec_last[recs], self.rec_freq[recs] = last, freq
         self.rec_live[recs] = True
         self.rec_changed[recs] = True
-
-    def _state_files_fill(self, at: torch.Tensor, recs: torch.Tensor, given: list[str]) -> None:
-        """Rows at ``at`` given some of their state: the rest written as it stands (initial for rows
-        without state on disk), so all their state is on disk."""
-        spec = self.optimizer.state_spec(self.hparams)
-        none = (~self.rec_state.index_select(0, recs)).nonzero().squeeze(1)
-        for k, f in self._state_files.items():
-            if k not in given and none.numel():
-                f.write(at.index_select(0, none), torch.full((none.numel(), f.width), spec[k][1], dtype=f.dtype))
-        self.rec_state[recs] = True
 
     def load_tables(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace the rows of several tables: their cached rows dropped, their records emptied, the
@@ -646,9 +669,8 @@ class TieredHashStorage(HashStorage):
         disk = self._disk_rows(None if table is None else self.table_index[self._table(table).name])
         if table is None:
             s["rows"] = s["size"] = s["rows"] + disk
-        files = (self._rows_file, *self._state_files.values())
         s["disk_rows"], s["cache_rows"] = disk, self.weight.shape[0] - 1
-        s["disk_bytes"] = sum(os.path.getsize(f.path) for f in files if f is not None)
+        s["disk_bytes"] = os.path.getsize(self._file.path) if self._file is not None else 0
         s["memory_bytes"] = self.memory_bytes
         return s | dict(self.spill_counters)
 
@@ -656,7 +678,7 @@ class TieredHashStorage(HashStorage):
     def memory_bytes(self) -> int:
         """The cache's bytes (rows, state, index) and, per record, its pair, recency, frequency,
         flags and index positions."""
-        recs = self.rec_last.numel() * (8 + 8 + 8 + 3) + self._homes.key.numel() * 12 + self._homes._hrow.numel() * 8
+        recs = self.rec_last.numel() * (8 + 8 + 8 + 2) + self._homes.key.numel() * 12 + self._homes._hrow.numel() * 8
         return super().memory_bytes + recs
 
     def extra_repr(self) -> str:
