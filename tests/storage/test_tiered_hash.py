@@ -300,3 +300,40 @@ def test_a_table_stepped_by_another_optimizer_is_refused_not_corrupted(tmp_path)
     ec({"a": torch.tensor([0, 1, 2, 3])})["a"].sum().backward()
     with pytest.raises(he.HybridEmbedError, match="rows looked up since the last optimizer step stay"):
         ec({"a": torch.tensor([10, 11])})
+
+
+def _on_a_server(rank: int, world: int, where: str):
+    """Tiered dynamic tables on a parameter server (rank 1): rows beyond its cache on its disk."""
+    tables = _tables(he.Tiered(f"{where}/rank{rank}", cache_rows=60), OPTIMIZERS["rowwise"])
+    model = he.distribute(torch.nn.ModuleDict({"ec": he.EmbeddingCollection(tables, seed=3)}), servers=1, server_exit=False)
+    if model is None:  # (the server: it served until the trainer finished)
+        return None
+    opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        opt.zero_grad()
+        _loss(model["ec"](_batch(g))).backward()
+        opt.step()
+    he.save(f"{where}/ck", model, opt)
+    return {t: model["ec"].gather_table(t) for t in ("a", "b")}
+
+
+def test_tiered_dynamic_tables_on_a_parameter_server_train_as_in_memory(tmp_path):
+    from hybridembed.launch import spawn
+
+    got, served = spawn(_on_a_server, 2, str(tmp_path), timeout=120)
+    files = [p for p in (tmp_path / "rank1").iterdir() if p.suffix == ".rows"]
+    assert served is None and files and max(p.stat().st_size for p in files) > 1  # (the server spilled rows)
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["rowwise"]), seed=3)
+    _train(ref, steps=20)
+    for t in ("a", "b"):
+        ids, rows = ref.dynamic_rows(t)
+        assert torch.equal(got[t][0], ids), t
+        torch.testing.assert_close(got[t][1], rows, rtol=1e-6, atol=1e-7, msg=t)
+    mem = he.EmbeddingCollection(_tables(None, OPTIMIZERS["rowwise"]), seed=0)  # the server's checkpoint, into memory
+    he.load(tmp_path / "ck", torch.nn.ModuleDict({"ec": mem}), he.wrap_optimizer(torch.optim.SGD(mem.parameters()), mem))
+    want = _state(ref)
+    got_state = _state(mem)
+    for k in want:
+        if not k.endswith(".stats"):  # (the counters: the server's table counts its pulls, not the trainer's lookups)
+            torch.testing.assert_close(got_state[k], want[k], rtol=1e-6, atol=1e-7, msg=k)
