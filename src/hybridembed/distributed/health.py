@@ -266,18 +266,25 @@ def _destroy_at_exit_once() -> None:
         atexit.register(_destroy_at_exit)
 
 
+_SETTLE = 0.05  # seconds the exit leaves gloo's worker threads to free their last work
+
+
 def _destroy_at_exit() -> None:
     """A job's script that ends without ``destroy_process_group()`` (most do): its groups are
-    destroyed here, while the interpreter is whole. Otherwise gloo's worker threads free their
-    last work's tensors during the interpreter's finalisation, which now and then aborts the
-    process ("terminate called without an active exception", exit code -6; pytorch/pytorch
-    #190489). Not after an unhandled exception: a collective may still wait for a lost peer."""
-    if _failure is not None or not dist.is_available() or not dist.is_initialized():
-        return
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - leaving either way
-        pass
+    destroyed here, while the interpreter is whole (not after an unhandled exception: a collective
+    may still wait for a lost peer). Then the main thread sleeps a moment: a gloo worker thread
+    frees each work after its ``wait()`` returned, and a tensor it frees may hold a Python object,
+    which takes the GIL. In the interpreter's finalisation that thread is made to exit inside C++
+    and the process aborts ("terminate called without an active exception", exit code -6;
+    pytorch/pytorch#190489): seen about once in 20 jobs whose last line gathered a table, in a
+    core dump a worker destroying an all-gather's work. Groups the model still holds (its own,
+    DDP's) keep their threads, so destroying the groups alone did not prevent it."""
+    if _failure is None and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - leaving either way
+            pass
+    time.sleep(_SETTLE)  # (a script that destroyed its groups itself too: the model may hold some)
 
 
 _before_shutdown: list = []  # callables run before a process group shuts down
