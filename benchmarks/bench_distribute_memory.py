@@ -45,7 +45,9 @@ def _rank(rank: int, world: int, rows: list[int], dim: int, meta: bool) -> dict:
     import torch.distributed as dist
 
     base = _status("VmRSS:")  # the process, no model yet
-    model = Model(rows, dim, "meta" if meta else "cpu")  # (meta: the tables allocate nothing; each rank makes its shards)
+    model = Model(
+        rows, dim, "meta" if meta else "cpu"
+    )  # (meta: the tables allocate nothing; each rank makes its shards)
     before = _status("VmRSS:")
     dist.barrier()
     model = he.distribute(model)
@@ -70,7 +72,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = spawn(_rank, args.world, rows, args.dim, args.meta, timeout=1800, pg_timeout=1800, threads=1)
     gib = 2**30
     built = "on meta" if args.meta else "on the CPU"
-    print(f"26 tables, {sum(rows):,} rows x {args.dim}: {tables / gib:.2f} GiB, built {built}; world {args.world} (gloo)")
+    print(
+        f"26 tables, {sum(rows):,} rows x {args.dim}: {tables / gib:.2f} GiB, built {built}; world {args.world} (gloo)"
+    )
     if args.meta:
         tables = 0  # (the model holds no rows)
     for r, res in enumerate(results):

@@ -305,7 +305,9 @@ def test_a_table_stepped_by_another_optimizer_is_refused_not_corrupted(tmp_path)
 def _on_a_server(rank: int, world: int, where: str):
     """Tiered dynamic tables on a parameter server (rank 1): rows beyond its cache on its disk."""
     tables = _tables(he.Tiered(f"{where}/rank{rank}", cache_rows=60), OPTIMIZERS["rowwise"])
-    model = he.distribute(torch.nn.ModuleDict({"ec": he.EmbeddingCollection(tables, seed=3)}), servers=1, server_exit=False)
+    model = he.distribute(
+        torch.nn.ModuleDict({"ec": he.EmbeddingCollection(tables, seed=3)}), servers=1, server_exit=False
+    )
     if model is None:  # (the server: it served until the trainer finished)
         return None
     opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
@@ -331,7 +333,9 @@ def test_tiered_dynamic_tables_on_a_parameter_server_train_as_in_memory(tmp_path
         assert torch.equal(got[t][0], ids), t
         torch.testing.assert_close(got[t][1], rows, rtol=1e-6, atol=1e-7, msg=t)
     mem = he.EmbeddingCollection(_tables(None, OPTIMIZERS["rowwise"]), seed=0)  # the server's checkpoint, into memory
-    he.load(tmp_path / "ck", torch.nn.ModuleDict({"ec": mem}), he.wrap_optimizer(torch.optim.SGD(mem.parameters()), mem))
+    he.load(
+        tmp_path / "ck", torch.nn.ModuleDict({"ec": mem}), he.wrap_optimizer(torch.optim.SGD(mem.parameters()), mem)
+    )
     want = _state(ref)
     got_state = _state(mem)
     for k in want:
