@@ -1,6 +1,7 @@
 """``hybridembed train --tiered DIR``: the main job with its tables on disk (dense tables of
---capacity rows, ids hashed into them, a cache in memory): it trains, checkpoints, resumes as a
-run never stopped, exports; what it cannot do yet is refused before anything starts.
+--capacity rows, ids hashed into them, a cache in memory; with --capacity 0 its dynamic tables,
+rows beyond the cache spilled to disk): it trains, checkpoints, resumes as a run never stopped,
+exports; what it cannot do yet is refused before anything starts.
 
     python -m pytest -q tests/train/test_tiered_train.py
 """
@@ -49,7 +50,6 @@ def test_tiered_tables_train_checkpoint_resume_like_one_run_and_export(generated
     "extra, needle",
     [
         (["--nproc", "2"], "runs in one process"),
-        (["--capacity", "0"], "needs --capacity N > 0"),
         (["--min-count", "2"], "drop --min-count"),
         (["--tiered-cache", "100"], "--tiered-cache 100 rows cannot hold a batch's rows"),
     ],
@@ -71,4 +71,33 @@ def test_tiered_cache_alone_and_a_tiered_checkpoint_without_tiered_are_refused(g
     _run([*argv, "--workdir", str(tmp_path / "dyn"), "--no-export"], capsys)  # dynamic tables in memory
     again = [*argv, "--resume", str(tmp_path / "dyn/checkpoint"), "--tiered", str(tmp_path / "t2"), "--epochs", "2"]
     assert cli.main(again) == 2
-    assert "the checkpoint's tables are dynamic tables in memory; resume without --tiered" in capsys.readouterr().err
+    assert "the checkpoint's tables are dynamic tables, not hashed ones: drop --capacity" in capsys.readouterr().err
+    assert cli.main([a for a in again if a not in ("--capacity", "5000")]) == 2  # (its tables evict past 5,000 rows)
+    assert "with dynamic tables keeps every row (the checkpoint's --capacity 5000" in capsys.readouterr().err
+
+
+def test_dynamic_tables_on_disk_train_as_in_memory_and_resume_from_either(generated, tmp_path, capsys):
+    """--tiered DIR --capacity 0: the job's own dynamic tables (every id its row), rows beyond the
+    cache on disk; every epoch's figures equal the same job in memory, and a checkpoint of either
+    resumes in the other."""
+    small = [a if a != "5000" else "0" for a in SMALL]  # (--capacity 0: unbounded)
+    base = ["--data", str(generated), "--no-progress", "--threads", "1", *small, "--no-export"]
+    memory = _run([*base, "--workdir", str(tmp_path / "m"), "--epochs", "2"], capsys)
+    disk = ["--tiered", str(tmp_path / "tiers"), "--tiered-cache", "9000"]
+    tiered = _run([*base, "--workdir", str(tmp_path / "t"), *disk, "--epochs", "2"], capsys)
+    assert "dynamic tables (26 features, dim 4, unbounded; rows beyond 9,000 in memory spilled" in tiered
+    on_disk = re.search(r"table rows ([\d,]+) \(([\d,]+) on disk, ([\d,]+) read back so far\)", tiered)
+    assert on_disk and int(on_disk.group(2).replace(",", "")) > 0 and int(on_disk.group(3).replace(",", "")) > 0
+    assert re.search(r"table rows ([\d,]+)", memory).group(1) == on_disk.group(1)
+    for n in (1, 2):
+        assert _epoch(tiered, n) == _epoch(memory, n)
+    one = _run([*base, "--workdir", str(tmp_path / "a"), "--epochs", "1"], capsys)  # in memory, resumed on disk
+    back = [*base, "--workdir", str(tmp_path / "a"), "--resume", str(tmp_path / "a/checkpoint"), "--epochs", "2"]
+    resumed = _run([a for a in back if a not in ("--capacity", "0")] + ["--tiered", str(tmp_path / "t2")], capsys)
+    assert _epoch(one, 1) == _epoch(memory, 1) and _epoch(resumed, 2) == _epoch(memory, 2)
+    tiered_one = [*base, "--workdir", str(tmp_path / "b"), *disk, "--epochs", "1"]  # on disk, resumed in memory
+    _run([a if a != str(tmp_path / "tiers") else str(tmp_path / "t3") for a in tiered_one], capsys)
+    again = _run(
+        [*base, "--workdir", str(tmp_path / "b"), "--resume", str(tmp_path / "b/checkpoint"), "--epochs", "2"], capsys
+    )
+    assert _epoch(again, 2) == _epoch(memory, 2)

@@ -92,14 +92,18 @@ def _state_problems(state: dict[str, Any]) -> list[str]:
 def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
     """Fills defaults in place (from the checkpoint with --resume); returns its state, if any."""
     state = None
-    args.hashed_tables = True if getattr(args, "tiered", None) else None
+    tiered = getattr(args, "tiered", None)  # (--capacity 0: dynamic tables on disk; else dense tables, ids hashed)
+    args.hashed_tables = True if tiered and args.capacity != 0 else None
     if args.resume:
         state = _read_state(args.resume, "--checkpoint" if getattr(args, "restart", None) is not None else "--resume")
+        if tiered and args.capacity is None and not state["arch"].get("hashed_tables"):
+            args.hashed_tables = None  # (a checkpoint of dynamic tables: on disk if unbounded, see _resolve_tiered)
         for k, saved in state["arch"].items():
             given = getattr(args, k, None)
             if k == "hashed_tables" and given and not saved:
                 raise UsageError(
-                    "--tiered: the checkpoint's tables are dynamic tables in memory; resume without --tiered"
+                    "--tiered: the checkpoint's tables are dynamic tables, not hashed ones: drop --capacity (a "
+                    "checkpoint of unbounded tables resumes on disk) or --tiered"
                 )
             if given is not None and given != saved:
                 flag = "--" + k.replace("_", "-")
@@ -169,8 +173,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _resolve_tiered(args: argparse.Namespace) -> None:
-    """--tiered DIR: dense tables on disk, in one process on the CPU; a checkpoint of such tables
-    resumes with --tiered again (its files are where the rows work, not what keeps them)."""
+    """--tiered DIR: dense tables on disk, ids hashed into them (a checkpoint of such tables resumes
+    with --tiered again: its files are where the rows work, not what keeps them), or with --capacity
+    0 the job's dynamic tables with rows beyond the cache on disk (their checkpoints are dynamic
+    tables', in memory or not); in one process on the CPU."""
     if args.hashed_tables and not args.tiered:
         raise UsageError("the checkpoint's tables are tiered (hashed into files on disk): give --tiered DIR to resume")
     if not args.tiered:
@@ -181,8 +187,14 @@ def _resolve_tiered(args: argparse.Namespace) -> None:
     for bad, why in (
         ((args.nproc or 1) > 1 or args.servers, "runs in one process (no --nproc N or --servers S yet)"),
         (torch.device(args.device).type != "cpu", "keeps its cache on the CPU (no --device cuda)"),
-        (not args.capacity, "needs --capacity N > 0: the rows of each table"),
-        (args.min_count != 1, "admits every id (its tables have a row for every hash): drop --min-count"),
+        (
+            not args.hashed_tables and args.capacity,
+            f"with dynamic tables keeps every row (the checkpoint's --capacity {args.capacity} evicts rows past it)",
+        ),
+        (
+            args.hashed_tables and args.min_count != 1,
+            "with --capacity N admits every id (its tables have a row for every hash): drop --min-count",
+        ),
     ):
         if bad:
             raise UsageError(f"--tiered {args.tiered} {why}")

@@ -53,6 +53,7 @@ class DynamicEmbeddings(nn.Module):
     All tables share dim, dtype and :class:`hybridembed.Dynamic` config, so they form one
     group: one hash storage and one fused lookup per step. ``device`` and ``kernels`` are the
     collection's (:class:`hybridembed.EmbeddingCollection`): the rows are made where they live.
+    ``tiered`` (unbounded tables only): rows beyond its cache spilled to its files, every row kept.
     """
 
     def __init__(
@@ -66,13 +67,14 @@ class DynamicEmbeddings(nn.Module):
         min_count: int = 1,
         device: torch.device | str | None = None,
         kernels: str = "auto",
+        tiered: Tiered | None = None,
     ):
         super().__init__()
         self.features = list(features)
         self.names = [f"{prefix}{f}".replace(".", "_") for f in self.features]
         dynamic = Dynamic(capacity=capacity, min_count=min_count)
         init = init or he_init.uniform(-0.05, 0.05)
-        tables = [TableConfig(n, None, dim, init=init, dynamic=dynamic) for n in self.names]
+        tables = [TableConfig(n, None, dim, init=init, dynamic=dynamic, tiered=tiered) for n in self.names]
         self.collection = EmbeddingCollection(tables, seed=seed, device=device, kernels=kernels)
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
@@ -288,7 +290,8 @@ def build(
     then moved: the same on every device). ``device``: where the model lives (the dynamic
     tables are made there, not moved); ``kernels``: their backend (``"auto"``, ``"eager"``,
     ``"triton"``; see :mod:`hybridembed.kernels.backend`). ``tiered``: a directory: the tables
-    are :class:`TieredEmbeddings` there (``capacity`` rows each, ``tiered_cache`` rows in memory).
+    are :class:`TieredEmbeddings` there (``capacity`` rows each, ``tiered_cache`` rows in memory),
+    or without a ``capacity`` dynamic tables whose rows beyond ``tiered_cache`` go to files there.
     """
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; allowed: {', '.join(MODELS)}")
@@ -297,7 +300,7 @@ def build(
     def embeddings(d: int, prefix: str) -> nn.Module:
         if vocab_sizes is not None:
             return TorchEmbeddings(vocab_sizes, d)
-        if tiered is not None:
+        if tiered is not None and capacity is not None:
             return TieredEmbeddings(features, d, capacity, tiered, tiered_cache, prefix=prefix, seed=seed)
         return DynamicEmbeddings(
             features,
@@ -308,6 +311,7 @@ def build(
             min_count=min_count,
             device=device,
             kernels=kernels,
+            tiered=Tiered(tiered, cache_rows=tiered_cache) if tiered is not None else None,
         )
 
     f = len(features)

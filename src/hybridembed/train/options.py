@@ -197,9 +197,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--tiered",
         metavar="DIR",
         help="tables on local disk: one table of --capacity rows per feature, ids hashed into it (colliding ids "
-        "share a row), its rows and optimizer state in files under DIR, --tiered-cache rows in memory; for tables "
-        "larger than memory (one process, CPU; give DIR again with --resume; no export unless --export PATH: an "
-        "export holds the tables in memory). wdl and deepfm have two sets of tables, each with its own cache",
+        "share a row), its rows and optimizer state in files under DIR, --tiered-cache rows in memory; with "
+        "--capacity 0, the dynamic tables (no collisions), rows beyond --tiered-cache spilled to DIR and read back "
+        "(they train exactly as in memory). For tables larger than memory (one process, CPU; give DIR again with "
+        "--resume; no export unless --export PATH: an export holds the tables in memory). wdl and deepfm have two "
+        "sets of tables, each with its own cache",
     )
     m.add_argument(
         "--tiered-cache",

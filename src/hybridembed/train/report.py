@@ -83,6 +83,12 @@ def epoch_line(
         reads = sum(s["disk_reads"] for s in stats)
         parts.append(f"cache hit rate {hits / seen if seen else 0.0:.3f} so far ({reads:,} rows read from disk)")
         return "  ".join(parts)
+    spills = [st.stats() for m in model.modules() if isinstance(m, M.DynamicEmbeddings) for st in m.collection.storages]
+    if spills and "disk_rows" in spills[0]:  # (dynamic tables on disk)
+        rows, disk = sum(s["rows"] for s in spills), sum(s["disk_rows"] for s in spills)
+        back = sum(s["read_back"] for s in spills)
+        parts.append(f"table rows {rows:,} ({disk:,} on disk, {back:,} read back so far)")
+        return "  ".join(parts)
     rows, evicted, _ = table_stats(model, job)
     parts.append(f"table rows {rows:,}" + (f" ({evicted:,} evicted)" if evicted else ""))
     return "  ".join(parts)
@@ -115,6 +121,13 @@ def describe_model(args: argparse.Namespace, model: nn.Module, features: int, jo
             f"{', ids sent a step ahead' if getattr(args, 'pipeline', False) else ''}), {threads} per process"
         )
     kernels = getattr(args, "kernels_resolved", "eager")
+    if getattr(args, "tiered", None) and not args.hashed_tables:
+        return (
+            f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, unbounded; "
+            f"rows beyond {args.tiered_cache:,} in memory spilled to files under {args.tiered}), {dense:,} dense "
+            f"parameters; {opt} lr {args.lr:g} via he.wrap_optimizer, batch {args.batch_size:,}, {threads}; on cpu, "
+            f"{kernels} kernels"
+        )
     if getattr(args, "tiered", None):
         return (
             f"model {args.model}: {features} tiered tables (dim {args.embedding_dim}, {args.capacity:,} rows each, ids "
