@@ -6,6 +6,7 @@ same tables in memory, and the memory of a table larger than the cache.
     python benchmarks/bench_tiered.py --part dynamic --steps 30   # dynamic tables (any int64 id) on disk
     python benchmarks/bench_tiered.py --part memory --memory-rows 160000000   # 40 GiB of rows (fp32, dim 64)
     python benchmarks/bench_tiered.py --part memory --memory-rows 20000000 --checkpoint   # he.save / he.load of 5 GiB
+    python benchmarks/bench_tiered.py --part dynamic-prefetch --steps 20 --warmup 5   # the prefetch, dynamic tables
     python benchmarks/bench_tiered.py --quick               # seconds: the smoke test
 
 **speed**: ``--tables`` tables of ``--rows`` rows x ``--dim`` (one group), one-hot power-law ids
@@ -20,6 +21,11 @@ cache spilled to disk, :mod:`hybridembed.storage.tiered_hash`); the cache holds 
 of ``--tables`` x ``--rows``; ``--with-prefetch``: the tiered collection calls ``ec.prefetch(next
 batch)`` after each backward, and the contenders run one after the other, not interleaved (the
 prefetch thread would read during the other's step).
+
+**prefetch** / **dynamic-prefetch**: ``--prefetch-rows`` rows of ``--tables`` tables (dense, or
+dynamic with ids spread over int64) written to disk and dropped from the page cache, a cache of
+``--prefetch-cache`` rows, uniform ids (nearly every row a miss): a step without and with
+``ec.prefetch(next batch)`` after the backward, and the main thread's read time.
 
 **memory**: a fresh process builds one tiered table of ``--memory-rows`` rows x ``--dim`` with a
 cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-law ids; its peak
@@ -180,19 +186,26 @@ def _cold(storage) -> None:
     """The table's files out of the kernel's page cache (written, then dropped): reads go to the disk."""
     import os
 
-    for f in (storage._rows_file, *storage._state_files.values()):
+    files = [storage._file] if hasattr(storage, "_file") else [storage._rows_file, *storage._state_files.values()]
+    for f in files:
         os.fsync(f.fd)
         os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def prefetch(args: argparse.Namespace, where: str) -> dict:
+def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
     """Cold-cache steps without and with ``ec.prefetch(next batch)``: the time a step spends in the
-    files' reads (main thread) without it, and how much of that the prefetch takes off the step."""
+    files' reads (main thread) without it, and how much of that the prefetch takes off the step.
+    ``dynamic``: dynamic tables (ids spread over int64), their rows written to disk first."""
     from hybridembed.storage import tiered as tiered_mod
 
     rows, tables = args.prefetch_rows, args.tables
+    n = rows // tables
+    tier = he.Tiered(where, cache_rows=args.prefetch_cache)
+    spread = _SPREAD if dynamic else 1
     ts = [
-        he.TableConfig(f"t{i}", rows // tables, args.dim, tiered=he.Tiered(where, cache_rows=args.prefetch_cache))
+        he.TableConfig(f"t{i}", None, args.dim, dynamic=he.Dynamic(), tiered=tier)
+        if dynamic
+        else he.TableConfig(f"t{i}", n, args.dim, tiered=tier)
         for i in range(tables)
     ]
     ec = he.EmbeddingCollection(ts)
@@ -201,13 +214,15 @@ def prefetch(args: argparse.Namespace, where: str) -> dict:
     g = torch.Generator().manual_seed(0)
     step = max(1, args.prefetch_cache // 2)
     for t in ts:  # every row written once (to disk, with state): a cold cache reads them back
-        for lo in range(0, t.num_embeddings, step):
-            n = min(step, t.num_embeddings - lo)
-            st.write_range(
-                t.name, lo, {"weight": torch.randn(n, args.dim, generator=g), "sum": torch.rand(n, generator=g)}
-            )
+        for lo in range(0, n, step):
+            k = min(step, n - lo)
+            data = {"weight": torch.randn(k, args.dim, generator=g), "sum": torch.rand(k, generator=g)}
+            if dynamic:
+                st.write_ids(t.name, torch.arange(lo, lo + k) * spread, data.pop("weight"), data)
+            else:
+                st.write_range(t.name, lo, data)
     with torch.no_grad():  # (the last rows written out of the cache)
-        ec({t.name: torch.arange(0, min(step // tables, t.num_embeddings)) for t in ts})
+        ec({t.name: torch.arange(0, min(step // tables, n)) * spread for t in ts})
     read_s = [0.0]
     real = tiered_mod._File.read
 
@@ -223,10 +238,9 @@ def prefetch(args: argparse.Namespace, where: str) -> dict:
 
     tiered_mod._File.read = timed
     out = {}
-    n = rows // tables
     for mode in ("plain", "prefetch"):
         k = args.warmup + args.steps
-        batches = [{t.name: torch.randint(0, n, (args.batch,), generator=g) for t in ts} for _ in range(k + 1)]
+        batches = [{t.name: torch.randint(0, n, (args.batch,), generator=g) * spread for t in ts} for _ in range(k + 1)]
         _cold(st)
         for i in range(k):
             if i == args.warmup:  # (the first steps warm the code, not the cache: uniform ids mostly miss)
@@ -247,7 +261,9 @@ def prefetch(args: argparse.Namespace, where: str) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=["speed", "dynamic", "memory", "prefetch", "both"], default="both")
+    p.add_argument(
+        "--part", choices=["speed", "dynamic", "memory", "prefetch", "dynamic-prefetch", "both"], default="both"
+    )
     p.add_argument("--prefetch-rows", type=int, default=4_000_000, help="prefetch part: rows of all tables")
     p.add_argument("--prefetch-cache", type=int, default=200_000)
     p.add_argument("--tables", type=int, default=8)
@@ -310,10 +326,12 @@ def main(argv: list[str] | None = None) -> dict:
                     f"and state equal: {r['loaded_equal']}",
                     flush=True,
                 )
-        if args.part == "prefetch" or args.quick:
-            r = result["prefetch"] = prefetch(args, f"{root}/prefetch")
+        for part in ("prefetch", "dynamic-prefetch"):
+            if args.part != part and not args.quick:
+                continue
+            r = result[part] = prefetch(args, f"{root}/{part}", dynamic=part == "dynamic-prefetch")
             print(
-                f"prefetch: {args.prefetch_rows:,} rows on disk, cold cache of {args.prefetch_cache:,}, uniform ids: "
+                f"{part}: {args.prefetch_rows:,} rows on disk, cold cache of {args.prefetch_cache:,}, uniform ids: "
                 f"a step {r['plain']['step_ms']:.1f} ms of which {r['plain']['read_ms']:.1f} ms reading; with "
                 f"ec.prefetch(next batch) {r['prefetch']['step_ms']:.1f} ms ({r['prefetch']['read_ms']:.1f} ms "
                 f"reading): {r['hidden']:.0%} of the read time hidden (target >= 70%)",

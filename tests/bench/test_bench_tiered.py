@@ -33,4 +33,8 @@ def test_quick(tmp_path):
     assert 0 < speed["hit_rate"] < 1 and speed["disk_writes"] >= 0
     assert memory["peak"] > 0 and memory["stats"]["evictions"] > 0
     assert memory["loaded_equal"] is True and memory["save_peak"] > 0 and memory["load_peak"] > 0
+    for part in ("prefetch", "dynamic-prefetch"):  # (cold rows read back: by the step, or by the prefetch)
+        r = res[part]
+        assert r["plain"]["read_ms"] > 0 and r["prefetch"]["step_ms"] > 0, (part, r)
+        assert r["stats"]["prefetched"] > 0 and r["stats"]["rows"] == 40_000, (part, r["stats"])
     assert list(tmp_path.iterdir()) == [out]  # (the tables' files removed)
