@@ -48,6 +48,7 @@ from .tiered import _File, _lock, _Prefetch
 
 __all__ = ["TieredHashStorage"]
 
+_NONE = -2  # slot_rec of a cached row known to have no record yet (-1: not known; else its record)
 _TOMB = torch.tensor([[_EMPTY, ((1 << 31) - 1) << 32]])  # an index row of a spilled pair: no table has this number
 
 
@@ -127,6 +128,7 @@ class TieredHashStorage(HashStorage):
         self._tail = 0  # the next free place: each spill appends (one write a file), compaction reclaims
         self._prefetched: _Prefetch | None = None  # records prefetch() is reading, or read
         self.pinned = torch.zeros(self.weight.shape[0], dtype=torch.bool)  # a pending gradient may name it
+        self.slot_rec = torch.full((self.weight.shape[0],), -1, dtype=torch.int64)  # a cached row's record (below)
         if kind == "meta":
             return
         self.dir = Path(self.tier.path)
@@ -171,14 +173,14 @@ class TieredHashStorage(HashStorage):
             recs = self._homes.lookup(keys.index_select(0, miss), ktabs.index_select(0, miss))
             on_disk = recs >= 0
             on_disk[on_disk.clone()] = self.rec_live.index_select(0, recs[on_disk])
-            back, recs = miss[on_disk], recs[on_disk]
-            absent = miss[~on_disk]
+            back, absent, dead = miss[on_disk], miss[~on_disk], recs[~on_disk]  # (dead: a record not holding it, or -1)
+            recs = recs[on_disk]
             ok = commit_admission = None
             rollback = _nothing
             new = absent[:0]
             if train and absent.numel():
                 ok, commit_admission, rollback = self._admit(keys[absent], ktabs[absent], counts[absent])
-                new = absent if ok is None else absent[ok]
+                new, dead = (absent, dead) if ok is None else (absent[ok], dead[ok])
             try:
                 victims = self._plan_spills(back.numel() + new.numel(), found.clamp_min(0))
                 self._reserve(victims)
@@ -195,6 +197,7 @@ class TieredHashStorage(HashStorage):
                 return self._per_id(found.clamp_min(0), perm, counts), None
             rej = None if ok is None else absent[~ok]
             out = self._commit_lookup(keys, ktabs, perm, counts, found, absent, new, rej, victims[:0], commit_admission)
+            self.slot_rec[found[new]] = torch.where(dead >= 0, dead, _NONE)  # (new rows: their record known)
             if torch.is_grad_enabled() and self.weight.requires_grad:  # (until the optimizer's step)
                 self.pinned[found[found > 0]] = True
             return out
@@ -206,6 +209,10 @@ class TieredHashStorage(HashStorage):
         last step of ``he.wrap_optimizer`` (a table stepped by another optimizer keeps them: its
         cache fills and is refused, not corrupted)."""
         return super()._protected(batch_slots) | self.pinned
+
+    def _evict(self, victims: torch.Tensor, count: bool = True) -> None:
+        super()._evict(victims, count)
+        self.slot_rec[victims] = -1  # (a freed slot's next row is another's)
 
     def after_step(self) -> None:
         super().after_step()
@@ -356,7 +363,13 @@ class TieredHashStorage(HashStorage):
         if victims.numel() == 0:
             return
         n = victims.numel()
-        recs = self._home(self.slot_key[victims], self.slot_table[victims])
+        recs = self.slot_rec.index_select(0, victims)  # (rows read back or made by a lookup know theirs: no lookup)
+        for which, make in ((recs == _NONE, self._homes.add), (recs == -1, self._home)):  # (none yet; not known)
+            at = which.nonzero().squeeze(1)
+            if at.numel():
+                slots = victims.index_select(0, at)
+                recs[at] = make(self.slot_key.index_select(0, slots), self.slot_table.index_select(0, slots))
+        self._records()
         at = self.rec_at[recs] = self._append(n)  # (appended: one write)
         rows = {"weight": self.weight.detach().index_select(0, victims)}
         self._file.write(at, self._pack(rows | {k: v.index_select(0, victims) for k, v in self.state.items()}))
@@ -386,6 +399,7 @@ class TieredHashStorage(HashStorage):
                 for k, v in self._read_records(recs.index_select(0, rest)).items():
                     data[k].index_copy_(0, rest, v)
         slots = self._allocate(n)
+        self.slot_rec[slots] = recs
         self._insert(keys, tabs, slots)
         self.weight.detach().index_copy_(0, slots, data["weight"])
         for k, v in self.state.items():
@@ -679,7 +693,7 @@ class TieredHashStorage(HashStorage):
         """The cache's bytes (rows, state, index) and, per record, its pair, recency, frequency,
         flags and index positions."""
         recs = self.rec_last.numel() * (8 + 8 + 8 + 2) + self._homes.key.numel() * 12 + self._homes._hrow.numel() * 8
-        return super().memory_bytes + recs
+        return super().memory_bytes + recs + self.slot_rec.numel() * 8 + self.pinned.numel()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, on disk: {self._disk_rows()} rows, path={str(self.tier.path)!r}"
