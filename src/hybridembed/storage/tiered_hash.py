@@ -237,9 +237,14 @@ class TieredHashStorage(HashStorage):
             score = self.freq[cand] * (self.clock + 2) + self.last_seen[cand]
         else:
             score = self.last_seen[cand]
-        order = torch.argsort(self.slot_key[cand], stable=True)  # (ties by id: victims do not depend on slots)
-        order = order[torch.argsort(score[order], stable=True)]
-        return cand[order[:k]]
+        if k == cand.numel():
+            return cand
+        # the k lowest by (score, id) without sorting every candidate: those below the k-th score,
+        # then the k-th score's ties by id (victims do not depend on slots)
+        kth = torch.kthvalue(score, k).values
+        below, tied = (score < kth).nonzero().squeeze(1), (score == kth).nonzero().squeeze(1)
+        tied = tied.index_select(0, torch.argsort(self.slot_key.index_select(0, cand.index_select(0, tied))))
+        return cand.index_select(0, torch.cat([below, tied[: k - below.numel()]]))
 
     def _reserve(self, victims: torch.Tensor) -> None:
         """Room in the files for the victims' rows (before any change: a full disk refuses the
