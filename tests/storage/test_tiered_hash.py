@@ -341,3 +341,69 @@ def test_tiered_dynamic_tables_on_a_parameter_server_train_as_in_memory(tmp_path
     for k in want:
         if not k.endswith(".stats"):  # (the counters: the server's table counts its pulls, not the trainer's lookups)
             torch.testing.assert_close(got_state[k], want[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+_KILLED = r"""
+import os, signal, sys, torch
+import hybridembed as he
+from hybridembed.checkpoint import layout
+sys.path.insert(0, sys.argv[2])
+from test_tiered_hash import OPTIMIZERS, _step, _tables
+
+where = sys.argv[1]
+ec = he.EmbeddingCollection(_tables(he.Tiered(where + "/tiers", cache_rows=60), OPTIMIZERS["adagrad"]), seed=6)
+opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+for s in range(6):
+    _step(ec, opt, s)
+    if s == 2:
+        he.save(where + "/ck", ec, opt, extra={"step": 3})
+real, written = layout._write_file, []
+def dying(path, obj):  # the step-6 save dies after its first file
+    if len(written) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    written.append(path)
+    real(path, obj)
+layout._write_file = dying
+he.save(where + "/ck", ec, opt, extra={"step": 6})
+"""
+
+
+def _step(ec, opt, s: int) -> None:
+    g = torch.Generator().manual_seed(100 + s)
+    opt.zero_grad()
+    _loss(ec(_batch(g))).backward()
+    opt.step()
+
+
+def test_a_job_killed_in_a_save_resumes_from_the_last_commit_and_trains_as_in_memory(tmp_path):
+    """A process training tiered dynamic tables is killed (SIGKILL) in the middle of a save: the
+    last committed checkpoint loads into fresh tiered tables (the dead one's files are scratch),
+    and training on from there equals an uninterrupted run in memory, bit for bit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(he.__path__[0]), os.environ.get("PYTHONPATH", "")])
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", _KILLED, str(tmp_path), os.path.dirname(__file__)],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr.decode()[-2000:]
+    assert any(p.name.startswith(".tmp-") for p in (tmp_path / "ck").iterdir())  # (the save that died)
+    again = he.Tiered(tmp_path / "again", cache_rows=60)  # (rows made later are keyed by the seed, as the run's)
+    ec = he.EmbeddingCollection(_tables(again, OPTIMIZERS["adagrad"]), seed=6)
+    opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    assert he.load(tmp_path / "ck", ec, opt)["extra"] == {"step": 3}
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=6)
+    opt_ref = he.wrap_optimizer(torch.optim.SGD(ref.parameters(), lr=0.1), ref)
+    for s in range(12):
+        _step(ref, opt_ref, s)
+        if s >= 3:
+            _step(ec, opt, s)
+    assert ec.storage_of("a").stats()["spilled"] > 0  # (rows went to disk after the load)
+    _same(_state(ec), _state(ref))
