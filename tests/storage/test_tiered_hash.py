@@ -348,13 +348,13 @@ import os, signal, sys, torch
 import hybridembed as he
 from hybridembed.checkpoint import layout
 sys.path.insert(0, sys.argv[2])
-from test_tiered_hash import OPTIMIZERS, _step, _tables
+from test_tiered_hash import OPTIMIZERS, _seeded_step, _tables
 
 where = sys.argv[1]
 ec = he.EmbeddingCollection(_tables(he.Tiered(where + "/tiers", cache_rows=60), OPTIMIZERS["adagrad"]), seed=6)
 opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
 for s in range(6):
-    _step(ec, opt, s)
+    _seeded_step(ec, opt, s)
     if s == 2:
         he.save(where + "/ck", ec, opt, extra={"step": 3})
 real, written = layout._write_file, []
@@ -368,7 +368,7 @@ he.save(where + "/ck", ec, opt, extra={"step": 6})
 """
 
 
-def _step(ec, opt, s: int) -> None:
+def _seeded_step(ec, opt, s: int) -> None:
     g = torch.Generator().manual_seed(100 + s)
     opt.zero_grad()
     _loss(ec(_batch(g))).backward()
@@ -402,8 +402,8 @@ def test_a_job_killed_in_a_save_resumes_from_the_last_commit_and_trains_as_in_me
     ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=6)
     opt_ref = he.wrap_optimizer(torch.optim.SGD(ref.parameters(), lr=0.1), ref)
     for s in range(12):
-        _step(ref, opt_ref, s)
+        _seeded_step(ref, opt_ref, s)
         if s >= 3:
-            _step(ec, opt, s)
+            _seeded_step(ec, opt, s)
     assert ec.storage_of("a").stats()["spilled"] > 0  # (rows went to disk after the load)
     _same(_state(ec), _state(ref))
