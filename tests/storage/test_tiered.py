@@ -509,15 +509,36 @@ for s in range(6):
     _step(ec, opt, s)
     if s == 2:
         he.save(where + "/ck", ec, opt, extra={"step": 3})
+"""
+
+_DIES_IN_A_SAVE = r"""
 real, written = layout._write_file, []
-def dying(path, obj):  # the step-6 save dies after two of its files
-    if len(written) == 2:
+def dying(path, obj):  # the step-6 save dies after DEATH of its files
+    if len(written) == DEATH:
         os.kill(os.getpid(), signal.SIGKILL)
     written.append(path)
     real(path, obj)
 layout._write_file = dying
 he.save(where + "/ck", ec, opt, extra={"step": 6})
 """
+
+
+def run_killed(script: str, where, files: int) -> None:
+    """Runs ``script`` (it trains ``ec`` with ``opt`` and saves to ``where/ck``) in a process that
+    then dies (SIGKILL) in a save after writing ``files`` of its files; checks that it did."""
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(he.__path__[0]), os.environ.get("PYTHONPATH", "")])
+    )
+    code = script + _DIES_IN_A_SAVE.replace("DEATH", str(files))
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(where), os.path.dirname(__file__)], env=env, capture_output=True, timeout=120
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr.decode()[-2000:]
+    assert any(p.name.startswith(".tmp-") for p in (where / "ck").iterdir())  # (the save that died)
 
 
 def _step(ec, opt, s: int) -> None:
@@ -531,19 +552,7 @@ def test_a_job_killed_in_a_save_resumes_from_the_last_commit_and_trains_as_in_me
     """A process training a tiered table is killed (SIGKILL) in the middle of a save: the last
     committed checkpoint loads into a fresh tiered table (the dead one's files are scratch), and
     training on from there equals an uninterrupted run in memory, bit for bit."""
-    import signal
-    import subprocess
-    import sys
-
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(he.__path__[0]), os.environ.get("PYTHONPATH", "")])
-    )
-    here = os.path.dirname(__file__)
-    run = subprocess.run(
-        [sys.executable, "-c", _KILLED, str(tmp_path), here], env=env, capture_output=True, timeout=120
-    )
-    assert run.returncode == -signal.SIGKILL, run.stderr.decode()[-2000:]
-    assert any(p.name.startswith(".tmp-") for p in (tmp_path / "ck").iterdir())  # (the save that died)
+    run_killed(_KILLED, tmp_path, 2)
     ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "again", cache_rows=50), OPTIMIZERS["adagrad"]), seed=0)
     opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
     assert he.load(tmp_path / "ck", ec, opt)["extra"] == {"step": 3}

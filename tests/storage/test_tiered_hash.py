@@ -357,14 +357,6 @@ for s in range(6):
     _seeded_step(ec, opt, s)
     if s == 2:
         he.save(where + "/ck", ec, opt, extra={"step": 3})
-real, written = layout._write_file, []
-def dying(path, obj):  # the step-6 save dies after its first file
-    if len(written) == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    written.append(path)
-    real(path, obj)
-layout._write_file = dying
-he.save(where + "/ck", ec, opt, extra={"step": 6})
 """
 
 
@@ -379,22 +371,9 @@ def test_a_job_killed_in_a_save_resumes_from_the_last_commit_and_trains_as_in_me
     """A process training tiered dynamic tables is killed (SIGKILL) in the middle of a save: the
     last committed checkpoint loads into fresh tiered tables (the dead one's files are scratch),
     and training on from there equals an uninterrupted run in memory, bit for bit."""
-    import os
-    import signal
-    import subprocess
-    import sys
+    from .test_tiered import run_killed  # (here: the job's script imports this module as a top-level one)
 
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(he.__path__[0]), os.environ.get("PYTHONPATH", "")])
-    )
-    run = subprocess.run(
-        [sys.executable, "-c", _KILLED, str(tmp_path), os.path.dirname(__file__)],
-        env=env,
-        capture_output=True,
-        timeout=120,
-    )
-    assert run.returncode == -signal.SIGKILL, run.stderr.decode()[-2000:]
-    assert any(p.name.startswith(".tmp-") for p in (tmp_path / "ck").iterdir())  # (the save that died)
+    run_killed(_KILLED, tmp_path, 1)
     again = he.Tiered(tmp_path / "again", cache_rows=60)  # (rows made later are keyed by the seed, as the run's)
     ec = he.EmbeddingCollection(_tables(again, OPTIMIZERS["adagrad"]), seed=6)
     opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)

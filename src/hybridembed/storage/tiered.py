@@ -112,8 +112,9 @@ class _File:
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (K,) -> (K, width)."""
         order, starts, ends, offsets = self._runs(rows)
+        io = _io()
         buf = torch.empty(rows.numel() * self.row_bytes, dtype=torch.uint8)
-        first = _io().pread_runs(self.fd, buf.numpy(), starts, ends, offsets) if _io() else 0
+        first = io.pread_runs(self.fd, buf.numpy(), starts, ends, offsets) if io else 0
         if first >= 0:  # (no Numba, or a run failed: Python's calls from there, which raise the error)
             view = memoryview(buf.numpy())
             for a, b, at in zip(starts[first:].tolist(), ends[first:].tolist(), offsets[first:].tolist()):
@@ -125,8 +126,9 @@ class _File:
     def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """``data`` (K, width) into rows ``rows`` (K,) distinct."""
         order, starts, ends, offsets = self._runs(rows)
+        io = _io()
         flat = data.index_select(0, order).contiguous().view(torch.uint8).numpy().reshape(-1)
-        first = _io().pwrite_runs(self.fd, flat, starts, ends, offsets) if _io() else 0
+        first = io.pwrite_runs(self.fd, flat, starts, ends, offsets) if io else 0
         if first < 0:
             return
         buf = memoryview(flat)  # (no Numba, or a run failed: Python's calls from there, which raise the error)
