@@ -68,6 +68,24 @@ from .step import ShardedStep
 __all__ = ["ShardedCollection", "REDUCTIONS"]
 
 
+def _matrices(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """``flat``'s consecutive pieces as (n, width) views. Pieces of one width are split from one
+    (-1, width) view of their run, so the backward joins their (strided) gradients in one copy;
+    one view per piece would make autograd copy each gradient flat first, then join the copies
+    (measured: 26 pieces of (4,096, 64), ~4 ms a step on the world-2 benchmark)."""
+    out: list[torch.Tensor] = []
+    runs: list[list[tuple[int, int]]] = []
+    for n, w in shapes:
+        if runs and runs[-1][0][1] == w:
+            runs[-1].append((n, w))
+        else:
+            runs.append([(n, w)])
+    sizes = [sum(n * w for n, w in run) for run in runs]
+    for run, piece in zip(runs, flat.split(sizes) if len(runs) > 1 else [flat]):
+        out.extend(piece.view(-1, run[0][1]).split([n for n, _ in run]))
+    return out
+
+
 class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
     """Tables sharded over a process group, looked up like an :class:`EmbeddingCollection`.
 
@@ -547,7 +565,7 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         flat = self._rows_back(sent.step, flat_send, failure, pairs, sends, by_rank, sizes[0], fold)  # 6.
         order = [i for r in range(self.world_size) for i in by_rank[r]]
         recv_pieces = [sends[i].lengths.numel() * pairs[i].width for i in order]
-        rows_of = {i: piece.view(-1, pairs[i].width) for i, piece in zip(order, flat.split(recv_pieces))}
+        rows_of = dict(zip(order, _matrices(flat, [(n // pairs[i].width, pairs[i].width) for i, n in zip(order, recv_pieces)])))
         self._pool_here(rows_of, sent.pooled_here)  # 7.
         return rows_of
 

@@ -8,7 +8,7 @@ the rows per thread.
 Arrays, as NumPy views of the storage's tensors: ``weight`` (R, D); ``s1``, ``s2`` the
 optimizer's state as 2-D arrays (a row-wise state (R,) viewed as (R, 1); a dummy (1, 1) when
 the optimizer has none); ``hp`` the step's numbers in the compute dtype: ``[lr, eps, 1 - b1,
-b2, 1 - b2, weight_decay, D, 1, 0]`` (see :mod:`.fused` for the formulas; the constants come
+b2, 1 - b2, weight_decay, D, 1, 0, scale]`` (``scale``: of each row's gradient; see :mod:`.fused` for the formulas; the constants come
 typed from it: a Python number would make Numba compute a float32 table in float64).
 
 One kernel per optimizer (its arithmetic without branches in the row loop). A step is bound by
@@ -69,8 +69,9 @@ def _ahead_rows(weight, s1, s2, ids, u, hi):  # pragma: no cover (compiled)
 @njit(nogil=True, cache=True, inline="always")
 def _row_grad(g, weight, row, u, grad, hp, maximize):  # pragma: no cover (compiled)
     dim = g.shape[0]
+    scale = hp[9]
     for d in range(dim):
-        g[d] = grad[u, d]
+        g[d] = grad[u, d] * scale
     if maximize:
         for d in range(dim):
             g[d] = -g[d]

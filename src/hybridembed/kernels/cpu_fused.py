@@ -195,17 +195,21 @@ def _state(storage, hp: dict) -> tuple[np.ndarray, np.ndarray]:
     return (arrays[0] if arrays else dummy), (arrays[1] if len(arrays) > 1 else dummy)
 
 
-def _hparams(storage, hp: dict) -> tuple[np.ndarray, int, bool]:
+def _hparams(storage, hp: dict, scale: float = 1.0) -> tuple[np.ndarray, int, bool]:
     h = step_hparams(storage.optimizer, hp, storage.step)
     dt = storage.weight.detach().numpy().dtype
-    row = [h.lr, h.eps, 1.0 - h.b1, h.b2, 1.0 - h.b2, h.weight_decay, float(storage.dim), 1.0, 0.0]
+    row = [h.lr, h.eps, 1.0 - h.b1, h.b2, 1.0 - h.b2, h.weight_decay, float(storage.dim), 1.0, 0.0, scale]
     return np.array(row, dtype=dt), h.opt, h.maximize
 
 
-def apply_fused(storage, ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw, hp: dict) -> None:
+def apply_fused(
+    storage, ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw, hp: dict, scale: float = 1.0
+) -> None:
     """One optimizer step of ``storage`` from a kept lookup gradient: ids (N,) (row slots), the
     bags' gradient ``grad`` (S, D), each id's bag ``bag_of`` (N,) (None: id i is bag i) and
-    multiplier ``psw`` (N,) or None. ``storage.step`` must already count this step.
+    multiplier ``psw`` (N,) or None, times ``scale`` (applied by the kernel to each distinct row's
+    summed gradient, as the eager path scales its reduced rows). ``storage.step`` must already
+    count this step.
 
     Each distinct row's gradient is summed by PyTorch's ``embedding_bag`` over the sorted ids
     (one "bag" per row: FBGEMM's SpMDM kernel, on torch's threads), then :func:`apply_rows`."""
@@ -215,7 +219,7 @@ def apply_fused(storage, ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Te
     if storage.keyed:  # slot 0, a dynamic table's default row, is never updated (it sorts first)
         if uniq.numel() and int(uniq[0]) == 0:
             uniq, rows = uniq[1:], rows[1:]
-    apply_rows(storage, uniq, rows, hp, None)
+    apply_rows(storage, uniq, rows, hp, None, scale)
 
 
 def reduce_kept(ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw, nrows: int) -> tuple:
@@ -227,10 +231,12 @@ def reduce_kept(ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | No
     return uniq, F.embedding_bag(at, grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True)
 
 
-def apply_rows(storage, ids: torch.Tensor, grad: torch.Tensor, hp: dict, row_stat: torch.Tensor | None) -> None:
+def apply_rows(
+    storage, ids: torch.Tensor, grad: torch.Tensor, hp: dict, row_stat: torch.Tensor | None, scale: float = 1.0
+) -> None:
     """One optimizer step of ``storage`` on rows ``ids`` (U,) distinct with their summed gradients
-    ``grad`` (U, D) (and, for row-wise Adagrad over column slices, the whole rows' mean squared
-    gradients ``row_stat`` (U,)). ``storage.step`` must already count this step."""
+    ``grad`` (U, D) times ``scale`` (and, for row-wise Adagrad over column slices, the whole rows'
+    mean squared gradients ``row_stat`` (U,)). ``storage.step`` must already count this step."""
     from . import _numba_kernels as K
 
     u = ids.numel()
@@ -239,7 +245,7 @@ def apply_rows(storage, ids: torch.Tensor, grad: torch.Tensor, hp: dict, row_sta
     weight = storage.weight.detach()
     cdt = weight.dtype
     s1, s2 = _state(storage, hp)
-    hpa, opt, maximize = _hparams(storage, hp)
+    hpa, opt, maximize = _hparams(storage, hp, scale)
     g = grad.to(cdt).contiguous().numpy()
     stat = np.zeros(0, dtype=g.dtype) if row_stat is None else row_stat.to(cdt).contiguous().numpy()
     t = _threads(u)

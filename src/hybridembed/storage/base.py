@@ -244,9 +244,12 @@ class RowStorage(nn.Module):
         self.step += 1
         if ids.numel() == 0:
             return
+        self._mark(ids)
+        if apply_fused is cpu_fused.apply_fused:  # (the scale on each distinct row's sum, in the kernel)
+            apply_fused(self, ids, grad, bag_of, psw, hparams, scale)
+            return
         if scale != 1.0:  # (a sharded job's mean over ranks: one pass over the (S, D) output gradient)
             grad = grad * scale
-        self._mark(ids)
         apply_fused(self, ids, grad, bag_of, psw, hparams)
 
     @staticmethod
