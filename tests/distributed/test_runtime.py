@@ -374,3 +374,22 @@ def test_one_hot_bags_bad_id_and_a_failing_owner_raise_on_every_rank(fold_rows):
     assert "embs__4" in got[1]["errors"][0] and "rank(s) 1" in got[0]["errors"][0]
     assert "lookup failed on rank(s) 1" in got[0]["errors"][1] and "planted owner failure" in got[0]["errors"][1]
     assert got[1]["errors"][1] == "planted owner failure"
+
+
+def test_the_received_rows_split_into_matrices_carry_their_gradients_back():
+    """The requester's pieces of the flat received rows (runs of one width split from one view):
+    values and gradients equal one view per piece, for mixed widths and empty pieces."""
+    from hybridembed.distributed.runtime import _matrices
+
+    shapes = [(3, 4), (2, 4), (5, 2), (0, 2), (1, 4), (2, 3)]
+    flat = torch.randn(sum(n * w for n, w in shapes), dtype=torch.float64, requires_grad=True)
+    ref = flat.detach().clone().requires_grad_(True)
+    got = _matrices(flat, shapes)
+    want = [p.view(n, w) for p, (n, w) in zip(ref.split([n * w for n, w in shapes]), shapes)]
+    assert [tuple(x.shape) for x in got] == shapes
+    ups = [torch.randn(n, w, dtype=torch.float64) for n, w in shapes]
+    sum((x * u).sum() for x, u in zip(got[:-1], ups)).backward()  # (the last piece unused: zero gradient)
+    sum((x * u).sum() for x, u in zip(want[:-1], ups)).backward()
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    assert torch.equal(flat.grad, ref.grad) and not flat.grad[-6:].any()

@@ -284,3 +284,28 @@ def test_auto_takes_the_fused_step_on_the_cpu():
     assert backend.describe("auto", "cpu") == "numba" and backend.describe("eager", "cpu") == "eager"
     _, wrapped = _train("auto", OPTIMIZERS["rowwise"], "one", steps=1)
     assert wrapped.fused_steps == {"t0": 1, "t1": 1}
+
+
+@pytest.mark.parametrize("name", ["sgd_wd_max", "adagrad_wd", "rowwise", "adam_wd_max"])
+def test_a_scaled_fused_step_equals_the_scaled_reduced_rows(name):
+    """A sharded job's mean over ranks (``apply_fused(hp, scale)``) scales each distinct row's
+    summed gradient in the kernel: the same rows and state as the reduced rows scaled first
+    (the eager path's order), for a scale that is not a power of two."""
+    stores = []
+    for fused in (True, False):
+        ec = he.EmbeddingCollection([he.TableConfig("t", 50, 8, optimizer=OPTIMIZERS[name])], kernels="numba")
+        he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+        st = ec.storage_of("t")
+        g = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            ids = torch.randint(0, 50, (40, 3), generator=g)
+            (ec({"t": ids})["t"] * torch.randn(40, 8, generator=g)).sum().backward()
+            if fused:
+                st.apply_fused(st.hparams, 1 / 3)
+            else:
+                rows, grad = st.grad_rows()
+                st.apply_gradient(rows, grad * (1 / 3), st.hparams)
+        stores.append(st)
+    torch.testing.assert_close(stores[0].weight.detach(), stores[1].weight.detach(), rtol=1e-6, atol=1e-7)
+    for k in stores[1].state:
+        torch.testing.assert_close(stores[0].state[k], stores[1].state[k], rtol=1e-6, atol=1e-7)

@@ -564,8 +564,8 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         flat_send, failure = self._owner_rows(sent.step, by_rank[self.rank], pairs, sizes, recv_ids, recv_w, train)
         flat = self._rows_back(sent.step, flat_send, failure, pairs, sends, by_rank, sizes[0], fold)  # 6.
         order = [i for r in range(self.world_size) for i in by_rank[r]]
-        recv_pieces = [sends[i].lengths.numel() * pairs[i].width for i in order]
-        rows_of = dict(zip(order, _matrices(flat, [(n // pairs[i].width, pairs[i].width) for i, n in zip(order, recv_pieces)])))
+        shapes = [(sends[i].lengths.numel(), pairs[i].width) for i in order]
+        rows_of = dict(zip(order, _matrices(flat, shapes)))
         self._pool_here(rows_of, sent.pooled_here)  # 7.
         return rows_of
 
