@@ -8,8 +8,9 @@ the rows per thread.
 Arrays, as NumPy views of the storage's tensors: ``weight`` (R, D); ``s1``, ``s2`` the
 optimizer's state as 2-D arrays (a row-wise state (R,) viewed as (R, 1); a dummy (1, 1) when
 the optimizer has none); ``hp`` the step's numbers in the compute dtype: ``[lr, eps, 1 - b1,
-b2, 1 - b2, weight_decay, D, 1, 0, scale]`` (``scale``: of each row's gradient; see :mod:`.fused` for the formulas; the constants come
-typed from it: a Python number would make Numba compute a float32 table in float64).
+b2, 1 - b2, weight_decay, D, 1, 0, scale]`` (``scale`` multiplies each row's gradient as it is
+read; see :mod:`.fused` for the formulas; the constants come typed from it: a Python number
+would make Numba compute a float32 table in float64).
 
 One kernel per optimizer (its arithmetic without branches in the row loop). A step is bound by
 memory latency, not arithmetic: the rows of a batch are scattered over the table, and each

@@ -236,7 +236,8 @@ def apply_rows(
 ) -> None:
     """One optimizer step of ``storage`` on rows ``ids`` (U,) distinct with their summed gradients
     ``grad`` (U, D) times ``scale`` (and, for row-wise Adagrad over column slices, the whole rows'
-    mean squared gradients ``row_stat`` (U,)). ``storage.step`` must already count this step."""
+    mean squared gradients ``row_stat`` (U,), of the rows as scaled: ``scale`` does not touch it).
+    ``storage.step`` must already count this step."""
     from . import _numba_kernels as K
 
     u = ids.numel()
