@@ -480,16 +480,24 @@ def last_start(inside: torch.Tensor) -> torch.Tensor:
 
 
 def apply_fused(
-    storage, ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw: torch.Tensor | None, hp: dict
+    storage,
+    ids: torch.Tensor,
+    grad: torch.Tensor,
+    bag_of: torch.Tensor | None,
+    psw: torch.Tensor | None,
+    hp: dict,
+    scale: float = 1.0,
 ) -> None:
     """One optimizer step of ``storage`` from a kept lookup gradient: ids (N,) (row slots),
     the bags' gradient ``grad`` (S, D), each id's bag ``bag_of`` (N,) (None: id i is bag i) and
-    multiplier ``psw`` (N,) or None. Duplicate ids are summed first (one update per row,
-    as the dense optimizer on ``nn.Embedding``).
-    ``storage.step`` must already count this step."""
+    multiplier ``psw`` (N,) or None, times ``scale`` (a sharded job's mean over ranks: one pass
+    over ``grad`` here). Duplicate ids are summed first (one update per row, as the dense
+    optimizer on ``nn.Embedding``). ``storage.step`` must already count this step."""
     n, dim = ids.numel(), storage.dim
     if n == 0:
         return
+    if scale != 1.0:
+        grad = grad * scale
     opt = storage.optimizer
     h = step_hparams(opt, hp, storage.step)
     names = list(opt.state_spec(hp))

@@ -245,12 +245,7 @@ class RowStorage(nn.Module):
         if ids.numel() == 0:
             return
         self._mark(ids)
-        if apply_fused is cpu_fused.apply_fused:  # (the scale on each distinct row's sum, in the kernel)
-            apply_fused(self, ids, grad, bag_of, psw, hparams, scale)
-            return
-        if scale != 1.0:  # (a sharded job's mean over ranks: one pass over the (S, D) output gradient)
-            grad = grad * scale
-        apply_fused(self, ids, grad, bag_of, psw, hparams)
+        apply_fused(self, ids, grad, bag_of, psw, hparams, scale)
 
     @staticmethod
     def _kept_batch(entries: list[tuple]) -> tuple:
