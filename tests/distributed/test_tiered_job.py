@@ -196,7 +196,28 @@ def _dynamic_job(rank: int, world: int, where: str | None, seed: int) -> tuple:
         (ec({"e": ids})["e"] * torch.linspace(-1, 1, 8)).sum().backward()
         opt.step()
     spilled = sum(st.stats().get("spilled", 0) for st in ec.storages)
+    if where is not None:  # (each shard saved in files of 20 rows: a row, its id and counters, Adagrad's sum)
+        from hybridembed.checkpoint import snapshot
+
+        snapshot._PIECE_BYTES = 20 * (8 * 4 + 24 + 8 * 4)
+        he.save(f"{where}/ck", ec, opt)
     return ec.gather_table("e"), spilled
+
+
+def _dynamic_load(rank: int, world: int, where: str) -> tuple:
+    """The tiered job's checkpoint into a new job of tiered shards, a file at a time; a step on."""
+    t = he.TableConfig("e", None, 8, dynamic=he.Dynamic(), tiered=he.Tiered(f"{where}/again", cache_rows=30))
+    ec = ShardedCollection([t], plan=Plan(world, (shard_table(t, "row_wise", tuple(range(world))),)), seed=3)
+    opt = he.wrap_optimizer(
+        torch.optim.Adagrad(ec.parameters(), lr=0.1), nn.ModuleDict({"ec": ec, "d": nn.Linear(1, 1)})
+    )
+    he.load(f"{where}/ck", ec, opt)
+    loaded = ec.gather_table("e")
+    ids = torch.arange(-8, 8).reshape(2, 8)[rank]
+    opt.zero_grad()
+    (ec({"e": ids})["e"] * torch.linspace(-1, 1, 8)).sum().backward()
+    opt.step()
+    return loaded, ec.gather_table("e")
 
 
 def test_a_tiered_dynamic_table_sharded_row_wise_trains_as_in_memory(tmp_path):
@@ -206,3 +227,20 @@ def test_a_tiered_dynamic_table_sharded_row_wise_trains_as_in_memory(tmp_path):
     assert all(r[1] > 0 for r in tiered)  # (each rank's shard spilled rows to its disk)
     assert torch.equal(ids, memory[0][0][0]) and ids.numel() > 300
     torch.testing.assert_close(rows, memory[0][0][1], rtol=0, atol=0)
+    # its checkpoint: each shard in parts, loaded into a job of tiered shards and into one process
+    shards = he.checkpoint.read_manifest(tmp_path / "ck")["tables"]["e"]["shards"]
+    assert len(shards) >= ids.numel() // 20 and sorted({s["residue"] for s in shards if not s.get("part")}) == [0, 1]
+    again = spawn(_dynamic_load, 2, str(tmp_path), timeout=120)
+    t = he.TableConfig("e", None, 8, dynamic=he.Dynamic(), tiered=he.Tiered(tmp_path / "one", cache_rows=40))
+    one = he.EmbeddingCollection([t], seed=3)
+    opt_one = he.wrap_optimizer(torch.optim.Adagrad(one.parameters(), lr=0.1), one)
+    he.load(tmp_path / "ck", one, opt_one)
+    got = one.storage_of("e").read_ids("e")
+    for i, r in enumerate([(got[0], got[1]), again[0][0], again[1][0]]):
+        assert torch.equal(r[0], ids), i
+        torch.testing.assert_close(r[1], rows, rtol=0, atol=0, msg=str(i))
+    opt_one.zero_grad()  # (a step on from the loaded optimizer state: as the job's, whose ranks average)
+    (one({"e": torch.arange(-8, 8)})["e"] * torch.linspace(-1, 1, 8) * 0.5).sum().backward()
+    opt_one.step()
+    after = one.storage_of("e").read_ids("e")
+    torch.testing.assert_close(again[0][1][1], after[1], rtol=1e-6, atol=1e-7)

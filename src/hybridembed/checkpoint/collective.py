@@ -63,7 +63,7 @@ from .manifest import (
     read_manifest,
 )
 from .participant import CheckpointParticipant
-from .pieces import Target, assemble
+from .pieces import Target, assemble, dynamic_parts
 from .pieces import torch_load as _torch_load
 from .snapshot import (
     _cloned,
@@ -73,6 +73,7 @@ from .snapshot import (
     _next_version,
     _parent_candidate,
     _publish,
+    _rows_per_file,
     _Snapshot,
     _sparse_meta,
     _stems,
@@ -82,6 +83,7 @@ from .snapshot import (
     _write_dense,
     _write_optimizer,
     _write_tiered,
+    _write_tiered_dynamic,
 )
 
 log = get_logger("hybridembed.checkpoint")
@@ -222,7 +224,12 @@ def _snapshot_pieces(
             opt = opt_meta[piece.name]
             shard["step"] = opt["step"]
             meta[q] = {k: opt[k] for k in ("optimizer", "hparams", "step")}
-        if getattr(piece.storage, "tiered", False) and stage is not None:
+        if piece.storage.streamed and piece.keyed and stage is not None:  # (its files written now, a part each)
+            stem = f"{stems[q]}.{piece.spec['shard']:05d}"
+            for sh in _write_tiered_dynamic(stage, snap, piece.storage, piece.name, stem, names, changes):
+                tables.setdefault(q, []).append({**shard, **sh, "optimizer_state": names})
+            continue
+        if piece.storage.streamed and stage is not None:
             # a tiered shard: its files written now, a part of its rows each (global rows row_start + i * row_step)
             stem = f"{stems[q]}.{piece.spec['shard']:05d}"
             mask = changes[0] if changes is not None else None
@@ -519,13 +526,18 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
     hybrid = isinstance(optimizer, HybridOptimizer)
     sparse_meta = (opt_entry or {}).get("sparse", {})
     loaded = []
+    parted = {}  # (id(storage), table): a tiered dynamic shard's rows, a file at a time
     for piece in pieces:
         q = piece.qualified
         where = f"table {q!r} shard {piece.spec['shard']}"
         target = _target(piece)
         versions = _versions_of(chain, q)
-        read = _streamed if getattr(piece.storage, "tiered", False) else assemble  # (tiered: range by range)
-        entry, probs = read(q, versions, target, piece.whole.embedding_dim, piece.keyed, names[id(piece)])
+        dim, parts = piece.whole.embedding_dim, None
+        if piece.storage.streamed and piece.keyed:  # (tiered dynamic: file by file)
+            entry, parts, probs = dynamic_parts(q, versions, target, dim, names[id(piece)])
+        else:
+            read = _streamed if piece.storage.streamed else assemble  # (tiered: range by range)
+            entry, probs = read(q, versions, target, dim, piece.keyed, names[id(piece)])
         if probs:
             problems += probs
             continue
@@ -547,6 +559,9 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
                 problems.append(f"table {q!r}: optimizer {got} in the checkpoint, {piece.storage.optimizer.name} here")
         steps = [sh["step"] for sh in versions[-1][1]["shards"] if "step" in sh]
         loaded.append((piece, entry, state, max(steps) if steps else (sparse_meta.get(q) or {}).get("step", 0)))
+        if parts is not None:
+            rows = _rows_per_file(piece.storage, names[id(piece)])
+            parted[(id(piece.storage), piece.name)] = lambda parts=parts, rows=rows: parts(rows)
     dense = _torch_load(vdir, manifest["dense"]["file"])
     if not isinstance(dense, dict):
         problems.append(f"file {manifest['dense']['file']!r} does not hold a state_dict")
@@ -571,6 +586,7 @@ def _prepare_sharded(path, model: nn.Module, colls: dict, optimizer, verify: boo
         "opt_file": opt_file,
         "chain": chain,
         "names": names,
+        "parted": parted,
     }
 
 
@@ -622,8 +638,10 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
     # --- every rank checked its part; from here on, apply ---------------------------------------
     if dense:
         model.load_state_dict(dense, strict=False)
-    tiered = {id(p) for p, *_ in loaded if getattr(p.storage, "tiered", False)}
-    _load_tables([(piece.storage, piece.name, entry) for piece, entry, _, _ in loaded if id(piece) not in tiered])
+    tiered = {id(p) for p, *_ in loaded if p.storage.streamed and not p.keyed}
+    parted = prepared["parted"]
+    rest = [(piece.storage, piece.name, entry) for piece, entry, _, _ in loaded if id(piece) not in tiered]
+    _load_tables(rest, parted)
     for piece, *_ in loaded:  # (tiered shards: checked range by range, now written range by range)
         if id(piece) in tiered:
             versions, names = _versions_of(prepared["chain"], piece.qualified), prepared["names"][id(piece)]
@@ -640,14 +658,15 @@ def _load_sharded(path, model: nn.Module, colls: dict, optimizer, verify: bool) 
             if not any(st is piece.storage for st in optimizer._storages):
                 continue
             meta = opt_file["sparse"].get(piece.qualified, {})
+            came = id(piece) in tiered or (id(piece.storage), piece.name) in parted  # (with the rows)
             sparse[piece.name] = {
                 "shape": [piece.config.num_embeddings, piece.config.embedding_dim],
                 "ids": entry["ids"] if piece.keyed else None,
                 "optimizer": piece.storage.optimizer.name,
                 "hparams": meta.get("hparams", {}),
                 "step": int(step),
-                "state": {} if id(piece) in tiered else state,
-                "state_loaded": id(piece) in tiered,  # (a tiered shard's state came in with its rows)
+                "state": {} if came else state,
+                "state_loaded": came,
             }
         optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
     _loaded_from(manifest, {id(st): st for sc in colls.values() for st in sc.storages}.values(), optimizer)

@@ -54,7 +54,7 @@ from .manifest import (
     _sealed,
     read_manifest,
 )
-from .pieces import Target, assemble
+from .pieces import Target, assemble, dynamic_parts
 from .pieces import span as _span
 from .pieces import torch_load as _torch_load
 from .snapshot import (
@@ -64,6 +64,7 @@ from .snapshot import (
     _next_version,
     _parent_candidate,
     _publish,
+    _rows_per_file,
     _snapshot,
     _storages,
     _write_snapshot,
@@ -174,14 +175,22 @@ def _streamed(q: str, versions, target, dim: int, keyed: bool, names, into=None)
 
 
 @torch.no_grad()
-def _load_tables(items: list) -> None:
+def _load_tables(items: list, parted: dict | None = None) -> None:
     """Writes checked entries ``[(storage, table, entry)]``: a storage's tables at once; a dynamic
-    storage's clock is then the saved one (the latest of its tables'), not max(saved, current)."""
+    storage's clock is then the saved one (the latest of its tables'), not max(saved, current).
+    ``parted``: ``{(id(storage), table): parts}`` of tiered dynamic tables whose rows are written
+    a file at a time (``parts()``, see :func:`~hybridembed.checkpoint.pieces.dynamic_parts`)."""
+    parted = parted or {}
     by_storage: dict[int, tuple[RowStorage, dict]] = {}
     for storage, name, entry in items:
         by_storage.setdefault(id(storage), (storage, {}))[1][name] = entry
     for storage, entries in by_storage.values():
-        serial.load_entries(storage, entries)
+        whole = {n: e for n, e in entries.items() if (id(storage), n) not in parted}
+        if whole:
+            serial.load_entries(storage, whole)
+        for n, e in entries.items():
+            if (id(storage), n) in parted:
+                storage.load_parts(n, e, e["ids"].numel(), parted[(id(storage), n)]())
         if storage.keyed:
             storage.clock = max(int(e["clock"]) for e in entries.values())
 
@@ -213,10 +222,18 @@ def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any
 
     problems: list[str] = []
     entries = {}
-    streamed = {q for q, t in tables.items() if getattr(t.storage, "tiered", False)}
+    streamed = {q for q, t in tables.items() if t.storage.streamed and not t.keyed}  # (dense tiered: by range)
+    parted = {}  # (id(storage), table): the rows of a tiered dynamic table, a file at a time
     for q, (target, keyed, names) in wanted.items():
-        read = _streamed if q in streamed else assemble
-        entries[q], p = read(q, _versions_of(chain, q), target, tables[q].config.embedding_dim, keyed, names)
+        t, versions = tables[q], _versions_of(chain, q)
+        if keyed and t.storage.streamed:
+            entries[q], parts, p = dynamic_parts(q, versions, target, t.config.embedding_dim, names)
+            if parts is not None:
+                rows = _rows_per_file(t.storage, names)
+                parted[(id(t.storage), t.name)] = lambda parts=parts, rows=rows: parts(rows)
+        else:
+            read = _streamed if q in streamed else assemble
+            entries[q], p = read(q, versions, target, t.config.embedding_dim, keyed, names)
         problems.extend(p)
     dense = _torch_load(vdir, manifest["dense"]["file"])
     if not isinstance(dense, dict):
@@ -242,7 +259,7 @@ def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any
     # --- nothing was changed so far; from here on, apply ---------------------------------------
     if dense:
         model.load_state_dict(dense, strict=False)
-    _load_tables([(t.storage, t.name, entries[q]) for q, t in tables.items() if q not in streamed])
+    _load_tables([(t.storage, t.name, entries[q]) for q, t in tables.items() if q not in streamed], parted)
     for q in streamed:
         target, keyed, names = wanted[q]
         _, late = _streamed(q, _versions_of(chain, q), target, tables[q].config.embedding_dim, keyed, names, tables[q])
@@ -257,12 +274,13 @@ def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any
                 meta = opt_file["sparse"].get(q)
                 if meta is None:
                     continue
-                e = entries[q]
+                e, t = entries[q], tables[q]
+                came = q in streamed or (id(t.storage), t.name) in parted  # (a tiered table's came with its rows)
                 sparse[name] = {
                     **meta,
-                    "ids": e["ids"] if tables[q].keyed else None,
-                    "state": {} if q in streamed else e["state"],
-                    "state_loaded": q in streamed,  # (a tiered table's state came in with its rows)
+                    "ids": e["ids"] if t.keyed else None,
+                    "state": {} if came else e["state"],
+                    "state_loaded": came,
                 }
             optimizer.load_state_dict({"dense": opt_file["dense"], "sparse": sparse, "format": 1})
     _loaded_from(manifest, {id(t.storage): t.storage for t in tables.values()}.values(), optimizer)
@@ -318,17 +336,13 @@ def _compact(root: Path, keep: int, verify: bool) -> str:
         tmp.mkdir()
         files = {}
         for q, t in tables.items():
-            for sh in t["shards"]:
-                target, keyed, names = wanted[(q, sh["file"])]
-                entry, probs = assemble(q, _versions_of(chain, q), target, t["shape"][1], keyed, names)
-                _raise(vdir, probs, "cannot be compacted")
-                layout._write_file(tmp / sh["file"], entry)
-                files[sh["file"]] = {"bytes": (tmp / sh["file"]).stat().st_size, "sha256": _sha256(tmp / sh["file"])}
-                sh.pop("changed", None)
-                sh.pop("removed", None)
-                if keyed:
-                    sh["rows"] = int(entry["ids"].numel())
-        for rel in needed[vdir] - set(files):  # the dense state and the optimizer's, as they are
+            saved, t["shards"] = t["shards"], []
+            parted = any(sh.get("part") for sh in saved)  # (a tiered dynamic table's: put together file by file)
+            for sh in saved:
+                if not sh.get("part"):
+                    t["shards"] += _compact_shard(tmp, files, q, sh, wanted[(q, sh["file"])], chain, t, parted)
+        skipped = {sh["file"] for t in manifest["tables"].values() for sh in t["shards"] if sh.get("part")}
+        for rel in needed[vdir] - set(files) - skipped:  # the dense state and the optimizer's, as they are
             shutil.copyfile(vdir / rel, tmp / rel)
             files[rel] = manifest["files"][rel]
         body = {k: v for k, v in manifest.items() if k not in ("path", "incremental", "files")}
@@ -345,6 +359,66 @@ def _compact(root: Path, keep: int, verify: bool) -> str:
     _clean(root, keep)
     log.info("compacted checkpoint %s (%d versions) into %s", vdir, len(chain), final)
     return str(final)
+
+
+def _compact_shard(tmp: Path, files: dict, q: str, sh: dict, wanted, chain, t: dict, parted: bool) -> list[dict]:
+    """Saved shard ``sh`` of table ``q`` put together from the chain into ``tmp`` (its files added
+    to ``files``): its new shard entries. A tiered dynamic table's (``parted``) file by file, as
+    its save wrote it, so that a table larger than memory compacts in the memory of one file."""
+    target, keyed, names = wanted
+    versions, dim = _versions_of(chain, q), t["shape"][1]
+    parts = None
+    if keyed and parted:
+        entry, parts, probs = dynamic_parts(q, versions, target, dim, names)
+    else:
+        entry, probs = assemble(q, versions, target, dim, keyed, names)
+    _raise(Path(chain[-1][0]), probs, "cannot be compacted")
+    base = {k: v for k, v in sh.items() if k not in ("changed", "removed", "part", "rows", "file")}
+    if parts is None or not entry["ids"].numel():
+        if parts is not None:  # (no rows: the whole empty entry)
+            entry = assemble(q, versions, target, dim, keyed, names)[0]
+        chunks = [entry]
+    else:
+        per_row = [entry["weight"], *entry["state"].values()]  # (meta tensors: their shapes and dtypes)
+        row_bytes = 24 + sum(t.element_size() * t[0].numel() for t in per_row)
+        rows = max(1, _PIECE_BYTES // row_bytes)
+        wide = {k: entry[k] for k in ("stats", "clock", "generator", "sketch") if k in entry}
+        chunks = (part | wide if i == 0 else part for i, part in enumerate(_repacked(parts(rows), rows)))
+    out = []
+    for i, chunk in enumerate(chunks):
+        rel = sh["file"] if i == 0 else f"{sh['file'][:-3]}-{i:05d}.pt"
+        layout._write_file(tmp / rel, chunk)
+        files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
+        rows = {"rows": int(entry["ids"].numel()) if i == 0 else 0} if keyed else {}
+        out.append({**base, "file": rel, **rows, **({"part": i} if i else {})})
+    return out
+
+
+def _repacked(parts, rows: int):
+    """Dynamic rows (entries of ids, weight, counters and state) regrouped ``rows`` at a time."""
+    held: list[dict] = []
+    count = 0
+    for part in parts:
+        held.append(part)
+        count += part["ids"].numel()
+        while count >= rows:
+            joined = _joined(held)
+            yield _sliced(joined, 0, rows)
+            held, count = [_sliced(joined, rows, None)], count - rows
+    if count:
+        yield _joined(held)
+
+
+def _sliced(entry: dict, a: int, b: int | None) -> dict:
+    """Rows ``a:b`` of ``entry``, copies (a view would save the whole tensor it views)."""
+    return {k: v[a:b].clone() if k != "state" else {s: x[a:b].clone() for s, x in v.items()} for k, v in entry.items()}
+
+
+def _joined(parts: list[dict]) -> dict:
+    if len(parts) == 1:
+        return parts[0]
+    out = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k != "state"}
+    return out | {"state": {s: torch.cat([p["state"][s] for p in parts]) for s in parts[0]["state"]}}
 
 
 def _shard_target(sh: dict, keyed: bool, dim: int) -> Target:

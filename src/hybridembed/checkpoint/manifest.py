@@ -185,7 +185,7 @@ def _manifest_problems(m: dict[str, Any]) -> list[str]:
                 s.need(sh, "row_end", ws, _is_int, "an int >= 0")
             elif "rows" in sh:
                 s.need(sh, "rows", ws, _is_int, "an int >= 0")
-            for key in ("row_step", "col_start", "col_end", "shard", "step", "changed", "removed", "residue"):
+            for key in ("row_step", "col_start", "col_end", "shard", "step", "changed", "removed", "residue", "part"):
                 if key in sh:
                     s.need(sh, key, ws, lambda v, key=key: _is_int(v, 1 if key == "row_step" else 0), "an int")
             if "residue" in sh:  # a dynamic table's hash shard: ids whose hash residue of residues is residue
@@ -374,17 +374,23 @@ def _check_shards(q: str, s: dict) -> list[str]:
 
 def _check_dynamic_shards(q: str, shards: list[dict], dim: int) -> list[str]:
     """A dynamic table's shards: column slices tiling 0..dim, each split into hash residues
-    0..k-1 (every id in exactly one) or whole."""
+    0..k-1 (every id in exactly one) or whole; a shard saved in several files (a tiered table's:
+    ``part`` 1, 2, .. after the first) counts once."""
     groups: dict[tuple[int, int], list] = {}
-    for x in shards:
-        groups.setdefault((int(x.get("col_start", 0)), int(x.get("col_end", dim))), []).append(x.get("residue"))
+    where = lambda x: (int(x.get("col_start", 0)), int(x.get("col_end", dim)))  # noqa: E731
+    firsts = [x for x in shards if not x.get("part")]
+    for x in firsts:
+        groups.setdefault(where(x), []).append(x.get("residue"))
+    heads = {(where(x), x.get("residue"), x.get("shard")) for x in firsts}
+    if any((where(x), x.get("residue"), x.get("shard")) not in heads for x in shards if x.get("part")):
+        return [f"table {q!r}: a shard's later part without its first"]
     cols = sorted(groups)
     if [c0 for c0, _ in cols] != [0, *(c1 for _, c1 in cols[:-1])] or cols[-1][1] != dim:
         return [f"table {q!r}: the shards' columns {cols} do not tile 0..{dim}"]
     for c, residues in groups.items():
         if all(r is None for r in residues):  # whole, or split without saying how (ids are unique anyway)
             continue
-        ks = {x.get("residues") for x in shards if (int(x.get("col_start", 0)), int(x.get("col_end", dim))) == c}
+        ks = {x.get("residues") for x in firsts if where(x) == c}
         if None in residues or len(ks) != 1 or sorted(residues) != list(range(next(iter(ks)))):
             return [f"table {q!r}: the hash shards of columns {c[0]}..{c[1]} hold residues {residues}, not 0..k-1 once"]
     return []

@@ -35,7 +35,7 @@ import torch
 from ..distributed.routes import hash_residue
 from ..errors import CheckpointError
 
-__all__ = ["Target", "assemble", "files_for", "torch_load"]
+__all__ = ["Target", "assemble", "dynamic_parts", "files_for", "torch_load"]
 
 Version = tuple[Path, dict]  # (version directory, the table's manifest entry in it)
 
@@ -267,23 +267,11 @@ def _dynamic(q, versions, target, dim, state_names, load):
                 continue
             where = f"table {q!r}: file {sh['file']!r}"
             p = load(vdir, sh["file"])
-            _need(isinstance(p, dict), f"{where} is not a table shard")
-            sc0, sc1 = _cols(sh, dim)
-            ids = p.get("ids")
-            _need(torch.is_tensor(ids) and ids.dim() == 1 and not ids.is_floating_point(), f"{where}: no (K,) ids")
-            k = ids.numel()
-            _tensor(p, "weight", (k, sc1 - sc0), where, floating=True)
-            for key in ("last_seen", "freq"):
-                _tensor(p, key, (k,), where, floating=False)
-            for key in ("stats", "clock"):
-                _need(torch.is_tensor(p.get(key)), f"{where}: no {key!r}")
-            if "changed" in sh:
-                rem = p.get("removed")
-                _need(torch.is_tensor(rem) and rem.dim() == 1, f"{where}: a delta without its removed ids")
-            if top:
+            _check_dynamic_file(p, sh, where, dim)
+            if top and _first_part(sh):
                 parts.append((sh, p))
             if overlaps(sh, target, dim, True):
-                groups.setdefault((sc0, sc1), []).append((sh, p))
+                groups.setdefault(_cols(sh, dim), []).append((sh, p))
         last_parts = parts
         if not groups:
             continue
@@ -355,14 +343,44 @@ def _dynamic(q, versions, target, dim, state_names, load):
             "freq": torch.zeros(0, dtype=torch.int64),
             "state": {},
         }
-    # the table's counters, clock, admission sketch and generator: of the newest version; those
-    # of the saved shard that is the target itself (a resume in the same layout) when there is one
+    return _counters(q, cur, last_parts, versions, target, dim), []
+
+
+def _first_part(sh: dict) -> bool:
+    """Whether saved shard ``sh`` is the first (or only) file of its rows: the one holding the
+    table-wide counters (a tiered table's shard is saved in several parts)."""
+    return int(sh.get("part", 0)) == 0
+
+
+def _check_dynamic_file(p: Any, sh: dict, where: str, dim: int) -> int:
+    """A dynamic shard file's ids, rows and per-row counters (and, in a first part, the table-wide
+    counters; in a delta, the removed ids) against its manifest entry: its number of rows."""
+    _need(isinstance(p, dict), f"{where} is not a table shard")
+    ids = p.get("ids")
+    _need(torch.is_tensor(ids) and ids.dim() == 1 and not ids.is_floating_point(), f"{where}: no (K,) ids")
+    k = ids.numel()
+    c0, c1 = _cols(sh, dim)
+    _tensor(p, "weight", (k, c1 - c0), where, floating=True)
+    for key in ("last_seen", "freq"):
+        _tensor(p, key, (k,), where, floating=False)
+    for key in ("stats", "clock") if _first_part(sh) else ():
+        _need(torch.is_tensor(p.get(key)), f"{where}: no {key!r}")
+    if "changed" in sh:
+        rem = p.get("removed")
+        _need(torch.is_tensor(rem) and rem.dim() == 1, f"{where}: a delta without its removed ids")
+    return k
+
+
+def _counters(q, cur: dict, last_parts: list, versions, target: Target, dim: int) -> dict:
+    """``cur`` with the table's counters, clock, admission sketch and generator: of the newest
+    version (``last_parts``: its table-level first parts); those of the saved shard that is the
+    target itself (a resume in the same layout) when there is one."""
     same = [p for sh, p in last_parts if _same_shard(sh, target, dim)]
     if len(same) == 1:  # (several: a table split without saying how, as before hash residues were recorded)
         for key in ("stats", "clock", "sketch", "generator"):
             if torch.is_tensor(same[0].get(key)):
                 cur[key] = same[0][key]
-        return cur, []
+        return cur
     ps = [p for sh, p in last_parts if _table_level(sh, versions[-1][1], dim)]
     _need(bool(ps), f"table {q!r}: no shard of its first column slice")
     stats = torch.stack([p["stats"] for p in ps]).sum(0)
@@ -373,4 +391,114 @@ def _dynamic(q, versions, target, dim, state_names, load):
     gens = [p.get("generator") for p in ps if torch.is_tensor(p.get("generator"))]
     if gens:
         cur["generator"] = gens[target.hashed[0] % len(gens) if target.hashed else 0]
-    return cur, []
+    return cur
+
+
+def dynamic_parts(
+    q: str,
+    versions: Sequence[Version],
+    target: Target,
+    dim: int,
+    state_names: Sequence[str],
+    load: Callable[[Path, str], Any] | None = None,
+) -> tuple[dict[str, Any], Callable[[int], Any] | None, list[str]]:
+    """A dynamic table (or shard: ``target``) read a file at a time, for a table larger than
+    memory: (entry, parts, problems). ``entry`` is :func:`assemble`'s with its ids (ascending) and
+    table-wide values and the rows' tensors on the meta device (for the checks of a whole entry);
+    ``parts(rows)`` yields the rows, at most ``rows`` at a time, each id once, from the newest
+    version that holds it (ids, weight, last_seen, freq, state). Only the ids are held in memory. Where the
+    target spans several saved column slices (or none holds its rows), ``parts`` is None and
+    ``entry`` assemble's whole one."""
+    load = load or (lambda vdir, rel: torch_load(vdir, rel, mmap=True))
+    over = [[sh for sh in spec["shards"] if overlaps(sh, target, dim, True)] for _, spec in versions]
+    if not any(over) or any(len({_cols(sh, dim) for sh in shards}) > 1 for shards in over):
+        entry, problems = assemble(q, versions, target, dim, True, state_names, load)
+        return entry, None, problems
+    try:
+        return _dynamic_parts(q, versions, over, target, dim, list(state_names), load)
+    except _Bad as e:
+        return {}, None, [str(e)]
+
+
+def _dynamic_parts(q, versions, over, target, dim, names, load):
+    c0, c1 = target.cols
+    full = [v for v, shards in enumerate(over) if shards and not any("changed" in sh for sh in shards)]
+    _need(
+        bool(full) and full[0] == next(v for v, shards in enumerate(over) if shards),
+        f"table {q!r}: a delta without its base",
+    )
+    files = []  # [version, directory, shard entry, its rows, positions of the target's ids in it, those ids]
+    removed: dict[int, list[torch.Tensor]] = {}
+    kinds: dict[str, tuple[torch.dtype, int]] = {}
+    for v in range(full[-1], len(versions)):
+        vdir = versions[v][0]
+        for sh in over[v]:
+            where = f"table {q!r}: file {sh['file']!r}"
+            p = load(vdir, sh["file"])
+            k = _check_dynamic_file(p, sh, where, dim)
+            sc0, sc1 = _cols(sh, dim)
+            for key, t in [("weight", p["weight"])] + [(n, _state_of(p, n, k, sc1 - sc0, where)) for n in names]:
+                was = kinds.setdefault(key, (t.dtype, t.dim()))
+                _need(
+                    was == (t.dtype, t.dim()),
+                    f"{where}: {key} of dtype {t.dtype} and {t.dim()} dims, {was[0]} and {was[1]} in other files",
+                )
+            ids, pos = p["ids"].to(torch.int64), None  # (None: every row of the file)
+            if target.hashed is not None:
+                pos = (hash_residue(ids, target.hashed[1]) == target.hashed[0]).nonzero().squeeze(1)
+                ids = ids.index_select(0, pos)
+            files.append([v, vdir, sh, k, pos, ids])
+            if "changed" in sh:
+                removed.setdefault(v, []).append(p["removed"].to(torch.int64))
+    later = torch.zeros(0, dtype=torch.int64)  # ids a newer version holds or removed
+    for v in sorted({f[0] for f in files}, reverse=True):
+        mine = [f for f in files if f[0] == v]
+        for f in mine:
+            if later.numel():
+                keep = (~torch.isin(f[5], later)).nonzero().squeeze(1)
+                f[4] = keep if f[4] is None else f[4].index_select(0, keep)
+                f[5] = f[5].index_select(0, keep)
+        later = torch.cat([later, *(f[5] for f in mine), *removed.get(v, [])]).unique()
+    ids = torch.cat([f.pop() for f in files]).sort().values  # (each file's own ids dropped: held once)
+    n = ids.numel()
+    meta = lambda key, *shape: torch.empty(  # noqa: E731
+        shape, dtype=kinds.get(key, (torch.float32,))[0], device="meta"
+    )
+    entry = {
+        "ids": ids,
+        "weight": meta("weight", n, c1 - c0),
+        "last_seen": torch.empty(n, dtype=torch.int64, device="meta"),
+        "freq": torch.empty(n, dtype=torch.int64, device="meta"),
+        "state": {k: meta(k, n, c1 - c0) if kinds[k][1] == 2 else meta(k, n) for k in names if k in kinds},
+    }
+    last = len(versions) - 1
+    tops = []
+    for sh in versions[last][1]["shards"]:
+        if _first_part(sh) and (_table_level(sh, versions[last][1], dim) or _same_shard(sh, target, dim)):
+            p = load(versions[last][0], sh["file"])
+            _check_dynamic_file(p, sh, f"table {q!r}: file {sh['file']!r}", dim)
+            tops.append((sh, p))
+    entry = _counters(q, entry, tops, versions, target, dim)
+
+    def parts(rows: int):
+        for _, vdir, sh, k, pos in files:
+            p = load(vdir, sh["file"])
+            if not (torch.is_tensor(p.get("ids")) and p["ids"].numel() == k):
+                raise CheckpointError(
+                    f"table {q!r}: file {sh['file']!r} changed while it was loaded (the table is partly loaded: "
+                    "load again)"
+                )
+            sc0 = _cols(sh, dim)[0]
+            r = max(1, rows)
+            for at in pos.split(r) if pos is not None else [slice(lo, lo + r) for lo in range(0, k, r)]:
+                take = lambda t, at=at: t[at] if isinstance(at, slice) else t.index_select(0, at)  # noqa: E731
+                cols = lambda t, sc0=sc0: t[:, c0 - sc0 : c1 - sc0] if t.dim() == 2 else t  # noqa: E731
+                yield {
+                    "ids": take(p["ids"]).to(torch.int64),
+                    "weight": cols(take(p["weight"])),
+                    "last_seen": take(p["last_seen"]),
+                    "freq": take(p["freq"]),
+                    "state": {key: cols(take(p["state"][key])) for key in names},
+                }
+
+    return entry, parts, []

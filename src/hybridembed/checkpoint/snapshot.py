@@ -168,9 +168,7 @@ def _write_tiered(
     rows, global with ``to_global``). Returns ``[(first row, end row, file, changed rows in it or
     None)]``: the files' spans tile the table (the table's own rows)."""
     n = storage._span(name)[1]
-    row_bytes = storage.weight.element_size() * storage.dim
-    row_bytes += sum(t.element_size() * t[0].numel() for k, t in storage.state.items() if k in state_names)
-    step = max(1, _PIECE_BYTES // max(row_bytes, 1))
+    step = _rows_per_file(storage, state_names)
     if changed is None:
         parts = [(lo, min(n, lo + step), None) for lo in range(0, n, step)]
     else:
@@ -188,6 +186,34 @@ def _write_tiered(
         layout._write_file(stage / rel, obj)
         snap.written[rel] = {"bytes": (stage / rel).stat().st_size, "sha256": _sha256(stage / rel)}
         out.append((lo, hi, rel, None if rows is None else int(rows.numel())))
+    return out
+
+
+def _rows_per_file(storage, state_names) -> int:
+    """Rows of a tiered table in one file of at most :data:`_PIECE_BYTES` (with their state)."""
+    row_bytes = storage.weight.element_size() * storage.dim + (24 if storage.keyed else 0)  # (ids, counters)
+    row_bytes += sum(t.element_size() * t[0].numel() for k, t in storage.state.items() if k in state_names)
+    return max(1, _PIECE_BYTES // row_bytes)
+
+
+def _write_tiered_dynamic(stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names, changes=None):
+    """A tiered dynamic table written into ``stage`` now, as ``_write_tiered`` a dense one: in
+    files of at most :data:`_PIECE_BYTES` read through the tiers one at a time
+    (:meth:`~hybridembed.storage.tiered_hash.TieredHashStorage.save_parts`), all its rows or
+    (``changes``: the storage's (mask, removed)) those changed since the last checkpoint. Returns
+    the files' shard entries ``{file, rows, part, changed}``: ``part`` numbers the files after
+    the first, which holds the table-wide counters (and a delta's removed ids) and says the
+    table's ``rows``; the others say 0."""
+    rows = int(storage.stats(name)["rows"])
+    out = []
+    for i, part in enumerate(storage.save_parts(name, state_names, _rows_per_file(storage, state_names), changes)):
+        rel = f"tables/{stem}.{i:05d}.pt"
+        layout._write_file(stage / rel, part)
+        snap.written[rel] = {"bytes": (stage / rel).stat().st_size, "sha256": _sha256(stage / rel)}
+        entry = {"file": rel, "rows": rows if i == 0 else 0, **({"part": i} if i else {})}
+        if changes is not None:
+            entry |= {"changed": int(part["ids"].numel()), "removed": int(part["removed"].numel())}
+        out.append(entry)
     return out
 
 
@@ -264,7 +290,10 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None, sta
             t = tables[q]
             rel = f"tables/{stem}.00000.pt"
             changes = snap.taken[id(t.storage)] if parent is not None else None
-            if getattr(t.storage, "tiered", False) and stage is not None:  # (written now, a part at a time)
+            if t.storage.streamed and t.keyed and stage is not None:  # (written now, a part at a time)
+                shards = _write_tiered_dynamic(stage, snap, t.storage, t.name, stem, names[q], changes)
+                n = shards[0]["rows"]
+            elif t.storage.streamed and stage is not None:
                 n = t.config.num_embeddings
                 mask = changes[0] if changes is not None else None
                 parts = _write_tiered(stage, snap, t.storage, t.name, stem, names[q], mask)

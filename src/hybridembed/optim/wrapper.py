@@ -218,7 +218,7 @@ class HybridOptimizer(torch.optim.Optimizer):
                 raise HybridEmbedError(
                     f"table {name!r}: saved with {entry['optimizer']}, this optimizer uses {storage.optimizer.name}"
                 )
-            if entry.get("state_loaded") is True and storage.tiered:
+            if entry.get("state_loaded") is True and storage.streamed:
                 continue  # (he.load wrote a tiered table's state with its rows, a range at a time)
             if set(entry["state"]) != set(have):
                 raise HybridEmbedError(f"table {name!r}: state {sorted(entry['state'])} != {sorted(have)}")
@@ -238,7 +238,7 @@ class HybridOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for name, (storage, group) in mine.items():
                 entry = sparse[name]
-                if not (entry.get("state_loaded") is True and storage.tiered):
+                if not (entry.get("state_loaded") is True and storage.streamed):
                     storage.load_table_state(name, entry.get("ids"), entry["state"])
                 storage.step = int(entry["step"])
                 group.update({k: v for k, v in entry["hparams"].items() if k not in ("params", "storage")})

@@ -65,6 +65,7 @@ class RowStorage(nn.Module):
     keyed = False  # ids are keys (any int64), not row numbers
     remote = False  # the rows live elsewhere (parameter servers): nothing to save or apply here
     tiered = False  # the rows live in files, a cache of them in memory (TieredStorage): read by ranges
+    streamed = False  # checkpoints write and read its tables a part at a time (tiered: larger than memory)
     grad_sink = None  # the lookup's gradient reaches weight.grad through autograd
     kernels = "eager"  # the kernel backend (hybridembed.kernels.backend); the collection sets it
 

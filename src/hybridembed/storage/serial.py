@@ -165,9 +165,7 @@ def dense_as_dynamic(storage: RowStorage, weight: torch.Tensor) -> dict[str, tor
 def state_shapes(storage: RowStorage, name: str) -> dict[str, tuple[int, ...]]:
     """``{state: shape}`` of table ``name``'s optimizer state, as ``table_state`` would give it,
     without reading it (a tiered table's state is not in memory)."""
-    if storage.keyed:
-        return {k: tuple(v.shape) for k, v in storage.table_state(name).items()}
-    n = storage._span(name)[1]
+    n = storage.table_ids(name).numel() if storage.keyed else storage._span(name)[1]
     return {k: (n, *t.shape[1:]) for k, t in storage.state.items()}
 
 

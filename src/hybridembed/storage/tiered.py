@@ -226,6 +226,7 @@ class TieredStorage(DenseStorage):
     """Rows of several dense tables of one dim and dtype on disk, ``cache_rows`` of them in memory."""
 
     tiered = True
+    streamed = True
 
     def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
         RowStorage.__init__(self)  # (not DenseStorage's: it would allocate every row)

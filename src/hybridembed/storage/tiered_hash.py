@@ -24,9 +24,10 @@ In memory, per record (one per row ever spilled): its (table, id), place, recenc
 whether it holds the row now (``live``: the row is not cached), and HashStorage's open-addressing
 index (table, id) -> record, insert-only (a row keeps its record for life): 70-100 bytes per row
 on disk. A batch needs all its distinct rows in the cache at once: more than it holds is refused
-before anything changes. Whole-table reads (``state_dict``, ``he.save``, ``dynamic_rows``,
-export) merge the cache and the records and hold the table's rows in memory while they run (dense
-tiered tables stream checkpoints range by range; dynamic ones do not yet).
+before anything changes. Whole-table reads (``state_dict``, ``dynamic_rows``, export) merge the
+cache and the records and hold the table's rows in memory while they run; checkpoints (``he.save``,
+``he.load``) read and write a part of the rows at a time (:meth:`TieredHashStorage.save_parts`,
+:meth:`TieredHashStorage.load_parts`).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class TieredHashStorage(HashStorage):
     """Rows of a group of dynamic tables on disk, ``cache_rows`` of them in memory (module docstring)."""
 
     spills = True
+    streamed = True  # checkpoints: save_parts and load_parts
     COMPACT_AT = 1 << 16  # dead places (rows read back or written again elsewhere) before compacting, at least
 
     def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
@@ -530,11 +532,37 @@ class TieredHashStorage(HashStorage):
         return ids, got["weight"], got["state"]
 
     def save_table(self, name: str, state: Sequence[str] = ()) -> dict[str, Any]:
+        out = next(self.save_parts(name, state))
+        return out if state else {k: v for k, v in out.items() if k != "state"}
+
+    def save_parts(self, name: str, state: Sequence[str] = (), rows: int | None = None, changes=None):
+        """Table ``name`` as checkpoint entries of at most ``rows`` rows each (None: one entry), ids
+        ascending, each read through the tiers when it is asked for: a table larger than memory is
+        saved with the memory of one part. All its rows (``changes`` None), or those changed since
+        the last checkpoint (``changes``: :meth:`track_changes`' (mask, removed); every part has a
+        ``removed``, the first the ids dropped since). The first part holds the table-wide counters,
+        clock, generator and sketch; every part its rows' optimizer ``state`` (under ``"state"``)."""
         i = self.table_index[name]
         ids, slots, recs = self._rows_of(name)
-        got = self._read(slots, recs, state)
-        out = {"ids": ids, "weight": got["weight"], "last_seen": got["last_seen"], "freq": got["freq"]}
-        return out | self._table_wide(i) | ({"state": got["state"]} if state else {})
+        wide = self._table_wide(i)
+        if changes is not None:
+            (changed, removed), c = changes, self.weight.shape[0]
+            mem, disk = changed[:c], changed[c:]
+            pick = torch.zeros(ids.numel(), dtype=torch.bool)
+            cached = slots >= 0
+            pick[cached] = mem.index_select(0, slots[cached])
+            held = (recs >= 0) & (recs < disk.numel())
+            pick[held] = disk.index_select(0, recs[held])
+            gone = [r[0][r[1] == i] for r in removed]
+            gone = torch.cat(gone).unique() if gone else ids[:0]
+            wide["removed"] = gone[~torch.isin(gone, ids)]
+            sel = pick.nonzero().squeeze(1)
+            ids, slots, recs = ids.index_select(0, sel), slots.index_select(0, sel), recs.index_select(0, sel)
+        step = max(1, rows or ids.numel())
+        for lo in range(0, max(ids.numel(), 1), step):
+            got = self._read(slots[lo : lo + step], recs[lo : lo + step], state)
+            part = {"ids": ids[lo : lo + step].clone(), **got}  # (its own: a view would save all the ids)
+            yield part | (wide if lo == 0 else {"removed": torch.zeros(0, dtype=torch.int64)} if changes else {})
 
     def track_changes(self) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """As :meth:`RowStorage.track_changes`; the mask counts the cache's slots, then the records."""
@@ -555,20 +583,8 @@ class TieredHashStorage(HashStorage):
     def save_changes(self, name, changed, removed) -> tuple[dict[str, Any], torch.Tensor]:
         """As :meth:`HashStorage.save_changes` (``changed``: :meth:`track_changes`' mask), the rows'
         optimizer state in the entry's ``"state"``; -> (entry, the changed rows' ids)."""
-        i, c = self.table_index[name], self.weight.shape[0]
-        ids, slots, recs = self._rows_of(name)
-        mem, disk = changed[:c], changed[c:]
-        pick = torch.zeros(ids.numel(), dtype=torch.bool)
-        cached = slots >= 0
-        pick[cached] = mem.index_select(0, slots[cached])
-        held = (recs >= 0) & (recs < disk.numel())
-        pick[held] = disk.index_select(0, recs[held])
-        sel = pick.nonzero().squeeze(1)
-        got = self._read(slots.index_select(0, sel), recs.index_select(0, sel), list(self.state))
-        gone = [r[0][r[1] == i] for r in removed]
-        gone = torch.cat(gone).unique() if gone else ids[:0]
-        out = {"ids": ids.index_select(0, sel), "removed": gone[~torch.isin(gone, ids)], **self._table_wide(i)}
-        return out | {k: got[k] for k in ("weight", "last_seen", "freq", "state")}, out["ids"]
+        out = next(self.save_parts(name, list(self.state), None, (changed, removed)))
+        return out, out["ids"]
 
     @torch.no_grad()
     def load_table_state(self, name: str, ids: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
@@ -653,9 +669,35 @@ class TieredHashStorage(HashStorage):
     def load_tables(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace the rows of several tables: their cached rows dropped, their records emptied, the
         entries' rows written to records (read into the cache when looked up)."""
+        self._drop_tables(list(entries), sum(int(e["ids"].numel()) for e in entries.values()))
+        for name, entry in entries.items():
+            i, ids = self.table_index[name], entry["ids"].to(torch.int64)
+            tabs = torch.full_like(ids, i, dtype=torch.int32)
+            self._write_records(ids, tabs, {"weight": entry["weight"]}, entry["last_seen"], entry["freq"])
+            self._load_table_wide(i, entry)
+        self._applied_clock = self.clock
+
+    def load_parts(self, name: str, wide: dict[str, Any], count: int, parts) -> None:
+        """Replace table ``name``'s rows with those of ``parts`` (an iterable of checked entries: ids,
+        weight, last_seen, freq, optimizer ``state``; ``count`` distinct ids in all), written to
+        records a part at a time (a table larger than memory loads with the memory of one part);
+        ``wide``: the table-wide counters and clock (generator and sketch where saved)."""
+        self._drop_tables([name], count)
+        i = self.table_index[name]
+        for part in parts:
+            ids = part["ids"].to(torch.int64)
+            tabs = torch.full_like(ids, i, dtype=torch.int32)
+            data = {"weight": part["weight"], **part.get("state", {})}
+            self._write_records(ids, tabs, data, part["last_seen"].to(torch.int64), part["freq"].to(torch.int64))
+        self._load_table_wide(i, wide)
+        self._applied_clock = self.clock
+
+    def _drop_tables(self, names: list[str], count: int) -> None:
+        """Tables ``names`` emptied (their cached rows dropped, their records dead) after the files
+        were grown for ``count`` new records (a full disk: nothing changed)."""
         self.drop_prefetch()  # (records are rewritten)
-        self._room(self._tail + sum(int(e["ids"].numel()) for e in entries.values()))  # (a full disk: nothing changed)
-        which = torch.tensor([self.table_index[n] for n in entries], dtype=torch.int32)
+        self._room(self._tail + count)
+        which = torch.tensor([self.table_index[n] for n in names], dtype=torch.int32)
         old = torch.isin(self.slot_table, which.to(self.slot_table.device)).nonzero().squeeze(1)
         self._evict(old, count=False)  # (a reload is not an eviction)
         n = self._homes.n
@@ -663,12 +705,6 @@ class TieredHashStorage(HashStorage):
         if self._changed is not None and mine.numel():  # (their rows on disk dropped too: an incremental save says so)
             self._removed.append(torch.stack([self._homes.key[mine], self._homes.tab[mine].long()]))
         self.rec_live[mine] = False
-        for name, entry in entries.items():
-            i, ids = self.table_index[name], entry["ids"].to(torch.int64)
-            tabs = torch.full_like(ids, i, dtype=torch.int32)
-            self._write_records(ids, tabs, {"weight": entry["weight"]}, entry["last_seen"], entry["freq"])
-            self._load_table_wide(i, entry)
-        self._applied_clock = self.clock
 
     # --- accounting ---------------------------------------------------------------------------
     def _disk_rows(self, i: int | None = None) -> int:
