@@ -6,6 +6,7 @@ same tables in memory, and the memory of a table larger than the cache.
     python benchmarks/bench_tiered.py --part dynamic --steps 30   # dynamic tables (any int64 id) on disk
     python benchmarks/bench_tiered.py --part memory --memory-rows 160000000   # 40 GiB of rows (fp32, dim 64)
     python benchmarks/bench_tiered.py --part memory --memory-rows 20000000 --checkpoint   # he.save / he.load of 5 GiB
+    python benchmarks/bench_tiered.py --part memory --memory-dynamic --memory-rows 10000000 --memory-cache 1000000 --checkpoint
     python benchmarks/bench_tiered.py --part dynamic-prefetch --steps 20 --warmup 5   # the prefetch, dynamic tables
     python benchmarks/bench_tiered.py --quick               # seconds: the smoke test
 
@@ -31,7 +32,8 @@ dynamic with ids spread over int64) written to disk and dropped from the page ca
 cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-law ids; its peak
 resident memory (``VmHWM``, this process's own) against the cache's bytes (issue 26's target:
 peak <= cache + 2 GiB); with ``--checkpoint``, then ``he.save`` of it and ``he.load`` into a
-fresh tiered table, each one's peak (``VmHWM`` reset before it). The table's files are made in ``--dir`` (default: a temporary directory)
+fresh tiered table, each one's peak (``VmHWM`` reset before it); ``--memory-dynamic``: a dynamic
+table, its rows (ids ``0..rows-1``) written to disk first. The table's files are made in ``--dir`` (default: a temporary directory)
 and removed after.
 """
 
@@ -128,15 +130,25 @@ _CHILD = """
 import json, sys, time, torch
 import hybridembed as he
 from hybridembed.synthetic import powerlaw_ids
-rows, dim, cache, steps, batch, where, checkpoint = json.loads(sys.argv[1])
+rows, dim, cache, steps, batch, where, checkpoint, dynamic = json.loads(sys.argv[1])
 def status(key):
     line = next(x for x in open("/proc/self/status") if x.startswith(key))
     return int(line.split()[1]) * 1024
+def table(path):  # dynamic: any int64 id, rows made on first sight (here: written first, ids 0..rows-1)
+    return he.TableConfig("big", None if dynamic else rows, dim, dynamic=he.Dynamic() if dynamic else None,
+                          tiered=he.Tiered(path, cache_rows=cache))
 base = status("VmRSS:")
 t0 = time.perf_counter()
-ec = he.EmbeddingCollection([he.TableConfig("big", rows, dim, tiered=he.Tiered(where, cache_rows=cache))])
+ec = he.EmbeddingCollection([table(where)])
 opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.01), ec, sparse=he.optim.RowWiseAdagrad(lr=0.01))
+if dynamic:  # its rows written to disk a million at a time
+    for lo in range(0, rows, 1 << 20):
+        ids = torch.arange(lo, min(rows, lo + (1 << 20)))
+        ec.storage_of("big").write_ids("big", ids, torch.randn(ids.numel(), dim, generator=torch.Generator().manual_seed(lo)))
 built = time.perf_counter() - t0
+if dynamic:  # (the bulk write's freed temporaries handed back to the OS: glibc keeps them otherwise)
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 g = torch.Generator().manual_seed(0)
 t0 = time.perf_counter()
 for _ in range(steps):
@@ -151,26 +163,36 @@ if checkpoint:  # he.save, then he.load into a fresh tiered table: each one's pe
     def reset():
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    reset(); t0 = time.perf_counter()
+    reset(); t0 = time.perf_counter(); out["save_rss"] = status("VmRSS:")
     he.save(where + "/ck", ec, opt)
     out["save_s"], out["save_peak"] = time.perf_counter() - t0, status("VmHWM:")
-    back = he.EmbeddingCollection([he.TableConfig("big", rows, dim, tiered=he.Tiered(where + "/back", cache_rows=cache))])
+    back = he.EmbeddingCollection([table(where + "/back")])
     opt_back = he.wrap_optimizer(torch.optim.SGD(back.parameters(), lr=0.01), back, sparse=he.optim.RowWiseAdagrad(lr=0.01))
-    reset(); t0 = time.perf_counter()
+    reset(); t0 = time.perf_counter(); out["load_rss"] = status("VmRSS:")
     he.load(where + "/ck", back, opt_back)
     out["load_s"], out["load_peak"] = time.perf_counter() - t0, status("VmHWM:")
     pick = torch.randint(0, rows - 1000, (20,), generator=g)  # 20 spans of 1,000 rows: equal, rows and state
     a, b = ec.storage_of("big"), back.storage_of("big")
-    out["loaded_equal"] = all(
-        all(torch.equal(x, y) for x, y in zip(a.read_range("big", i, i + 1000).values(), b.read_range("big", i, i + 1000).values()))
-        for i in pick.tolist()
-    )
+    if dynamic:  # (rows by eval lookups; the state by a step on both, then the rows again)
+        spans = torch.cat([torch.arange(i, i + 1000) for i in pick.tolist()])
+        for m in (ec, back):
+            m.eval()
+        same = torch.equal(ec({"big": spans})["big"], back({"big": spans})["big"])
+        for m, o in ((ec, opt), (back, opt_back)):
+            m.train(); o.zero_grad(); m({"big": spans})["big"].sum().backward(); o.step(); m.eval()
+        out["loaded_equal"] = same and torch.equal(ec({"big": spans})["big"], back({"big": spans})["big"])
+    else:
+        out["loaded_equal"] = all(
+            all(torch.equal(x, y) for x, y in zip(a.read_range("big", i, i + 1000).values(), b.read_range("big", i, i + 1000).values()))
+            for i in pick.tolist()
+        )
 print(json.dumps(out))
 """
 
 
 def memory(args: argparse.Namespace, where: str) -> dict:
     spec = [args.memory_rows, args.dim, args.memory_cache, args.memory_steps, args.batch, where, args.checkpoint]
+    spec.append(args.memory_dynamic)
     out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"the memory run failed:\n{out.stderr[-3000:]}")
@@ -280,6 +302,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--memory-cache", type=int, default=2_000_000)
     p.add_argument("--memory-steps", type=int, default=50)
     p.add_argument("--checkpoint", action="store_true", help="memory part: he.save and he.load the table too")
+    p.add_argument(
+        "--memory-dynamic", action="store_true", help="memory part: a dynamic table (ids 0..rows-1 written first)"
+    )
     p.add_argument("--dir", help="where the tables' files go (default: a temporary directory)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
@@ -321,9 +346,10 @@ def main(argv: list[str] | None = None) -> dict:
             )
             if args.checkpoint:
                 print(
-                    f"checkpoint: he.save {r['save_s']:.1f} s, peak RSS {r['save_peak'] / 2**30:.2f} GiB; he.load into "
-                    f"a fresh tiered table {r['load_s']:.1f} s, peak RSS {r['load_peak'] / 2**30:.2f} GiB; loaded rows "
-                    f"and state equal: {r['loaded_equal']}",
+                    f"checkpoint: he.save {r['save_s']:.1f} s, peak RSS {r['save_peak'] / 2**30:.2f} GiB (RSS at the "
+                    f"call {r['save_rss'] / 2**30:.2f}); he.load into a fresh tiered table {r['load_s']:.1f} s, peak RSS "
+                    f"{r['load_peak'] / 2**30:.2f} GiB (at the call {r['load_rss'] / 2**30:.2f}); loaded rows and state "
+                    f"equal: {r['loaded_equal']}",
                     flush=True,
                 )
         for part in ("prefetch", "dynamic-prefetch"):
