@@ -83,13 +83,25 @@ class _Homes:
             return torch.full((keys.numel(),), -1, dtype=torch.int64)
         return self.find(keys, tabs)
 
+    def reserve(self, total: int) -> None:
+        """Room for ``total`` records, the index sized for them now (a load of many rows: one
+        rebuild, not one per doubling, each holding the old index and the new at once)."""
+        if total > self.key.numel():
+            self._grow(total)
+        if 2 * total > self._mask + 1:
+            self._reset(1 << math.ceil(math.log2(2 * total)))
+            self._insert(self.key[: self.n], self.tab[: self.n], torch.arange(self.n))
+
+    def _grow(self, size: int) -> None:
+        n = self.n
+        self.key = torch.cat([self.key[:n], torch.zeros(size - n, dtype=torch.int64)])
+        self.tab = torch.cat([self.tab[:n], torch.full((size - n,), _EMPTY, dtype=torch.int32)])
+
     def add(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """Records for (table, id) pairs (distinct, without one): their numbers (K,)."""
         n, m = self.n, keys.numel()
         if n + m > self.key.numel():
-            size = max(2 * self.key.numel(), n + m, 1024)
-            self.key = torch.cat([self.key[:n], torch.zeros(size - n, dtype=torch.int64)])
-            self.tab = torch.cat([self.tab[:n], torch.full((size - n,), _EMPTY, dtype=torch.int32)])
+            self._grow(max(2 * self.key.numel(), n + m, 1024))
         recs = torch.arange(n, n + m)
         self.key[n : n + m], self.tab[n : n + m] = keys, tabs.to(torch.int32)
         self.n = n + m
@@ -697,6 +709,8 @@ class TieredHashStorage(HashStorage):
         were grown for ``count`` new records (a full disk: nothing changed)."""
         self.drop_prefetch()  # (records are rewritten)
         self._room(self._tail + count)
+        self._homes.reserve(self._homes.n + count)  # (at most that many new records)
+        self._records()
         which = torch.tensor([self.table_index[n] for n in names], dtype=torch.int32)
         old = torch.isin(self.slot_table, which.to(self.slot_table.device)).nonzero().squeeze(1)
         self._evict(old, count=False)  # (a reload is not an eviction)
