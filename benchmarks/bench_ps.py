@@ -5,6 +5,7 @@ cache, and prefetch.
     PYTHONPATH=src python benchmarks/bench_ps.py --rounds 3 --json ps.json   # every contender, 3 interleaved rounds
     PYTHONPATH=src python benchmarks/bench_ps.py --contenders sync_1 --profile  # where the 2+1 step's time goes
     PYTHONPATH=src python benchmarks/bench_ps.py --quick                        # seconds: the smoke test
+    PYTHONPATH=src python benchmarks/bench_ps.py --reduce                       # the server's sum of the pushes
 
 Every contender is its own job (``hybridembed.launch.spawn``: fresh processes,
 gloo, one intra-op thread per process) on the same model: 26 ``nn.EmbeddingBag(rows, 16,
@@ -300,6 +301,47 @@ def run_job(name: str, cfg: dict) -> dict[str, Any]:
     return rec
 
 
+def reduce_pushes(args) -> dict[str, float]:
+    """The server's sum of a step's pushes, in one thread: two trainers' distinct rows of the 26
+    tables (power-law batches) by the fused step's reduction (what the server runs) and by a
+    sparse ``coalesce`` (what it ran before); medians of 30 each, alternated twice."""
+    from hybridembed.kernels.cpu_fused import reduce_kept
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(args.seed)
+    tables, total = 26, 26 * args.rows
+    slots = torch.cat(
+        [
+            torch.unique(powerlaw_ids(args.batch, args.rows, generator=g)) + k * args.rows
+            for _ in range(2)
+            for k in range(tables)
+        ]
+    )
+    grad = torch.randn(slots.numel(), args.dim, generator=g)
+
+    def coalesced():
+        coo = torch.sparse_coo_tensor(slots.unsqueeze(0), grad, (total, args.dim), check_invariants=False).coalesce()
+        return coo.indices()[0], coo.values()
+
+    runs = {"sorted_segments": lambda: reduce_kept(slots, grad, None, None, total), "coalesce": coalesced}
+    a, b = (f() for f in runs.values())
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # (the same sums)
+    out: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(2):
+        for name, f in runs.items():
+            ts = []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t0)
+            out[name].append(statistics.median(ts) * 1e3)
+    print(
+        f"{slots.numel():,} pushed rows of {args.dim}: "
+        + ", ".join(f"{k} {' / '.join(f'{t:.2f}' for t in v)} ms" for k, v in out.items())
+    )
+    return {k: min(v) for k, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=4096, help="per trainer")
@@ -318,7 +360,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
+    p.add_argument(
+        "--reduce",
+        action="store_true",
+        help="only the server's sum of two trainers' pushes: sorted segments vs coalesce",
+    )
     args = p.parse_args(argv)
+    if args.reduce:
+        return reduce_pushes(args)
     if args.quick:
         args.batch, args.rows, args.dim, args.hidden, args.steps, args.warmup = 64, 500, 4, 8, 3, 1
     cfg = {
