@@ -143,6 +143,10 @@ def test_incremental_versions_and_their_compaction_are_written_a_file_at_a_time(
         assert len(shards) == -(-n // per) and shards[0]["rows"] == n and "changed" not in shards[0]
     listed = {s["file"] for t in compacted["tables"].values() for s in t["shards"]}
     assert set(compacted["files"]) == listed | {"dense.pt", "optimizer.pt"}  # (the chain's own parts not copied)
+    for f in listed:  # (each file its rows alone: no view of a part read from the chain's files)
+        got = torch.load(os.path.join(compacted["path"], f))
+        tensors = [v for v in got.values() if torch.is_tensor(v)] + list(got["state"].values())
+        assert all(v.untyped_storage().nbytes() == v.nbytes for v in tensors), f
     for where in (tmp_path / "c", None):
         m = he.EmbeddingCollection(_tables(he.Tiered(where, 60) if where else None, rowwise), seed=8)
         opt_m = he.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
@@ -196,3 +200,26 @@ def test_a_damaged_part_or_a_part_without_its_first_is_refused_and_changes_nothi
     with pytest.raises(he.CheckpointError, match="table 'b': a shard's later part without its first"):
         he.load(tmp_path / "ck", target, opt_target, verify=False)
     _same(_state(target), after)
+
+
+@pytest.mark.parametrize("sizes", [[5, 7, 3], [10], [4, 6], [0, 3, 0, 9], [2]])
+def test_compaction_regroups_parts_into_files_of_their_own_rows(sizes):
+    """``_repacked``: parts of any sizes (views of one larger tensor, as a part read from a mapped
+    file is) regrouped 5 rows at a time, in order, each group's tensors its own."""
+    from hybridembed.checkpoint.local import _repacked
+
+    n = sum(sizes)
+    big = {"ids": torch.arange(100), "weight": torch.randn(100, 3), "state": {"sum": torch.randn(100)}}
+    edges = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    parts = [
+        {"ids": big["ids"][a:b], "weight": big["weight"][a:b], "state": {"sum": big["state"]["sum"][a:b]}}
+        for a, b in zip(edges, edges[1:])
+    ]
+    got = list(_repacked(iter(parts), 5))
+    assert [g["ids"].numel() for g in got] == [5] * (n // 5) + ([n % 5] if n % 5 else [])
+    assert torch.equal(torch.cat([g["ids"] for g in got]), big["ids"][:n])
+    assert torch.equal(torch.cat([g["weight"] for g in got]), big["weight"][:n])
+    assert torch.equal(torch.cat([g["state"]["sum"] for g in got]), big["state"]["sum"][:n])
+    for g in got:
+        for v in (g["ids"], g["weight"], g["state"]["sum"]):
+            assert v.untyped_storage().nbytes() == v.nbytes  # (not a view of `big`)

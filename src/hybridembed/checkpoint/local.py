@@ -380,22 +380,22 @@ def _compact_shard(tmp: Path, files: dict, q: str, sh: dict, wanted, chain, t: d
         chunks = [entry]
     else:
         per_row = [entry["weight"], *entry["state"].values()]  # (meta tensors: their shapes and dtypes)
-        row_bytes = 24 + sum(t.element_size() * t[0].numel() for t in per_row)
-        rows = max(1, _PIECE_BYTES // row_bytes)
+        per_file = max(1, _PIECE_BYTES // (24 + sum(x.element_size() * x[0].numel() for x in per_row)))
         wide = {k: entry[k] for k in ("stats", "clock", "generator", "sketch") if k in entry}
-        chunks = (part | wide if i == 0 else part for i, part in enumerate(_repacked(parts(rows), rows)))
+        chunks = (c | wide if i == 0 else c for i, c in enumerate(_repacked(parts(per_file), per_file)))
     out = []
     for i, chunk in enumerate(chunks):
         rel = sh["file"] if i == 0 else f"{sh['file'][:-3]}-{i:05d}.pt"
         layout._write_file(tmp / rel, chunk)
         files[rel] = {"bytes": (tmp / rel).stat().st_size, "sha256": _sha256(tmp / rel)}
-        rows = {"rows": int(entry["ids"].numel()) if i == 0 else 0} if keyed else {}
-        out.append({**base, "file": rel, **rows, **({"part": i} if i else {})})
+        count = {"rows": int(entry["ids"].numel()) if i == 0 else 0} if keyed else {}
+        out.append({**base, "file": rel, **count, **({"part": i} if i else {})})
     return out
 
 
 def _repacked(parts, rows: int):
-    """Dynamic rows (entries of ids, weight, counters and state) regrouped ``rows`` at a time."""
+    """Dynamic rows (entries of ids, weight, counters and state) regrouped ``rows`` at a time,
+    each group its own tensors (a part may view a memory-mapped file: saved, it would write it all)."""
     held: list[dict] = []
     count = 0
     for part in parts:
@@ -406,7 +406,7 @@ def _repacked(parts, rows: int):
             yield _sliced(joined, 0, rows)
             held, count = [_sliced(joined, rows, None)], count - rows
     if count:
-        yield _joined(held)
+        yield _sliced(_joined(held), 0, None)
 
 
 def _sliced(entry: dict, a: int, b: int | None) -> dict:
