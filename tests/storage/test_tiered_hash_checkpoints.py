@@ -223,3 +223,31 @@ def test_compaction_regroups_parts_into_files_of_their_own_rows(sizes):
     for g in got:
         for v in (g["ids"], g["weight"], g["state"]["sum"]):
             assert v.untyped_storage().nbytes() == v.nbytes  # (not a view of `big`)
+
+
+def test_a_chain_whose_last_delta_fits_one_file_compacts_file_by_file_and_reloading_grows_nothing(
+    tmp_path, monkeypatch
+):
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=60), OPTIMIZERS["adagrad"]), seed=3)
+    opt = _train(ec, steps=8)
+    _pieces(monkeypatch, 16)
+    he.save(tmp_path / "ck", ec, opt, incremental=True)  # (the base: in parts)
+    opt.zero_grad()
+    sum(v.sum() for v in ec({"a": torch.tensor([1, 2]), "b": he.Jagged.from_lists([[3]])}).values()).backward()
+    opt.step()
+    he.save(tmp_path / "ck", ec, opt, incremental=True)  # (the delta: a file a table)
+    delta = he.checkpoint.read_manifest(tmp_path / "ck")["tables"]
+    assert all(len(delta[t]["shards"]) == 1 for t in ("a", "b"))
+    he.checkpoint.compact(tmp_path / "ck")
+    compacted = he.checkpoint.read_manifest(tmp_path / "ck")["tables"]
+    for t in ("a", "b"):
+        n = int(ec.storage_of(t).stats(t)["rows"])
+        assert len(compacted[t]["shards"]) == -(-n // 16), t  # (file by file, not one file of the whole table)
+    back, opt_back = _fresh(tmp_path / "b", seed=3)
+    he.load(tmp_path / "ck", back, opt_back)
+    _same(_state(back), _state(ec))
+    st = back.storage_of("a")
+    grown = st.memory_bytes
+    he.load(tmp_path / "ck", back, opt_back)  # (again, into the same tables: their records are reused)
+    assert st.memory_bytes == grown
+    _same(_state(back), _state(ec))

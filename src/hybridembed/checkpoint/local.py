@@ -190,7 +190,7 @@ def _load_tables(items: list, parted: dict | None = None) -> None:
             serial.load_entries(storage, whole)
         for n, e in entries.items():
             if (id(storage), n) in parted:
-                storage.load_parts(n, e, e["ids"].numel(), parted[(id(storage), n)]())
+                storage.load_parts(n, e, parted[(id(storage), n)]())
         if storage.keyed:
             storage.clock = max(int(e["clock"]) for e in entries.values())
 
@@ -337,7 +337,8 @@ def _compact(root: Path, keep: int, verify: bool) -> str:
         files = {}
         for q, t in tables.items():
             saved, t["shards"] = t["shards"], []
-            parted = any(sh.get("part") for sh in saved)  # (a tiered dynamic table's: put together file by file)
+            # (a tiered dynamic table's, saved in parts in any version: put together file by file)
+            parted = any(x.get("part") for _, spec in _versions_of(chain, q) for x in spec["shards"])
             for sh in saved:
                 if not sh.get("part"):
                     t["shards"] += _compact_shard(tmp, files, q, sh, wanted[(q, sh["file"])], chain, t, parted)

@@ -34,8 +34,11 @@ import torch
 
 from ..distributed.routes import hash_residue
 from ..errors import CheckpointError
+from ..utils import get_logger
 
 __all__ = ["Target", "assemble", "dynamic_parts", "files_for", "torch_load"]
+
+log = get_logger("hybridembed.checkpoint")
 
 Version = tuple[Path, dict]  # (version directory, the table's manifest entry in it)
 
@@ -412,6 +415,8 @@ def dynamic_parts(
     load = load or (lambda vdir, rel: torch_load(vdir, rel, mmap=True))
     over = [[sh for sh in spec["shards"] if overlaps(sh, target, dim, True)] for _, spec in versions]
     if not any(over) or any(len({_cols(sh, dim) for sh in shards}) > 1 for shards in over):
+        if any(over):
+            log.warning("table %r: its rows were saved in several column slices; they are read whole", q)
         entry, problems = assemble(q, versions, target, dim, True, state_names, load)
         return entry, None, problems
     try:

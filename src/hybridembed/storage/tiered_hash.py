@@ -681,7 +681,7 @@ class TieredHashStorage(HashStorage):
     def load_tables(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace the rows of several tables: their cached rows dropped, their records emptied, the
         entries' rows written to records (read into the cache when looked up)."""
-        self._drop_tables(list(entries), sum(int(e["ids"].numel()) for e in entries.values()))
+        self._drop_tables(list(entries), {self.table_index[n]: e["ids"].to(torch.int64) for n, e in entries.items()})
         for name, entry in entries.items():
             i, ids = self.table_index[name], entry["ids"].to(torch.int64)
             tabs = torch.full_like(ids, i, dtype=torch.int32)
@@ -689,27 +689,31 @@ class TieredHashStorage(HashStorage):
             self._load_table_wide(i, entry)
         self._applied_clock = self.clock
 
-    def load_parts(self, name: str, wide: dict[str, Any], count: int, parts) -> None:
+    def load_parts(self, name: str, entry: dict[str, Any], parts) -> None:
         """Replace table ``name``'s rows with those of ``parts`` (an iterable of checked entries: ids,
-        weight, last_seen, freq, optimizer ``state``; ``count`` distinct ids in all), written to
-        records a part at a time (a table larger than memory loads with the memory of one part);
-        ``wide``: the table-wide counters and clock (generator and sketch where saved)."""
-        self._drop_tables([name], count)
+        weight, last_seen, freq, optimizer ``state``), written to records a part at a time (a table
+        larger than memory loads with the memory of one part). ``entry``: every id the parts hold
+        (``ids``, distinct) and the table-wide counters and clock (generator and sketch where saved)."""
         i = self.table_index[name]
+        self._drop_tables([name], {i: entry["ids"]})
         for part in parts:
             ids = part["ids"].to(torch.int64)
             tabs = torch.full_like(ids, i, dtype=torch.int32)
             data = {"weight": part["weight"], **part.get("state", {})}
             self._write_records(ids, tabs, data, part["last_seen"].to(torch.int64), part["freq"].to(torch.int64))
-        self._load_table_wide(i, wide)
+        self._load_table_wide(i, entry)
         self._applied_clock = self.clock
 
-    def _drop_tables(self, names: list[str], count: int) -> None:
+    def _drop_tables(self, names: list[str], ids: dict[int, torch.Tensor]) -> None:
         """Tables ``names`` emptied (their cached rows dropped, their records dead) after the files
-        were grown for ``count`` new records (a full disk: nothing changed)."""
+        were grown for the rows ``ids`` ({table index: ids}) about to be written (a full disk:
+        nothing changed), and the records index for those of them without a record yet."""
         self.drop_prefetch()  # (records are rewritten)
-        self._room(self._tail + count)
-        self._homes.reserve(self._homes.n + count)  # (at most that many new records)
+        self._room(self._tail + sum(int(v.numel()) for v in ids.values()))
+        new = sum(
+            int((self._homes.lookup(v, torch.full_like(v, i, dtype=torch.int32)) < 0).sum()) for i, v in ids.items()
+        )
+        self._homes.reserve(self._homes.n + new)
         self._records()
         which = torch.tensor([self.table_index[n] for n in names], dtype=torch.int32)
         old = torch.isin(self.slot_table, which.to(self.slot_table.device)).nonzero().squeeze(1)
