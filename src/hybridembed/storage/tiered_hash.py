@@ -710,8 +710,10 @@ class TieredHashStorage(HashStorage):
         nothing changed), and the records index for those of them without a record yet."""
         self.drop_prefetch()  # (records are rewritten)
         self._room(self._tail + sum(int(v.numel()) for v in ids.values()))
-        new = sum(
-            int((self._homes.lookup(v, torch.full_like(v, i, dtype=torch.int32)) < 0).sum()) for i, v in ids.items()
+        new = sum(  # (a million ids at a time: the lookup's probes take several times the ids)
+            int((self._homes.lookup(c, torch.full_like(c, i, dtype=torch.int32)) < 0).sum())
+            for i, v in ids.items()
+            for c in v.split(1 << 20)
         )
         self._homes.reserve(self._homes.n + new)
         self._records()
