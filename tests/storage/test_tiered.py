@@ -565,6 +565,21 @@ def test_a_job_killed_in_a_save_resumes_from_the_last_commit_and_trains_as_in_me
     _same(_state(ec), _state(ref))
 
 
+def train_alike(pairs, batch, g: torch.Generator, steps: int = 3) -> dict[str, set]:
+    """A step of each (model, optimizer) of ``pairs`` on each of ``steps`` batches ``batch(g)`` (tables
+    "a": a tensor of ids, "b": Jagged); -> the ids each table saw."""
+    touched: dict[str, set] = {"a": set(), "b": set()}
+    for _ in range(steps):
+        b = batch(g)
+        touched["a"] |= set(b["a"].tolist())
+        touched["b"] |= set(b["b"].values.tolist())
+        for m, o in pairs:
+            o.zero_grad()
+            sum(v.sum() for v in m(b).values()).backward()
+            o.step()
+    return touched
+
+
 def test_incremental_checkpoints_of_a_tiered_table_hold_the_rows_changed_and_load_as_the_chain(tmp_path, monkeypatch):
     """Changes are counted by table row (not cache slot, which rows come and go through): an
     incremental version holds exactly the rows changed since the last one (read through the
@@ -575,16 +590,7 @@ def test_incremental_checkpoints_of_a_tiered_table_hold_the_rows_changed_and_loa
     opt_ref, opt = _train(ref, steps=6), _train(ec, steps=6)
     _pieces(monkeypatch, 16)
     he.save(tmp_path / "ck", ec, opt, incremental=True)  # (the first: full)
-    touched = {"a": set(), "b": set()}
-    g = torch.Generator().manual_seed(21)
-    for _ in range(3):
-        b = _batch(g)
-        touched["a"] |= set(b["a"].tolist())
-        touched["b"] |= set(b["b"].values.tolist())
-        for m, o in ((ref, opt_ref), (ec, opt)):
-            o.zero_grad()
-            sum(v.sum() for v in m(b).values()).backward()
-            o.step()
+    touched = train_alike(((ref, opt_ref), (ec, opt)), _batch, torch.Generator().manual_seed(21))
     assert ec.storage_of("a").stats()["evictions"] > 0
     seen = _gathers(monkeypatch)
     he.save(tmp_path / "ck", ec, opt, incremental=True)

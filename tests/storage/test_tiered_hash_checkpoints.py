@@ -16,6 +16,7 @@ from hybridembed.checkpoint.layout import CHECKSUM_KEY
 from hybridembed.checkpoint.manifest import _sealed
 from hybridembed.storage.tiered_hash import TieredHashStorage
 
+from .test_tiered import train_alike
 from .test_tiered_hash import OPTIMIZERS, _batch, _same, _state, _tables, _train
 
 ROW_BYTES = 8 * 4 + 24 + 8 * 4  # a row of 8 floats, its id and counters, Adagrad's (8,) sum
@@ -106,16 +107,7 @@ def test_incremental_versions_and_their_compaction_are_written_a_file_at_a_time(
     opt_ref, opt = _train(ref, steps=8), _train(ec, steps=8)
     _pieces(monkeypatch, 16)
     he.save(tmp_path / "ck", ec, opt, incremental=True)  # (the first: full)
-    touched: dict[str, set] = {"a": set(), "b": set()}
-    g = torch.Generator().manual_seed(21)
-    for _ in range(3):
-        b = _batch(g)
-        touched["a"] |= set(b["a"].tolist())
-        touched["b"] |= set(b["b"].values.tolist())
-        for m, o in ((ref, opt_ref), (ec, opt)):
-            o.zero_grad()
-            sum(v.sum() for v in m(b).values()).backward()
-            o.step()
+    touched = train_alike(((ref, opt_ref), (ec, opt)), _batch, torch.Generator().manual_seed(21))
     reads, writes = _reads_and_writes(monkeypatch)
     he.save(tmp_path / "ck", ec, opt, incremental=True)
     manifest = he.checkpoint.read_manifest(tmp_path / "ck")

@@ -683,9 +683,8 @@ class TieredHashStorage(HashStorage):
         entries' rows written to records (read into the cache when looked up)."""
         self._drop_tables(list(entries), {self.table_index[n]: e["ids"].to(torch.int64) for n, e in entries.items()})
         for name, entry in entries.items():
-            i, ids = self.table_index[name], entry["ids"].to(torch.int64)
-            tabs = torch.full_like(ids, i, dtype=torch.int32)
-            self._write_records(ids, tabs, {"weight": entry["weight"]}, entry["last_seen"], entry["freq"])
+            i = self.table_index[name]
+            self._write_rows(i, {k: entry[k] for k in ("ids", "weight", "last_seen", "freq")})
             self._load_table_wide(i, entry)
         self._applied_clock = self.clock
 
@@ -697,12 +696,17 @@ class TieredHashStorage(HashStorage):
         i = self.table_index[name]
         self._drop_tables([name], {i: entry["ids"]})
         for part in parts:
-            ids = part["ids"].to(torch.int64)
-            tabs = torch.full_like(ids, i, dtype=torch.int32)
-            data = {"weight": part["weight"], **part.get("state", {})}
-            self._write_records(ids, tabs, data, part["last_seen"].to(torch.int64), part["freq"].to(torch.int64))
+            self._write_rows(i, part)
         self._load_table_wide(i, entry)
         self._applied_clock = self.clock
+
+    def _write_rows(self, i: int, part: dict[str, Any]) -> None:
+        """Rows of table index ``i`` (ids, weight, last_seen, freq and, where given, optimizer
+        ``state``) written to their records (the table emptied before: see :meth:`_drop_tables`)."""
+        ids = part["ids"].to(torch.int64)
+        tabs = torch.full_like(ids, i, dtype=torch.int32)
+        data = {"weight": part["weight"], **part.get("state", {})}
+        self._write_records(ids, tabs, data, part["last_seen"].to(torch.int64), part["freq"].to(torch.int64))
 
     def _drop_tables(self, names: list[str], ids: dict[int, torch.Tensor]) -> None:
         """Tables ``names`` emptied (their cached rows dropped, their records dead) after the files
