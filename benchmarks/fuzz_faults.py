@@ -101,6 +101,7 @@ OUTCOMES = ("clear", "silent", "crash", "hang")
 TOL = 1e-4  # the largest difference from one process taken as equal (float sums in another order)
 JOB_TIMEOUT = 10.0  # seconds: the jobs' process-group timeout (a collective waits no longer)
 STALL = float(os.environ.get("FUZZ_STALL", "60"))  # seconds without a word from any rank: the job is stopped (hang)
+SETUP = 180.0  # seconds a job's ranks may take to start (import, rendezvous, model) before the stall clock runs
 
 
 # --- jobs of separate processes, bounded ------------------------------------------------------------
@@ -155,10 +156,20 @@ class Job:
             total += p.stat().st_size if p.exists() else 0
         return total
 
+    def _started(self) -> bool:
+        """Has every rank reported ``ready`` (its setup done)?"""
+        for r in range(self.world):
+            p = self.out / f"rank{r}.jsonl"
+            if not p.exists() or '"ready": true' not in p.read_text():
+                return False
+        return True
+
     def wait(self, stall: float = STALL, limit: float = 600.0, grace: float = JOB_TIMEOUT + 15) -> dict:
-        """-> {"codes": [exit codes (-9: killed)], "how": "ok" | "crash" | "hang", "lines": [[dict] per rank]}."""
+        """-> {"codes": [exit codes (-9: killed)], "how": "ok" | "crash" | "hang", "lines": [[dict] per rank]}.
+        Until every rank is ready the allowance is ``SETUP`` (fresh processes on a loaded machine
+        can take longer than ``stall`` to import and meet); a stall after that is a hang."""
         start = last = time.monotonic()
-        seen, first_death, how = -1, None, "ok"
+        seen, first_death, how, started = -1, None, "ok", False
         while True:
             codes = [p.poll() for p in self.procs]
             now = time.monotonic()
@@ -167,12 +178,13 @@ class Job:
             size = self._progress()
             if size != seen:
                 seen, last = size, now
+                started = started or self._started()
             if first_death is None and any(c not in (None, 0) for c in codes):
                 first_death = now
             if first_death is not None and now - first_death > grace:
                 how = "crash"
                 break
-            if now - last > stall or now - start > limit:
+            if now - last > (stall if started else max(stall, SETUP)) or now - start > limit:
                 how = "hang"
                 break
             time.sleep(0.05)
