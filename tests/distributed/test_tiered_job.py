@@ -180,6 +180,42 @@ def test_a_model_of_tiered_tables_on_meta_is_distributed_on_the_ranks_disks(tmp_
     assert any(p.suffix == ".rows" for p in tmp_path.iterdir())
 
 
+def _meta_dynamic(rank: int, world: int, where: str) -> tuple:
+    """A model of a tiered dynamic table described on meta (no files, no index) and he.distribute:
+    each rank makes its shard, on its disk (the planner's default plan); SGD on the mean of the ranks."""
+    t = he.TableConfig("e", None, 8, dynamic=he.Dynamic(), tiered=he.Tiered(where, cache_rows=30))
+    model = he.distribute(nn.ModuleDict({"ec": he.EmbeddingCollection([t], seed=3, device="meta")}))
+    ec = model["ec"]
+    opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        ids = torch.randint(-500, 500, (world, 16), generator=g)[rank]
+        opt.zero_grad()
+        (ec({"e": ids})["e"] * torch.linspace(-1, 1, 8)).sum().backward()
+        opt.step()
+    spilled = sum(st.stats().get("spilled", 0) for st in ec.storages)
+    return ec.gather_table("e"), spilled
+
+
+def test_a_model_of_a_tiered_dynamic_table_on_meta_is_distributed_on_the_ranks_disks(tmp_path):
+    got = spawn(_meta_dynamic, 2, str(tmp_path), timeout=120)
+    t = he.TableConfig("e", None, 8, dynamic=he.Dynamic())
+    one = he.EmbeddingCollection([t], seed=3)
+    opt = he.wrap_optimizer(torch.optim.SGD(one.parameters(), lr=0.1), one)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(20):
+        opt.zero_grad()
+        (
+            one({"e": torch.randint(-500, 500, (2, 16), generator=g).flatten()})["e"] * torch.linspace(-1, 1, 8) * 0.5
+        ).sum().backward()
+        opt.step()
+    ids, rows = one.storage_of("e").read_ids("e")[:2]
+    for (got_ids, got_rows), spilled in got:
+        assert spilled > 0 and torch.equal(got_ids, ids)
+        torch.testing.assert_close(got_rows, rows, rtol=1e-6, atol=1e-7)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".rows") == ["e@0.rows", "e@1.rows"]
+
+
 def _dynamic_job(rank: int, world: int, where: str | None, seed: int) -> tuple:
     """A dynamic table row-wise over the ranks, tiered (rows beyond 30 a shard spilled to disk) or not."""
     t = he.TableConfig(

@@ -395,7 +395,6 @@ BAD_CONFIGS = {
     "device-negative-index": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device="cuda:-1"),
     "device-not-str": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device=1.5),
     "device-absent-accelerator": lambda: he.EmbeddingCollection([TC("a", 5, 4)], device="xla"),
-    "device-meta-dynamic": lambda: he.EmbeddingCollection([TC("a", None, 4, dynamic=he.Dynamic())], device="meta"),
 }
 
 # the bad value each of those must name
@@ -422,7 +421,6 @@ BAD_CONFIG_VALUES = {
     "device-negative-index": "'cuda:-1'",
     "device-not-str": "got 1.5",
     "device-absent-accelerator": "device 'xla' is not available here",
-    "device-meta-dynamic": "'a' is dynamic and cannot be built on the meta device",
 }
 
 
@@ -433,6 +431,20 @@ def test_bad_config_raises_config_error(case):
     assert isinstance(info.value, ValueError) and isinstance(info.value, he.HybridEmbedError)
     assert str(info.value)
     assert BAD_CONFIG_VALUES.get(case, "") in str(info.value)
+
+
+def test_a_dynamic_table_on_meta_is_a_description_with_no_rows_to_look_up_or_save(tmp_path):
+    """(For he.distribute, which makes each rank's shards: tests/distributed/test_tiered_job.py.)"""
+    ec = he.EmbeddingCollection([TC("a", None, 4, dynamic=he.Dynamic())], device="meta")
+    assert "HashStorage(rows=meta/unbounded" in repr(ec)
+    with pytest.raises(he.InvalidInputError, match="'a' was built on the meta device"):
+        ec({"a": torch.tensor([1, 2])})
+    with pytest.raises(he.HybridEmbedError, match="dynamic table 'a' was built on the meta device"):
+        ec.state_dict()
+    for model in (ec, he.EmbeddingCollection([TC("b", 5, 4)], device="meta")):  # (nor a dense one)
+        with pytest.raises(he.CheckpointError, match="was built on the meta device and holds no rows to save"):
+            he.save(tmp_path / "ck", model)
+    assert not (tmp_path / "ck").exists()
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

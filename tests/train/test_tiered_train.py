@@ -49,7 +49,7 @@ def test_tiered_tables_train_checkpoint_resume_like_one_run_and_export(generated
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--nproc", "2"], "runs in one process"),
+        (["--nproc", "3", "--servers", "1"], "(no --servers S yet)"),
         (["--min-count", "2"], "drop --min-count"),
         (["--tiered-cache", "100"], "--tiered-cache 100 rows cannot hold a batch's rows"),
     ],
@@ -101,3 +101,45 @@ def test_dynamic_tables_on_disk_train_as_in_memory_and_resume_from_either(genera
         [*base, "--workdir", str(tmp_path / "b"), "--resume", str(tmp_path / "b/checkpoint"), "--epochs", "2"], capsys
     )
     assert _epoch(again, 2) == _epoch(memory, 2)
+
+
+def test_a_job_of_2_processes_keeps_each_shard_on_its_disk_and_trains_as_in_memory(generated, tmp_path, capfd):
+    """--nproc 2 --tiered DIR: each process's shards (their files under DIR, a cache each); the
+    dynamic tables' figures equal the same job in memory, and its checkpoint resumes in one process;
+    the hashed tables' equal one process's."""
+
+    def run(*argv: str) -> str:
+        code = cli.main([*base, *argv])
+        out, err = capfd.readouterr()
+        assert code == 0, err
+        return out
+
+    small = [a if a != "5000" else "0" for a in SMALL]
+    base = ["--data", str(generated), "--no-progress", "--threads", "1", "--no-export", "--holdout", "0.05", *small]
+    disk = ["--tiered", str(tmp_path / "tiers"), "--tiered-cache", "5000"]  # (each shard holds ~8,700 rows)
+    memory = run("--nproc", "2", "--workdir", str(tmp_path / "m"), "--epochs", "2", "--no-checkpoint")
+    tiered = run("--nproc", "2", "--workdir", str(tmp_path / "t"), *disk, "--epochs", "1")
+    assert "rows of each process's shards in memory; sharded over 2 processes" in tiered
+    on_disk = re.search(r"table rows ([\d,]+) \(([\d,]+) on disk, ([\d,]+) read back so far\)", tiered)
+    assert on_disk and int(on_disk.group(2).replace(",", "")) > 0, tiered  # (both ranks' shards counted)
+    assert re.search(r"table rows ([\d,]+)", memory).group(1) == on_disk.group(1)
+    assert _epoch(tiered, 1) == _epoch(memory, 1)
+    assert sorted(p.name for p in (tmp_path / "tiers").glob("*.rows")) == ["C1@0+25.rows", "C1@1+25.rows"]
+    ck = str(tmp_path / "t/checkpoint")
+    one = [a for a in base if a not in ("--capacity", "0")] + ["--tiered", str(tmp_path / "t1"), "--resume", ck]
+    code = cli.main([*one, "--workdir", str(tmp_path / "t"), "--epochs", "2"])
+    resumed = capfd.readouterr().out
+    assert code == 0 and "resumed from" in resumed
+    want, got = (
+        re.search(r"^epoch 2/2  train loss ([\d.]+)  test loss ([\d.]+)  AUC ([\d.]+)", o, re.M)
+        for o in (memory, resumed)
+    )
+    assert all(abs(float(a) - float(b)) < 0.01 for a, b in zip(want.groups(), got.groups())), (want, got)
+    hashed = ["--capacity", "5000", "--tiered-cache", "5000", "--epochs", "1"]
+    two = run("--nproc", "2", "--workdir", str(tmp_path / "h2"), "--tiered", str(tmp_path / "h2/tiers"), *hashed)
+    alone = run("--workdir", str(tmp_path / "h1"), "--tiered", str(tmp_path / "h1/tiers"), *hashed)
+    assert "26 tiered tables (26 features, dim 4, 5,000 rows each" in two
+    a, b = (
+        re.search(r"^epoch 1/1  train loss ([\d.]+)  test loss ([\d.]+)  AUC ([\d.]+)", o, re.M) for o in (two, alone)
+    )
+    assert all(abs(float(x) - float(y)) < 0.01 for x, y in zip(a.groups(), b.groups())), (a, b)

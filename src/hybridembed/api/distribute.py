@@ -226,7 +226,8 @@ def _check_args(model, plan, reduction, ddp, dedup, memory_per_rank, convert_arg
 def _check_untrained(collections: Mapping[str, EmbeddingCollection]) -> None:
     for ec in collections.values():
         for name, t in ec.tables.items():
-            if t.dynamic is not None and ec.storage_of(name).table_stats(name)["size"] > 0:
+            st = ec.storage_of(name)
+            if t.dynamic is not None and st.weight.device.type != "meta" and st.table_stats(name)["size"] > 0:
                 raise ConfigError(
                     f"dynamic table {name!r} already holds rows; distribute the model before training it "
                     "(or save it and load the checkpoint into the distributed model)"

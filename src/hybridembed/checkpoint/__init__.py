@@ -203,6 +203,12 @@ def save(
         options = {"keep": keep, "incremental": incremental, "max_chain": max_chain, "background": background}
         _tell_servers(colls, "save", root, options, optimizer)
         return _save_sharded(root, inner, colls, optimizer, extra_json, how)
+    meta = next((n for n, p in inner.named_parameters() if p.device.type == "meta"), None)
+    if meta is not None:
+        raise CheckpointError(
+            f"{meta} was built on the meta device and holds no rows to save; save the model he.distribute made "
+            "(each rank's shards), or build it on cpu or cuda"
+        )
     try:
         return save_local(root, model, optimizer, extra_json, how)
     except OSError as e:  # the disk, permissions, a file in the way: say which file and why

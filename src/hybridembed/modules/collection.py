@@ -208,12 +208,6 @@ class EmbeddingCollection(nn.Module):
         features = check_arguments(tables, features, seed, pad, sequence_output)
         kernels = check_kernels(kernels)
         device = check_device(device, "EmbeddingCollection")
-        name = next((t.name for t in tables if t.dynamic), None)
-        if device is not None and device.type == "meta" and name is not None:
-            msg = "cannot be built on the meta device (its hash index needs real memory); build it on 'cpu' or"
-            raise ConfigError(
-                f"EmbeddingCollection: table {name!r} is dynamic and {msg} 'cuda', or make only fixed-size tables on meta"
-            )
         if any(t.name == "storages" for t in tables):
             raise ConfigError("'storages' is reserved; rename that table")
         by_name = {t.name: t for t in tables}

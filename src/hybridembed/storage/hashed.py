@@ -163,18 +163,18 @@ class HashStorage(RowStorage):
         self.slot_table[0] = -2  # the default row is never free, never evicted
         self.register_buffer("free", torch.arange(slots, 0, -1, device=dev), persistent=False)  # a stack
         shape = (len(self.tables), self.config.sketch_depth, self.config.sketch_width)
-        sketch = (
-            torch.zeros(shape, dtype=torch.int32, device=dev)
-            if self.config.min_count > 1
-            else torch.zeros(0, device=dev)
-        )
-        self.register_buffer("sketch", sketch, persistent=False)
+        sketch = torch.zeros(shape, dtype=torch.int32, device=dev) if self.config.min_count > 1 else torch.zeros(0)
+        self.register_buffer("sketch", sketch.to(dev), persistent=False)
         self.register_buffer(  # (tables, counters): the table_stats counters, _STATS
             "counters", torch.zeros(len(self.tables), len(_STATS), dtype=torch.int64, device=dev), persistent=False
         )
         self.register_buffer("size", torch.zeros(len(self.tables), dtype=torch.int64, device=dev), persistent=False)
         self.clock = 0  # training lookups so far: the time of LRU and TTL
         self._applied_clock = 0  # the clock at the last optimizer step
+        if dev.type == "meta":  # (a table described for he.distribute: no index, no draws)
+            self._gen, self._mask = None, 0
+            self._hrow = self._claim = self._probe_offsets = self._find_offsets = torch.empty(0, device=dev)
+            return
         self._gen = torch.Generator(device=dev).manual_seed(self.seed)  # admission draws
         self._build_index(slots)
 
@@ -790,11 +790,11 @@ class HashStorage(RowStorage):
         dev = self.weight.device
         for name in ("_hrow", "_claim", "_probe_offsets", "_find_offsets"):
             setattr(self, name, getattr(self, name).to(dev))
-        if self._gen.device != dev:
+        if self._gen is not None and self._gen.device != dev:
             self._gen = torch.Generator(device=dev).manual_seed(self.seed)
         return out
 
     def extra_repr(self) -> str:
         names = ", ".join(t.name for t in self.tables)
-        live = int(self.size.sum())
+        live = int(self.size.sum()) if self.size.device.type != "meta" else "meta"
         return f"rows={live}/{self.capacity * len(self.tables) if self.capacity else 'unbounded'}, dim={self.dim}, dtype={self.dtype}, tables=[{names}]"

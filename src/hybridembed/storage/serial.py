@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..errors import HybridEmbedError
 from .base import RowStorage
 
 __all__ = [
@@ -57,6 +58,11 @@ def table_entry(storage: RowStorage, name: str, keep_vars: bool = False) -> dict
     """Table ``name`` of ``storage`` as an entry. Dense: ``weight`` is a view of the rows (the
     parameter's own slice, with autograd, when ``keep_vars``); dynamic: copies."""
     if storage.keyed:
+        if storage.weight.device.type == "meta":
+            raise HybridEmbedError(
+                f"dynamic table {name!r} was built on the meta device and holds no rows to save; he.distribute(model) "
+                "makes each rank's shards, or build the collection on cpu or cuda"
+            )
         return storage.save_table(name)
     if keep_vars and not getattr(storage, "tiered", False):
         start = storage.row_offset[name]

@@ -176,7 +176,7 @@ def _resolve_tiered(args: argparse.Namespace) -> None:
     """--tiered DIR: dense tables on disk, ids hashed into them (a checkpoint of such tables resumes
     with --tiered again: its files are where the rows work, not what keeps them), or with --capacity
     0 the job's dynamic tables with rows beyond the cache on disk (their checkpoints are dynamic
-    tables', in memory or not); in one process on the CPU."""
+    tables', in memory or not); on the CPU, in one process or each trainer's shards on its disk."""
     if args.hashed_tables and not args.tiered:
         raise UsageError("the checkpoint's tables are tiered (hashed into files on disk): give --tiered DIR to resume")
     if not args.tiered:
@@ -185,7 +185,7 @@ def _resolve_tiered(args: argparse.Namespace) -> None:
         return
     args.tiered_cache = args.tiered_cache or 262_144
     for bad, why in (
-        ((args.nproc or 1) > 1 or args.servers, "runs in one process (no --nproc N or --servers S yet)"),
+        (args.servers, "runs in the trainers' processes (no --servers S yet)"),
         (torch.device(args.device).type != "cpu", "keeps its cache on the CPU (no --device cuda)"),
         (
             not args.hashed_tables and args.capacity,

@@ -316,6 +316,7 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
         kernels=args.kernels,
         tiered=args.tiered,
         tiered_cache=args.tiered_cache or 0,
+        sharded=job.parallel,
     )
     if job.parallel:
         model = _distribute(args, model)

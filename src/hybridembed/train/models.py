@@ -98,6 +98,7 @@ class TieredEmbeddings(nn.Module):
         prefix: str = "",
         seed: int = 0,
         init: he_init.Init | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         self.features, self.rows = list(features), int(rows)
@@ -105,7 +106,7 @@ class TieredEmbeddings(nn.Module):
         tiered = Tiered(where, cache_rows=cache_rows)
         init = init or he_init.uniform(-0.05, 0.05)
         tables = [TableConfig(n, self.rows, dim, init=init, tiered=tiered) for n in self.names]
-        self.collection = EmbeddingCollection(tables, seed=seed)
+        self.collection = EmbeddingCollection(tables, seed=seed, device=device)
 
     def forward(self, sparse: torch.Tensor) -> torch.Tensor:
         ids = sparse.remainder(self.rows)  # (any int64, negative too, into [0, rows))
@@ -279,6 +280,7 @@ def build(
     kernels: str = "auto",
     tiered: str | None = None,
     tiered_cache: int = 0,
+    sharded: bool = False,
 ) -> nn.Module:
     """A model by name (``dlrm``, ``wdl``, ``deepfm``, ``dcnv2``).
 
@@ -292,16 +294,19 @@ def build(
     ``"triton"``; see :mod:`hybridembed.kernels.backend`). ``tiered``: a directory: the tables
     are :class:`TieredEmbeddings` there (``capacity`` rows each, ``tiered_cache`` rows in memory),
     or without a ``capacity`` dynamic tables whose rows beyond ``tiered_cache`` go to files there.
+    ``sharded``: the model is for :func:`hybridembed.distribute`, which makes each rank's shards:
+    tiered tables are described on ``meta`` (no files: each rank's shards open their own).
     """
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; allowed: {', '.join(MODELS)}")
     torch.manual_seed(seed)
+    on = "meta" if sharded and tiered is not None else None  # (where tiered tables are made: here, or by shard)
 
     def embeddings(d: int, prefix: str) -> nn.Module:
         if vocab_sizes is not None:
             return TorchEmbeddings(vocab_sizes, d)
         if tiered is not None and capacity is not None:
-            return TieredEmbeddings(features, d, capacity, tiered, tiered_cache, prefix=prefix, seed=seed)
+            return TieredEmbeddings(features, d, capacity, tiered, tiered_cache, prefix=prefix, seed=seed, device=on)
         return DynamicEmbeddings(
             features,
             d,
@@ -309,7 +314,7 @@ def build(
             prefix=prefix,
             seed=seed,
             min_count=min_count,
-            device=device,
+            device=on if tiered is not None else device,
             kernels=kernels,
             tiered=Tiered(tiered, cache_rows=tiered_cache) if tiered is not None else None,
         )
@@ -321,4 +326,4 @@ def build(
         model = DCNv2(num_dense, f, dim, embeddings, deep=mlp, cross_layers=cross_layers)
     else:
         model = MODELS[kind](num_dense, f, dim, embeddings, deep=mlp)
-    return model if device is None else model.to(device)
+    return model if device is None or on is not None else model.to(device)  # (tiered: on the CPU only)

@@ -199,16 +199,16 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="tables on local disk: one table of --capacity rows per feature, ids hashed into it (colliding ids "
         "share a row), its rows and optimizer state in files under DIR, --tiered-cache rows in memory; with "
         "--capacity 0, the dynamic tables (no collisions), rows beyond --tiered-cache spilled to DIR and read back "
-        "(they train exactly as in memory). For tables larger than memory (one process, CPU; give DIR again with "
-        "--resume; no export unless --export PATH: an export holds the tables in memory). wdl and deepfm have two "
+        "(they train exactly as in memory). For tables larger than memory (CPU; with --nproc N each process's "
+        "shards in their own files under DIR, a cache each; give DIR again with --resume; no export unless --export PATH: an export holds the tables in memory). wdl and deepfm have two "
         "sets of tables, each with its own cache",
     )
     m.add_argument(
         "--tiered-cache",
         type=_number(int, 0, False),
         metavar="ROWS",
-        help="--tiered: rows (and their optimizer state) kept in memory, for all the tables together (default "
-        "262144; a step's distinct rows must fit)",
+        help="--tiered: rows (and their optimizer state) kept in memory, for all the tables together (each "
+        "process's shards with --nproc N; default 262144; a step's distinct rows must fit)",
     )
     m.add_argument(
         "--optimizer",

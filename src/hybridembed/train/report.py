@@ -78,15 +78,16 @@ def epoch_line(
     tiered = [m.collection for m in model.modules() if isinstance(m, M.TieredEmbeddings)]
     if tiered:  # (rows on disk: how often a step's rows were found in memory)
         stats = [st.stats() for c in tiered for st in c.storages]
-        seen = sum(s["hits"] + s["misses"] for s in stats)
-        hits = sum(s["hits"] for s in stats)
-        reads = sum(s["disk_reads"] for s in stats)
+        keys = ("hits", "misses", "disk_reads")
+        hits, misses, reads = (int(v) for v in job.sum(*(sum(s[k] for s in stats) for k in keys)))
+        seen = hits + misses
         parts.append(f"cache hit rate {hits / seen if seen else 0.0:.3f} so far ({reads:,} rows read from disk)")
         return "  ".join(parts)
     spills = [st.stats() for m in model.modules() if isinstance(m, M.DynamicEmbeddings) for st in m.collection.storages]
     if spills and "disk_rows" in spills[0]:  # (dynamic tables on disk)
-        rows, disk = sum(s["rows"] for s in spills), sum(s["disk_rows"] for s in spills)
-        back = sum(s["read_back"] for s in spills)
+        rows, disk, back = (
+            int(v) for v in job.sum(*(sum(s[k] for s in spills) for k in ("rows", "disk_rows", "read_back")))
+        )
         parts.append(f"table rows {rows:,} ({disk:,} on disk, {back:,} read back so far)")
         return "  ".join(parts)
     rows, evicted, _ = table_stats(model, job)
@@ -114,8 +115,15 @@ def describe_model(args: argparse.Namespace, model: nn.Module, features: int, jo
             f"{args.batch_size:,} (~{args.batch_size // job.world:,} per trainer, {wire}), {threads} per process"
         )
     if job.parallel:
+        if getattr(args, "tiered", None):  # (each shard's rows beyond its cache on its process's disk)
+            kind = f"{features} tiered tables" if args.hashed_tables else f"{tables} dynamic tables"
+            cap = (
+                f"{args.capacity:,} rows each, ids hashed into them" if args.hashed_tables else "unbounded"
+            ) + f"; files under {args.tiered}, {args.tiered_cache:,} rows of each process's shards in memory"
+        else:
+            kind = f"{tables} dynamic tables"
         return (
-            f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
+            f"model {args.model}: {kind} ({features} features, dim {args.embedding_dim}, {cap}; "
             f"sharded over {job.world} processes), {dense:,} dense parameters (data-parallel); {opt} lr {args.lr:g} "
             f"via he.wrap_optimizer, batch {args.batch_size:,} (~{args.batch_size // job.world:,} per process, {wire}"
             f"{', ids sent a step ahead' if getattr(args, 'pipeline', False) else ''}), {threads} per process"
