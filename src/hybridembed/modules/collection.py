@@ -177,8 +177,8 @@ class EmbeddingCollection(nn.Module):
         features: ``{feature name: table name}``; several features may share a table.
             Default: one feature per table, named like it.
         seed: the seed of every table's row-keyed initializer (an int64).
-        device: where the rows live: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"meta"`` (fixed-size
-            tables only: no rows, for ``he.distribute`` to make each rank's shards). A device
+        device: where the rows live: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"meta"`` (no rows,
+            no dynamic index, no tiered files: for ``he.distribute`` to make each rank's shards). A device
             this machine or torch build lacks is a :class:`ConfigError`.
         sequence_output: for ``combiner="none"`` tables, ``"jagged"`` (a :class:`Jagged`
             whose values are rows (N, D)) or ``"padded"`` (a zero-padded ``(B, T, D)`` tensor).
