@@ -26,7 +26,8 @@ prefetch thread would read during the other's step).
 **prefetch** / **dynamic-prefetch**: ``--prefetch-rows`` rows of ``--tables`` tables (dense, or
 dynamic with ids spread over int64) written to disk and dropped from the page cache, a cache of
 ``--prefetch-cache`` rows, uniform ids (nearly every row a miss): a step without and with
-``ec.prefetch(next batch)`` after the backward, and the main thread's read time.
+``ec.prefetch(next batch)`` after the backward, and the main thread's read time; the two modes
+alternate in blocks of 5 steps (``--steps`` of each), each block from a cold page cache; medians.
 
 **memory**: a fresh process builds one tiered table of ``--memory-rows`` rows x ``--dim`` with a
 cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-law ids; its peak
@@ -66,6 +67,7 @@ def _collection(tables: int, rows: int, dim: int, tiered: he.Tiered | None, seed
 
 
 _SPREAD = -7046029254386353131  # (odd: ids * it spread over int64, as a dynamic table's raw ids)
+BLOCK = 5  # prefetch: timed steps per block (the modes alternate block by block)
 
 
 def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
@@ -259,21 +261,41 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
                 read_s[0] += time.perf_counter() - t0
 
     tiered_mod._File.read = timed
-    out = {}
-    for mode in ("plain", "prefetch"):
-        k = args.warmup + args.steps
-        batches = [{t.name: torch.randint(0, n, (args.batch,), generator=g) * spread for t in ts} for _ in range(k + 1)]
+
+    def batch() -> dict:
+        return {t.name: torch.randint(0, n, (args.batch,), generator=g) * spread for t in ts}
+
+    def step(x: dict, ahead: dict | None) -> None:
+        y = ec(x)
+        opt.zero_grad()
+        torch.autograd.backward(list(y.values()), [torch.ones_like(v) for v in y.values()])
+        if ahead is not None:
+            ec.prefetch(ahead)
+        opt.step()
+
+    for _ in range(args.warmup):  # (the first steps warm the code, not the cache: uniform ids mostly miss)
+        step(batch(), None)
+    # blocks of BLOCK steps, the modes alternating block by block (the disk's and the machine's pace
+    # drift over a run), each block from a cold page cache and after a lead-in step (untimed: it
+    # prefetches the block's first batch)
+    times: dict[str, list[float]] = {"plain": [], "prefetch": []}
+    reads = {"plain": 0.0, "prefetch": 0.0}
+    for b in range(2 * max(1, args.steps // BLOCK)):
+        mode = ("plain", "prefetch")[b % 2]
+        xs = [batch() for _ in range(BLOCK + 2)]
         _cold(st)
-        for i in range(k):
-            if i == args.warmup:  # (the first steps warm the code, not the cache: uniform ids mostly miss)
-                read_s[0], t0 = 0.0, time.perf_counter()
-            y = ec(batches[i])
-            opt.zero_grad()
-            torch.autograd.backward(list(y.values()), [torch.ones_like(v) for v in y.values()])
-            if mode == "prefetch":
-                ec.prefetch(batches[i + 1])
-            opt.step()
-        out[mode] = {"step_ms": (time.perf_counter() - t0) / args.steps * 1e3, "read_ms": read_s[0] / args.steps * 1e3}
+        step(xs[0], xs[1] if mode == "prefetch" else None)
+        read_s[0] = 0.0
+        for i in range(1, BLOCK + 1):
+            t0 = time.perf_counter()
+            step(xs[i], xs[i + 1] if mode == "prefetch" else None)
+            times[mode].append(time.perf_counter() - t0)
+        ec.storage_of("t0").drop_prefetch()
+        reads[mode] += read_s[0]
+    out = {
+        m: {"step_ms": statistics.median(v) * 1e3, "read_ms": reads[m] / len(v) * 1e3, "steps": len(v)}
+        for m, v in times.items()
+    }
     tiered_mod._File.read = real
     plain, pre = out["plain"], out["prefetch"]
     out["hidden"] = (plain["step_ms"] - pre["step_ms"]) / plain["read_ms"] if plain["read_ms"] else 0.0

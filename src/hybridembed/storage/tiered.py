@@ -32,7 +32,7 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -154,20 +154,46 @@ def _io():
 class _Prefetch:
     """Rows (sorted, distinct, on disk when asked for) read from the files by a background thread:
     rows ``rows`` (K,) into ``weight`` (K, D), the state of those with state into ``state``.
-    ``stale`` (K,) marks rows written since (their read may be torn or old: read again)."""
+    ``stale`` (K,) marks rows written since (their read may be torn or old: read again).
+    ``find`` (instead of ``rows``): the thread first computes the rows (K,) sorted, none with state,
+    and sets ``indexed``; until then the owner must change nothing ``find`` reads (:meth:`settle`)."""
 
-    def __init__(self, rows: torch.Tensor, with_state: torch.Tensor, files: dict[str, _File], rows_file: _File):
-        self.rows, self.with_state = rows, with_state  # (K,) int64 ascending, (K,) bool
-        self.stale = torch.zeros(rows.numel(), dtype=torch.bool)
+    def __init__(
+        self,
+        rows: torch.Tensor | None,
+        with_state: torch.Tensor | None,
+        files: dict[str, _File],
+        rows_file: _File,
+        find: Callable[[], torch.Tensor] | None = None,
+    ):
+        self.rows = rows if rows is not None else torch.zeros(0, dtype=torch.int64)  # (K,) int64 ascending
+        self.with_state = with_state if with_state is not None else torch.zeros(0, dtype=torch.bool)  # (K,)
+        self.stale = torch.zeros(self.rows.numel(), dtype=torch.bool)
         self.weight: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(files, rows_file), name="hybridembed-prefetch")
+        self.indexed = threading.Event()
+        if find is None:
+            self.indexed.set()
+        self._thread = threading.Thread(target=self._run, args=(files, rows_file, find), name="hybridembed-prefetch")
         self._thread.daemon = True
         self._thread.start()
 
-    def _run(self, files: dict[str, _File], rows_file: _File) -> None:
+    def settle(self) -> None:
+        """Wait until the rows to read are known (the read itself may go on)."""
+        self.indexed.wait()
+
+    def _run(self, files: dict[str, _File], rows_file: _File, find: Callable[[], torch.Tensor] | None) -> None:
         try:  # (preadv releases the GIL: the step goes on meanwhile)
+            if find is not None:
+                try:
+                    rows = find()
+                    self.rows, self.with_state = rows, torch.zeros(rows.numel(), dtype=torch.bool)
+                    self.stale = torch.zeros(rows.numel(), dtype=torch.bool)
+                finally:
+                    self.indexed.set()
+            if self.rows.numel() == 0:
+                return
             self.weight = rows_file.read(self.rows)
             picked = self.rows[self.with_state]
             self.state = {name: f.read(picked) for name, f in files.items()} if picked.numel() else {}
@@ -176,6 +202,7 @@ class _Prefetch:
 
     def positions(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions (K',) in ``rows`` found here and fresh, their positions here (K',))."""
+        self.indexed.wait()
         at = torch.searchsorted(self.rows, rows).clamp_(max=max(self.rows.numel() - 1, 0))
         hit = (self.rows.index_select(0, at) == rows) & ~self.stale.index_select(0, at)
         found = hit.nonzero().squeeze(1)

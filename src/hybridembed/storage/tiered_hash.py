@@ -359,6 +359,7 @@ class TieredHashStorage(HashStorage):
 
     def _records(self) -> None:
         """The per-record arrays as long as the index's."""
+        self._settle()
         size = self._homes.key.numel()
         if self.rec_last.numel() < size:
             extra = size - self.rec_last.numel()
@@ -370,6 +371,7 @@ class TieredHashStorage(HashStorage):
 
     def _home(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """The records of (table, id) pairs, made for those without one."""
+        self._settle()
         recs = self._homes.lookup(keys, tabs)
         fresh = (recs < 0).nonzero().squeeze(1)
         if fresh.numel():
@@ -379,6 +381,7 @@ class TieredHashStorage(HashStorage):
 
     def _spill(self, victims: torch.Tensor) -> None:
         """Rows ``victims`` (slots) written to their records, then freed from the cache."""
+        self._settle()
         if victims.numel() == 0:
             return
         n = victims.numel()
@@ -407,6 +410,7 @@ class TieredHashStorage(HashStorage):
 
     def _read_back(self, keys: torch.Tensor, tabs: torch.Tensor, recs: torch.Tensor) -> torch.Tensor:
         """Rows of records ``recs`` (K,) into free slots (with their state, recency, frequency): the slots."""
+        self._settle()
         n = keys.numel()  # (read first, into temporaries: a failed read changes nothing)
         got = self._from_prefetch(recs)  # ((K,) bool: records the prefetch had read, their rows and state)
         if got is None:
@@ -440,14 +444,23 @@ class TieredHashStorage(HashStorage):
         back takes them from memory. A hint: rows cached or never seen are skipped, a record
         written meanwhile is read again, a failed read is dropped. One at a time."""
         self.drop_prefetch()
-        keys, ktabs, _, _ = sort_pairs(ids.to(torch.int64), tabs.to(torch.int32), len(self.tables))
-        recs = self._homes.lookup(keys, ktabs)
-        on_disk = recs >= 0
-        on_disk[on_disk.clone()] = self.rec_live.index_select(0, recs[on_disk])
-        recs = recs[on_disk]
-        at, order = torch.sort(self.rec_at.index_select(0, recs))
-        if at.numel():  # (read by place, whole records; a row's place changes only when it is written again)
-            self._prefetched = _Prefetch(at, torch.zeros(at.numel(), dtype=torch.bool), {}, self._file)
+        if self._file is None or ids.numel() == 0:
+            return
+        ids, tabs = ids.to(torch.int64), tabs.to(torch.int32)
+
+        def find() -> torch.Tensor:  # (in the thread: the records index is not changed until it is done)
+            keys, ktabs, _, _ = sort_pairs(ids, tabs, len(self.tables))
+            recs = self._homes.lookup(keys, ktabs)
+            on_disk = recs >= 0
+            on_disk[on_disk.clone()] = self.rec_live.index_select(0, recs[on_disk])
+            return torch.sort(self.rec_at.index_select(0, recs[on_disk]))[0]  # (read by place, whole records)
+
+        self._prefetched = _Prefetch(None, None, {}, self._file, find=find)
+
+    def _settle(self) -> None:
+        """Before the records index or the records' places change: a prefetch has found its rows."""
+        if self._prefetched is not None:
+            self._prefetched.settle()
 
     def _written(self, at: torch.Tensor) -> None:
         """Places ``at`` are written again in place now: a prefetched copy of them is old."""
@@ -653,6 +666,7 @@ class TieredHashStorage(HashStorage):
         """Rows (and the state given) of (table, id) pairs not cached written to disk: a row on disk
         in place (its state and counters kept unless given), others appended as new rows (initial
         state, recency now, frequency 0, unless given)."""
+        self._settle()
         recs = self._home(keys, tabs)
         k = recs.numel()
         had = self.rec_live.index_select(0, recs)
@@ -712,6 +726,7 @@ class TieredHashStorage(HashStorage):
         """Tables ``names`` emptied (their cached rows dropped, their records dead) after the files
         were grown for the rows ``ids`` ({table index: ids}) about to be written (a full disk:
         nothing changed), and the records index for those of them without a record yet."""
+        self._settle()
         self.drop_prefetch()  # (records are rewritten)
         self._room(self._tail + sum(int(v.numel()) for v in ids.values()))
         new = sum(  # (a million ids at a time: the lookup's probes take several times the ids)
