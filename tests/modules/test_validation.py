@@ -445,6 +445,12 @@ def test_a_dynamic_table_on_meta_is_a_description_with_no_rows_to_look_up_or_sav
         with pytest.raises(he.CheckpointError, match="was built on the meta device and holds no rows to save"):
             he.save(tmp_path / "ck", model)
     assert not (tmp_path / "ck").exists()
+    real = he.EmbeddingCollection([TC("a", None, 4, dynamic=he.Dynamic()), TC("b", 5, 4)])
+    real({"a": torch.tensor([1, 2]), "b": torch.tensor([3])})
+    he.save(tmp_path / "real", real)
+    for tables in ([TC("a", None, 4, dynamic=he.Dynamic())], [TC("b", 5, 4)]):
+        with pytest.raises(he.CheckpointError, match="was built on the meta device and has no rows to load into"):
+            he.load(tmp_path / "real", he.EmbeddingCollection(tables, device="meta"))
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

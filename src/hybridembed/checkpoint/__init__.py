@@ -203,12 +203,7 @@ def save(
         options = {"keep": keep, "incremental": incremental, "max_chain": max_chain, "background": background}
         _tell_servers(colls, "save", root, options, optimizer)
         return _save_sharded(root, inner, colls, optimizer, extra_json, how)
-    meta = next((n for n, p in inner.named_parameters() if p.device.type == "meta"), None)
-    if meta is not None:
-        raise CheckpointError(
-            f"{meta} was built on the meta device and holds no rows to save; save the model he.distribute made "
-            "(each rank's shards), or build it on cpu or cuda"
-        )
+    _not_meta(inner, "holds no rows to save; save")
     try:
         return save_local(root, model, optimizer, extra_json, how)
     except OSError as e:  # the disk, permissions, a file in the way: say which file and why
@@ -251,7 +246,18 @@ def load(
             for sc in colls.values():
                 if isinstance(sc, CheckpointParticipant):
                     sc.after_load()
+    _not_meta(inner, "has no rows to load into; load into")
     return load_local(path, model, optimizer, verify)
+
+
+def _not_meta(model: nn.Module, what: str) -> None:
+    """Refuses a model with parameters on the meta device (a description for he.distribute)."""
+    meta = next((n for n, p in model.named_parameters() if p.device.type == "meta"), None)
+    if meta is not None:
+        raise CheckpointError(
+            f"{meta} was built on the meta device and {what} the model he.distribute made (each rank's shards), "
+            "or one built on cpu or cuda"
+        )
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
