@@ -180,6 +180,20 @@ def test_a_model_of_tiered_tables_on_meta_is_distributed_on_the_ranks_disks(tmp_
     assert any(p.suffix == ".rows" for p in tmp_path.iterdir())
 
 
+def _train_ids(ec, opt, seed: int, rank: int | None, world: int = 2, scale: float = 1.0) -> int:
+    """20 steps on ids in [-500, 500): rank ``rank``'s 16 of each step (None: all ranks' together,
+    the loss scaled by ``scale``); -> rows the collection spilled to disk."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(20):
+        ids = torch.randint(-500, 500, (world, 16), generator=g)
+        opt.zero_grad()
+        (
+            ec({"e": ids.flatten() if rank is None else ids[rank]})["e"] * torch.linspace(-1, 1, 8) * scale
+        ).sum().backward()
+        opt.step()
+    return sum(st.stats().get("spilled", 0) for st in ec.storages)
+
+
 def _meta_dynamic(rank: int, world: int, where: str) -> tuple:
     """A model of a tiered dynamic table described on meta (no files, no index) and he.distribute:
     each rank makes its shard, on its disk (the planner's default plan); SGD on the mean of the ranks."""
@@ -187,13 +201,7 @@ def _meta_dynamic(rank: int, world: int, where: str) -> tuple:
     model = he.distribute(nn.ModuleDict({"ec": he.EmbeddingCollection([t], seed=3, device="meta")}))
     ec = model["ec"]
     opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
-    g = torch.Generator().manual_seed(7)
-    for _ in range(20):
-        ids = torch.randint(-500, 500, (world, 16), generator=g)[rank]
-        opt.zero_grad()
-        (ec({"e": ids})["e"] * torch.linspace(-1, 1, 8)).sum().backward()
-        opt.step()
-    spilled = sum(st.stats().get("spilled", 0) for st in ec.storages)
+    spilled = _train_ids(ec, opt, 7, rank, world)
     return ec.gather_table("e"), spilled
 
 
@@ -201,14 +209,7 @@ def test_a_model_of_a_tiered_dynamic_table_on_meta_is_distributed_on_the_ranks_d
     got = spawn(_meta_dynamic, 2, str(tmp_path), timeout=120)
     t = he.TableConfig("e", None, 8, dynamic=he.Dynamic())
     one = he.EmbeddingCollection([t], seed=3)
-    opt = he.wrap_optimizer(torch.optim.SGD(one.parameters(), lr=0.1), one)
-    g = torch.Generator().manual_seed(7)
-    for _ in range(20):
-        opt.zero_grad()
-        (
-            one({"e": torch.randint(-500, 500, (2, 16), generator=g).flatten()})["e"] * torch.linspace(-1, 1, 8) * 0.5
-        ).sum().backward()
-        opt.step()
+    _train_ids(one, he.wrap_optimizer(torch.optim.SGD(one.parameters(), lr=0.1), one), 7, None, scale=0.5)
     ids, rows = one.storage_of("e").read_ids("e")[:2]
     for (got_ids, got_rows), spilled in got:
         assert spilled > 0 and torch.equal(got_ids, ids)
@@ -225,13 +226,7 @@ def _dynamic_job(rank: int, world: int, where: str | None, seed: int) -> tuple:
     opt = he.wrap_optimizer(
         torch.optim.Adagrad(ec.parameters(), lr=0.1), nn.ModuleDict({"ec": ec, "d": nn.Linear(1, 1)})
     )
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(20):
-        ids = torch.randint(-500, 500, (world, 16), generator=g)[rank]
-        opt.zero_grad()
-        (ec({"e": ids})["e"] * torch.linspace(-1, 1, 8)).sum().backward()
-        opt.step()
-    spilled = sum(st.stats().get("spilled", 0) for st in ec.storages)
+    spilled = _train_ids(ec, opt, seed, rank, world)
     if where is not None:  # (each shard saved in files of 20 rows: a row, its id and counters, Adagrad's sum)
         from hybridembed.checkpoint import snapshot
 
