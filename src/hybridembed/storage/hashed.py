@@ -162,9 +162,10 @@ class HashStorage(RowStorage):
         self.register_buffer("freq", torch.zeros(slots + 1, dtype=torch.int64, device=dev), persistent=False)
         self.slot_table[0] = -2  # the default row is never free, never evicted
         self.register_buffer("free", torch.arange(slots, 0, -1, device=dev), persistent=False)  # a stack
-        shape = (len(self.tables), self.config.sketch_depth, self.config.sketch_width)
-        sketch = torch.zeros(shape, dtype=torch.int32, device=dev) if self.config.min_count > 1 else torch.zeros(0)
-        self.register_buffer("sketch", sketch.to(dev), persistent=False)
+        keep = self.config.min_count > 1  # (a sketch of the ids seen, for admission; else an empty one)
+        shape = (len(self.tables), self.config.sketch_depth, self.config.sketch_width) if keep else (0,)
+        sketch = torch.zeros(shape, dtype=torch.int32 if keep else torch.float32, device=dev)
+        self.register_buffer("sketch", sketch, persistent=False)
         self.register_buffer(  # (tables, counters): the table_stats counters, _STATS
             "counters", torch.zeros(len(self.tables), len(_STATS), dtype=torch.int64, device=dev), persistent=False
         )
@@ -545,8 +546,7 @@ class HashStorage(RowStorage):
 
     @property
     def grad_sink(self) -> Callable[..., None]:
-        """The lookup hands its gradient to :meth:`accumulate_grad`: the matrix may grow between
-        forward and backward."""
+        """The lookup hands its gradient to :meth:`accumulate_grad` (the matrix may grow after the forward)."""
         return self.accumulate_grad
 
     def accumulate_grad(self, grad: torch.Tensor, distinct: bool = False) -> None:
