@@ -49,7 +49,7 @@ def test_tiered_tables_train_checkpoint_resume_like_one_run_and_export(generated
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--nproc", "3", "--servers", "1"], "(no --servers S yet)"),
+        (["--nproc", "3", "--servers", "1"], "(no --servers S yet: with --capacity 0 the servers keep"),
         (["--min-count", "2"], "drop --min-count"),
         (["--tiered-cache", "100"], "--tiered-cache 100 rows cannot hold a batch's rows"),
     ],
@@ -106,6 +106,7 @@ def test_dynamic_tables_on_disk_train_as_in_memory_and_resume_from_either(genera
 def test_a_job_of_2_processes_keeps_each_shard_on_its_disk_and_trains_as_in_memory(generated, tmp_path, capfd):
     """--nproc 2 --tiered DIR: each process's shards (their files under DIR, a cache each); the
     dynamic tables' figures equal the same job in memory, and its checkpoint resumes in one process;
+    with a parameter server (--nproc 3 --servers 1) the server's disk holds them, the same figures;
     the hashed tables' equal one process's."""
 
     def run(*argv: str) -> str:
@@ -125,6 +126,11 @@ def test_a_job_of_2_processes_keeps_each_shard_on_its_disk_and_trains_as_in_memo
     assert re.search(r"table rows ([\d,]+)", memory).group(1) == on_disk.group(1)
     assert _epoch(tiered, 1) == _epoch(memory, 1)
     assert sorted(p.name for p in (tmp_path / "tiers").glob("*.rows")) == ["C1@0+25.rows", "C1@1+25.rows"]
+    servers = ["--nproc", "3", "--servers", "1", "--tiered", str(tmp_path / "ps"), "--tiered-cache", "5000"]
+    served = run(*servers, "--workdir", str(tmp_path / "s"), "--epochs", "1", "--no-checkpoint")
+    assert "rows beyond 5,000 a server in memory spilled to files under" in served
+    assert _epoch(served, 1) == _epoch(memory, 1)  # (sync servers: as the collective job)
+    assert [p.name for p in (tmp_path / "ps").glob("*.rows")] == ["C1@0+25.rows"]  # (on the server's disk)
     ck = str(tmp_path / "t/checkpoint")
     one = [a for a in base if a not in ("--capacity", "0")] + ["--tiered", str(tmp_path / "t1"), "--resume", ck]
     code = cli.main([*one, "--workdir", str(tmp_path / "t"), "--epochs", "2"])

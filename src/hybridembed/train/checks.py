@@ -176,7 +176,8 @@ def _resolve_tiered(args: argparse.Namespace) -> None:
     """--tiered DIR: dense tables on disk, ids hashed into them (a checkpoint of such tables resumes
     with --tiered again: its files are where the rows work, not what keeps them), or with --capacity
     0 the job's dynamic tables with rows beyond the cache on disk (their checkpoints are dynamic
-    tables', in memory or not); on the CPU, in one process or each trainer's shards on its disk."""
+    tables', in memory or not); on the CPU, in one process, each process's shards on its disk, or
+    the parameter servers' on theirs."""
     if args.hashed_tables and not args.tiered:
         raise UsageError("the checkpoint's tables are tiered (hashed into files on disk): give --tiered DIR to resume")
     if not args.tiered:
@@ -185,8 +186,12 @@ def _resolve_tiered(args: argparse.Namespace) -> None:
         return
     args.tiered_cache = args.tiered_cache or 262_144
     for bad, why in (
-        (args.servers, "runs in the trainers' processes (no --servers S yet)"),
         (torch.device(args.device).type != "cpu", "keeps its cache on the CPU (no --device cuda)"),
+        (
+            args.hashed_tables and args.servers,
+            "with --capacity N keeps its tables in the trainers' processes (no --servers S yet: with --capacity 0 the "
+            "servers keep the dynamic tables on their disks)",
+        ),
         (
             not args.hashed_tables and args.capacity,
             f"with dynamic tables keeps every row (the checkpoint's --capacity {args.capacity} evicts rows past it)",

@@ -108,6 +108,8 @@ def describe_model(args: argparse.Namespace, model: nn.Module, features: int, jo
         how += (f", {args.cache_rows:,} cached rows per trainer" if args.cache_rows else "") + (
             ", prefetch" if args.prefetch else ""
         )
+        if getattr(args, "tiered", None):
+            cap += f"; rows beyond {args.tiered_cache:,} a server in memory spilled to files under {args.tiered}"
         return (
             f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
             f"on {s} parameter server{'s' if s > 1 else ''}, {how}), {dense:,} dense parameters (data-parallel over "
