@@ -6,8 +6,8 @@ races; every trial classified as clear, silent, crash or hang against an indepen
     PYTHONPATH=src:. python benchmarks/fuzz_faults.py --seed 0 --families input --case ec2 --only 17  # one trial
 
 Families (``--trials`` each, split over its cases). Every job is separate ``python`` processes on
-gloo (timeout 10 s), bounded: a job whose ranks all stay silent for 60 s (``FUZZ_STALL``) is
-killed (hang), a rank that dies ends its job (crash), and the next job starts after the trial it
+gloo (timeout 10 s), bounded: a job whose ranks all stay silent for 60 s (``FUZZ_STALL``; 180 s
+while they start, until every rank is ready) is killed (hang), a rank that dies ends its job (crash), and the next job starts after the trial it
 ended in, so the script always finishes (``--budget``: seconds per family; trials left are "not
 run"). Trials are drawn from ``(seed, case, trial)`` alone: ``--only T`` runs trial T again.
 
