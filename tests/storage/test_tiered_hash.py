@@ -208,7 +208,7 @@ def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead, 
     """ec.prefetch(a later batch) finds and reads its rows on disk in a background thread; read
     back, they come from memory. Two batches ahead, some records are written again before their
     batch comes: read again (equal to the table in memory either way). ``slow``: the thread's
-    search of the records index takes long, and the spills and reads that would change it wait."""
+    search of the records index takes long; the lookup waits for it and takes every row from it."""
     if compact is True:  # (a compaction moves rows on disk: it drops what was prefetched)
         monkeypatch.setattr(TieredHashStorage, "COMPACT_AT", 50)
     if compact == "slow":
@@ -216,7 +216,7 @@ def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead, 
 
         def slow(*args):
             if threading.current_thread() is not threading.main_thread():
-                time.sleep(0.02)
+                time.sleep(0.05)
             return sort(*args)
 
         monkeypatch.setattr(tiered_hash, "sort_pairs", slow)

@@ -666,8 +666,7 @@ class TieredHashStorage(HashStorage):
         """Rows (and the state given) of (table, id) pairs not cached written to disk: a row on disk
         in place (its state and counters kept unless given), others appended as new rows (initial
         state, recency now, frequency 0, unless given)."""
-        self._settle()
-        recs = self._home(keys, tabs)
+        recs = self._home(keys, tabs)  # (which waits for a prefetch's search of the records)
         k = recs.numel()
         had = self.rec_live.index_select(0, recs)
         fresh = (~had).nonzero().squeeze(1)
@@ -726,7 +725,6 @@ class TieredHashStorage(HashStorage):
         """Tables ``names`` emptied (their cached rows dropped, their records dead) after the files
         were grown for the rows ``ids`` ({table index: ids}) about to be written (a full disk:
         nothing changed), and the records index for those of them without a record yet."""
-        self._settle()
         self.drop_prefetch()  # (records are rewritten)
         self._room(self._tail + sum(int(v.numel()) for v in ids.values()))
         new = sum(  # (a million ids at a time: the lookup's probes take several times the ids)

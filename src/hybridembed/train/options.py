@@ -200,8 +200,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "share a row), its rows and optimizer state in files under DIR, --tiered-cache rows in memory; with "
         "--capacity 0, the dynamic tables (no collisions), rows beyond --tiered-cache spilled to DIR and read back "
         "(they train exactly as in memory). For tables larger than memory (CPU; with --nproc N each process's "
-        "shards in their own files under DIR, a cache each, or with --servers S the servers'; give DIR again with --resume; no export unless --export PATH: an export holds the tables in memory). wdl and deepfm have two "
-        "sets of tables, each with its own cache",
+        "shards in their own files under DIR, a cache each, or with --servers S the servers'; give DIR again "
+        "with --resume; no export unless --export PATH: an export holds the tables in memory). wdl and deepfm "
+        "have two sets of tables, each with its own cache",
     )
     m.add_argument(
         "--tiered-cache",
