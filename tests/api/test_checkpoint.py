@@ -284,6 +284,9 @@ def test_keep_and_loading_an_older_version_by_its_directory(tmp_path):
     assert_identical(snapshot(fresh, fresh_opt), snaps[1])
     he.load(tmp_path / "c", fresh, fresh_opt)
     assert_identical(snapshot(fresh, fresh_opt), snaps[2])
+    for n in range(4, 8):  # keep more than there are: none deleted until there are more
+        he.save(tmp_path / "c", model, opt, keep=5)
+        assert _versions(tmp_path / "c") == [f"v-{v:06d}" for v in range(max(2, n - 4), n + 1)]
 
 
 def test_a_writer_stopped_while_deleting_an_old_version_leaves_no_half_version(tmp_path, monkeypatch):

@@ -288,7 +288,7 @@ def _clean(root: Path, keep: int) -> None:
     n = int(current[2:])
     versions = _versions(root)
     older = [v for v in versions if int(v[2:]) < n]
-    kept = {current, *older[len(older) - (keep - 1) :]} if keep > 1 else {current}
+    kept = {current, *older[max(0, len(older) - (keep - 1)) :]} if keep > 1 else {current}
     needed = set(kept)
     for v in kept:  # the chains of the kept versions
         while (v := _parent_of(root / v)) is not None and v not in needed:
