@@ -79,8 +79,9 @@ def _job(rank: int, world: int, where: str) -> dict:
         if step in (1, STEPS - 1):
             he.save(f"{where}/ck", ec, opt, incremental=True)
 
-    _train(ec, lambda step: _batch(step, rank), 1.0, save)
+    opt = _train(ec, lambda step: _batch(step, rank), 1.0, save)
     TieredStorage._gather = real
+    he.save(f"{where}/ck", ec, opt, keep=3)  # a full version again: links v-000001's files unchanged since
     evictions = sum(st.stats()["evictions"] for st in ec.storages if isinstance(st, TieredStorage))
     # (a read per file of 640 bytes of rows and state: 40 rows of 8 columns, 80 of a 4-column slice)
     assert seen and max(seen) <= 80, seen
@@ -121,8 +122,26 @@ def test_tiered_shards_train_as_one_process_in_memory_and_their_checkpoint_loads
         for t in ref.tables:
             torch.testing.assert_close(r["tables"][t], ref.weight(t), rtol=1e-5, atol=1e-6, msg=t)
     assert sum(r["evictions"] for r in got) > 0
-    current = he.checkpoint.read_manifest(tmp_path / "ck")  # the changes since the full version, in files of their own
-    assert current["incremental"]["length"] == 1 and all("changed" in s for s in current["tables"]["rows"]["shards"])
+    delta = he.checkpoint.read_manifest(
+        tmp_path / "ck" / "v-000002"
+    )  # the changes since v-000001, in files of their own
+    assert delta["incremental"]["length"] == 1 and all("changed" in s for s in delta["tables"]["rows"]["shards"])
+    # the last (full) version links each file of v-000001 none of whose rows were looked up since
+    first, last = (he.checkpoint.read_manifest(tmp_path / "ck" / v)["tables"] for v in ("v-000001", "v-000003"))
+    count = 0
+    for t in ref.tables:
+        since = torch.cat([_batch(step, None)[t].values for step in range(2, STEPS)])
+        old = {(tmp_path / "ck" / "v-000001" / s["file"]).stat().st_ino for s in first[t]["shards"]}
+        linked, untouched = set(), set()
+        for s in last[t]["shards"]:
+            span = (s["row_start"], s["row_end"], s.get("col_start"))
+            if (tmp_path / "ck" / "v-000003" / s["file"]).stat().st_ino in old:
+                linked.add(span)
+            if not ((since >= s["row_start"]) & (since < s["row_end"])).any():
+                untouched.add(span)
+        assert linked == untouched, t
+        count += len(linked)
+    assert count >= 1, count
     shards = he.checkpoint.read_manifest(tmp_path / "ck" / "v-000001")["tables"]["rows"]["shards"]
     assert len(shards) == 2 * 5 and {(s["row_start"], s["row_end"]) for s in shards} >= {
         (0, 40),

@@ -623,3 +623,80 @@ def test_a_load_while_rows_wait_for_their_step_is_refused_and_changes_nothing(tm
     opt.step()
     he.load(tmp_path / "ck", ec, opt)
     _same(_state(ec), _state(ref))
+
+
+def _low(hi: int, by: int = 0):
+    """Batches of ids in ``by .. by + hi`` only (the table's other rows stay as they were)."""
+
+    def batch(g: torch.Generator) -> dict:
+        ids = torch.randint(by, by + hi, (24,), generator=g)
+        return {
+            "a": torch.randint(by, by + hi, (16,), generator=g),
+            "b": he.Jagged.from_lengths(ids, torch.tensor([5, 7, 0, 12])),
+        }
+
+    return batch
+
+
+def _linked(root, version: str) -> dict[str, set[int]]:
+    """{table: indices of the version's files that are second names of an older version's}."""
+    m = he.checkpoint.read_manifest(root / version)
+    return {
+        q: {i for i, s in enumerate(t["shards"]) if (root / version / s["file"]).stat().st_nlink > 1}
+        for q, t in m["tables"].items()
+    }
+
+
+def _untouched(manifest: dict, q: str, touched: set) -> set[int]:
+    return {
+        i
+        for i, s in enumerate(manifest["tables"][q]["shards"])
+        if not any(s["row_start"] <= r < s["row_end"] for r in touched)
+    }
+
+
+def test_a_full_save_links_the_files_no_row_of_changed_since_and_loads_as_the_table(tmp_path, monkeypatch):
+    """A full save of a tiered table hard-links each range file of the current chain's full
+    base none of whose rows was written since (by the model or by an incremental version of the
+    chain), and writes the others; every version loads as the table, also once the versions
+    it linked from are deleted. A model whose changes count from elsewhere links nothing."""
+    opt_cfg = OPTIMIZERS["rowwise"]
+    ref = he.EmbeddingCollection(_tables(None, opt_cfg), seed=8)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), opt_cfg), seed=8)
+    pairs = ((ref, _train(ref, steps=6)), (ec, _train(ec, steps=6)))
+    _pieces(monkeypatch, 16)
+    root = tmp_path / "ck"
+    he.save(root, ec, pairs[1][1], keep=5)  # v-000001: full, every file written
+    assert _linked(root, "v-000001") == {"a": set(), "b": set()}
+    touched = train_alike(pairs, _low(40), torch.Generator().manual_seed(3))
+    he.save(root, ec, pairs[1][1], keep=5)  # v-000002: full, the files of rows >= 40 linked
+    m2 = he.checkpoint.read_manifest(root)
+    got = _linked(root, "v-000002")
+    for q in ("a", "b"):
+        assert got[q] == _untouched(m2, q, touched[q]) and len(got[q]) >= 5, (q, got[q])
+    late = train_alike(pairs, _low(20, by=40), torch.Generator().manual_seed(4))
+    he.save(root, ec, pairs[1][1], keep=5, incremental=True)  # v-000003: a delta on v-000002
+    later = train_alike(pairs, _low(30, by=100), torch.Generator().manual_seed(5))
+    he.save(root, ec, pairs[1][1], keep=5)  # v-000004: full; links none of the rows written in the delta or since
+    m4 = he.checkpoint.read_manifest(root)
+    for q in ("a", "b"):
+        want = _untouched(m4, q, touched[q] | late[q] | later[q])
+        got = {
+            i
+            for i, s in enumerate(m4["tables"][q]["shards"])
+            if (root / "v-000004" / s["file"]).stat().st_ino == (root / "v-000001" / s["file"]).stat().st_ino
+        }
+        assert got == want and len(want) >= 3, (q, got, want)
+    inodes = {p.stat().st_ino for p in (root / "v-000004" / "tables").iterdir()}
+    he.save(root, ec, pairs[1][1], keep=1)  # v-000005: nothing changed since v-000004, all linked; the others deleted
+    assert [p.name for p in root.glob("v-*")] == ["v-000005"]
+    assert {p.stat().st_ino for p in (root / "v-000005" / "tables").iterdir()} == inodes
+    for tiered in (None, he.Tiered(tmp_path / "b", cache_rows=50)):
+        m = he.EmbeddingCollection(_tables(tiered, opt_cfg), seed=1)
+        he.load(root, m, he.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m))
+        _same(_state(m), _state(ref))
+    other = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "c", cache_rows=50), opt_cfg), seed=8)
+    opt_other = _train(other, steps=6)  # (the rows of v-000001, not v-000005's)
+    he.save(tmp_path / "elsewhere", other, opt_other)  # (its changes now count from there: none since)
+    he.save(root, other, opt_other, keep=2)
+    assert _linked(root, "v-000006") == {"a": set(), "b": set()}

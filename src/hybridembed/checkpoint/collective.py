@@ -42,6 +42,7 @@ from .layout import (
     _sha256,
     _WriteError,
 )
+from .links import Links, current_chain
 from .local import (
     _cannot_write,
     _held,
@@ -70,6 +71,7 @@ from .snapshot import (
     _header,
     _How,
     _incremental_entry,
+    _link_plan,
     _next_version,
     _parent_candidate,
     _publish,
@@ -199,11 +201,19 @@ def _failures(reports: list[Any]) -> list[str]:
 
 
 def _snapshot_pieces(
-    snap: _Snapshot, pieces: list[_Piece], stems: dict[str, str], optimizer, rank: int, delta: bool, stage=None
+    snap: _Snapshot,
+    pieces: list[_Piece],
+    stems: dict[str, str],
+    optimizer,
+    rank: int,
+    delta: bool,
+    stage=None,
+    links=None,
 ):
     """This rank's pieces (rank 0 also the data-parallel ones), copied into ``snap.files`` (a
-    tiered shard's written into ``stage`` now, a range at a time, see ``snapshot._write_tiered``);
-    returns what the manifest needs of them: ``{tables: {q: [shard entries]}, meta: {q: ...}}``."""
+    tiered shard's written into ``stage`` now, a range at a time, see ``snapshot._write_tiered``;
+    in a full save linked from the current chain where unchanged, ``links``); returns what the
+    manifest needs of them: ``{tables: {q: [shard entries]}, meta: {q: ...}}``."""
     tables: dict[str, list[dict]] = {}
     meta: dict[str, dict] = {}
     opt_meta = _sparse_meta(optimizer) if isinstance(optimizer, HybridOptimizer) else {}
@@ -233,8 +243,18 @@ def _snapshot_pieces(
             # a tiered shard: its files written now, a part of its rows each (global rows row_start + i * row_step)
             stem = f"{stems[q]}.{piece.spec['shard']:05d}"
             mask = changes[0] if changes is not None else None
-            for lo, hi, rel, k in _write_tiered(stage, snap, piece.storage, piece.name, stem, names, mask, to_global):
-                step = sp["row_step"]
+            step, w = sp["row_step"], piece.whole
+            link = None
+            if not delta:
+                table = {"shape": [w.num_embeddings, w.embedding_dim], "dtype": _dtype_name(w.dtype)}
+                cols = (sp.get("col_start", 0), sp.get("col_end", w.embedding_dim))
+                span_of = lambda lo, hi, a=sp["row_start"], st=step, c=cols: (a + lo * st, a + hi * st, st, *c)  # noqa: E731
+                taken = snap.taken[id(piece.storage)][0]
+                link = _link_plan(
+                    links, piece.storage, piece.name, q, table | {"optimizer_state": names}, taken, span_of
+                )
+            parts = _write_tiered(stage, snap, piece.storage, piece.name, stem, names, mask, to_global, link=link)
+            for lo, hi, rel, k in parts:
                 span = {"row_start": sp["row_start"] + lo * step, "row_end": sp["row_start"] + hi * step}
                 extra = {} if k is None else {"changed": k}
                 tables.setdefault(q, []).append({**shard, "file": rel, **span, **extra, "optimizer_state": names})
@@ -320,7 +340,9 @@ def _save_sharded(root: Path, model: nn.Module, colls: dict, optimizer, extra: d
         part: dict[str, Any] = {"tables": {}, "meta": {}}
         try:  # (a failure here is reported with the writes below: every rank raises, none hangs)
             snap.taken = _take_changes(storages)
-            part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None, tmp)
+            chain = current_chain(root) if parent is None else None  # (a full save links what did not change)
+            links = Links(chain) if chain else None
+            part = _snapshot_pieces(snap, pieces, stems, optimizer, rank, parent is not None, tmp, links)
             if rank == 0:
 
                 def copy_of(rel: str, obj: Any) -> str:

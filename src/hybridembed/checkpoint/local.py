@@ -43,6 +43,7 @@ from .layout import (
     _table_of_storage,
     _WriteError,
 )
+from .links import Links, current_chain, describe
 from .lock import (
     _lock,
 )
@@ -93,8 +94,10 @@ def save_local(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _
             parent = None  # the model was not saved to or loaded from the current version: a full one
         tmp = root / f".tmp-{version}-{os.getpid()}"
         tmp.mkdir()
+        chain = current_chain(root) if parent is None else None  # (a full save links what did not change)
+        links = Links(chain) if chain else None
         try:
-            snap = _snapshot(model, optimizer, extra_json, parent, stage=tmp)
+            snap = _snapshot(model, optimizer, extra_json, parent, stage=tmp, links=links)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -115,7 +118,7 @@ def save_local(root: Path, model: nn.Module, optimizer, extra_json: dict, how: _
             lock.release()
         inc = manifest.get("incremental")
         kind = f"incremental, {inc['length']} on top of a full one" if inc else "full"
-        log.info("saved checkpoint %s (%d tables, %s)", final, len(manifest["tables"]), kind)
+        log.info("saved checkpoint %s (%d tables, %s%s)", final, len(manifest["tables"]), kind, describe(links))
         return str(final)
 
     if how.background:

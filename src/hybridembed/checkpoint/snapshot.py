@@ -37,6 +37,7 @@ from .layout import (
     _table_of_storage,
     _versions,
 )
+from .links import spans_changed
 from .manifest import _sealed, _version, read_manifest
 
 log = get_logger("hybridembed.checkpoint")
@@ -158,7 +159,7 @@ _PIECE_BYTES = 64 << 20  # rows and state of one file of a tiered table's checkp
 
 
 def _write_tiered(
-    stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names, changed=None, to_global=None
+    stage: Path, snap: _Snapshot, storage, name: str, stem: str, state_names, changed=None, to_global=None, link=None
 ) -> list[tuple[int, int, str, int | None]]:
     """A tiered table written into ``stage`` now (in the save's foreground part, so a background
     save holds no copy of it), in files of at most :data:`_PIECE_BYTES` (``tables/<stem>.<i>.pt``)
@@ -166,27 +167,53 @@ def _write_tiered(
     memory of one file. All its rows by range (``changed`` None), or an incremental version's
     rows changed since the last (``changed``: the storage's mask; each file also holds those
     rows, global with ``to_global``). Returns ``[(first row, end row, file, changed rows in it or
-    None)]``: the files' spans tile the table (the table's own rows)."""
+    None)]``: the files' spans tile the table (the table's own rows).
+
+    ``link``: ``(links.Links, {i: (file, entry)})``: the full save's range files ``i`` linked
+    from an earlier version instead of written (see :mod:`.links`; a link that fails is written)."""
     n = storage._span(name)[1]
     step = _rows_per_file(storage, state_names)
     if changed is None:
-        parts = [(lo, min(n, lo + step), None) for lo in range(0, n, step)]
+        parts = [(lo, hi, None) for lo, hi in _ranges(storage, name, state_names)]
     else:
         split = storage.changed_rows(name, changed).split(step)
         split = split or (torch.zeros(0, dtype=torch.int64),)
         starts = [0] + [int(p[0]) for p in split[1:]] + [n]
         parts = [(starts[i], starts[i + 1], rows) for i, rows in enumerate(split)]
+    links, sources = link if link is not None else (None, {})
     out = []
     for i, (lo, hi, rows) in enumerate(parts):
+        rel = f"tables/{stem}.{i:05d}.pt"
+        if i in sources and links.link(sources[i][0], stage / rel, sources[i][1]):
+            snap.written[rel] = {"bytes": sources[i][1]["bytes"], "sha256": sources[i][1]["sha256"]}
+            out.append((lo, hi, rel, None))
+            continue
         got = storage.read_range(name, lo, hi) if rows is None else storage.read_table_rows(name, rows)
         obj = {"weight": got.pop("weight"), "state": {k: got[k] for k in state_names}}
         if rows is not None:
             obj["rows"] = rows if to_global is None else to_global(rows)
-        rel = f"tables/{stem}.{i:05d}.pt"
         layout._write_file(stage / rel, obj)
         snap.written[rel] = {"bytes": (stage / rel).stat().st_size, "sha256": _sha256(stage / rel)}
         out.append((lo, hi, rel, None if rows is None else int(rows.numel())))
     return out
+
+
+def _ranges(storage, name: str, state_names) -> list[tuple[int, int]]:
+    """The (first, end) rows of a full save's files of tiered table ``name``."""
+    n, step = storage._span(name)[1], _rows_per_file(storage, state_names)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _link_plan(links, storage, name: str, q: str, table: dict, mask, span_of) -> tuple | None:
+    """``link`` of :func:`_write_tiered` for a full save of tiered table ``name`` (``q`` in the
+    manifest, ``table`` its entry's kind, shape, dtype and optimizer state; ``mask`` the storage's
+    changes taken by this save; ``span_of(lo, hi)`` a file's global span): None when ``links``
+    is None or the storage's changes are not counted from the current version."""
+    if links is None or mask is None or not links.counts_from(storage):
+        return None
+    ranges = _ranges(storage, name, table["optimizer_state"])
+    changed = spans_changed(storage, name, mask, ranges)
+    return links, links.sources(q, table, [span_of(lo, hi) for lo, hi in ranges], changed)
 
 
 def _rows_per_file(storage, state_names) -> int:
@@ -267,9 +294,13 @@ def _header(world: int, version_id: str) -> dict:
     }
 
 
-def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None, stage: Path | None = None) -> _Snapshot:
+def _snapshot(
+    model: nn.Module, optimizer, extra: dict, parent: dict | None, stage: Path | None = None, links=None
+) -> _Snapshot:
     """Everything a save of a one-process model writes, copied now (the foreground part of a
-    save); a tiered table's files are written into ``stage`` (the version's temporary directory) now."""
+    save); a tiered table's files are written into ``stage`` (the version's temporary directory) now,
+    or in a full save linked from the current version's chain where unchanged (``links``: a
+    :class:`.links.Links`)."""
     tables = _model_tables(model)
     hybrid = isinstance(optimizer, HybridOptimizer)
     meta: dict[str, dict] = {}
@@ -296,7 +327,13 @@ def _snapshot(model: nn.Module, optimizer, extra: dict, parent: dict | None, sta
             elif t.storage.streamed and stage is not None:
                 n = t.config.num_embeddings
                 mask = changes[0] if changes is not None else None
-                parts = _write_tiered(stage, snap, t.storage, t.name, stem, names[q], mask)
+                link = None
+                if changes is None:
+                    entry = {"shape": t.shape, "dtype": t.dtype, "optimizer_state": names[q]}
+                    taken = snap.taken[id(t.storage)][0]
+                    whole = lambda lo, hi, d=t.shape[1]: (lo, hi, 1, 0, d)  # noqa: E731
+                    link = _link_plan(links, t.storage, t.name, q, entry, taken, whole)
+                parts = _write_tiered(stage, snap, t.storage, t.name, stem, names[q], mask, link=link)
                 shards = [
                     {"file": rel, "row_start": lo, "row_end": hi, **({} if k is None else {"changed": k})}
                     for lo, hi, rel, k in parts
