@@ -33,6 +33,7 @@ def test_quick(tmp_path):
     assert 0 < speed["hit_rate"] < 1 and speed["disk_writes"] >= 0
     assert memory["peak"] > 0 and memory["stats"]["evictions"] > 0
     assert memory["loaded_equal"] is True and memory["save_peak"] > 0 and memory["load_peak"] > 0
+    assert memory["files"] >= 1 and memory["save3_s"] > 0  # (the saves again, the last one linking)
     for part in ("prefetch", "dynamic-prefetch"):  # (cold rows read back: by the step, or by the prefetch)
         r = res[part]
         assert r["plain"]["read_ms"] > 0 and r["prefetch"]["step_ms"] > 0, (part, r)
