@@ -103,7 +103,37 @@ def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta):
         raise
 
 
-def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, ifname):
+class _Here:
+    """The caller's stdout, stderr (file descriptors 1 and 2) and environment, given to a rank
+    forked from the forkserver (whose own are those of when it started): pickled by
+    ``Process.start``, the descriptors travel with the rank (``multiprocessing.reduction.DupFd``)."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_Here._rebuilt, (reduction.DupFd(1), reduction.DupFd(2), dict(os.environ)))
+
+    @staticmethod
+    def _rebuilt(out, err, env: dict) -> _Here:
+        here = _Here()
+        here.fds, here.env = (out.detach(), err.detach()), env
+        return here
+
+    def apply(self) -> None:
+        import sys
+
+        for stream, fd, target in ((sys.stdout, self.fds[0], 1), (sys.stderr, self.fds[1], 2)):
+            if stream is not None:
+                stream.flush()
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(self.env)
+
+
+def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, ifname, here=None):
+    if here is not None:  # (forked from the forkserver: this process's output and environment are the caller's)
+        here.apply()
     import torch
     import torch.distributed as dist
 
@@ -182,9 +212,9 @@ def spawn(
     bounds every collective; ``timeout`` the whole job; ``threads``: intra-op threads per
     rank (1 by default: N ranks on N cores). Raises :class:`SpawnError` with the first
     failing rank's traceback. ``start_method``: ``"forkserver"`` (default: each rank forks from
-    one process that imported torch once, a job starts ~2.5x faster; the ranks' stdout, stderr and
-    environment are that process's, as when it started) or ``"spawn"`` (each rank imports afresh,
-    with this process's current stdout and environment: what a command that prints wants).
+    one process that imported torch once, a job starts ~2.5x faster; the ranks get this process's
+    current stdout, stderr and environment, though modules the forkserver imported keep what they
+    read of the environment when it started) or ``"spawn"`` (each rank imports afresh).
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise HybridEmbedError(f"nprocs must be a positive int, got {nprocs!r}")
@@ -196,15 +226,17 @@ def spawn(
     if start_method not in ("forkserver", "spawn"):
         raise HybridEmbedError(f"spawn: start_method must be 'forkserver' or 'spawn', got {start_method!r}")
     ctx = mp.get_context(start_method)
+    here = None
     if start_method == "forkserver":  # (ranks fork from one process that imported torch once)
         ctx.set_forkserver_preload(["torch", "torch.distributed", "hybridembed"])
+        here = _Here()
     results = ctx.Queue()
     port = free_port()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME") or loopback_interface()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, nprocs, port, backend, pg_timeout, fn, args, results, threads, ifname),
+            args=(r, nprocs, port, backend, pg_timeout, fn, args, results, threads, ifname, here),
             daemon=True,
         )
         for r in range(nprocs)

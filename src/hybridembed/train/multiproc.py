@@ -73,7 +73,7 @@ def spawn_job(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
         pg_timeout=args.timeout or JOB_PG_TIMEOUT,
         threads=args.threads,
         backend=backend(args),
-        start_method="spawn",  # (rank 0 prints where this command prints)
+        start_method="forkserver",  # (the ranks print where this command prints: see spawn)
     )
     return 0
 
