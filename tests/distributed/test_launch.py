@@ -112,6 +112,23 @@ def test_a_gloo_interface_the_caller_set_is_kept(monkeypatch):
     assert spawn(_ifname, 2, timeout=60, start_method="spawn") == [lo, lo]
 
 
+def _says(rank: int, world: int) -> str | None:
+    print(f"out of rank {rank}", flush=True)
+    print(f"err of rank {rank}", file=sys.stderr, flush=True)
+    return os.environ.get("HYBRIDEMBED_TEST_SAID")
+
+
+def test_forked_ranks_print_where_the_caller_prints_now_with_its_environment(capfd, monkeypatch):
+    """The forkserver (started by an earlier job, or here) has the stdout, stderr and environment
+    of when it started; its ranks get the caller's current ones (``train --nproc`` prints through them)."""
+    spawn(_ifname, 1, timeout=60)  # (the forkserver runs from here on)
+    capfd.readouterr()
+    monkeypatch.setenv("HYBRIDEMBED_TEST_SAID", "now")
+    assert spawn(_says, 2, timeout=60) == ["now", "now"]
+    out, err = capfd.readouterr()
+    assert all(f"out of rank {r}" in out and f"err of rank {r}" in err for r in (0, 1)), (out, err)
+
+
 def test_loopback_interface_is_flagged_loopback():
     name = loopback_interface()
     assert name is not None and name in [n for _, n in socket.if_nameindex()]
