@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -700,3 +701,37 @@ def test_a_full_save_links_the_files_no_row_of_changed_since_and_loads_as_the_ta
     he.save(tmp_path / "elsewhere", other, opt_other)  # (its changes now count from there: none since)
     he.save(root, other, opt_other, keep=2)
     assert _linked(root, "v-000006") == {"a": set(), "b": set()}
+
+
+def test_compaction_keeps_the_base_files_no_delta_wrote_as_links_and_loads_as_the_chain(tmp_path, monkeypatch):
+    """he.checkpoint.compact puts a tiered table's chain together in its full base's range files
+    (each at most _PIECE_BYTES; a delta's spans follow its changed rows), linking those no delta
+    wrote a row of and putting the others together from the chain."""
+    opt_cfg = OPTIMIZERS["adam"]
+    ref = he.EmbeddingCollection(_tables(None, opt_cfg), seed=3)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), opt_cfg), seed=3)
+    pairs = ((ref, _train(ref, steps=4)), (ec, _train(ec, steps=4)))
+    _pieces(monkeypatch, 16)
+    root = tmp_path / "ck"
+    he.save(root, ec, pairs[1][1], keep=3, incremental=True)  # v-000001: full
+    touched = train_alike(pairs, _low(30), torch.Generator().manual_seed(6))
+    he.save(root, ec, pairs[1][1], keep=3, incremental=True)  # v-000002: the rows below 30
+    more = train_alike(pairs, _low(25, by=150), torch.Generator().manual_seed(7))
+    he.save(root, ec, pairs[1][1], keep=3, incremental=True)  # v-000003: rows 150..175
+    done = Path(he.checkpoint.compact(root, keep=3))
+    base, full = (he.checkpoint.read_manifest(root / v) for v in ("v-000001", done.name))
+    assert "incremental" not in full
+    for q in ("a", "b"):
+        assert [(s["row_start"], s["row_end"]) for s in full["tables"][q]["shards"]] == [
+            (s["row_start"], s["row_end"]) for s in base["tables"][q]["shards"]
+        ]
+        same = {
+            i
+            for i, s in enumerate(full["tables"][q]["shards"])
+            if (done / s["file"]).stat().st_ino == (root / "v-000001" / s["file"]).stat().st_ino
+        }
+        assert same == _untouched(full, q, touched[q] | more[q]) and len(same) >= 5, (q, same)
+    for tiered in (None, he.Tiered(tmp_path / "b", cache_rows=50)):
+        m = he.EmbeddingCollection(_tables(tiered, opt_cfg), seed=1)
+        he.load(done, m, he.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m))
+        _same(_state(m), _state(ref))

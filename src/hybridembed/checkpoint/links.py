@@ -84,37 +84,64 @@ class Links:
             versions.append((vdir, m, t))
         base_dir, base, t0 = versions[0]
         dim = table["shape"][1]
-        try:
-            whole = {_span(x, dim): x["file"] for x in t0["shards"] if "changed" not in x}
-            written = [w for vdir, _, t in versions[1:] for w in _delta_rows(vdir, t, dim)]
-        except _Unknown:
+        written = written_since_base(self.chain, q, dim)
+        if written is None:
             return {}
+        whole = {_span(x, dim): x["file"] for x in t0["shards"] if "changed" not in x}
         out = {}
         for i, sp in enumerate(spans):
             rel = whole.get(sp)
-            spec = base.get("files", {}).get(rel)
-            if rel is None or changed[i] or spec is None or any(_touches(sp, w) for w in written):
-                continue
-            src = base_dir / rel
-            try:
-                if src.stat().st_size != spec["bytes"]:
-                    continue
-            except OSError:
-                continue
-            out[i] = (src, spec)
+            if rel is not None and not changed[i] and not touched(sp, written):
+                found = linkable(base_dir, base, rel)
+                if found is not None:
+                    out[i] = found
         return out
 
     def link(self, src: Path, dst: Path, spec: dict) -> bool:
-        """``dst`` made a second name of ``src``; False where the file system cannot (write it then)."""
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.link(src, dst)
-        except OSError as e:  # another file system, no hard links (some network ones), a vanished file
-            log.debug("cannot link %s to %s (%s): writing it", src, dst, e)
+        """``dst`` made a second name of ``src`` (:func:`hard_link`), counted."""
+        if not hard_link(src, dst):
             return False
         self.files += 1
         self.bytes += int(spec["bytes"])
         return True
+
+
+def hard_link(src: Path, dst: Path) -> bool:
+    """``dst`` made a second name of ``src``; False where the file system cannot (write it then)."""
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.link(src, dst)
+    except OSError as e:  # another file system, no hard links (some network ones), a vanished file
+        log.debug("cannot link %s to %s (%s): writing it", src, dst, e)
+        return False
+    return True
+
+
+def written_since_base(chain: list[tuple[Path, dict]], q: str, dim: int) -> list | None:
+    """The rows of table ``q`` each incremental version of ``chain`` wrote (after its full base):
+    ``[(global rows, col_start, col_end)]``; None where a version does not say which."""
+    try:
+        return [w for vdir, m in chain[1:] for w in _delta_rows(vdir, m["tables"][q], dim)]
+    except _Unknown:
+        return None
+
+
+def touched(sp: Span, written: list) -> bool:
+    """Whether any of ``written`` (:func:`written_since_base`) hits span ``sp``."""
+    return any(_touches(sp, w) for w in written)
+
+
+def linkable(vdir: Path, manifest: dict, rel: str) -> tuple[Path, dict] | None:
+    """(file ``rel`` of version ``vdir``, its manifest entry) when it is listed and of its size."""
+    spec = manifest.get("files", {}).get(rel)
+    if spec is None:
+        return None
+    try:
+        if (vdir / rel).stat().st_size != spec["bytes"]:
+            return None
+    except OSError:
+        return None
+    return vdir / rel, spec
 
 
 class _Unknown(Exception):

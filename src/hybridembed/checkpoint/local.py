@@ -43,7 +43,7 @@ from .layout import (
     _table_of_storage,
     _WriteError,
 )
-from .links import Links, current_chain, describe
+from .links import Links, current_chain, describe, hard_link, linkable, touched, written_since_base
 from .lock import (
     _lock,
 )
@@ -323,10 +323,19 @@ def _compact(root: Path, keep: int, verify: bool) -> str:
         return str(vdir)
     chain = _chain(manifest)
     problems = _check_chain(chain)
+    if problems:
+        _raise(vdir, problems, "cannot be compacted")
+    # a dense table in its full base's shards (a tiered table's: range files of at most 64 MiB,
+    # where a delta's spans follow its changed rows and may cover the whole table), each linked
+    # from the base when no version of the chain wrote a row of it; a dynamic one in the current's
+    shards_of = {
+        q: chain[0][1]["tables"][q]["shards"] if t["kind"] == "dense" else t["shards"]
+        for q, t in manifest["tables"].items()
+    }
     wanted = {}
     for q, t in manifest["tables"].items():
         keyed, dim = t["kind"] == "dynamic", t["shape"][1]
-        for sh in t["shards"]:
+        for sh in shards_of[q]:
             wanted[(q, sh["file"])] = (_shard_target(sh, keyed, dim), keyed, sorted(t.get("optimizer_state", [])))
     reads = [(q, target, keyed) for (q, _), (target, keyed, _) in wanted.items()]
     found, needed = _check_chain_files(chain, reads, True, verify)
@@ -338,12 +347,21 @@ def _compact(root: Path, keep: int, verify: bool) -> str:
     try:
         tmp.mkdir()
         files = {}
+        linked = 0
         for q, t in tables.items():
-            saved, t["shards"] = t["shards"], []
+            saved, t["shards"] = shards_of[q], []
             # (a tiered dynamic table's, saved in parts in any version: put together file by file)
             parted = any(x.get("part") for _, spec in _versions_of(chain, q) for x in spec["shards"])
+            written = written_since_base(chain, q, t["shape"][1]) if t["kind"] == "dense" else None
             for sh in saved:
-                if not sh.get("part"):
+                src = None
+                if written is not None and not touched(_span(sh, t["shape"][1]), written):
+                    src = linkable(chain[0][0], chain[0][1], sh["file"])
+                if src is not None and hard_link(src[0], tmp / sh["file"]):
+                    files[sh["file"]] = src[1]
+                    t["shards"].append({k: v for k, v in sh.items() if k != "changed"})
+                    linked += 1
+                elif not sh.get("part"):
                     t["shards"] += _compact_shard(tmp, files, q, sh, wanted[(q, sh["file"])], chain, t, parted)
         skipped = {sh["file"] for t in manifest["tables"].values() for sh in t["shards"] if sh.get("part")}
         for rel in needed[vdir] - set(files) - skipped:  # the dense state and the optimizer's, as they are
@@ -361,7 +379,7 @@ def _compact(root: Path, keep: int, verify: bool) -> str:
         raise
     final = _publish(root, tmp, version)
     _clean(root, keep)
-    log.info("compacted checkpoint %s (%d versions) into %s", vdir, len(chain), final)
+    log.info("compacted checkpoint %s (%d versions) into %s (%d files linked)", vdir, len(chain), final, linked)
     return str(final)
 
 
