@@ -49,7 +49,6 @@ def test_tiered_tables_train_checkpoint_resume_like_one_run_and_export(generated
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--nproc", "3", "--servers", "1"], "(no --servers S yet: with --capacity 0 the servers keep"),
         (["--min-count", "2"], "drop --min-count"),
         (["--tiered-cache", "100"], "--tiered-cache 100 rows cannot hold a batch's rows"),
     ],
@@ -107,7 +106,7 @@ def test_a_job_of_2_processes_keeps_each_shard_on_its_disk_and_trains_as_in_memo
     """--nproc 2 --tiered DIR: each process's shards (their files under DIR, a cache each); the
     dynamic tables' figures equal the same job in memory, and its checkpoint resumes in one process;
     with a parameter server (--nproc 3 --servers 1) the server's disk holds them, the same figures;
-    the hashed tables' equal one process's."""
+    the hashed tables' equal one process's, and on a server's disk the collective job's."""
 
     def run(*argv: str) -> str:
         code = cli.main([*base, *argv])
@@ -149,3 +148,21 @@ def test_a_job_of_2_processes_keeps_each_shard_on_its_disk_and_trains_as_in_memo
         re.search(r"^epoch 1/1  train loss ([\d.]+)  test loss ([\d.]+)  AUC ([\d.]+)", o, re.M) for o in (two, alone)
     )
     assert all(abs(float(x) - float(y)) < 0.01 for x, y in zip(a.groups(), b.groups())), (a, b)
+    where = tmp_path / "hs/tiers"  # the hashed tables on a parameter server's disk: as the collective job
+    served = run(
+        "--nproc",
+        "3",
+        "--servers",
+        "1",
+        "--workdir",
+        str(tmp_path / "hs"),
+        "--tiered",
+        str(where),
+        *hashed,
+        "--prefetch",
+    )
+    assert (
+        "26 tiered tables (dim 4, 5,000 rows each, ids hashed into them" in served and "on 1 parameter server" in served
+    )
+    assert _epoch(served, 1) == _epoch(two, 1) and re.search(r"cache hit rate 0\.\d+ so far", served), served
+    assert [p.name for p in where.glob("*.rows")] == ["C1+25.rows"]

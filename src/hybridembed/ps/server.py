@@ -520,7 +520,8 @@ class TableServer:
         out["tables"] = {}
         for h in self.held.values():
             s = h.storage.stats(h.ref.local)
-            out["tables"][h.ref.local] = {k: v for k, v in s.items() if isinstance(v, (int, float)) or v is None}
+            out["tables"][h.ref.local] = _numbers(s)
+        out["storages"] = [_numbers(st.stats()) for st in self.storages]  # (a group's counters once)
         return out
 
     def _stats(self, src: int, m: Message) -> tuple[list, None]:
@@ -563,3 +564,8 @@ class TableServer:
         out = [(s, self.error(q.req, self.lost)) for s, q in self.deferred if s in self.active]
         self.deferred = []
         return out
+
+
+def _numbers(stats: dict) -> dict:
+    """The numbers of a storage's ``stats()`` (what a STATS reply carries)."""
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float)) or v is None}

@@ -188,11 +188,6 @@ def _resolve_tiered(args: argparse.Namespace) -> None:
     for bad, why in (
         (torch.device(args.device).type != "cpu", "keeps its cache on the CPU (no --device cuda)"),
         (
-            args.hashed_tables and args.servers,
-            "with --capacity N keeps its tables in the trainers' processes (no --servers S yet: with --capacity 0 the "
-            "servers keep the dynamic tables on their disks)",
-        ),
-        (
             not args.hashed_tables and args.capacity,
             f"with dynamic tables keeps every row (the checkpoint's --capacity {args.capacity} evicts rows past it)",
         ),

@@ -243,10 +243,13 @@ def _distribute(args: argparse.Namespace, model: nn.Module) -> nn.Module | None:
 
 def _prefetcher(model: nn.Module, remote) -> Callable[[D.Batch], None]:
     """``--prefetch``: sends the pulls of a batch's ids (the next step's) to the servers at once."""
-    (tables,) = [m for m in model.modules() if isinstance(m, M.DynamicEmbeddings) and m.collection is remote]
+    kinds = (M.DynamicEmbeddings, M.TieredEmbeddings)
+    (tables,) = [m for m in model.modules() if isinstance(m, kinds) and m.collection is remote]
+    rows = getattr(tables, "rows", None)  # (tiered tables: ids hashed into their rows, as their forward does)
 
     def prefetch(b: D.Batch) -> None:
-        remote.prefetch({n: b.sparse[:, j] for j, n in enumerate(tables.names)})  # {feature: (B,)}
+        ids = b.sparse if rows is None else b.sparse.remainder(rows)
+        remote.prefetch({n: ids[:, j] for j, n in enumerate(tables.names)})  # {feature: (B,)}
 
     return prefetch
 

@@ -77,9 +77,14 @@ def epoch_line(
         parts.append(f"{tr.rows:,} samples in {tr.seconds:.1f} s = {tr.samples_per_s:,.0f} samples/s")
     tiered = [m.collection for m in model.modules() if isinstance(m, M.TieredEmbeddings)]
     if tiered:  # (rows on disk: how often a step's rows were found in memory)
-        stats = [st.stats() for c in tiered for st in c.storages]
         keys = ("hits", "misses", "disk_reads")
-        hits, misses, reads = (int(v) for v in job.sum(*(sum(s[k] for s in stats) for k in keys)))
+        remote = ps_collection(model)
+        if remote is not None:  # (the servers' caches, asked: every trainer hears the same)
+            stats = [s for server in remote.server_stats() for s in server["storages"] if "hits" in s]
+            hits, misses, reads = (sum(int(s[k]) for s in stats) for k in keys)
+        else:
+            stats = [st.stats() for c in tiered for st in c.storages]
+            hits, misses, reads = (int(v) for v in job.sum(*(sum(s[k] for s in stats) for k in keys)))
         seen = hits + misses
         parts.append(f"cache hit rate {hits / seen if seen else 0.0:.3f} so far ({reads:,} rows read from disk)")
         return "  ".join(parts)
@@ -108,10 +113,14 @@ def describe_model(args: argparse.Namespace, model: nn.Module, features: int, jo
         how += (f", {args.cache_rows:,} cached rows per trainer" if args.cache_rows else "") + (
             ", prefetch" if args.prefetch else ""
         )
-        if getattr(args, "tiered", None):
+        kind = f"{tables} dynamic tables ({features} features, dim {args.embedding_dim}"
+        if getattr(args, "tiered", None) and args.hashed_tables:
+            kind = f"{features} tiered tables (dim {args.embedding_dim}"
+            cap = f"{args.capacity:,} rows each, ids hashed into them; files under {args.tiered}, {args.tiered_cache:,} rows a server in memory"
+        elif getattr(args, "tiered", None):
             cap += f"; rows beyond {args.tiered_cache:,} a server in memory spilled to files under {args.tiered}"
         return (
-            f"model {args.model}: {tables} dynamic tables ({features} features, dim {args.embedding_dim}, {cap}; "
+            f"model {args.model}: {kind}, {cap}; "
             f"on {s} parameter server{'s' if s > 1 else ''}, {how}), {dense:,} dense parameters (data-parallel over "
             f"{job.world} trainer{'s' if job.world > 1 else ''}); {opt} lr {args.lr:g} via he.wrap_optimizer, batch "
             f"{args.batch_size:,} (~{args.batch_size // job.world:,} per trainer, {wire}), {threads} per process"
