@@ -721,6 +721,10 @@ def test_compaction_keeps_the_base_files_no_delta_wrote_as_links_and_loads_as_th
     done = Path(he.checkpoint.compact(root, keep=3))
     base, full = (he.checkpoint.read_manifest(root / v) for v in ("v-000001", done.name))
     assert "incremental" not in full
+    listed = {s["file"] for t in full["tables"].values() for s in t["shards"]} | {"dense.pt", "optimizer.pt"}
+    assert set(full["files"]) == listed and {p.name for p in (done / "tables").iterdir()} == {
+        f.split("/")[1] for f in listed if f.startswith("tables/")
+    }
     for q in ("a", "b"):
         assert [(s["row_start"], s["row_end"]) for s in full["tables"][q]["shards"]] == [
             (s["row_start"], s["row_end"]) for s in base["tables"][q]["shards"]

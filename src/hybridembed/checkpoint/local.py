@@ -294,8 +294,9 @@ def load_local(path, model: nn.Module, optimizer, verify: bool) -> dict[str, Any
 # --- compaction: a chain written again as one full version, without the model -----------------------
 def compact(path: str | os.PathLike, *, keep: int = 1, verify: bool = True) -> str:
     """Write the current version of the checkpoint at ``path`` again as a full version (the
-    chain of incremental versions it builds on put together, shard by shard, in the current
-    version's layout) and commit it; no model is needed. Returns the new version's directory
+    chain of incremental versions it builds on put together, shard by shard: a dense table in
+    its full base's shards, linking those no version since wrote a row of, a dynamic one in the
+    current version's) and commit it; no model is needed. Returns the new version's directory
     (the current one, unchanged, when it is already full). Loading it equals loading the chain,
     bit for bit. It is a writer like :func:`save`: it holds the directory's writer lock, and is
     refused (a CheckpointError naming the writer) while a job saves there."""
@@ -338,7 +339,7 @@ def _compact(root: Path, keep: int, verify: bool) -> str:
         for sh in shards_of[q]:
             wanted[(q, sh["file"])] = (_shard_target(sh, keyed, dim), keyed, sorted(t.get("optimizer_state", [])))
     reads = [(q, target, keyed) for (q, _), (target, keyed, _) in wanted.items()]
-    found, needed = _check_chain_files(chain, reads, True, verify)
+    found, _ = _check_chain_files(chain, reads, True, verify)
     _raise(vdir, problems + found, "cannot be compacted")
     _clean(root, keep)
     version = _next_version(root)
@@ -363,8 +364,8 @@ def _compact(root: Path, keep: int, verify: bool) -> str:
                     linked += 1
                 elif not sh.get("part"):
                     t["shards"] += _compact_shard(tmp, files, q, sh, wanted[(q, sh["file"])], chain, t, parted)
-        skipped = {sh["file"] for t in manifest["tables"].values() for sh in t["shards"] if sh.get("part")}
-        for rel in needed[vdir] - set(files) - skipped:  # the dense state and the optimizer's, as they are
+        # the dense state and the optimizer's, as they are (the tables' files: all written or linked above)
+        for rel in {manifest["dense"]["file"], *([manifest["optimizer"]["file"]] if manifest.get("optimizer") else [])}:
             shutil.copyfile(vdir / rel, tmp / rel)
             files[rel] = manifest["files"][rel]
         body = {k: v for k, v in manifest.items() if k not in ("path", "incremental", "files")}
