@@ -364,6 +364,11 @@ def _compact(root: Path, keep: int, verify: bool) -> str:
                     linked += 1
                 elif not sh.get("part"):
                     t["shards"] += _compact_shard(tmp, files, q, sh, wanted[(q, sh["file"])], chain, t, parted)
+            if t["kind"] == "dense":  # (the base's shards: the optimizer's step a job saves with each is the current's)
+                steps = [x["step"] for x in manifest["tables"][q]["shards"] if "step" in x]
+                for x in t["shards"]:
+                    x.pop("step", None)
+                    x.update({"step": max(steps)} if steps else {})
         # the dense state and the optimizer's, as they are (the tables' files: all written or linked above)
         for rel in {manifest["dense"]["file"], *([manifest["optimizer"]["file"]] if manifest.get("optimizer") else [])}:
             shutil.copyfile(vdir / rel, tmp / rel)
