@@ -118,12 +118,16 @@ def hard_link(src: Path, dst: Path) -> bool:
 
 
 def written_since_base(chain: list[tuple[Path, dict]], q: str, dim: int) -> list | None:
-    """The rows of table ``q`` each incremental version of ``chain`` wrote (after its full base):
-    ``[(global rows, col_start, col_end)]``; None where a version does not say which."""
+    """The rows of table ``q`` the incremental versions of ``chain`` wrote (after its full base):
+    ``[(global rows sorted, col_start, col_end)]`` by column band; None where a version does not say which."""
     try:
-        return [w for vdir, m in chain[1:] for w in _delta_rows(vdir, m["tables"][q], dim)]
+        found = [w for vdir, m in chain[1:] for w in _delta_rows(vdir, m["tables"][q], dim)]
     except _Unknown:
         return None
+    bands: dict[tuple[int, int], list[torch.Tensor]] = {}  # (sorted once per column band: a span's test is a search)
+    for rows, c0, c1 in found:
+        bands.setdefault((c0, c1), []).append(rows)
+    return [(torch.unique(torch.cat(r)), c0, c1) for (c0, c1), r in bands.items()]
 
 
 def touched(sp: Span, written: list) -> bool:
@@ -174,8 +178,8 @@ def _touches(sp: Span, written: tuple[torch.Tensor, int, int]) -> bool:
     rows, w0, w1 = written
     if w1 <= c0 or c1 <= w0 or rows.numel() == 0:
         return False
-    hit = (rows >= a) & (rows < b) & ((rows - a) % step == 0)
-    return bool(hit.any())
+    lo, hi = (int(i) for i in torch.searchsorted(rows, torch.tensor([a, b], dtype=torch.int64)))  # (rows sorted)
+    return hi > lo and (step == 1 or bool(((rows[lo:hi] - a) % step == 0).any()))
 
 
 def spans_changed(storage, name: str, mask: torch.Tensor, ranges: list[tuple[int, int]]) -> list[bool]:
