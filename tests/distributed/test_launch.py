@@ -121,7 +121,19 @@ def _says(rank: int, world: int) -> str | None:
 def test_forked_ranks_print_where_the_caller_prints_now_with_its_environment(capfd, monkeypatch):
     """The forkserver (started by an earlier job, or here) has the stdout, stderr and environment
     of when it started; its ranks get the caller's current ones (``train --nproc`` prints through them)."""
-    spawn(_ifname, 1, timeout=60)  # (the forkserver runs from here on)
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # a forkserver started afresh, its stdout and stderr /dev/null
+    null, saved = os.open(os.devnull, os.O_WRONLY), (os.dup(1), os.dup(2))
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        spawn(_ifname, 1, timeout=60)
+    finally:
+        for fd, target in zip(saved, (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.close(null)
     capfd.readouterr()
     monkeypatch.setenv("HYBRIDEMBED_TEST_SAID", "now")
     assert spawn(_says, 2, timeout=60) == ["now", "now"]

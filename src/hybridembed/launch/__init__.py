@@ -106,29 +106,45 @@ def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta):
 class _Here:
     """The caller's stdout, stderr (file descriptors 1 and 2) and environment, given to a rank
     forked from the forkserver (whose own are those of when it started): pickled by
-    ``Process.start``, the descriptors travel with the rank (``multiprocessing.reduction.DupFd``)."""
+    ``Process.start``, the descriptors travel with the rank (``multiprocessing.reduction.DupFd``).
+    A descriptor closed in the caller (checked when made, before anything reuses its number) is
+    not sent: the rank keeps the forkserver's."""
+
+    def __init__(self) -> None:
+        self.open = tuple(_is_open(fd) for fd in (1, 2))
 
     def __reduce__(self):
         from multiprocessing import reduction
 
-        return (_Here._rebuilt, (reduction.DupFd(1), reduction.DupFd(2), dict(os.environ)))
+        fds = tuple(reduction.DupFd(fd) if ok else None for fd, ok in zip((1, 2), self.open))
+        return (_Here._rebuilt, (*fds, dict(os.environ)))
 
     @staticmethod
     def _rebuilt(out, err, env: dict) -> _Here:
-        here = _Here()
-        here.fds, here.env = (out.detach(), err.detach()), env
+        here = _Here.__new__(_Here)
+        here.fds, here.env = tuple(None if d is None else d.detach() for d in (out, err)), env
         return here
 
     def apply(self) -> None:
         import sys
 
         for stream, fd, target in ((sys.stdout, self.fds[0], 1), (sys.stderr, self.fds[1], 2)):
+            if fd is None or fd == target:
+                continue
             if stream is not None:
                 stream.flush()
             os.dup2(fd, target)
             os.close(fd)
         os.environ.clear()
         os.environ.update(self.env)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, ifname, here=None):
