@@ -656,17 +656,28 @@ def _untouched(manifest: dict, q: str, touched: set) -> set[int]:
     }
 
 
+def _trained_pair(tmp_path, monkeypatch, opt_cfg, seed: int, steps: int):
+    """A table in memory and the same on disk, trained alike; checkpoint files of 16 rows; the root."""
+    ref = he.EmbeddingCollection(_tables(None, opt_cfg), seed=seed)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), opt_cfg), seed=seed)
+    pairs = ((ref, _train(ref, steps=steps)), (ec, _train(ec, steps=steps)))
+    _pieces(monkeypatch, 16)
+    return ref, ec, pairs, tmp_path / "ck"
+
+
+def _same_file(root, manifest: dict, q: str, new: str, old: str) -> set[int]:
+    """Indices of table ``q``'s files of version ``new`` (``manifest``) that are version ``old``'s file of that name."""
+    ino = lambda v, s: (root / v / s["file"]).stat().st_ino  # noqa: E731
+    return {i for i, s in enumerate(manifest["tables"][q]["shards"]) if ino(new, s) == ino(old, s)}
+
+
 def test_a_full_save_links_the_files_no_row_of_changed_since_and_loads_as_the_table(tmp_path, monkeypatch):
     """A full save of a tiered table hard-links each range file of the current chain's full
     base none of whose rows was written since (by the model or by an incremental version of the
     chain), and writes the others; every version loads as the table, also once the versions
     it linked from are deleted. A model whose changes count from elsewhere links nothing."""
     opt_cfg = OPTIMIZERS["rowwise"]
-    ref = he.EmbeddingCollection(_tables(None, opt_cfg), seed=8)
-    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), opt_cfg), seed=8)
-    pairs = ((ref, _train(ref, steps=6)), (ec, _train(ec, steps=6)))
-    _pieces(monkeypatch, 16)
-    root = tmp_path / "ck"
+    ref, ec, pairs, root = _trained_pair(tmp_path, monkeypatch, opt_cfg, seed=8, steps=6)
     he.save(root, ec, pairs[1][1], keep=5)  # v-000001: full, every file written
     assert _linked(root, "v-000001") == {"a": set(), "b": set()}
     touched = train_alike(pairs, _low(40), torch.Generator().manual_seed(3))
@@ -682,11 +693,7 @@ def test_a_full_save_links_the_files_no_row_of_changed_since_and_loads_as_the_ta
     m4 = he.checkpoint.read_manifest(root)
     for q in ("a", "b"):
         want = _untouched(m4, q, touched[q] | late[q] | later[q])
-        got = {
-            i
-            for i, s in enumerate(m4["tables"][q]["shards"])
-            if (root / "v-000004" / s["file"]).stat().st_ino == (root / "v-000001" / s["file"]).stat().st_ino
-        }
+        got = _same_file(root, m4, q, "v-000004", "v-000001")
         assert got == want and len(want) >= 3, (q, got, want)
     inodes = {p.stat().st_ino for p in (root / "v-000004" / "tables").iterdir()}
     he.save(root, ec, pairs[1][1], keep=1)  # v-000005: nothing changed since v-000004, all linked; the others deleted
@@ -708,11 +715,7 @@ def test_compaction_keeps_the_base_files_no_delta_wrote_as_links_and_loads_as_th
     (each at most _PIECE_BYTES; a delta's spans follow its changed rows), linking those no delta
     wrote a row of and putting the others together from the chain."""
     opt_cfg = OPTIMIZERS["adam"]
-    ref = he.EmbeddingCollection(_tables(None, opt_cfg), seed=3)
-    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=50), opt_cfg), seed=3)
-    pairs = ((ref, _train(ref, steps=4)), (ec, _train(ec, steps=4)))
-    _pieces(monkeypatch, 16)
-    root = tmp_path / "ck"
+    ref, ec, pairs, root = _trained_pair(tmp_path, monkeypatch, opt_cfg, seed=3, steps=4)
     he.save(root, ec, pairs[1][1], keep=3, incremental=True)  # v-000001: full
     touched = train_alike(pairs, _low(30), torch.Generator().manual_seed(6))
     he.save(root, ec, pairs[1][1], keep=3, incremental=True)  # v-000002: the rows below 30
@@ -729,11 +732,7 @@ def test_compaction_keeps_the_base_files_no_delta_wrote_as_links_and_loads_as_th
         assert [(s["row_start"], s["row_end"]) for s in full["tables"][q]["shards"]] == [
             (s["row_start"], s["row_end"]) for s in base["tables"][q]["shards"]
         ]
-        same = {
-            i
-            for i, s in enumerate(full["tables"][q]["shards"])
-            if (done / s["file"]).stat().st_ino == (root / "v-000001" / s["file"]).stat().st_ino
-        }
+        same = _same_file(root, full, q, done.name, "v-000001")
         assert same == _untouched(full, q, touched[q] | more[q]) and len(same) >= 5, (q, same)
     for tiered in (None, he.Tiered(tmp_path / "b", cache_rows=50)):
         m = he.EmbeddingCollection(_tables(tiered, opt_cfg), seed=1)

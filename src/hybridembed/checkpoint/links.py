@@ -69,17 +69,9 @@ class Links:
         manifest's entry of ``q`` (kind, shape, dtype, optimizer state must be the chain's)."""
         versions = []
         for vdir, m in self.chain:
-            t = m.get("tables", {}).get(q)
-            same = (
-                t is not None
-                and t.get("kind") == "dense"
-                and (t.get("shape"), t.get("dtype"))
-                == (
-                    table["shape"],
-                    table["dtype"],
-                )
-            )
-            if not same or sorted(t.get("optimizer_state", [])) != sorted(table["optimizer_state"]):
+            t = m.get("tables", {}).get(q) or {}
+            mine = ("dense", table["shape"], table["dtype"], sorted(table["optimizer_state"]))
+            if (t.get("kind"), t.get("shape"), t.get("dtype"), sorted(t.get("optimizer_state", []))) != mine:
                 return {}
             versions.append((vdir, m, t))
         base_dir, base, t0 = versions[0]
