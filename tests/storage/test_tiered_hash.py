@@ -169,6 +169,43 @@ def test_refusals_change_nothing(tmp_path, monkeypatch):
     _train(ec, steps=3, opt=opt)  # (it goes on once there is room)
 
 
+def test_the_records_index_lives_in_mapped_files_and_a_full_disk_growing_it_changes_nothing(tmp_path, monkeypatch):
+    """The per-record arrays and index are files of the table's directory mapped into memory (not
+    the process's memory), unlinked at once; when the disk cannot hold them grown, the batch is
+    refused and nothing changes."""
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=1)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "t", cache_rows=40), OPTIMIZERS["adagrad"]), seed=1)
+    opts = [_train(m, steps=5) for m in (ref, ec)]
+    st = ec.storage_of("a").stats()
+    assert st["disk_rows"] > 0 and st["index_bytes"] >= 1024 * (8 + 8 + 8 + 2 + 12)  # (records' arrays: 1,024 at least)
+    maps = [x for x in open("/proc/self/maps").read().splitlines() if str(tmp_path / "t") in x]
+    assert maps and all(x.endswith("(deleted)") for x in maps), maps  # (mapped, unlinked)
+    assert not list((tmp_path / "t").glob(".mapped-*"))
+    real = tiered_hash.os.posix_fallocate
+
+    def full(fd, offset, size):  # (no room for the index's files alone)
+        if ".mapped-" in tiered_hash.os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, size)
+
+    monkeypatch.setattr(tiered_hash.os, "posix_fallocate", full)
+    before, made = _state(ec), 0
+    with pytest.raises(he.HybridEmbedError, match="No space left on device.*nothing was changed"):
+        for step in range(100):  # (30 new ids a step: the records outgrow their arrays)
+            opts[1].zero_grad()
+            _loss(ec({"a": torch.arange(2000 + 30 * step, 2030 + 30 * step), "b": torch.arange(3)})).backward()
+            opts[1].step()
+            before, made = _state(ec), step + 1
+    _same(_state(ec), before)
+    monkeypatch.undo()
+    for step in range(made + 1):  # (it goes on with the refused batch once there is room: as the table in memory)
+        for m, o in zip((ref, ec) if step == made else (ref,), opts):
+            o.zero_grad()
+            _loss(m({"a": torch.arange(2000 + 30 * step, 2030 + 30 * step), "b": torch.arange(3)})).backward()
+            o.step()
+    _same(_state(ec), _state(ref))
+
+
 class _Model(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

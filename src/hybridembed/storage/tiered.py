@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import math
 import os
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -247,6 +249,45 @@ def _lock(path: Path) -> int:
             "another); give each model its own Tiered(path=...) directory"
         ) from None
     return fd
+
+
+def mapped(where: Path | None, shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
+    """A tensor of ``shape`` full of ``fill``: in this process's memory where ``where`` is None, else
+    in a file of that directory mapped into memory (``MAP_SHARED``): its pages are the kernel's page
+    cache, written back and dropped under memory pressure, not this process's memory. The file is
+    unlinked at once (it goes when the tensor does; a crash leaves nothing behind) and its blocks
+    are reserved first: a full disk raises here, never a ``SIGBUS`` at a later write."""
+    numel = math.prod(shape)
+    if where is None or numel == 0:
+        return torch.full(shape, fill, dtype=dtype)
+    size = numel * dtype.itemsize
+    fd, name = -1, None
+    try:
+        fd, name = tempfile.mkstemp(dir=where, prefix=".mapped-")
+        os.posix_fallocate(fd, 0, size)  # (blocks reserved, read as zeros)
+        out = torch.from_file(name, shared=True, size=numel, dtype=dtype).view(shape)
+    except (OSError, RuntimeError) as e:
+        raise HybridEmbedError(
+            f"tiered table index in {where}: cannot reserve {size / 2**20:,.1f} MiB ({getattr(e, 'strerror', e)}); "
+            "nothing was changed: free room on that disk"
+        ) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if name is not None:
+            os.unlink(name)
+    if fill:
+        out.fill_(fill)
+    return out
+
+
+def grown(t: torch.Tensor, rows: int, where: Path | None, fill: int = 0, keep: int | None = None) -> torch.Tensor:
+    """``t`` with ``rows`` rows (:func:`mapped` in ``where``): its first ``keep`` rows (all: None)
+    copied, the rest ``fill``."""
+    out = mapped(where, (rows, *t.shape[1:]), t.dtype, fill)
+    keep = t.shape[0] if keep is None else keep
+    out[:keep] = t[:keep]
+    return out
 
 
 class TieredStorage(DenseStorage):

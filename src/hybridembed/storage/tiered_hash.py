@@ -20,10 +20,11 @@ anything changes (a full disk refuses the batch). Scattered reads and writes go 
 loop of ``pread`` / ``pwrite`` (:mod:`hybridembed.kernels._numba_io`). A spilled row leaves a
 tombstone in the cache's index instead of a rebuild.
 
-In memory, per record (one per row ever spilled): its (table, id), place, recency, frequency,
-whether it holds the row now (``live``: the row is not cached), and HashStorage's open-addressing
-index (table, id) -> record, insert-only (a row keeps its record for life): 70-100 bytes per row
-on disk. A batch needs all its distinct rows in the cache at once: more than it holds is refused
+Per record (one per row ever spilled): its (table, id), place, recency, frequency, whether it
+holds the row now (``live``: the row is not cached), and HashStorage's open-addressing index
+(table, id) -> record, insert-only (a row keeps its record for life): 70-100 bytes per row on disk,
+in files of the table's directory mapped into memory (:func:`~hybridembed.storage.tiered.mapped`):
+page cache the kernel writes back and drops under pressure, not the process's memory. A batch needs all its distinct rows in the cache at once: more than it holds is refused
 before anything changes. Whole-table reads (``state_dict``, ``dynamic_rows``, export) merge the
 cache and the records and hold the table's rows in memory while they run; checkpoints (``he.save``,
 ``he.load``) read and write a part of the rows at a time (:meth:`TieredHashStorage.save_parts`,
@@ -45,7 +46,7 @@ from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
 from .hashed import _EMPTY, _FIND_WINDOW, _PROBES, HashStorage, sort_pairs
 from .protocol import LookupPlan, _nothing
-from .tiered import _File, _lock, _Prefetch
+from .tiered import _File, _lock, _Prefetch, grown, mapped
 
 __all__ = ["TieredHashStorage"]
 
@@ -55,15 +56,18 @@ _TOMB = torch.tensor([[_EMPTY, ((1 << 31) - 1) << 32]])  # an index row of a spi
 
 class _Homes:
     """(table, id) -> home record: :class:`HashStorage`'s index (its eager find and insert) over
-    records; insert-only, rebuilt twice as large when half full."""
+    records; insert-only, rebuilt twice as large when half full. Its arrays are :func:`mapped` in
+    ``where`` (the table's directory; None: in memory)."""
 
     kernels = "eager"
     _hash = HashStorage._hash
     _window = HashStorage._window
     find = HashStorage._find
     _insert = HashStorage._insert
+    _REINDEX = 1 << 20  # records put back in the index a call (a rebuild's temporaries stay small)
 
     def __init__(self) -> None:
+        self.where: Path | None = None
         self.weight = torch.zeros(0)  # (the kernel choice reads its device: the CPU)
         self.key = torch.zeros(0, dtype=torch.int64)  # (>= n,) the pair of each record
         self.tab = torch.zeros(0, dtype=torch.int32)
@@ -72,10 +76,22 @@ class _Homes:
 
     def _reset(self, positions: int) -> None:
         self._mask = positions - 1
-        self._hrow = torch.full((positions, 2), _EMPTY, dtype=torch.int64)
-        self._claim = torch.full((positions,), -1, dtype=torch.int32)
+        self._hrow = mapped(self.where, (positions, 2), torch.int64, _EMPTY)
+        self._claim = mapped(self.where, (positions,), torch.int32, -1)
         self._probe_offsets = torch.arange(_PROBES)
         self._find_offsets = torch.arange(_FIND_WINDOW)
+
+    def _reindex(self, positions: int) -> None:
+        """A new index of ``positions`` positions holding every record (the old one kept if it fails)."""
+        old = self._mask, self._hrow, self._claim
+        try:
+            self._reset(positions)
+            for lo in range(0, self.n, self._REINDEX):
+                hi = min(lo + self._REINDEX, self.n)
+                self._insert(self.key[lo:hi], self.tab[lo:hi], torch.arange(lo, hi))
+        except BaseException:
+            self._mask, self._hrow, self._claim = old
+            raise
 
     def lookup(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """(K,) records of (table, id) pairs; -1 where none."""
@@ -83,34 +99,29 @@ class _Homes:
             return torch.full((keys.numel(),), -1, dtype=torch.int64)
         return self.find(keys, tabs)
 
-    def reserve(self, total: int) -> None:
-        """Room for ``total`` records, the index sized for them now (a load of many rows: one
-        rebuild, not one per doubling, each holding the old index and the new at once)."""
+    def reserve(self, total: int, ahead: int = 2) -> None:
+        """Room for ``total`` records, the index sized for ``ahead`` times them when rebuilt (a load
+        of many rows: 2, one rebuild; a batch's: 4, a doubling), before any record goes in."""
         if total > self.key.numel():
-            self._grow(total)
+            size = max(total, (ahead // 2) * self.key.numel())
+            self.key = grown(self.key, size, self.where, keep=self.n)
+            self.tab = grown(self.tab, size, self.where, _EMPTY, keep=self.n)
         if 2 * total > self._mask + 1:
-            self._reset(1 << math.ceil(math.log2(2 * total)))
-            self._insert(self.key[: self.n], self.tab[: self.n], torch.arange(self.n))
-
-    def _grow(self, size: int) -> None:
-        n = self.n
-        self.key = torch.cat([self.key[:n], torch.zeros(size - n, dtype=torch.int64)])
-        self.tab = torch.cat([self.tab[:n], torch.full((size - n,), _EMPTY, dtype=torch.int32)])
+            self._reindex(1 << math.ceil(math.log2(ahead * total)))
 
     def add(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """Records for (table, id) pairs (distinct, without one): their numbers (K,)."""
         n, m = self.n, keys.numel()
-        if n + m > self.key.numel():
-            self._grow(max(2 * self.key.numel(), n + m, 1024))
+        self.reserve(n + m, ahead=4)
         recs = torch.arange(n, n + m)
         self.key[n : n + m], self.tab[n : n + m] = keys, tabs.to(torch.int32)
         self.n = n + m
-        if 2 * self.n > self._mask + 1:
-            self._reset(1 << math.ceil(math.log2(4 * self.n)))
-            self._insert(self.key[: self.n], self.tab[: self.n], torch.arange(self.n))
-        else:
-            self._insert(keys, tabs.to(torch.int32), recs)
+        self._insert(keys, tabs.to(torch.int32), recs)
         return recs
+
+    @property
+    def nbytes(self) -> int:
+        return self.key.numel() * 12 + self._hrow.numel() * 8 + self._claim.numel() * 4
 
 
 class TieredHashStorage(HashStorage):
@@ -152,6 +163,7 @@ class TieredHashStorage(HashStorage):
             raise ConfigError(f"Tiered(path={self.tier.path!r}): cannot make the directory ({e.strerror})") from None
         self._name = self.tables[0].name if len(self.tables) == 1 else f"{self.tables[0].name}+{len(self.tables) - 1}"
         weakref.finalize(self, os.close, _lock(self.dir / f"{self._name}.lock"))
+        self._homes.where = self.dir  # (the records' arrays and index: mapped files there, from their first growth)
         self._file = _File(self.dir / f"{self._name}.rows", 0, self._record_bytes(self._parts), torch.uint8)
 
     def _build_index(self, slots: int) -> None:
@@ -269,6 +281,8 @@ class TieredHashStorage(HashStorage):
         if self._tail - live > max(live, self.COMPACT_AT):
             self._compact()
         self._room(self._tail + victims.numel())
+        self._records(self._homes.n + victims.numel())  # (and the records' arrays and index: mapped files)
+        self._homes.reserve(self._homes.n + victims.numel(), ahead=4)
 
     def _room(self, places: int) -> None:
         if places <= self._reserved:
@@ -357,17 +371,17 @@ class TieredHashStorage(HashStorage):
         """Rows and state of records ``recs`` (K,) on disk, by name."""
         return self._unpack(self._file.read(self.rec_at.index_select(0, recs)))
 
-    def _records(self) -> None:
-        """The per-record arrays as long as the index's."""
+    def _records(self, total: int) -> None:
+        """Room in the per-record arrays for ``total`` records, made before the index holds them
+        (a full disk refuses here: nothing changed)."""
         self._settle()
-        size = self._homes.key.numel()
-        if self.rec_last.numel() < size:
-            extra = size - self.rec_last.numel()
-            for name in ("rec_last", "rec_freq"):
-                setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.int64)]))
-            for name in ("rec_live", "rec_changed"):
-                setattr(self, name, torch.cat([getattr(self, name), torch.zeros(extra, dtype=torch.bool)]))
-            self.rec_at = torch.cat([self.rec_at, torch.full((extra,), -1, dtype=torch.int64)])
+        if self.rec_last.numel() >= total:
+            return
+        size, where = max(total, 2 * self.rec_last.numel(), 1024), self._homes.where
+        names = ("rec_last", "rec_freq", "rec_live", "rec_changed", "rec_at")
+        new = {name: grown(getattr(self, name), size, where, -1 if name == "rec_at" else 0) for name in names}
+        for name, t in new.items():
+            setattr(self, name, t)
 
     def _home(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """The records of (table, id) pairs, made for those without one."""
@@ -375,8 +389,8 @@ class TieredHashStorage(HashStorage):
         recs = self._homes.lookup(keys, tabs)
         fresh = (recs < 0).nonzero().squeeze(1)
         if fresh.numel():
+            self._records(self._homes.n + fresh.numel())
             recs[fresh] = self._homes.add(keys.index_select(0, fresh), tabs.index_select(0, fresh))
-            self._records()
         return recs
 
     def _spill(self, victims: torch.Tensor) -> None:
@@ -386,12 +400,12 @@ class TieredHashStorage(HashStorage):
             return
         n = victims.numel()
         recs = self.slot_rec.index_select(0, victims)  # (rows read back or made by a lookup know theirs: no lookup)
+        self._records(self._homes.n + n)
         for which, make in ((recs == _NONE, self._homes.add), (recs == -1, self._home)):  # (none yet; not known)
             at = which.nonzero().squeeze(1)
             if at.numel():
                 slots = victims.index_select(0, at)
                 recs[at] = make(self.slot_key.index_select(0, slots), self.slot_table.index_select(0, slots))
-        self._records()
         at = self.rec_at[recs] = self._append(n)  # (appended: one write)
         rows = {"weight": self.weight.detach().index_select(0, victims)}
         self._file.write(at, self._pack(rows | {k: v.index_select(0, victims) for k, v in self.state.items()}))
@@ -732,8 +746,8 @@ class TieredHashStorage(HashStorage):
             for i, v in ids.items()
             for c in v.split(1 << 20)
         )
+        self._records(self._homes.n + new)
         self._homes.reserve(self._homes.n + new)
-        self._records()
         which = torch.tensor([self.table_index[n] for n in names], dtype=torch.int32)
         old = torch.isin(self.slot_table, which.to(self.slot_table.device)).nonzero().squeeze(1)
         self._evict(old, count=False)  # (a reload is not an eviction)
@@ -763,15 +777,20 @@ class TieredHashStorage(HashStorage):
             s["rows"] = s["size"] = s["rows"] + disk
         s["disk_rows"], s["cache_rows"] = disk, self.weight.shape[0] - 1
         s["disk_bytes"] = os.path.getsize(self._file.path) if self._file is not None else 0
-        s["memory_bytes"] = self.memory_bytes
+        s["memory_bytes"], s["index_bytes"] = self.memory_bytes, self._index_bytes(memory=False)
         return s | dict(self.spill_counters)
 
     @property
     def memory_bytes(self) -> int:
-        """The cache's bytes (rows, state, index) and, per record, its pair, recency, frequency,
-        flags and index positions."""
-        recs = self.rec_last.numel() * (8 + 8 + 8 + 2) + self._homes.key.numel() * 12 + self._homes._hrow.numel() * 8
-        return super().memory_bytes + recs + self.slot_rec.numel() * 8 + self.pinned.numel()
+        """The cache's bytes (rows, state, index); the records' arrays and index are files mapped
+        into memory (``stats()["index_bytes"]``), in memory only for a table without a directory."""
+        return super().memory_bytes + self.slot_rec.numel() * 8 + self.pinned.numel() + self._index_bytes(memory=True)
+
+    def _index_bytes(self, memory: bool) -> int:
+        """Bytes of the per-record arrays and index held in memory (``memory``) or in mapped files."""
+        if (self._homes.where is None) != memory:
+            return 0
+        return self.rec_last.numel() * (8 + 8 + 8 + 2) + self._homes.nbytes
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, on disk: {self._disk_rows()} rows, path={str(self.tier.path)!r}"
