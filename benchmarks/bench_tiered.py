@@ -41,13 +41,16 @@ and removed after.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -143,9 +146,9 @@ base = status("VmRSS:")
 t0 = time.perf_counter()
 ec = he.EmbeddingCollection([table(where)])
 opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.01), ec, sparse=he.optim.RowWiseAdagrad(lr=0.01))
-if dynamic:  # its rows written to disk a million at a time
-    for lo in range(0, rows, 1 << 20):
-        ids = torch.arange(lo, min(rows, lo + (1 << 20)))
+if dynamic:  # its rows written to disk 262,144 at a time (the write's temporaries: about 1.5 KiB a row)
+    for lo in range(0, rows, 1 << 18):
+        ids = torch.arange(lo, min(rows, lo + (1 << 18)))
         ec.storage_of("big").write_ids("big", ids, torch.randn(ids.numel(), dim, generator=torch.Generator().manual_seed(lo)))
 built = time.perf_counter() - t0
 if dynamic:  # (the bulk write's freed temporaries handed back to the OS: glibc keeps them otherwise)
@@ -160,7 +163,8 @@ for _ in range(steps):
     opt.step()
 train = time.perf_counter() - t0
 st = ec.storage_of("big").stats()
-out = {"peak": status("VmHWM:"), "rss": status("VmRSS:"), "base": base, "built_s": built, "train_s": train, "stats": st}
+out = {"peak": status("VmHWM:"), "rss": status("VmRSS:"), "base": base, "built_s": built, "train_s": train, "stats": st,
+       "anon": status("RssAnon:"), "file": status("RssFile:") + status("RssShmem:")}
 if checkpoint:  # he.save, then he.load into a fresh tiered table: each one's peak (VmHWM reset before it)
     def reset():
         with open("/proc/self/clear_refs", "w") as f:
@@ -206,21 +210,63 @@ print(json.dumps(out))
 def memory(args: argparse.Namespace, where: str) -> dict:
     spec = [args.memory_rows, args.dim, args.memory_cache, args.memory_steps, args.batch, where, args.checkpoint]
     spec.append(args.memory_dynamic)
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise SystemExit(f"the memory run failed:\n{out.stderr[-3000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
     cache_bytes = args.memory_cache * args.dim * 4 * 2  # (the rows and row-wise Adagrad's state, generously)
+    limit = cache_bytes + (2 << 30)
+    group = _cgroup(limit) if args.memory_limit else None
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            check=False,
+            preexec_fn=None if group is None else functools.partial(_join, group),
+        )
+        cg = None if group is None else _cgroup_peak(group)
+    finally:
+        if group is not None:
+            group.rmdir()
+    if out.returncode:
+        raise SystemExit(f"the memory run failed (exit {out.returncode}; -9: killed):\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
     r["table_bytes"] = args.memory_rows * args.dim * 4
     r["cache_bytes"] = args.memory_cache * args.dim * 4
-    r["limit"] = cache_bytes + (2 << 30)
+    r["limit"] = limit
+    if cg is not None:
+        r["cgroup"] = cg
     return r
+
+
+_CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def _cgroup(limit: int) -> Path:
+    """A memory cgroup (v1) holding the memory part's process to ``limit`` bytes, its page cache
+    counted (written back and dropped at the limit; the process is killed past it, no swap here)."""
+    if not (_CGROUP_V1 / "memory.limit_in_bytes").exists():
+        raise SystemExit("--memory-limit needs a writable cgroup v1 memory controller at /sys/fs/cgroup/memory")
+    group = _CGROUP_V1 / f"bench-tiered-{os.getpid()}"
+    group.mkdir()
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    return group
+
+
+def _join(group: Path) -> None:
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def _cgroup_peak(group: Path) -> dict:
+    def read(name: str) -> int:
+        return int((group / name).read_text())
+
+    return {
+        "limit": read("memory.limit_in_bytes"),
+        "peak": read("memory.max_usage_in_bytes"),
+        "failcnt": read("memory.failcnt"),
+    }
 
 
 def _cold(storage) -> None:
     """The table's files out of the kernel's page cache (written, then dropped): reads go to the disk."""
-    import os
-
     files = [storage._file] if hasattr(storage, "_file") else [storage._rows_file, *storage._state_files.values()]
     for f in files:
         os.fsync(f.fd)
@@ -336,6 +382,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--memory-steps", type=int, default=50)
     p.add_argument("--checkpoint", action="store_true", help="memory part: he.save and he.load the table too")
     p.add_argument(
+        "--memory-limit",
+        action="store_true",
+        help="memory part: run it in a memory cgroup (v1, root) limited to the target, cache + 2 GiB, page cache counted",
+    )
+    p.add_argument(
         "--memory-dynamic", action="store_true", help="memory part: a dynamic table (ids 0..rows-1 written first)"
     )
     p.add_argument("--dir", help="where the tables' files go (default: a temporary directory)")
@@ -374,9 +425,17 @@ def main(argv: list[str] | None = None) -> dict:
                 f"memory: a table of {r['table_bytes'] / 2**30:.1f} GiB, cache {r['cache_bytes'] / 2**30:.2f} GiB: peak "
                 f"RSS {r['peak'] / 2**30:.2f} GiB (target <= cache + 2 GiB: {r['limit'] / 2**30:.2f}); built in "
                 f"{r['built_s']:.1f} s, {args.memory_steps} steps in {r['train_s']:.1f} s; hit rate "
-                f"{r['stats']['hit_rate']:.3f}",
+                f"{r['stats']['hit_rate']:.3f}; at the end anonymous {r['anon'] / 2**30:.2f} GiB, file pages "
+                f"{r['file'] / 2**30:.2f} GiB",
                 flush=True,
             )
+            if "cgroup" in r:
+                cg = r["cgroup"]
+                print(
+                    f"in a memory cgroup of {cg['limit'] / 2**30:.2f} GiB (page cache counted): trained; its peak "
+                    f"{cg['peak'] / 2**30:.2f} GiB, the limit reached {cg['failcnt']:,} times (pages reclaimed)",
+                    flush=True,
+                )
             if args.checkpoint:
                 print(
                     f"checkpoint: he.save {r['save_s']:.1f} s, peak RSS {r['save_peak'] / 2**30:.2f} GiB (RSS at the "
