@@ -303,20 +303,24 @@ class TieredHashStorage(HashStorage):
         (few calls: rows spilled together sit together), which then replaces the old one. Changes
         no row. ``parts``: a new record layout (an optimizer attached: the rows, with initial state)."""
         self.drop_prefetch()
-        live = self.rec_live[: self._homes.n].nonzero().squeeze(1)
-        live = live.index_select(0, torch.argsort(self.rec_at.index_select(0, live)))
-        old, new = self._file, None
+        old, new, n, chunk = self._file, None, self._homes.n, self._homes._REINDEX
         width = self._record_bytes(parts or self._parts)
-        try:
-            new = _File(old.path.with_name(old.path.name + ".new"), live.numel(), width, torch.uint8)
-            step = max(1, (64 << 20) // max(old.row_bytes, width))
-            for lo in range(0, live.numel(), step):
-                part = live[lo : lo + step]
+        try:  # (place -> its live record, -1: dead; a mapped file: memory bounded by a chunk of records)
+            owner = mapped(self._homes.where, (self._tail,), torch.int64, -1)
+            for lo in range(0, n, chunk):
+                live = self.rec_live[lo : lo + chunk].nonzero().squeeze(1) + lo
+                owner.index_copy_(0, self.rec_at.index_select(0, live), live)
+            new = _File(old.path.with_name(old.path.name + ".new"), int(self.rec_live[:n].sum()), width, torch.uint8)
+            step, at = max(1, (64 << 20) // max(old.row_bytes, width)), 0
+            for lo in range(0, self._tail, step):
+                part = owner[lo : lo + step]
+                part = part.index_select(0, (part >= 0).nonzero().squeeze(1))
                 records = old.read(self.rec_at.index_select(0, part))
                 if parts is not None:
                     fresh = self._initial(part.numel(), parts) | {"weight": self._unpack(records)["weight"]}
                     records = self._pack(fresh, parts)
-                new.write(torch.arange(lo, lo + part.numel()), records)
+                new.write(torch.arange(at, at + part.numel()), records)
+                at += part.numel()
         except (OSError, HybridEmbedError, ConfigError) as e:
             if new is not None:
                 new.path.unlink(missing_ok=True)
@@ -328,8 +332,13 @@ class TieredHashStorage(HashStorage):
         new.path, self._file = old.path, new
         self._parts = parts or self._parts
         self.rec_at.fill_(-1)
-        self.rec_at[live] = torch.arange(live.numel())
-        self._tail = self._reserved = live.numel()
+        at = 0
+        for lo in range(0, self._tail, chunk):  # (each live record's new place: its rank in the old order)
+            part = owner[lo : lo + chunk]
+            part = part.index_select(0, (part >= 0).nonzero().squeeze(1))
+            self.rec_at.index_copy_(0, part, torch.arange(at, at + part.numel()))
+            at += part.numel()
+        self._tail = self._reserved = at
         self.spill_counters["compactions"] += parts is None
 
     # --- records: a row and its optimizer state, as bytes -----------------------------------
