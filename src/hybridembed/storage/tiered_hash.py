@@ -15,10 +15,9 @@ rest on SSD).
 On disk: one file of records, each a row and its optimizer state (one read brings a row back
 whole). A spill appends its records at the end of the file (one write; measured 4.09x -> 2.8x
 the step in memory against a write per row in place), so a row's place moves; the file is
-compacted (the live records rewritten in order) when most of it is dead, and grown before
-anything changes (a full disk refuses the batch). Scattered reads and writes go through a Numba
-loop of ``pread`` / ``pwrite`` (:mod:`hybridembed.kernels._numba_io`). A spilled row leaves a
-tombstone in the cache's index instead of a rebuild.
+compacted when most of it is dead, and grown before anything changes (a full disk refuses the
+batch). Scattered reads and writes go through a Numba loop of ``pread`` / ``pwrite``
+(:mod:`hybridembed.kernels._numba_io`). A spilled row leaves a tombstone in the cache's index.
 
 Per record (one per row ever spilled): its (table, id), place, recency, frequency, whether it
 holds the row now (``live``: the row is not cached), and HashStorage's open-addressing index
@@ -118,10 +117,6 @@ class _Homes:
         self.n = n + m
         self._insert(keys, tabs.to(torch.int32), recs)
         return recs
-
-    @property
-    def nbytes(self) -> int:
-        return self.key.numel() * 12 + self._hrow.numel() * 8 + self._claim.numel() * 4
 
 
 class TieredHashStorage(HashStorage):
@@ -797,9 +792,9 @@ class TieredHashStorage(HashStorage):
 
     def _index_bytes(self, memory: bool) -> int:
         """Bytes of the per-record arrays and index held in memory (``memory``) or in mapped files."""
-        if (self._homes.where is None) != memory:
-            return 0
-        return self.rec_last.numel() * (8 + 8 + 8 + 2) + self._homes.nbytes
+        h = self._homes
+        arrays = (self.rec_last, self.rec_freq, self.rec_live, self.rec_changed, self.rec_at, h.key, h.tab, h._hrow)
+        return 0 if (h.where is None) != memory else sum(t.nbytes for t in (*arrays, h._claim))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, on disk: {self._disk_rows()} rows, path={str(self.tier.path)!r}"
