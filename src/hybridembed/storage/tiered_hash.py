@@ -43,80 +43,15 @@ import torch
 
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
-from .hashed import _EMPTY, _FIND_WINDOW, _PROBES, HashStorage, sort_pairs
+from .hashed import _EMPTY, HashStorage, sort_pairs
 from .protocol import LookupPlan, _nothing
+from .records import Homes
 from .tiered import _File, _lock, _Prefetch, grown, mapped
 
 __all__ = ["TieredHashStorage"]
 
 _NONE = -2  # slot_rec of a cached row known to have no record yet (-1: not known; else its record)
 _TOMB = torch.tensor([[_EMPTY, ((1 << 31) - 1) << 32]])  # an index row of a spilled pair: no table has this number
-
-
-class _Homes:
-    """(table, id) -> home record: :class:`HashStorage`'s index (its eager find and insert) over
-    records; insert-only, rebuilt twice as large when half full. Its arrays are :func:`mapped` in
-    ``where`` (the table's directory; None: in memory)."""
-
-    kernels = "eager"
-    _hash = HashStorage._hash
-    _window = HashStorage._window
-    find = HashStorage._find
-    _insert = HashStorage._insert
-    _REINDEX = 1 << 20  # records put back in the index a call (a rebuild's temporaries stay small)
-
-    def __init__(self) -> None:
-        self.where: Path | None = None
-        self.weight = torch.zeros(0)  # (the kernel choice reads its device: the CPU)
-        self.key = torch.zeros(0, dtype=torch.int64)  # (>= n,) the pair of each record
-        self.tab = torch.zeros(0, dtype=torch.int32)
-        self.n = 0  # records made
-        self._reset(16)
-
-    def _reset(self, positions: int) -> None:
-        self._mask = positions - 1
-        self._hrow = mapped(self.where, (positions, 2), torch.int64, _EMPTY)
-        self._claim = mapped(self.where, (positions,), torch.int32, -1)
-        self._probe_offsets = torch.arange(_PROBES)
-        self._find_offsets = torch.arange(_FIND_WINDOW)
-
-    def _reindex(self, positions: int) -> None:
-        """A new index of ``positions`` positions holding every record (the old one kept if it fails)."""
-        old = self._mask, self._hrow, self._claim
-        try:
-            self._reset(positions)
-            for lo in range(0, self.n, self._REINDEX):
-                hi = min(lo + self._REINDEX, self.n)
-                self._insert(self.key[lo:hi], self.tab[lo:hi], torch.arange(lo, hi))
-        except BaseException:
-            self._mask, self._hrow, self._claim = old
-            raise
-
-    def lookup(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
-        """(K,) records of (table, id) pairs; -1 where none."""
-        if keys.numel() == 0 or self.n == 0:
-            return torch.full((keys.numel(),), -1, dtype=torch.int64)
-        return self.find(keys, tabs)
-
-    def reserve(self, total: int, ahead: int = 2) -> None:
-        """Room for ``total`` records, the index sized for ``ahead`` times them when rebuilt (a load
-        of many rows: 2, one rebuild; a batch's: 4, a doubling), before any record goes in."""
-        if total > self.key.numel():
-            size = max(total, (ahead // 2) * self.key.numel())
-            self.key = grown(self.key, size, self.where, keep=self.n)
-            self.tab = grown(self.tab, size, self.where, _EMPTY, keep=self.n)
-        if 2 * total > self._mask + 1:
-            self._reindex(1 << math.ceil(math.log2(ahead * total)))
-
-    def add(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
-        """Records for (table, id) pairs (distinct, without one): their numbers (K,)."""
-        n, m = self.n, keys.numel()
-        self.reserve(n + m, ahead=4)
-        recs = torch.arange(n, n + m)
-        self.key[n : n + m], self.tab[n : n + m] = keys, tabs.to(torch.int32)
-        self.n = n + m
-        self._insert(keys, tabs.to(torch.int32), recs)
-        return recs
 
 
 class TieredHashStorage(HashStorage):
@@ -136,7 +71,7 @@ class TieredHashStorage(HashStorage):
         super().__init__(tables, seed, device)
         self.tier = self.tables[0].tiered
         self.spill_counters = dict.fromkeys(("spilled", "read_back", "disk_writes", "prefetched", "compactions"), 0)
-        self._homes = _Homes()
+        self._homes = Homes()
         self.rec_last = torch.zeros(0, dtype=torch.int64)  # (R,) recency of each record's row
         self.rec_freq = torch.zeros(0, dtype=torch.int64)
         self.rec_live = torch.zeros(0, dtype=torch.bool)  # holds the row now (it is not cached)
