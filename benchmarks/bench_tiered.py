@@ -8,6 +8,7 @@ same tables in memory, and the memory of a table larger than the cache.
     python benchmarks/bench_tiered.py --part memory --memory-rows 20000000 --checkpoint   # he.save / he.load of 5 GiB
     python benchmarks/bench_tiered.py --part memory --memory-dynamic --memory-rows 10000000 --memory-cache 1000000 --checkpoint
     python benchmarks/bench_tiered.py --part dynamic-prefetch --steps 20 --warmup 5   # the prefetch, dynamic tables
+    python benchmarks/bench_tiered.py --part index --index-records 8000000 --index-limit 800   # the records index (root)
     python benchmarks/bench_tiered.py --quick               # seconds: the smoke test
 
 **speed**: ``--tables`` tables of ``--rows`` rows x ``--dim`` (one group), one-hot power-law ids
@@ -28,6 +29,10 @@ dynamic with ids spread over int64) written to disk and dropped from the page ca
 ``--prefetch-cache`` rows, uniform ids (nearly every row a miss): a step without and with
 ``ec.prefetch(next batch)`` after the backward, and the main thread's read time; the two modes
 alternate in blocks of 5 steps (``--steps`` of each), each block from a cold page cache; medians.
+
+**index**: the records index of dynamic tiered tables alone (``storage/records.py``, its arrays in
+mapped files): a rebuild a window of positions at a time against one pass, each in a fresh process
+held in a memory cgroup of ``--index-limit`` MiB (cgroup v1, root; 0: none).
 
 **memory**: a fresh process builds one tiered table of ``--memory-rows`` rows x ``--dim`` with a
 cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-law ids; its peak
@@ -265,6 +270,53 @@ def _cgroup_peak(group: Path) -> dict:
     }
 
 
+_INDEX_CHILD = """
+import json, shutil, sys, tempfile, time, torch
+from pathlib import Path
+from hybridembed.storage.records import Homes
+n, window, where = json.loads(sys.argv[1])
+Homes._WINDOW_BYTES = window
+h = Homes()
+h.where = Path(tempfile.mkdtemp(dir=where))
+keys = torch.randperm(n, generator=torch.Generator().manual_seed(0)) * 7919
+t0 = time.perf_counter()
+for c in keys.split(1 << 20):
+    h.add(c, torch.zeros(c.numel(), dtype=torch.int32))
+add = time.perf_counter() - t0
+t0 = time.perf_counter()
+h._reindex(2 * (h._mask + 1))
+rebuild = time.perf_counter() - t0
+found = torch.equal(h.lookup(keys[:100000], torch.zeros(100000, dtype=torch.int32)), torch.arange(100000))
+shutil.rmtree(h.where)
+print(json.dumps({"add_s": add, "rebuild_s": rebuild, "positions": h._mask + 1, "found": found}))
+"""
+
+
+def index(args: argparse.Namespace, where: str) -> dict:
+    """The records index alone (``storage/records.py``): ``--index-records`` records added a million
+    at a time, then one rebuild to twice the positions, a window of ``--index-window`` MiB at a time against one pass,
+    each in a fresh process (in a memory cgroup of ``--index-limit`` MiB when given); None: it
+    outlived ``--index-timeout`` seconds and was stopped."""
+    out = {}
+    for name, window in (("windows", args.index_window << 20), ("one pass", 1 << 62)):
+        group = _cgroup(args.index_limit << 20) if args.index_limit else None
+        try:
+            run = subprocess.run(
+                [sys.executable, "-c", _INDEX_CHILD, json.dumps([args.index_records, window, where])],
+                capture_output=True,
+                text=True,
+                timeout=args.index_timeout,
+                preexec_fn=None if group is None else functools.partial(_join, group),
+            )
+            out[name] = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else run.returncode
+        except subprocess.TimeoutExpired:
+            out[name] = None
+        finally:
+            if group is not None:
+                group.rmdir()
+    return out
+
+
 def _cold(storage) -> None:
     """The table's files out of the kernel's page cache (written, then dropped): reads go to the disk."""
     files = [storage._file] if hasattr(storage, "_file") else [storage._rows_file, *storage._state_files.values()]
@@ -363,8 +415,14 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--part", choices=["speed", "dynamic", "memory", "prefetch", "dynamic-prefetch", "both"], default="both"
+        "--part",
+        choices=["speed", "dynamic", "memory", "prefetch", "dynamic-prefetch", "index", "both"],
+        default="both",
     )
+    p.add_argument("--index-records", type=int, default=8_000_000, help="index part: records")
+    p.add_argument("--index-window", type=int, default=64, help="index part: MiB of positions a window")
+    p.add_argument("--index-limit", type=int, default=800, help="index part: a memory cgroup of MiB (0: none)")
+    p.add_argument("--index-timeout", type=float, default=300.0, help="index part: seconds a run may take")
     p.add_argument("--prefetch-rows", type=int, default=4_000_000, help="prefetch part: rows of all tables")
     p.add_argument("--prefetch-cache", type=int, default=200_000)
     p.add_argument("--tables", type=int, default=8)
@@ -419,6 +477,17 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{r['equal_to_memory']}",
                 flush=True,
             )
+        if args.part == "index":
+            r = result["index"] = index(args, root)
+            for name, v in r.items():
+                what = (
+                    f"add {v['add_s']:.2f} s, rebuild to {v['positions']:,} positions {v['rebuild_s']:.2f} s, "
+                    f"found: {v['found']}"
+                    if isinstance(v, dict)
+                    else ("stopped after --index-timeout" if v is None else f"failed (exit {v}; -9: killed)")
+                )
+                limit = f"a cgroup of {args.index_limit} MiB" if args.index_limit else "no cgroup"
+                print(f"index: {args.index_records:,} records, {limit}, {name}: {what}", flush=True)
         if args.part in ("memory", "both"):
             r = result["memory"] = memory(args, f"{root}/memory")
             print(

@@ -39,3 +39,28 @@ def test_quick(tmp_path):
         assert r["plain"]["read_ms"] > 0 and r["prefetch"]["step_ms"] > 0, (part, r)
         assert r["stats"]["prefetched"] > 0 and r["stats"]["rows"] == 40_000, (part, r["stats"])
     assert list(tmp_path.iterdir()) == [out]  # (the tables' files removed)
+
+
+def test_index_part_rebuilds_by_windows_and_in_one_pass_alike(tmp_path):
+    out = tmp_path / "index.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--part",
+        "index",
+        "--index-records",
+        "300000",
+        "--index-limit",
+        "0",
+        "--index-window",
+        "1",
+    ]
+    run = subprocess.run(
+        [*cmd, "--dir", str(tmp_path), "--json", str(out)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())["index"]
+    for name in ("windows", "one pass"):  # (300k records: rebuilt to 2^22 positions, 80 MiB: 80 windows, or one)
+        assert res[name]["found"] is True and res[name]["positions"] == 1 << 22, res
