@@ -53,7 +53,7 @@ class Homes:
     def _reindex(self, positions: int) -> None:
         """A new index of ``positions`` positions holding every record (the old one kept if it fails)."""
         old = self._mask, self._hrow, self._claim
-        windows = max(1, positions * 20 // self._WINDOW_BYTES)  # (probes in one window's pages at a time)
+        windows = max(1, positions * 20 // self._WINDOW_BYTES)  # (20 bytes a position: its pair and claim)
         try:
             self._reset(positions)
             for w in range(windows):
@@ -80,8 +80,8 @@ class Homes:
         of many rows: 2, one rebuild; a batch's: 4, a doubling), before any record goes in."""
         if total > self.key.numel():
             size = max(total, (ahead // 2) * self.key.numel())
-            self.key = grown(self.key, size, self.where, keep=self.n)
-            self.tab = grown(self.tab, size, self.where, _EMPTY, keep=self.n)
+            key = grown(self.key, size, self.where, keep=self.n)  # (both made before either is replaced)
+            self.key, self.tab = key, grown(self.tab, size, self.where, _EMPTY, keep=self.n)
         if 2 * total > self._mask + 1:
             self._reindex(1 << math.ceil(math.log2(ahead * total)))
 
