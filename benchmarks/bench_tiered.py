@@ -455,6 +455,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.tables, args.rows, args.dim, args.batch, args.steps, args.warmup = 2, 5_000, 8, 256, 3, 2
         args.memory_rows, args.memory_cache, args.memory_steps = 100_000, 400, 3
         args.prefetch_rows, args.prefetch_cache = 40_000, 2_000
+        args.index_records, args.index_window, args.index_limit = 300_000, 1, 0
     root = tempfile.mkdtemp(prefix="hybridembed-tiered-", dir=args.dir)
     result: dict = {}
     try:
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{r['equal_to_memory']}",
                 flush=True,
             )
-        if args.part == "index":
+        if args.part == "index" or args.quick:
             r = result["index"] = index(args, root)
             for name, v in r.items():
                 what = (
