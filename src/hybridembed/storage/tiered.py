@@ -266,6 +266,7 @@ def mapped(where: Path | None, shape: tuple[int, ...], dtype: torch.dtype, fill:
         fd, name = tempfile.mkstemp(dir=where, prefix=".mapped-")
         os.posix_fallocate(fd, 0, size)  # (blocks reserved, read as zeros)
         out = torch.from_file(name, shared=True, size=numel, dtype=dtype).view(shape)
+        _advise(out, _MADV_RANDOM)
     except (OSError, RuntimeError) as e:
         raise HybridEmbedError(
             f"tiered table index in {where}: cannot reserve {size / 2**20:,.1f} MiB ({getattr(e, 'strerror', e)}); "
@@ -279,6 +280,20 @@ def mapped(where: Path | None, shape: tuple[int, ...], dtype: torch.dtype, fill:
     if fill:
         out.fill_(fill)
     return out
+
+
+_MADV_RANDOM = 1  # <sys/mman.h>: a page fault reads that page alone (no read-around of its neighbours)
+
+
+def _advise(t: torch.Tensor, advice: int) -> None:
+    """``madvise`` over the mapping ``t`` starts (page-aligned); a refusal is only a lost hint."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.untyped_storage().nbytes()), advice)
+    except (OSError, AttributeError):
+        pass
 
 
 def grown(t: torch.Tensor, rows: int, where: Path | None, fill: int = 0, keep: int | None = None) -> torch.Tensor:
