@@ -22,9 +22,9 @@ batch). Scattered reads and writes go through a Numba loop of ``pread`` / ``pwri
 Per record (one per row ever spilled): its (table, id), place, recency, frequency, whether it
 holds the row now (``live``: the row is not cached), and HashStorage's open-addressing index
 (table, id) -> record, insert-only (a row keeps its record for life): 70-100 bytes per row on disk,
-in files of the table's directory mapped into memory (:func:`~hybridembed.storage.tiered.mapped`):
-page cache the kernel writes back and drops under pressure, not the process's memory. A batch needs all its distinct rows in the cache at once: more than it holds is refused
-before anything changes. Whole-table reads (``state_dict``, ``dynamic_rows``, export) merge the
+in files of the table's directory mapped into memory (:mod:`hybridembed.storage.records`): page
+cache, not the process's memory. A batch needs all its distinct rows in the cache at once: more
+than it holds is refused before anything changes. Whole-table reads (``state_dict``, ``dynamic_rows``, export) merge the
 cache and the records and hold the table's rows in memory while they run; checkpoints (``he.save``,
 ``he.load``) read and write a part of the rows at a time (:meth:`TieredHashStorage.save_parts`,
 :meth:`TieredHashStorage.load_parts`).
