@@ -5,8 +5,8 @@ Its arrays are files of the table's directory mapped into memory (:func:`~hybrid
 an index larger than the memory a process may use stays on disk, its pages in the kernel's page
 cache. Probing it is random access, so it is written in the order of its positions: a batch's new
 records sorted by home position, a rebuild a window of positions at a time (each window's pages
-filled while they are in memory; measured: 8M records rebuilt in a cgroup of 800 MiB in 9.1 s
-with 64 MiB windows, more than 300 s in one pass).
+filled while they are in memory), and the positions' mappings read at random (``MADV_RANDOM``);
+the records' pairs, scanned in order by a rebuild, keep the kernel's read-ahead.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class Homes:
 
     def _reset(self, positions: int) -> None:
         self._mask = positions - 1
-        self._hrow = mapped(self.where, (positions, 2), torch.int64, _EMPTY)
-        self._claim = mapped(self.where, (positions,), torch.int32, -1)
+        self._hrow = mapped(self.where, (positions, 2), torch.int64, _EMPTY, random=True)
+        self._claim = mapped(self.where, (positions,), torch.int32, -1, random=True)
         self._probe_offsets = torch.arange(_PROBES)
         self._find_offsets = torch.arange(_FIND_WINDOW)
 

@@ -251,12 +251,16 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def mapped(where: Path | None, shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
+def mapped(
+    where: Path | None, shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0, random: bool = False
+) -> torch.Tensor:
     """A tensor of ``shape`` full of ``fill``: in this process's memory where ``where`` is None, else
     in a file of that directory mapped into memory (``MAP_SHARED``): its pages are the kernel's page
     cache, written back and dropped under memory pressure, not this process's memory. The file is
     unlinked at once (it goes when the tensor does; a crash leaves nothing behind) and its blocks
-    are reserved first: a full disk raises here, never a ``SIGBUS`` at a later write."""
+    are reserved first: a full disk raises here, never a ``SIGBUS`` at a later write. ``random``:
+    read at random (a hash index), so a fault reads its own page alone (``MADV_RANDOM``; arrays
+    also scanned in order keep the kernel's read-ahead)."""
     numel = math.prod(shape)
     if where is None or numel == 0:
         return torch.full(shape, fill, dtype=dtype)
@@ -266,7 +270,8 @@ def mapped(where: Path | None, shape: tuple[int, ...], dtype: torch.dtype, fill:
         fd, name = tempfile.mkstemp(dir=where, prefix=".mapped-")
         os.posix_fallocate(fd, 0, size)  # (blocks reserved, read as zeros)
         out = torch.from_file(name, shared=True, size=numel, dtype=dtype).view(shape)
-        _advise(out, _MADV_RANDOM)
+        if random:
+            _advise(out, _MADV_RANDOM)
     except (OSError, RuntimeError) as e:
         raise HybridEmbedError(
             f"tiered table index in {where}: cannot reserve {size / 2**20:,.1f} MiB ({getattr(e, 'strerror', e)}); "
