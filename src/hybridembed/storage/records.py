@@ -54,15 +54,17 @@ class Homes:
         """A new index of ``positions`` positions holding every record (the old one kept if it fails)."""
         old = self._mask, self._hrow, self._claim
         windows = max(1, positions * 20 // self._WINDOW_BYTES)  # (20 bytes a position: its pair and claim)
+        chunks = [(lo, min(lo + self._REINDEX, self.n)) for lo in range(0, self.n, self._REINDEX)]
         try:
             self._reset(positions)
+            which = mapped(self.where, (self.n if windows > 1 else 0,), torch.int32)  # each record's window
+            for lo, hi in chunks if windows > 1 else ():  # (hashed once, not once a window)
+                which[lo:hi] = (self._hash(self.key[lo:hi], self.tab[lo:hi]) & self._mask) * windows // positions
             for w in range(windows):
-                for lo in range(0, self.n, self._REINDEX):
-                    hi = min(lo + self._REINDEX, self.n)
+                for lo, hi in chunks:
                     keys, tabs, recs = self.key[lo:hi], self.tab[lo:hi], torch.arange(lo, hi)
                     if windows > 1:
-                        home = (self._hash(keys, tabs) & self._mask) * windows // positions
-                        at = (home == w).nonzero().squeeze(1)
+                        at = (which[lo:hi] == w).nonzero().squeeze(1)
                         keys, tabs, recs = keys.index_select(0, at), tabs.index_select(0, at), recs.index_select(0, at)
                     self._insert(keys, tabs, recs)
         except BaseException:
