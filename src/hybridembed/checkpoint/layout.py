@@ -124,10 +124,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_file(path: Path, obj: Any) -> None:
-    """One file of a checkpoint: ``torch.save`` (or raw bytes), flushed and fsynced."""
+    """One new file of a checkpoint: ``torch.save`` (or raw bytes), flushed and fsynced. Never
+    written over (``"xb"``): a file of a staged version may be a second name of a committed
+    version's file (:mod:`~hybridembed.checkpoint.links`), whose bytes must not change."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
+        with open(path, "xb") as f:
             if isinstance(obj, bytes):
                 f.write(obj)
             else:
