@@ -274,13 +274,13 @@ _INDEX_CHILD = """
 import json, shutil, sys, tempfile, time, torch
 from pathlib import Path
 from hybridembed.storage.records import Homes
-n, window, where = json.loads(sys.argv[1])
+n, window, where, batch = json.loads(sys.argv[1])
 Homes._WINDOW_BYTES = window
 h = Homes()
 h.where = Path(tempfile.mkdtemp(dir=where))
 keys = torch.randperm(n, generator=torch.Generator().manual_seed(0)) * 7919
 t0 = time.perf_counter()
-for c in keys.split(1 << 20):
+for c in keys.split(batch):
     h.add(c, torch.zeros(c.numel(), dtype=torch.int32))
 add = time.perf_counter() - t0
 t0 = time.perf_counter()
@@ -302,7 +302,7 @@ def index(args: argparse.Namespace, where: str) -> dict:
         group = _cgroup(args.index_limit << 20) if args.index_limit else None
         try:
             run = subprocess.run(
-                [sys.executable, "-c", _INDEX_CHILD, json.dumps([args.index_records, window, where])],
+                [sys.executable, "-c", _INDEX_CHILD, json.dumps([args.index_records, window, where, args.index_batch])],
                 capture_output=True,
                 text=True,
                 timeout=args.index_timeout,
@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--index-records", type=int, default=8_000_000, help="index part: records")
     p.add_argument("--index-window", type=int, default=64, help="index part: MiB of positions a window")
+    p.add_argument("--index-batch", type=int, default=1 << 20, help="index part: records added a call")
     p.add_argument("--index-limit", type=int, default=800, help="index part: a memory cgroup of MiB (0: none)")
     p.add_argument("--index-timeout", type=float, default=300.0, help="index part: seconds a run may take")
     p.add_argument("--prefetch-rows", type=int, default=4_000_000, help="prefetch part: rows of all tables")

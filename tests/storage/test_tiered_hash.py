@@ -172,7 +172,7 @@ def test_refusals_change_nothing(tmp_path, monkeypatch):
 def test_the_records_index_lives_in_mapped_files_and_a_full_disk_growing_it_changes_nothing(tmp_path, monkeypatch):
     """The per-record arrays and index are files of the table's directory mapped into memory (not
     the process's memory), unlinked at once; when the disk cannot hold them grown, the batch is
-    refused and nothing changes. (Rebuilds go a window of 64 positions at a time.)"""
+    refused and nothing changes. (Rebuilds go a window of 64 positions at a time, batches a span.)"""
     monkeypatch.setattr(records.Homes, "_WINDOW_BYTES", 64 * 20)
     ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=1)
     ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "t", cache_rows=40), OPTIMIZERS["adagrad"]), seed=1)

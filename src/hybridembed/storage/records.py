@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .hashed import _EMPTY, _FIND_WINDOW, _PROBES, HashStorage
-from .tiered import grown, mapped
+from .tiered import _PAGE, grown, mapped, willneed
 
 __all__ = ["Homes"]
 
@@ -33,7 +33,10 @@ class Homes:
     find = HashStorage._find
     _insert = HashStorage._insert
     _REINDEX = 1 << 20  # records put back in the index a call (a rebuild's temporaries stay small)
-    _WINDOW_BYTES = 256 << 20  # a rebuild of a larger index goes a window of positions at a time
+    _WINDOW_BYTES = 32 << 20  # a rebuild, or a batch writing much of it, goes this much of the index at a time
+    _SWEEP = 16  # (a batch of records at least 1/16 of the index's pages: the reads in one sweep pay)
+    _RECENT = 1 << 20  # records made since the index was last written: kept in memory (~100 MB) up to this many
+    _BYTES = 20  # a position: its pair (16 bytes) and claim (4)
 
     def __init__(self) -> None:
         self.where: Path | None = None
@@ -41,6 +44,8 @@ class Homes:
         self.key = torch.zeros(0, dtype=torch.int64)  # (>= n,) the pair of each record
         self.tab = torch.zeros(0, dtype=torch.int32)
         self.n = 0  # records made
+        self._merged = 0  # records 0 .. _merged - 1 are in the index; the rest in ``_recent``
+        self._recent: Homes | None = None  # (mapped files only: records made since, in memory)
         self._reset(16)
 
     def _reset(self, positions: int) -> None:
@@ -51,31 +56,68 @@ class Homes:
         self._find_offsets = torch.arange(_FIND_WINDOW)
 
     def _reindex(self, positions: int) -> None:
-        """A new index of ``positions`` positions holding every record (the old one kept if it fails)."""
+        """A new index of ``positions`` positions holding every record (the old one kept if it
+        fails). In mapped files, a window of :attr:`_WINDOW_BYTES` of positions at a time: the
+        records sorted by the window of their home position first (a counting sort into a mapped
+        array, written in runs), then each window's records inserted while the next window's pages
+        are read ahead: every page is read and written once, in order, whatever the page cache."""
         old = self._mask, self._hrow, self._claim
-        windows = max(1, positions * 20 // self._WINDOW_BYTES)  # (20 bytes a position: its pair and claim)
-        chunks = [(lo, min(lo + self._REINDEX, self.n)) for lo in range(0, self.n, self._REINDEX)]
+        n, step = self.n, self._REINDEX
+        windows = 1 if self.where is None else max(1, positions * self._BYTES // self._WINDOW_BYTES)
         try:
             self._reset(positions)
-            which = mapped(self.where, (self.n if windows > 1 else 0,), torch.int32)  # each record's window
-            for lo, hi in chunks if windows > 1 else ():  # (hashed once, not once a window)
-                which[lo:hi] = (self._hash(self.key[lo:hi], self.tab[lo:hi]) & self._mask) * windows // positions
-            for w in range(windows):
-                for lo, hi in chunks:
-                    keys, tabs, recs = self.key[lo:hi], self.tab[lo:hi], torch.arange(lo, hi)
-                    if windows > 1:
-                        at = (which[lo:hi] == w).nonzero().squeeze(1)
-                        keys, tabs, recs = keys.index_select(0, at), tabs.index_select(0, at), recs.index_select(0, at)
-                    self._insert(keys, tabs, recs)
+            if windows == 1:
+                for lo, hi in ((lo, min(lo + step, n)) for lo in range(0, n, step)):
+                    self._insert(self.key[lo:hi], self.tab[lo:hi], torch.arange(lo, hi))
+            else:
+                self._rebuild(positions, windows)
         except BaseException:
             self._mask, self._hrow, self._claim = old
             raise
+        self._merged, self._recent = n, None if self.where is None else Homes()
+
+    def _rebuild(self, positions: int, windows: int) -> None:
+        """Every record into the new (empty) index, a window of positions at a time."""
+        n, step = self.n, self._REINDEX
+        counts = torch.zeros(windows, dtype=torch.int64)
+        for lo in range(0, n, step):
+            counts += torch.bincount(self._home_window(lo, lo + step, windows), minlength=windows)
+        starts = torch.cumsum(counts, 0) - counts
+        rows = mapped(self.where, (n, 3), torch.int64)  # (key, table, record) by window: a counting sort
+        end = starts.clone()
+        for lo in range(0, n, step):
+            w = self._home_window(lo, lo + step, windows)
+            order = torch.argsort(w, stable=True)
+            w = w.index_select(0, order)
+            c = torch.bincount(w, minlength=windows)
+            at = end.index_select(0, w) + torch.arange(w.numel()) - (torch.cumsum(c, 0) - c).index_select(0, w)
+            recs = order + lo
+            rows.index_copy_(
+                0, at, torch.stack([self.key.index_select(0, recs), self.tab.index_select(0, recs).long(), recs], 1)
+            )
+            end += c
+        edge = [min(w, windows) * positions // windows for w in range(windows + 2)]
+        for w in range(windows):  # (the next window's pages read while this one's are written)
+            self._ahead(edge[w + 1] if w else 0, edge[w + 2])
+            for lo in range(int(starts[w]), int(end[w]), step):
+                part = rows[lo : min(lo + step, int(end[w]))]
+                self._insert(part[:, 0], part[:, 1].to(torch.int32), part[:, 2])
+
+    def _home_window(self, lo: int, hi: int, windows: int) -> torch.Tensor:
+        """The window of each record's home position, records ``lo:hi``."""
+        hi = min(hi, self.n)
+        return (self._hash(self.key[lo:hi], self.tab[lo:hi]) & self._mask) * windows // (self._mask + 1)
 
     def lookup(self, keys: torch.Tensor, tabs: torch.Tensor) -> torch.Tensor:
         """(K,) records of (table, id) pairs; -1 where none."""
         if keys.numel() == 0 or self.n == 0:
             return torch.full((keys.numel(),), -1, dtype=torch.int64)
-        return self.find(keys, tabs)
+        recs = self.find(keys, tabs) if self._merged else torch.full((keys.numel(),), -1, dtype=torch.int64)
+        if self._recent is not None and self._recent.n:
+            miss = (recs < 0).nonzero().squeeze(1)
+            got = self._recent.lookup(keys.index_select(0, miss), tabs.index_select(0, miss))
+            recs[miss] = torch.where(got >= 0, got + self._merged, got)
+        return recs
 
     def reserve(self, total: int, ahead: int = 2) -> None:
         """Room for ``total`` records, the index sized for ``ahead`` times them when rebuilt (a load
@@ -94,6 +136,42 @@ class Homes:
         recs, tabs = torch.arange(n, n + m), tabs.to(torch.int32)
         self.key[n : n + m], self.tab[n : n + m] = keys, tabs
         self.n = n + m
-        order = torch.argsort(self._hash(keys, tabs) & self._mask)  # (probes in position order: a page once)
-        self._insert(keys.index_select(0, order), tabs.index_select(0, order), recs.index_select(0, order))
+        if self._recent is None:  # (in memory: straight into the index)
+            self._put(keys, tabs, recs)
+            self._merged = self.n
+            return recs
+        self._recent.add(keys, tabs)
+        if self._recent.n >= self._RECENT:  # (the index swept once for many batches' records)
+            self._merge()
         return recs
+
+    def _merge(self) -> None:
+        """The recent records written into the index (in one sweep, when it pays: :meth:`_put`)."""
+        lo, hi = self._merged, self.n
+        self._put(self.key[lo:hi], self.tab[lo:hi], torch.arange(lo, hi))
+        self._merged, self._recent = hi, Homes()
+
+    def _ahead(self, lo: int, hi: int) -> None:
+        """Start reading positions ``lo:hi`` from the disk (:func:`willneed`)."""
+        if self.where is not None:
+            willneed(self._hrow[lo:hi])
+            willneed(self._claim[lo:hi])
+
+    def _put(self, keys: torch.Tensor, tabs: torch.Tensor, recs: torch.Tensor) -> None:
+        """Insert records in the order of their home positions (a page written once, not faulted
+        in again for each of its records). A batch that writes much of an index larger than
+        :attr:`_WINDOW_BYTES` goes a span of positions at a time, the next span's pages read from
+        the disk in one sweep while this span's are written, not a fault at a time."""
+        home = self._hash(keys, tabs) & self._mask
+        order = torch.argsort(home)
+        keys, tabs, recs, home = (t.index_select(0, order) for t in (keys, tabs, recs, home))
+        positions = self._mask + 1
+        span = self._WINDOW_BYTES // self._BYTES
+        if self.where is None or positions <= span or keys.numel() * self._SWEEP < positions * self._BYTES // _PAGE:
+            self._insert(keys, tabs, recs)
+            return
+        cuts = torch.searchsorted(home, torch.arange(0, positions, span)).tolist() + [keys.numel()]
+        for i in range(len(cuts) - 1):
+            self._ahead((i + 1) * span if i else 0, (i + 2) * span)
+            if cuts[i] < cuts[i + 1]:
+                self._insert(keys[cuts[i] : cuts[i + 1]], tabs[cuts[i] : cuts[i + 1]], recs[cuts[i] : cuts[i + 1]])

@@ -288,17 +288,29 @@ def mapped(
 
 
 _MADV_RANDOM = 1  # <sys/mman.h>: a page fault reads that page alone (no read-around of its neighbours)
+_MADV_WILLNEED = 3  # <sys/mman.h>: read these pages now (the reads are started, not waited for)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _advise(t: torch.Tensor, advice: int) -> None:
-    """``madvise`` over the mapping ``t`` starts (page-aligned); a refusal is only a lost hint."""
+    """``madvise`` over the pages of ``t`` (a contiguous part of a mapping); a refusal is only a lost hint."""
     import ctypes
 
+    if t.numel() == 0:
+        return
+    start = t.data_ptr() // _PAGE * _PAGE
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.untyped_storage().nbytes()), advice)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(t.data_ptr() + t.numel() * t.itemsize - start), advice)
     except (OSError, AttributeError):
         pass
+
+
+def willneed(t: torch.Tensor) -> None:
+    """Start reading the pages of ``t`` (a contiguous part of a :func:`mapped` tensor) from the disk
+    in one sweep, in order, while the caller goes on: a pass that is about to write most of them
+    then finds them in memory instead of faulting each from the disk (``MADV_WILLNEED``)."""
+    _advise(t, _MADV_WILLNEED)
 
 
 def grown(t: torch.Tensor, rows: int, where: Path | None, fill: int = 0, keep: int | None = None) -> torch.Tensor:
