@@ -38,6 +38,7 @@ def test_the_index_finds_every_record_it_was_given_and_no_other(tmp_path, monkey
         seen = h.lookup(keys[:hi], tabs[:hi])
         assert seen.tolist() == [pairs[(int(k), int(t))] for k, t in zip(keys[:hi], tabs[:hi])]
         kept.append(h.n - h._merged)
+        assert (h.recent_bytes > 0) == (kept[-1] > 0)  # (counted in the table's memory_bytes)
     other, otabs = _pairs(3000, 1)
     absent = torch.tensor([(int(k), int(t)) not in pairs for k, t in zip(other, otabs)])
     assert absent.sum() > 2000 and (h.lookup(other[absent], otabs[absent]) == -1).all()

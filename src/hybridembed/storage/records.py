@@ -3,10 +3,14 @@ id) -> record, for every row that was ever spilled to disk, and each record's pa
 
 Its arrays are files of the table's directory mapped into memory (:func:`~hybridembed.storage.tiered.mapped`):
 an index larger than the memory a process may use stays on disk, its pages in the kernel's page
-cache. Probing it is random access, so it is written in the order of its positions: a batch's new
-records sorted by home position, a rebuild a window of positions at a time (each window's pages
-filled while they are in memory), and the positions' mappings read at random (``MADV_RANDOM``);
-the records' pairs, scanned in order by a rebuild, keep the kernel's read-ahead.
+cache. Probing it is random access, so it is written in the order of its positions, never a
+fault at a time: the records made since it was last written are kept in a small index in memory
+(up to a million, looked up after the big one) and then written all at once, sorted by home
+position, the index read ahead in one sweep (``MADV_WILLNEED``) a span at a time; a rebuild
+sorts the records by window of positions (a counting sort into a mapped array) and fills a
+window at a time while the next is read ahead. The positions' mappings are read at random
+(``MADV_RANDOM``: a lookup's fault reads its own page); the records' pairs, scanned in order,
+keep the kernel's read-ahead.
 """
 
 from __future__ import annotations
@@ -144,6 +148,12 @@ class Homes:
         if self._recent.n >= self._RECENT:  # (the index swept once for many batches' records)
             self._merge()
         return recs
+
+    @property
+    def recent_bytes(self) -> int:
+        """Bytes in memory of the records made since the index was last written."""
+        r = self._recent
+        return 0 if r is None or not r.n else sum(t.nbytes for t in (r.key, r.tab, r._hrow, r._claim))
 
     def _merge(self) -> None:
         """The recent records written into the index (in one sweep, when it pays: :meth:`_put`)."""

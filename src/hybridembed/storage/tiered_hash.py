@@ -726,10 +726,12 @@ class TieredHashStorage(HashStorage):
         return super().memory_bytes + self.slot_rec.numel() * 8 + self.pinned.numel() + self._index_bytes(memory=True)
 
     def _index_bytes(self, memory: bool) -> int:
-        """Bytes of the per-record arrays and index held in memory (``memory``) or in mapped files."""
+        """Bytes of the per-record arrays and index held in memory (``memory``: with the records made
+        since the index was last written) or in mapped files."""
         h = self._homes
         arrays = (self.rec_last, self.rec_freq, self.rec_live, self.rec_changed, self.rec_at, h.key, h.tab, h._hrow)
-        return 0 if (h.where is None) != memory else sum(t.nbytes for t in (*arrays, h._claim))
+        recent = h.recent_bytes if memory else 0
+        return recent + (0 if (h.where is None) != memory else sum(t.nbytes for t in (*arrays, h._claim)))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, on disk: {self._disk_rows()} rows, path={str(self.tier.path)!r}"
