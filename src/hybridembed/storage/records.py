@@ -144,9 +144,10 @@ class Homes:
             self._put(keys, tabs, recs)
             self._merged = self.n
             return recs
-        self._recent.add(keys, tabs)
-        if self._recent.n >= self._RECENT:  # (the index swept once for many batches' records)
+        if self._recent.n + m >= self._RECENT:  # (the index swept once for many batches' records)
             self._merge()
+        else:
+            self._recent.add(keys, tabs)
         return recs
 
     @property
