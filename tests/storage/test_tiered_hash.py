@@ -58,6 +58,9 @@ def _train(ec, steps: int = 30, seed: int = 0, opt=None):
 
 def _state(ec) -> dict:
     out = {}
+    for s in {id(ec.storage_of(n)): ec.storage_of(n) for n in ec.tables}.values():
+        if hasattr(s, "rec_live"):  # (the count of rows on disk, kept step by step, against the flags)
+            assert s._disk_rows() == int(s.rec_live.sum()), (s._disk_rows(), int(s.rec_live.sum()))
     for n in ec.tables:
         ids, rows, state = ec.storage_of(n).read_ids(n)
         out[f"{n}.ids"], out[n] = ids, rows

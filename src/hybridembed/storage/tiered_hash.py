@@ -75,6 +75,7 @@ class TieredHashStorage(HashStorage):
         self.rec_last = torch.zeros(0, dtype=torch.int64)  # (R,) recency of each record's row
         self.rec_freq = torch.zeros(0, dtype=torch.int64)
         self.rec_live = torch.zeros(0, dtype=torch.bool)  # holds the row now (it is not cached)
+        self._live = 0  # records that hold their row (kept where ``rec_live`` changes: :meth:`_set_live`)
         self.rec_changed = torch.zeros(0, dtype=torch.bool)  # changed since the last checkpoint
         self.rec_at = torch.zeros(0, dtype=torch.int64)  # where in the files its row is (-1: nowhere yet)
         self._file: _File | None = None  # (places, record bytes) uint8: each record a row and its optimizer state
@@ -207,7 +208,7 @@ class TieredHashStorage(HashStorage):
         batch); the files compacted first when most of them is dead (rows read back or moved)."""
         if victims.numel() == 0:
             return
-        live = int(self.rec_live.sum())
+        live = self._live
         if self._tail - live > max(live, self.COMPACT_AT):
             self._compact()
         self._room(self._tail + victims.numel())
@@ -240,7 +241,7 @@ class TieredHashStorage(HashStorage):
             for lo in range(0, n, chunk):
                 live = self.rec_live[lo : lo + chunk].nonzero().squeeze(1) + lo
                 owner.index_copy_(0, self.rec_at.index_select(0, live), live)
-            new = _File(old.path.with_name(old.path.name + ".new"), int(self.rec_live[:n].sum()), width, torch.uint8)
+            new = _File(old.path.with_name(old.path.name + ".new"), self._live, width, torch.uint8)
             step, at = max(1, (64 << 20) // max(old.row_bytes, width)), 0
             for lo in range(0, self._tail, step):
                 part = owner[lo : lo + step]
@@ -349,7 +350,7 @@ class TieredHashStorage(HashStorage):
         rows = {"weight": self.weight.detach().index_select(0, victims)}
         self._file.write(at, self._pack(rows | {k: v.index_select(0, victims) for k, v in self.state.items()}))
         self.rec_last[recs], self.rec_freq[recs] = self.last_seen[victims], self.freq[victims]
-        self.rec_live[recs] = True
+        self._set_live(recs, True)
         changed, self._changed = self._changed, None  # (a spilled row is kept: not removed)
         if changed is not None:
             self.rec_changed[recs] = changed.index_select(0, victims)
@@ -386,7 +387,7 @@ class TieredHashStorage(HashStorage):
         if self._changed is not None:
             self._changed[slots] = self.rec_changed.index_select(0, recs)
         self.rec_changed[recs] = False
-        self.rec_live[recs] = False
+        self._set_live(recs, False)
         self.spill_counters["read_back"] += keys.numel()
         return slots
 
@@ -641,7 +642,7 @@ class TieredHashStorage(HashStorage):
         self._file.write(at, self._pack(cur))
         if last is not None:
             self.rec_last[recs], self.rec_freq[recs] = last, freq
-        self.rec_live[recs] = True
+        self._set_live(recs, True)
         self.rec_changed[recs] = True
 
     def load_tables(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -694,13 +695,20 @@ class TieredHashStorage(HashStorage):
         mine = (torch.isin(self._homes.tab[:n], which) & self.rec_live[:n]).nonzero().squeeze(1)
         if self._changed is not None and mine.numel():  # (their rows on disk dropped too: an incremental save says so)
             self._removed.append(torch.stack([self._homes.key[mine], self._homes.tab[mine].long()]))
-        self.rec_live[mine] = False
+        self._set_live(mine, False)
 
     # --- accounting ---------------------------------------------------------------------------
+    def _set_live(self, recs: torch.Tensor, value: bool) -> None:
+        """Records ``recs`` (distinct) hold their row now (``value``) or not, counted."""
+        was = int(self.rec_live.index_select(0, recs).sum())
+        self.rec_live[recs] = value
+        self._live += recs.numel() - was if value else -was
+
     def _disk_rows(self, i: int | None = None) -> int:
+        if i is None:
+            return self._live
         n = self._homes.n
-        live = self.rec_live[:n]
-        return int((live & (self._homes.tab[:n] == i)).sum()) if i is not None else int(live.sum())
+        return int((self.rec_live[:n] & (self._homes.tab[:n] == i)).sum())
 
     def table_stats(self, name: str) -> dict[str, float]:
         s = super().table_stats(name)
