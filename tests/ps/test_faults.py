@@ -23,6 +23,7 @@ import hybridembed as he
 from hybridembed.distributed import unwrap
 from hybridembed.launch import SpawnError, spawn
 from hybridembed.ps import ServerLost, transport, wire
+from hybridembed.train.multiproc import _LOST_PEER
 from tests.ps.test_wire import TABLES, _named_cases, _pull, _random_cases
 
 T = 2  # trainers; rank 2 serves
@@ -319,6 +320,7 @@ def test_a_refused_push_fails_its_trainer_at_its_next_wait():
     assert first["step"] == 2 and first["type"] == "HybridEmbedError", first  # (the push of step 1 was refused)
     assert "server rank 2: trainer 0's push of step 1 holds non-finite gradients" in first["text"]
     # trainer 1 fails at the same step, told by the server why, or by its DDP all-reduce with the
-    # departed trainer 0 (whichever comes first: both end it without waiting)
+    # departed trainer 0 (whichever comes first: both end it without waiting; gloo says "closed" or
+    # "reset" as the departed process's socket had data left unread or not)
     assert second["step"] == 2, second
-    assert "trainer 0 left the job" in second["text"] or "Connection closed by peer" in second["text"], second
+    assert any(m in second["text"] for m in ("trainer 0 left the job", *_LOST_PEER)), second
