@@ -89,7 +89,7 @@ class Homes:
         starts = torch.cumsum(counts, 0) - counts
         rows = mapped(self.where, (n, 3), torch.int64)  # (key, table, record) by window: a counting sort
         end = starts.clone()
-        for lo in range(0, n, step):
+        for lo in range(0, n, step):  # (hashed again: this pass reads the pairs anyway, a stored window would be I/O)
             w = self._home_window(lo, lo + step, windows)
             order = torch.argsort(w, stable=True)
             w = w.index_select(0, order)

@@ -292,6 +292,14 @@ _MADV_WILLNEED = 3  # <sys/mman.h>: read these pages now (the reads are started,
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+@functools.cache
+def _libc():
+    """This process's C library (``ctypes``), loaded once."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _advise(t: torch.Tensor, advice: int) -> None:
     """``madvise`` over the pages of ``t`` (a contiguous part of a mapping); a refusal is only a lost hint."""
     import ctypes
@@ -300,7 +308,7 @@ def _advise(t: torch.Tensor, advice: int) -> None:
         return
     start = t.data_ptr() // _PAGE * _PAGE
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = _libc()
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(t.data_ptr() + t.numel() * t.itemsize - start), advice)
     except (OSError, AttributeError):
         pass
