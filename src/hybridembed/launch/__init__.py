@@ -244,7 +244,7 @@ def spawn(
     ctx = mp.get_context(start_method)
     here = None
     if start_method == "forkserver":  # (ranks fork from one process that imported torch once)
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "hybridembed"])
+        ctx.set_forkserver_preload(["hybridembed.launch._preload"])
         here = _Here()
     results = ctx.Queue()
     port = free_port()
