@@ -5,7 +5,8 @@ races; every trial classified as clear, silent, crash or hang against an indepen
     PYTHONPATH=src:. python benchmarks/fuzz_faults.py --seed 3 --trials 8 --families input   # seconds
     PYTHONPATH=src:. python benchmarks/fuzz_faults.py --seed 0 --families input --case ec2 --only 17  # one trial
 
-Families (``--trials`` each, split over its cases). Every job is separate ``python`` processes on
+Families (``--trials`` each, split over its cases). Every job is separate processes (each runs this
+script as ``python`` would, forked from a warm process: ``tests/distributed/warm.py``) on
 gloo (timeout 10 s), bounded: a job whose ranks all stay silent for 60 s (``FUZZ_STALL``; 180 s
 while they start, until every rank is ready) is killed (hang), a rank that dies ends its job (crash), and the next job starts after the trial it
 ended in, so the script always finishes (``--budget``: seconds per family; trials left are "not
@@ -76,7 +77,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -123,7 +123,7 @@ def _env(extra: dict | None = None) -> dict:
 
 
 class Job:
-    """``python fuzz_faults.py --worker ...`` on ``world`` ranks of one gloo job (or ``world``
+    """``python fuzz_faults.py --worker ...`` on ``world`` ranks (``tests/distributed/warm.py``) of one gloo job (or ``world``
     independent processes with ``dist=False``). Each rank appends JSON lines to ``out/rank<r>.jsonl``;
     a job whose ranks all stay silent for ``stall`` seconds, or that outlives ``limit``, is killed."""
 
@@ -134,20 +134,19 @@ class Job:
         base = _env(env)
         if dist:
             base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
-        self.procs = []
-        for r in range(world):
-            log = open(out / f"rank{r}.log", "w")  # (a file: a pipe nobody reads would block a chatty rank)
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), "--worker", *argv],
-                    env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "FUZZ_OUT": str(out)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=ROOT,
-                    start_new_session=True,
-                )
+        from tests.distributed.warm import Script  # (each rank forked from a warm process: starts in ~0.1 s, not ~5)
+
+        self.procs = [
+            Script(
+                Path(__file__).resolve(),
+                ["--worker", *argv],
+                {**base, "RANK": str(r), "LOCAL_RANK": str(r), "FUZZ_OUT": str(out)},
+                out / f"rank{r}.log",  # (a file: a pipe nobody reads would block a chatty rank)
+                cwd=ROOT,
+                new_session=True,
             )
-            log.close()
+            for r in range(world)
+        ]
 
     def _progress(self) -> int:
         total = 0
@@ -197,16 +196,13 @@ class Job:
         return {"codes": codes, "how": how, "lines": [self.lines(r) for r in range(self.world)]}
 
     @staticmethod
-    def kill(p: subprocess.Popen) -> None:
+    def kill(p) -> None:
         try:
             os.killpg(p.pid, signal.SIGCONT)
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        p.wait(10)
 
     def lines(self, r: int) -> list[dict]:
         p = self.out / f"rank{r}.jsonl"

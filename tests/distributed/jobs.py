@@ -1,8 +1,9 @@
 """Run a script as the ranks of a local gloo job, one process each, as torchrun would (test helper).
 
-Every rank is its own ``python`` process (an unhandled exception, a SIGKILL, a SIGSTOP or
-``destroy_process_group()`` behave as in a user's job), and the whole job is bounded: a rank
-still running at ``timeout`` is killed and reported as such.
+Every rank is its own process running the script as ``python`` would (an unhandled exception, a
+SIGKILL, a SIGSTOP or ``destroy_process_group()`` behave as in a user's job), forked from a warm
+process that imported torch once (:mod:`.warm`), and the whole job is bounded: a rank still
+running at ``timeout`` is killed and reported as such.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridembed.launch import free_port
+
+from .warm import Script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,30 +57,27 @@ def run_job(
     base["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), base.get("PYTHONPATH", "")])
     base["OMP_NUM_THREADS"] = "1"
     base.update(env or {})
-    start = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ROOT / script), *args],
-            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    ends: dict[int, float] = {}
-    while len(set(ends) | set(linger)) < world and time.monotonic() - start < timeout:
+    with tempfile.TemporaryDirectory(prefix="job-") as tmp:
+        start = time.monotonic()
+        files = [(Path(tmp) / f"{r}.out", Path(tmp) / f"{r}.err") for r in range(world)]
+        procs = [
+            Script(ROOT / script, args, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, *files[r])
+            for r in range(world)
+        ]
+        ends: dict[int, float] = {}
+        while len(set(ends) | set(linger)) < world and time.monotonic() - start < timeout:
+            for r, p in enumerate(procs):
+                if r not in ends and p.poll() is not None:
+                    ends[r] = time.monotonic() - start
+            time.sleep(0.05)
+        out = []
         for r, p in enumerate(procs):
-            if r not in ends and p.poll() is not None:
-                ends[r] = time.monotonic() - start
-        time.sleep(0.05)
-    out = []
-    for r, p in enumerate(procs):
-        code: int | None = p.returncode
-        if r not in ends:  # (the job's timeout: stopped ranks are continued, then killed)
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-            code = None
-        o, e = p.communicate(timeout=30)
-        out.append(Rank(r, code, ends.get(r, timeout), o, e))
+            code: int | None = p.poll()
+            if r not in ends:  # (the job's timeout: stopped ranks are continued, then killed)
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait(30)
+                code = None
+            o, e = (f.read_text(errors="replace") if f.exists() else "" for f in files[r])
+            out.append(Rank(r, code, ends.get(r, timeout), o, e))
     return out

@@ -1,0 +1,132 @@
+"""``python script args`` as a process forked from one warm process (test helper).
+
+A fresh ``python`` imports torch and hybridembed in 4-6 s on a 2-core machine, every rank of every
+job of a fault test. Here each script's process is forked from the forkserver of
+:func:`hybridembed.launch.spawn` (which imported them once) and runs the script as the interpreter
+would: ``__main__``, ``sys.argv``, its environment, output and working directory its own, an
+unhandled exception's traceback on stderr and exit code 1, ``sys.exit``'s code, the threads joined
+and the ``atexit`` handlers run at its end, a signal's death as such (exit code ``-signal``). It
+is its own process: SIGKILL, SIGSTOP and a process group of its own act on it alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import multiprocessing as mp
+import os
+import runpy
+import sys
+import threading
+from pathlib import Path
+
+PRELOAD = ["hybridembed.launch._preload"]  # (as hybridembed.launch.spawn's: one forkserver a process)
+
+
+class Script:
+    """A started script: ``pid``, ``poll()``, ``wait(timeout)``, ``returncode``, ``send_signal``,
+    ``kill`` as :class:`subprocess.Popen`'s; its output in the files given."""
+
+    def __init__(
+        self,
+        script: str | Path,
+        argv: list[str],
+        env: dict[str, str],
+        stdout: str | Path,
+        stderr: str | Path | None = None,
+        cwd: str | Path | None = None,
+        new_session: bool = False,
+    ) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        where = (str(stdout), None if stderr is None else str(stderr), None if cwd is None else str(cwd))
+        self._proc = ctx.Process(target=_run, args=(str(script), list(argv), dict(env), *where, new_session))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._proc.join(timeout)
+        return self._proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+
+def _stream(fd: int, unbuffered: bool, err: bool) -> io.TextIOWrapper:
+    """A new ``sys.stdout``/``sys.stderr`` on ``fd`` as the interpreter opens them (the forkserver's
+    own buffers are not written twice)."""
+    if unbuffered:
+        return io.TextIOWrapper(
+            io.FileIO(fd, "w", closefd=False), write_through=True, errors="backslashreplace" if err else None
+        )
+    return open(fd, "w", buffering=1 if err else -1, closefd=False, errors="backslashreplace" if err else None)
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run(script, argv, env, out, err, cwd, new_session) -> None:  # pragma: no cover (in the forked process)
+    if new_session:
+        os.setsid()
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.close(fd)
+    if err is None:
+        os.dup2(1, 2)
+    else:
+        fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    sys.stdout, sys.stderr = _stream(1, unbuffered, False), _stream(2, unbuffered, True)
+    if cwd is not None:
+        os.chdir(cwd)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # (libgomp read the forkserver's environment when it loaded)
+        import torch
+
+        torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[0:0] = [os.path.dirname(os.path.abspath(script)), *extra]
+    sys.argv = [script, *argv]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException:  # (as the interpreter: kept in sys.last_* until the end, then sys.excepthook)
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
+        sys.excepthook(sys.last_type, sys.last_value, sys.last_traceback)
+        code = 1
+    try:  # the interpreter's end: non-daemon threads joined, then the atexit handlers
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for s in (sys.stdout, sys.stderr):
+            try:
+                s.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
