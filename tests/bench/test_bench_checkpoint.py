@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import hybridembed as he
+from tests.distributed import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_checkpoint.py"
@@ -33,10 +32,8 @@ def test_quick_world_2(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
     argv = ["--quick", "--world", "2", "--dir", str(tmp_path), "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, stdout, stderr = warm.run(SCRIPT, argv, env, cwd=tmp_path, timeout=120)
+    assert code == 0, stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["failures"] == {}
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # its checkpoints are removed
@@ -58,4 +55,4 @@ def test_quick_world_2(tmp_path):
         assert _positive(p[key]), key
     assert len(p["steps_overlapped"]) == cfg["repeats"] and all(0 <= k <= p["steps"] for k in p["steps_overlapped"])
     assert _positive(p["step_before_median_s"]) and _positive(p["step_during_median_s"])
-    assert "| world |" in res["markdown"] and "| world |" in done.stdout
+    assert "| world |" in res["markdown"] and "| world |" in stdout

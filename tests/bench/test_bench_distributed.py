@@ -13,11 +13,10 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import hybridembed as he
+from tests.distributed import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_distributed.py"
@@ -36,17 +35,15 @@ def test_quick_world_2(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
     argv = ["--quick", "--world", "2", "--contenders", "table_wise", "data_parallel", "torchrec_tw", "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, stdout, stderr = warm.run(SCRIPT, argv, env, cwd=tmp_path, timeout=120)
+    assert code == 0, stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["failures"] == {}
     runs = {(r["contender"], r["world"]): r for r in res["runs"]}
     want = {("table_wise", 2), ("data_parallel", 2)} | ({("torchrec_tw", 2)} if _has_torchrec() else set())
     assert set(runs) == want
     if not _has_torchrec():
-        assert "torchrec" in res["notes"] and "torchrec" in done.stdout.lower()
+        assert "torchrec" in res["notes"] and "torchrec" in stdout.lower()
     for key, r in runs.items():
         assert len(r["times_ms"]) == 3 and all(math.isfinite(t) and t > 0 for t in r["times_ms"]), key
     tw = runs[("table_wise", 2)]

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import hybridembed as he
+from tests.distributed import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"
@@ -33,15 +32,8 @@ def test_tiny_scale_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
     argv = ["--device", "cpu", "--scale", "0.0005", "--rounds", "1", "--warmup", "0", "--copy-mib", "8"]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv, "--json", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, stdout, stderr = warm.run(SCRIPT, [*argv, "--json", str(out)], env, cwd=tmp_path, timeout=120)
+    assert code == 0, stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["device"] == "cpu" and "CUDA" in res["triton_skipped"]
     assert _positive(res["copy_bandwidth_bytes_per_s"])
@@ -65,4 +57,4 @@ def test_tiny_scale_on_cpu(tmp_path):
                 assert _positive(c[key]), (r["workload"], name, key)
             assert math.isclose(c["vs_baseline"], base / c["median_ms"])
             assert math.isclose(c["fraction_of_floor"], r["floor_ms"] / c["median_ms"])
-    assert "one-hot/sgd: 26 x 500 x 128, batch 8" in done.stdout
+    assert "one-hot/sgd: 26 x 500 x 128, batch 8" in stdout

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import hybridembed as he
+from tests.distributed import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_ps.py"
@@ -29,10 +28,8 @@ def test_quick_sync_and_async_cache(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
     argv = ["--quick", "--contenders", "sync_1", "async_cache", "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, stdout, stderr = warm.run(SCRIPT, argv, env, cwd=tmp_path, timeout=120)
+    assert code == 0, stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["failures"] == {}
     runs = {r["contender"]: r for r in res["runs"]}

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import runpy
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -130,3 +131,16 @@ def _run(script, argv, env, out, err, cwd, new_session) -> None:  # pragma: no c
                 pass
         os._exit(code)
 
+
+def run(
+    script: str | Path, argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float
+) -> tuple[int, str, str]:
+    """``subprocess.run([python, script, *argv], ...)`` as a warm process: (exit code, stdout, stderr);
+    one still running at ``timeout`` is killed (exit code -9)."""
+    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
+        files = [Path(tmp) / "out", Path(tmp) / "err"]
+        p = Script(script, argv, env, *files, cwd=cwd)
+        if p.wait(timeout) is None:
+            p.kill()
+            p.wait(30)
+        return p.returncode, *(f.read_text(errors="replace") if f.exists() else "" for f in files)
