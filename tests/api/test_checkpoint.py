@@ -23,6 +23,7 @@ from hybridembed import checkpoint as ckpt
 from hybridembed.checkpoint import layout as ck_layout
 from hybridembed.checkpoint import lock as ck_lock
 from hybridembed.checkpoint import manifest as ck_manifest
+from tests.distributed import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 HE_SRC = str(Path(he.__file__).resolve().parents[1])  # the subprocesses import the hybridembed tested here
@@ -147,8 +148,8 @@ for name in ("adagrad", "adam"):
 torch.save(out, {str(result)!r})
 """
     env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, _, err = warm.run_code(code, env, cwd=ROOT, timeout=300)  # (a new process, forked warm)
+    assert rc == 0, err[-3000:]
     got = torch.load(result, weights_only=True)
     for name in ("adagrad", "adam"):
         assert_identical(got[name], expected[name], name)
@@ -258,8 +259,8 @@ ck_layout._write_file = dying
 he.save({str(tmp_path / "c")!r}, model, opt)
 """
     env = {**os.environ, "HYBRIDEMBED_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 17, proc.stderr[-3000:]
+    rc, _, err = warm.run_code(code, env, cwd=ROOT, timeout=300)
+    assert rc == 17, err[-3000:]
     leftovers = [n for n in _versions(tmp_path / "c") if n.startswith(".tmp-")]
     assert len(leftovers) == 1 and "v-000002" in leftovers[0]  # the dead save's partial version
     fresh, fresh_opt = build("adam")

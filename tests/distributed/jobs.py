@@ -61,8 +61,7 @@ def run_job(
         start = time.monotonic()
         files = [(Path(tmp) / f"{r}.out", Path(tmp) / f"{r}.err") for r in range(world)]
         procs = [
-            Script(ROOT / script, args, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, *files[r])
-            for r in range(world)
+            Script(ROOT / script, args, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, *files[r]) for r in range(world)
         ]
         ends: dict[int, float] = {}
         while len(set(ends) | set(linger)) < world and time.monotonic() - start < timeout:

@@ -144,3 +144,11 @@ def run(
             p.kill()
             p.wait(30)
         return p.returncode, *(f.read_text(errors="replace") if f.exists() else "" for f in files)
+
+
+def run_code(code: str, env: dict[str, str], cwd: str | Path, timeout: float) -> tuple[int, str, str]:
+    """``python -c code`` as a warm process (see :func:`run`)."""
+    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
+        script = Path(tmp) / "code.py"
+        script.write_text(code)
+        return run(script, [], env, cwd, timeout)

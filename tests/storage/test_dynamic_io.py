@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hybridembed as he
+from tests.distributed import warm
 
 DIM = 3
 SEED = 5
@@ -274,13 +275,11 @@ def test_save_load_in_a_fresh_process_resumes_bit_identically(tmp_path, admit_pr
         "from tests.storage.test_dynamic_io import _resume; "
         f"_resume({admit_probability!r}, {str(ckpt)!r}, {str(out_path)!r})"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    (tmp_path / "resume.py").write_text(code)
+    proc = warm.Script(tmp_path / "resume.py", [], dict(os.environ), tmp_path / "out", tmp_path / "err", cwd=ROOT)
     outs = _train(ec, opt, range(first, first + RESUME_STEPS))  # meanwhile, the original keeps going
     here = _result(ec, opt, outs)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    assert proc.wait(300) == 0, (tmp_path / "err").read_text()
     there = torch.load(out_path, weights_only=False)
     after = ec.dynamic_stats()
     assert all(after[t]["evicted"] > stats[t]["evicted"] for t in ("u", "v", "w"))  # eviction after resuming
