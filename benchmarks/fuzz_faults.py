@@ -6,7 +6,7 @@ races; every trial classified as clear, silent, crash or hang against an indepen
     PYTHONPATH=src:. python benchmarks/fuzz_faults.py --seed 0 --families input --case ec2 --only 17  # one trial
 
 Families (``--trials`` each, split over its cases). Every job is separate processes (each runs this
-script as ``python`` would, forked from a warm process: ``tests/distributed/warm.py``) on
+script as ``python`` would, forked from a warm process: ``tests/warm.py``) on
 gloo (timeout 10 s), bounded: a job whose ranks all stay silent for 60 s (``FUZZ_STALL``; 180 s
 while they start, until every rank is ready) is killed (hang), a rank that dies ends its job (crash), and the next job starts after the trial it
 ended in, so the script always finishes (``--budget``: seconds per family; trials left are "not
@@ -123,7 +123,7 @@ def _env(extra: dict | None = None) -> dict:
 
 
 class Job:
-    """``python fuzz_faults.py --worker ...`` on ``world`` ranks (``tests/distributed/warm.py``) of one gloo job (or ``world``
+    """``python fuzz_faults.py --worker ...`` on ``world`` ranks (``tests/warm.py``) of one gloo job (or ``world``
     independent processes with ``dist=False``). Each rank appends JSON lines to ``out/rank<r>.jsonl``;
     a job whose ranks all stay silent for ``stall`` seconds, or that outlives ``limit``, is killed."""
 
@@ -134,7 +134,7 @@ class Job:
         base = _env(env)
         if dist:
             base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
-        from tests.distributed.warm import Script  # (each rank forked from a warm process: starts in ~0.1 s, not ~5)
+        from tests.warm import Script  # (each rank forked from a warm process: starts in ~0.1 s, not ~5)
 
         self.procs = [
             Script(

@@ -23,7 +23,7 @@ from hybridembed import checkpoint as ckpt
 from hybridembed.checkpoint import layout as ck_layout
 from hybridembed.checkpoint import lock as ck_lock
 from hybridembed.checkpoint import manifest as ck_manifest
-from tests.distributed import warm
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 HE_SRC = str(Path(he.__file__).resolve().parents[1])  # the subprocesses import the hybridembed tested here

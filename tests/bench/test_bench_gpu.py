@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 import hybridembed as he
-from tests.distributed import warm
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"

@@ -2,7 +2,7 @@
 
 Every rank is its own process running the script as ``python`` would (an unhandled exception, a
 SIGKILL, a SIGSTOP or ``destroy_process_group()`` behave as in a user's job), forked from a warm
-process that imported torch once (:mod:`.warm`), and the whole job is bounded: a rank still
+process that imported torch once (:mod:`tests.warm`), and the whole job is bounded: a rank still
 running at ``timeout`` is killed and reported as such.
 """
 
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridembed.launch import free_port
-
-from .warm import Script
+from tests.warm import Script
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -198,3 +198,16 @@ def test_a_launched_job_on_one_machine_listens_on_loopback_only(tmp_path):
     for r in out:
         assert r["env"]["GLOO_SOCKET_IFNAME"] == loopback_interface() and r["env"]["MASTER_ADDR"] == "127.0.0.1"
         assert r["ranks"] and all(addr == "127.0.0.1" for addr, _ in r["ranks"]), r["ranks"]
+
+
+def _imported(rank: int, world: int) -> dict[str, bool]:
+    return {m: m in sys.modules for m in ("torch._dynamo", "hybridembed.kernels._numba_kernels")}
+
+
+def test_forked_ranks_start_with_what_every_rank_imports_already_imported():
+    """The forkserver imports once what each rank would import again, job after job: torch._dynamo
+    (DistributedDataParallel's, 2.3 s a rank here) and the fused CPU step's Numba kernels."""
+    from hybridembed.kernels import cpu_fused
+
+    want = {"torch._dynamo": True, "hybridembed.kernels._numba_kernels": cpu_fused.available()}
+    assert spawn(_imported, 2, timeout=60) == [want, want]

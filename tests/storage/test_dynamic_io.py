@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hybridembed as he
-from tests.distributed import warm
+from tests import warm
 
 DIM = 3
 SEED = 5

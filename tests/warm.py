@@ -4,9 +4,12 @@ A fresh ``python`` imports torch and hybridembed in 4-6 s on a 2-core machine, e
 job of a fault test. Here each script's process is forked from the forkserver of
 :func:`hybridembed.launch.spawn` (which imported them once) and runs the script as the interpreter
 would: ``__main__``, ``sys.argv``, its environment, output and working directory its own, an
-unhandled exception's traceback on stderr and exit code 1, ``sys.exit``'s code, the threads joined
-and the ``atexit`` handlers run at its end, a signal's death as such (exit code ``-signal``). It
-is its own process: SIGKILL, SIGSTOP and a process group of its own act on it alone.
+unhandled exception kept in ``sys.last_value`` and given to ``sys.excepthook`` (which the library
+may have wrapped) with exit code 1, ``sys.exit``'s code, then the threads joined and the ``atexit``
+handlers run, a signal's death as such (exit code ``-signal``). It is its own process: SIGKILL,
+SIGSTOP and a process group of its own act on it alone. What differs from a fresh interpreter:
+the modules the forkserver imported read the environment when it started, and their import-time
+output went to its stderr (a test of those starts ``python`` itself).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import io
 import multiprocessing as mp
 import os
 import runpy
+import signal
 import sys
 import tempfile
 import threading
@@ -64,7 +68,7 @@ class Script:
                 pass
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 def _stream(fd: int, unbuffered: bool, err: bool) -> io.TextIOWrapper:
