@@ -456,18 +456,23 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_plans_jumbo_at_128_and_writes_a_plan_json(tmp_path):
+def test_cli_plans_jumbo_at_128_and_writes_a_plan_json(tmp_path, capsys):
+    """(In this process: a fresh one's output is checked by the test of a bad argument below.)"""
     out = tmp_path / "plan.json"
-    r = _run("--model", "jumbo", "--world-size", "128", "--memory-per-rank", "80GiB", "--json", str(out))
-    assert r.returncode == 0, r.stderr
-    assert "jumbo: 1022 tables on 128 ranks, strategy memory_balanced" in r.stdout
-    assert "memory per rank 80.0 GiB" in r.stdout and "max/mean 1.0" in r.stdout
+    assert (
+        top.main(["plan", "--model", "jumbo", "--world-size", "128", "--memory-per-rank", "80GiB", "--json", str(out)])
+        == 0
+    )
+    said = capsys.readouterr().out
+    assert "jumbo: 1022 tables on 128 ranks, strategy memory_balanced" in said
+    assert "memory per rank 80.0 GiB" in said and "max/mean 1.0" in said
     # a screenful by default: the first tables and ranks, then how many more
-    assert "\nt29 " in r.stdout and "\nt30 " not in r.stdout and "... and 992 more tables (--all" in r.stdout
-    assert "\n   15 " in r.stdout and "\n   16 " not in r.stdout and "... and 112 more ranks" in r.stdout
-    assert len(r.stdout.splitlines()) < 80
-    every = _run("--model", "jumbo", "--world-size", "128", "--memory-per-rank", "80GiB", "--all")
-    assert "\nt1021 " in every.stdout and "\n  127 " in every.stdout and "more tables" not in every.stdout
+    assert "\nt29 " in said and "\nt30 " not in said and "... and 992 more tables (--all" in said
+    assert "\n   15 " in said and "\n   16 " not in said and "... and 112 more ranks" in said
+    assert len(said.splitlines()) < 80
+    assert top.main(["plan", "--model", "jumbo", "--world-size", "128", "--memory-per-rank", "80GiB", "--all"]) == 0
+    every = capsys.readouterr().out
+    assert "\nt1021 " in every and "\n  127 " in every and "more tables" not in every
     plan = Plan.from_json(out.read_text())
     tables, hotness, bags = _model("jumbo")
     assert plan == make_plan(tables, 128, hotness=hotness, bags=bags, memory_per_rank=80 << 30)
