@@ -142,10 +142,10 @@ def data(generated) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory) -> dict[str, object]:
-    """The final checkpoint of the same job never killed (spawned, no agent, one save at its end)."""
+    """The final checkpoint of the same job never killed (spawned, no agent, one save at its end; run
+    in this process, its ranks forked from this process's warm forkserver)."""
     tmp = tmp_path_factory.mktemp("reference")
-    r = _run(_train("--data", str(data), "--workdir", str(tmp), *FLAGS, "--checkpoint", str(tmp / "ckpt")))
-    assert r.returncode == 0, r.stderr
+    assert cli.main(["--data", str(data), "--workdir", str(tmp), *FLAGS, "--checkpoint", str(tmp / "ckpt")]) == 0
     return _final(tmp / "ckpt")
 
 
