@@ -11,6 +11,7 @@ once per module, serves several tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -29,7 +30,7 @@ import hybridembed as he  # noqa: E402
 from hybridembed.train import cli  # noqa: E402
 from hybridembed.train import data as D  # noqa: E402
 from hybridembed.train import models as M  # noqa: E402
-from tests.train.test_faults import _differences, _env, _final, _kill_tree, _run, _train, _workers  # noqa: E402
+from tests.train.test_faults import _differences, _env, _final, _kill_tree, _train, _workers  # noqa: E402
 
 SMALL = ["--embedding-dim", "4", "--mlp", "16", "--bottom-mlp", "8", "--capacity", "20000", "--batch-size", "64"]
 EVERY = ["--checkpoint-every", "4", "--checkpoint-incremental", "--checkpoint-background"]
@@ -53,9 +54,16 @@ def ps_job(generated, tmp_path_factory) -> tuple[str, Path, Path]:
     tmp = tmp_path_factory.mktemp("ps")
     ckpt, export = tmp / "ckpt", tmp / "model.pt"
     argv = _argv(generated, tmp, "--nproc", "3", "--servers", "1", *EVERY, "--checkpoint", str(ckpt))
-    r = _run(_train(*argv, "--export", str(export)), timeout=TIMEOUT)  # (its processes killed after a timeout)
-    assert r.returncode == 0, r.stderr
-    return r.stdout, ckpt, export
+    saved, out = os.dup(1), tmp / "out.txt"
+    try:  # in this process (its ranks forked from the warm forkserver); what it and its ranks print, in a file
+        with open(out, "w") as f:
+            os.dup2(f.fileno(), 1)
+            with contextlib.redirect_stdout(f):
+                assert cli.main([*argv, "--export", str(export)]) == 0
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return out.read_text(), ckpt, export
 
 
 # --- synchronous servers ------------------------------------------------------------------------------------
