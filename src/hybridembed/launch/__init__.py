@@ -221,14 +221,16 @@ def spawn(
     threads: int | None = 1,
     start_method: str = "forkserver",
 ) -> list[Any]:
-    """``fn(rank, nprocs, *args)`` on ``nprocs`` fresh processes (``spawn`` start method) that
+    """``fn(rank, nprocs, *args)`` on ``nprocs`` new processes (see ``start_method``) that
     share a ``torch.distributed`` job; returns their results by rank.
 
     ``fn`` and its arguments must be picklable (a module-level function). ``pg_timeout``
     bounds every collective; ``timeout`` the whole job; ``threads``: intra-op threads per
     rank (1 by default: N ranks on N cores). Raises :class:`SpawnError` with the first
     failing rank's traceback. ``start_method``: ``"forkserver"`` (default: each rank forks from
-    one process that imported torch once, a job starts ~2.5x faster; the ranks get this process's
+    one process that imported once what every rank needs: torch, hybridembed, ``torch._dynamo``
+    that ``DistributedDataParallel`` imports and the fused CPU step's Numba kernels; it stays for the
+    next jobs of this process, whose ranks then start in a fraction of a second; the ranks get this process's
     current stdout, stderr and environment, though modules the forkserver imported keep what they
     read of the environment when it started) or ``"spawn"`` (each rank imports afresh).
     """
