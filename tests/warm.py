@@ -23,9 +23,19 @@ import signal
 import sys
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 PRELOAD = ["hybridembed.launch._preload"]  # (as hybridembed.launch.spawn's: one forkserver a process)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # started here, perhaps still running
+
+
+@atexit.register
+def _kill_the_rest() -> None:
+    """A script still running when this process ends is killed (multiprocessing would wait for it:
+    this runs first, registered after multiprocessing's own exit handler)."""
+    for p in list(_LIVE):
+        p.kill()
 
 
 class Script:
@@ -48,6 +58,7 @@ class Script:
         self._proc = ctx.Process(target=_run, args=(str(script), list(argv), dict(env), *where, new_session))
         self._proc.start()
         self.pid = self._proc.pid
+        _LIVE.add(self)
 
     @property
     def returncode(self) -> int | None:
