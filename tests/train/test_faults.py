@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -105,6 +106,28 @@ def _run(argv: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+def _in_process(argv: list[str], timeout: float = TIMEOUT) -> int:
+    """``cli.main(argv)`` in this process (its ranks forked from this process's warm forkserver), bounded:
+    past ``timeout`` its ranks are SIGKILLed, so the job fails naming them instead of holding the suite."""
+    from multiprocessing import forkserver
+
+    def stop() -> None:  # (the ranks: the forkserver's children; it stays, as does multiprocessing's tracker)
+        server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        for pid in _descendants(server) if server else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    timer = threading.Timer(timeout, stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        return cli.main(argv)
+    finally:
+        timer.cancel()
+
+
 def _train(*argv: str) -> list[str]:
     return [sys.executable, "-m", "hybridembed.cli", "train", *argv]
 
@@ -143,9 +166,9 @@ def data(generated) -> Path:
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory) -> dict[str, object]:
     """The final checkpoint of the same job never killed (spawned, no agent, one save at its end; run
-    in this process, its ranks forked from this process's warm forkserver)."""
+    in this process, bounded: :func:`_in_process`)."""
     tmp = tmp_path_factory.mktemp("reference")
-    assert cli.main(["--data", str(data), "--workdir", str(tmp), *FLAGS, "--checkpoint", str(tmp / "ckpt")]) == 0
+    assert _in_process(["--data", str(data), "--workdir", str(tmp), *FLAGS, "--checkpoint", str(tmp / "ckpt")]) == 0
     return _final(tmp / "ckpt")
 
 

@@ -30,7 +30,7 @@ import hybridembed as he  # noqa: E402
 from hybridembed.train import cli  # noqa: E402
 from hybridembed.train import data as D  # noqa: E402
 from hybridembed.train import models as M  # noqa: E402
-from tests.train.test_faults import _differences, _env, _final, _kill_tree, _train, _workers  # noqa: E402
+from tests.train.test_faults import _differences, _env, _final, _in_process, _kill_tree, _train, _workers  # noqa: E402
 
 SMALL = ["--embedding-dim", "4", "--mlp", "16", "--bottom-mlp", "8", "--capacity", "20000", "--batch-size", "64"]
 EVERY = ["--checkpoint-every", "4", "--checkpoint-incremental", "--checkpoint-background"]
@@ -55,11 +55,11 @@ def ps_job(generated, tmp_path_factory) -> tuple[str, Path, Path]:
     ckpt, export = tmp / "ckpt", tmp / "model.pt"
     argv = _argv(generated, tmp, "--nproc", "3", "--servers", "1", *EVERY, "--checkpoint", str(ckpt))
     saved, out = os.dup(1), tmp / "out.txt"
-    try:  # in this process (its ranks forked from the warm forkserver); what it and its ranks print, in a file
+    try:  # in this process (bounded: _in_process); what it and its ranks print, in a file
         with open(out, "w") as f:
             os.dup2(f.fileno(), 1)
             with contextlib.redirect_stdout(f):
-                assert cli.main([*argv, "--export", str(export)]) == 0
+                assert _in_process([*argv, "--export", str(export)], timeout=TIMEOUT) == 0
     finally:
         os.dup2(saved, 1)
         os.close(saved)
