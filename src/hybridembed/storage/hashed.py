@@ -35,6 +35,7 @@ from ..kernels.backend import uses_triton
 from ..utils import advise_huge_pages, get_logger
 from .base import RowStorage, add_sparse
 from .protocol import LookupPlan, _nothing
+from .slot_index import SlotIndex
 
 __all__ = ["HashStorage", "LookupPlan", "sort_pairs"]
 
@@ -589,10 +590,8 @@ class HashStorage(RowStorage):
     # --- per-table views -------------------------------------------------------------------
     def table_slots(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids ascending (K,), their slots (K,)) of table ``name``'s rows."""
-        slots = (self.slot_table == self.table_index[name]).nonzero().squeeze(1)
-        keys = self.slot_key[slots]
-        order = torch.argsort(keys)
-        return keys[order], slots[order]
+        index = self.__dict__.get("_slot_index") or self.__dict__.setdefault("_slot_index", SlotIndex())
+        return index.table(self.slot_table, self.slot_key, self.table_index[name], len(self.tables))
 
     def table_ids(self, name: str) -> torch.Tensor:
         """Ids ascending (K,) of the rows table ``name`` holds."""
