@@ -31,7 +31,10 @@ Contenders (``--contenders``):
 - ``table_wise_dedup`` / ``table_wise_dedup_pipe``: ``table_wise`` (pipelined) with
   ``dedup=True`` (a feature's distinct ids' rows cross, pooled by the requester);
 - ``single`` / ``single_small``: ``he.convert`` of the same model in one process (world 1 only):
-  the references of the large and the small tables;
+  the references of the large and the small tables; with ``--side-by-side`` also at every other
+  world size W: W such processes at once, each its own model, nothing crossing between them (a
+  barrier before each step): what sharing the machine's cores and memory costs a process, the
+  floor of a job of W ranks on it;
 - ``torchrec_tw`` / ``torchrec_rw``: TorchRec's ``DistributedModelParallel`` of an
   ``EmbeddingBagCollection`` of the same tables, planner constrained to table-wise / row-wise,
   fused kernel (skipped with a message when TorchRec does not import; ``torchrec_rw`` fails
@@ -622,6 +625,12 @@ def _targets(results: list[dict]) -> list[str]:
     check("default plan vs TorchRec table-wise (world 2)", ("default", 2), ("torchrec_tw", 2), 0.7)
     check("row-wise vs table-wise (world 2)", ("row_wise", 2), ("table_wise", 2), 1.5)
     check("data-parallel small tables (world 2) vs one process", ("data_parallel", 2), ("single_small", 1), 1.2)
+    if ("single_small", 2) in ms and ("data_parallel", 2) in ms:  # (--side-by-side: not a target, a floor)
+        lines.append(
+            f"data-parallel small tables (world 2) vs two one-process jobs side by side: {ms['data_parallel', 2]:.1f} / "
+            f"{ms['single_small', 2]:.1f} ms = {ms['data_parallel', 2] / ms['single_small', 2]:.2f}x "
+            f"(one process alone -> side by side: {ms['single_small', 2] / ms['single_small', 1]:.2f}x)"
+        )
     return lines
 
 
@@ -644,6 +653,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=1, help="repeat every job this many times (interleaved)")
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     p.add_argument("--profile", action="store_true", help="rank 0's phases and top operators after timing")
+    p.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="the one-process contenders also at each world size W > 1: W independent processes at once",
+    )
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds (a smoke test)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
@@ -667,6 +681,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(notes["torchrec"], flush=True)
             contenders = [c for c in contenders if c not in TORCHREC]
     jobs = [(c, 1) for c in contenders if c in SINGLE]
+    if args.side_by_side:
+        jobs += [(c, w) for w in args.world if w > 1 for c in contenders if c in SINGLE]
     jobs += [(c, w) for w in args.world for c in contenders if c not in SINGLE]
     busy = cpu_busy(0.5)
     print(f"machine: {machine()['cpu']}, {machine()['cores']} cores; other processes' CPU use: {busy}", flush=True)
