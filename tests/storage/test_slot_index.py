@@ -75,3 +75,16 @@ def test_a_group_that_grows_is_scanned_again():
         _train(ec, opt, g, 10_000)
     assert st.slot_table is not before  # (grown: new tensors)
     _check(st)
+
+
+def test_the_lowest_by_score_then_key_are_what_a_full_sort_puts_first():
+    from hybridembed.storage.slot_index import lowest
+
+    g = torch.Generator().manual_seed(2)
+    for m, levels in ((1, 1), (7, 2), (500, 3), (500, 400), (2000, 1)):
+        score = torch.randint(0, levels, (m,), generator=g)  # (few levels: many ties at the k-th score)
+        keys = torch.randperm(10 * m, generator=g)[:m]
+        order = torch.argsort(keys, stable=True)
+        order = order[torch.argsort(score[order], stable=True)]
+        for k in {0, 1, m // 3, m - 1, m}:
+            assert lowest(score, keys, k).tolist() == order[:k].tolist(), (m, levels, k)

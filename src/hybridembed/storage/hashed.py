@@ -35,7 +35,7 @@ from ..kernels.backend import uses_triton
 from ..utils import advise_huge_pages, get_logger
 from .base import RowStorage, add_sparse
 from .protocol import LookupPlan, _nothing
-from .slot_index import SlotIndex
+from .slot_index import SlotIndex, lowest
 
 __all__ = ["HashStorage", "LookupPlan", "sort_pairs"]
 
@@ -369,9 +369,7 @@ class HashStorage(RowStorage):
             else:
                 score = self.last_seen[cand]
             # ties broken by id, so the victims do not depend on where rows happen to sit
-            order = torch.argsort(self.slot_key[cand], stable=True)
-            order = order[torch.argsort(score[order], stable=True)]
-            victims.append(cand[order[:k]])
+            victims.append(cand.index_select(0, lowest(score, self.slot_key.index_select(0, cand), k)))
         return torch.cat(victims) if victims else torch.zeros(0, dtype=torch.int64, device=self.weight.device)
 
     def _grow(self, needed: int) -> None:

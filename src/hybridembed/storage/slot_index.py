@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-__all__ = ["SlotIndex"]
+__all__ = ["SlotIndex", "lowest"]
 
 
 class SlotIndex:
@@ -55,3 +55,21 @@ class SlotIndex:
             done[i] = (keys.index_select(0, order), slots.index_select(0, order))
         keys, slots = done[i]
         return keys.clone(), slots.clone()
+
+
+def lowest(score: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` lowest of ``score`` (M,) by (score, key), in that order (``keys``
+    (M,) distinct: a total order): what sorting all M by key, then stably by score, puts first,
+    found without sorting all M (the k-th score by ``kthvalue``; the rows below it and its ties
+    are the ones sorted)."""
+    m = score.numel()
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.int64, device=score.device)
+    if k < m:
+        kth = torch.kthvalue(score, k).values
+        pick = (score <= kth).nonzero().squeeze(1)  # (the k-th score's ties beyond k: cut below)
+    else:
+        pick = torch.arange(m, device=score.device)
+    order = torch.argsort(keys.index_select(0, pick), stable=True)
+    order = order.index_select(0, torch.argsort(score.index_select(0, pick).index_select(0, order), stable=True))
+    return pick.index_select(0, order[:k])
