@@ -212,8 +212,10 @@ def test_killed_ranks_resume_their_last_commit_and_end_like_a_job_never_killed(d
 
 
 def _workers(proc: subprocess.Popen) -> list[int]:
-    """The ranks (children of torchrun) under ``proc``."""
-    return [p for p in _descendants(proc.pid) if re.search(r" -m hybridembed\.cli train ", _cmdline(p))]
+    """The ranks under ``proc`` (``train --max-restarts``: the children of its forkserver, which the agent
+    forks them from)."""
+    servers = [p for p in _children(proc.pid) if "multiprocessing.forkserver" in _cmdline(p)]
+    return [rank for server in servers for rank in _children(server)]
 
 
 def _committed_step(ckpt: Path) -> int | None:
@@ -299,11 +301,15 @@ def test_max_restarts_is_an_int_of_at_least_0_and_needs_checkpoints(tmp_path, ca
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
 
-def test_the_command_under_the_agent_is_torchrun_with_train_s_own_flags():
+def test_the_agent_is_configured_as_torchrun_with_train_s_own_flags():
     cmd = elastic.torchrun_command(1, 4, ["--nproc", "1", "--max-restarts", "4"])
     assert cmd[:3] == [sys.executable, "-m", "hybridembed.launch.local_run"]  # (torchrun, stores on loopback)
     assert cmd[3:] == ["--nproc-per-node", "1", "--standalone", "--local-addr", "127.0.0.1", "--max-restarts", "4",
                        "--module", "--", "hybridembed.cli", "train", "--nproc", "1", "--max-restarts", "4"]  # fmt: skip
+    config = elastic.launch_config(2, 4)  # (torchrun's config of those flags, the processes forked from the forkserver)
+    assert (config.nproc_per_node, config.max_restarts, config.min_nodes, config.max_nodes) == (2, 4, 1, 1)
+    assert (config.start_method, config.local_addr, config.rdzv_backend) == ("forkserver", "127.0.0.1", "c10d")
+    assert config.rdzv_endpoint == "localhost:0" and config.run_id != elastic.launch_config(2, 4).run_id
 
 
 def test_a_start_under_the_agent_resumes_only_a_committed_checkpoint(tmp_path, monkeypatch):
@@ -348,28 +354,31 @@ def test_a_restarted_rank_of_a_complete_run_has_nothing_to_train(generated, tmp_
     assert f"resumed from {ckpt} (epoch 1, step 4) (its last committed checkpoint)" in out, out
 
 
-AGENT = """
-import sys
-err = sys.stderr.write
-err("*****\\nSetting OMP_NUM_THREADS environment variable for each process to be 1 in default\\n*****\\n")
-err("hybridembed train: error: bad row 7 (rank 1 of 2)\\n")  # the processes' own lines pass
-for start in range(2):
-    err("W1122 22:26:43.736000 13627 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 1 "
-        "closing signal SIGTERM\\n")
-    err(f"E1122 22:26:43.769000 13627 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) "
-        f"local_rank: 1 (pid: {4242 + start}) of binary: python\\n")
-err("Traceback (most recent call last):\\n  File run.py\\nChildFailedError:\\n=====\\nFailures:\\n  rank : 1\\n")
-sys.exit(1)
-"""
+def test_the_agent_s_output_is_summarised_and_the_command_s_own_errors_exit_2(capfd, monkeypatch):
+    import logging
 
+    def agent(starts):  # the agent's records of each failed start, as it logs them
+        failed = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+        for start in range(starts):
+            logging.getLogger("torch.distributed.elastic.agent.server.api").warning("Closing process 1 via SIGTERM")
+            failed.error("failed (exitcode: 2) local_rank: 1 (pid: %s) of fn: _rank (start_method: forkserver)",
+                         4242 + start, exc_info=(ValueError, ValueError("bad row 7"), None))  # fmt: skip
+        print("hybridembed train: error: bad row 7 (rank 1 of 2)", file=sys.stderr)  # (the processes' own lines)
+        raise ChildFailedError("_rank", {})
 
-def test_the_agent_s_output_is_summarised_and_the_command_s_own_errors_exit_2(capfd):
-    cmd = [sys.executable, "-c", AGENT]
-    code = elastic.run_elastic(cmd, prog="hybridembed train", nproc=2, max_restarts=1, checkpoint=None, threads=1,
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", lambda config, fn: lambda *a: agent(2))
+    code = elastic.run_elastic([], prog="hybridembed train", nproc=2, max_restarts=1, checkpoint=None, threads=1,
                                model_dir=cli.MODEL_DIR)  # fmt: skip
     assert code == 2  # the last start failed as bad data does: a restart would not mend it
     assert capfd.readouterr().err.splitlines() == [
-        "hybridembed train: error: bad row 7 (rank 1 of 2)",
         "hybridembed train: rank 1 (pid 4242) exited with code 2; restarting all 2 processes (restart 1 of 1)",
+        "hybridembed train: error: bad row 7 (rank 1 of 2)",
         "hybridembed train: error: rank 1 (pid 4243) exited with code 2; no restart left (1 of --max-restarts 1 used)",
     ]
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", lambda config, fn: lambda *a: None)
+    assert elastic.run_elastic([], prog="p", nproc=2, max_restarts=1, checkpoint=None, threads=1,
+                               model_dir=cli.MODEL_DIR) == 0  # fmt: skip
+    assert capfd.readouterr().err == ""
+    assert not logging.getLogger("torch.distributed.elastic").handlers  # (the agent's loggers as they were)

@@ -104,7 +104,7 @@ def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta):
 
 
 class _Here:
-    """The caller's stdout, stderr (file descriptors 1 and 2) and environment, given to a rank
+    """The caller's stdout, stderr (file descriptors 1 and 2), environment and working directory, given to a rank
     forked from the forkserver (whose own are those of when it started): pickled by
     ``Process.start``, the descriptors travel with the rank (``multiprocessing.reduction.DupFd``).
     A descriptor closed in the caller (checked when made, before anything reuses its number) is
@@ -117,12 +117,13 @@ class _Here:
         from multiprocessing import reduction
 
         fds = tuple(reduction.DupFd(fd) if ok else None for fd, ok in zip((1, 2), self.open))
-        return (_Here._rebuilt, (*fds, dict(os.environ)))
+        return (_Here._rebuilt, (*fds, dict(os.environ), os.getcwd()))
 
     @staticmethod
-    def _rebuilt(out, err, env: dict) -> _Here:
+    def _rebuilt(out, err, env: dict, cwd: str) -> _Here:
         here = _Here.__new__(_Here)
         here.fds, here.env = tuple(None if d is None else d.detach() for d in (out, err)), env
+        here.cwd = cwd
         return here
 
     def apply(self) -> None:
@@ -137,6 +138,10 @@ class _Here:
             os.close(fd)
         os.environ.clear()
         os.environ.update(self.env)
+        try:
+            os.chdir(self.cwd)
+        except OSError:  # (the caller's directory is gone: the forkserver's stays)
+            pass
 
 
 def _is_open(fd: int) -> bool:

@@ -18,7 +18,7 @@ training loss, the held-out loss and AUC, and the throughput; a checkpoint is wr
 from one with ``he.load``, and the model is exported with ``he.export`` at the end.
 ``--nproc N`` trains on N processes of one gloo job (spawned here, or joined under torchrun):
 the tables sharded with ``he.distribute``, each rank on its slice of every global batch (see
-:mod:`.parallel`); rank 0 prints. ``--max-restarts K`` runs them under torchrun's elastic agent,
+:mod:`.parallel`); rank 0 prints. ``--max-restarts K`` runs them under torch's elastic agent,
 each start resuming from the last committed checkpoint (see :mod:`.elastic`). ``--servers S``
 makes the last S of the N processes parameter servers that hold the tables; the other N - S
 train (see docs/train.md). ``--device cuda`` trains in one process on one GPU (tables made there,

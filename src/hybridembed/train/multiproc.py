@@ -79,13 +79,12 @@ def spawn_job(args: argparse.Namespace, state: dict[str, Any] | None) -> int:
 
 
 def elastic_job(args: argparse.Namespace, argv: list[str], prog: str) -> int:
-    """``--max-restarts K`` (not yet under torchrun): the same command as N processes under
-    torchrun's elastic agent (see :mod:`.elastic`)."""
+    """``--max-restarts K`` (not yet under the agent): the same command as N processes under
+    torch's elastic agent (see :mod:`.elastic`)."""
     if args.dataset == "criteo" and not args.data:
         generate_if_needed(args)  # once, here: not by every start of the job
-    cmd = elastic.torchrun_command(args.nproc or 1, args.max_restarts, argv)
     return elastic.run_elastic(
-        cmd,
+        argv,
         prog=prog,
         nproc=args.nproc or 1,
         max_restarts=args.max_restarts,

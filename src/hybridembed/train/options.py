@@ -309,7 +309,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--max-restarts",
         type=_number(int, 0, True),
         metavar="K",
-        help="run the processes under torchrun's elastic agent, which restarts them all up to K times when one "
+        help="run the processes under torch's elastic agent (torchrun's), which restarts them all up to K times when one "
         "fails or dies; every start resumes from the last committed checkpoint in --checkpoint DIR, if it holds "
         "one (needs checkpoints; --checkpoint-every STEPS bounds the steps redone)",
     )
