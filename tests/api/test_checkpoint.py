@@ -815,3 +815,22 @@ def test_without_flock_the_lock_file_itself_is_the_lock(tmp_path, monkeypatch):
     with pytest.raises(he.CheckpointError, match=r"another process \(pid \d+, host elsewhere\).*remove .*\.lock"):
         he.save(path, model, opt)
     assert _versions(path) == [".lock", "v-000002"]
+
+
+def test_a_release_interrupted_after_closing_the_lock_can_be_repeated(tmp_path, monkeypatch):
+    path = tmp_path / "c"
+    path.mkdir()
+    lock = ck_lock._lock(path)
+    real_close = os.close
+
+    def close_then_interrupt(fd):  # (Ctrl-C arriving right after the close returned)
+        real_close(fd)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck_lock.os, "close", close_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        lock.release()
+    monkeypatch.setattr(ck_lock.os, "close", real_close)
+    lock.release()  # (the cleanup's second release: nothing left to close, no EBADF)
+    assert not (path / ".lock").exists()
+    ck_lock._lock(path).release()  # (and the directory can be locked again)

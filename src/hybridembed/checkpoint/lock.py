@@ -32,12 +32,13 @@ class _WriterLock:
     def release(self) -> None:
         if self.path is None:
             return
-        # removed while held: a writer that opened it before sees a file no longer there and retries
-        self.path.unlink(missing_ok=True)
-        if self.fd is not None:
-            os.close(self.fd)
-        self.path = self.fd = None
+        path, fd = self.path, self.fd
+        self.path = self.fd = None  # (first: a second release, after an interrupt below, finds nothing to do)
         _HELD.discard(self)
+        # removed while held: a writer that opened it before sees a file no longer there and retries
+        path.unlink(missing_ok=True)
+        if fd is not None:
+            os.close(fd)
 
     def _forget(self) -> None:
         """In a forked child: close the inherited file, which would hold the lock after the parent
