@@ -26,6 +26,8 @@ import threading
 import weakref
 from pathlib import Path
 
+from hybridembed.train.elastic import _exit_code  # (sys.exit's status as the interpreter makes it)
+
 PRELOAD = ["hybridembed.launch._preload"]  # (as hybridembed.launch.spawn's: one forkserver a process)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # started here, perhaps still running
 
@@ -90,15 +92,6 @@ def _stream(fd: int, unbuffered: bool, err: bool) -> io.TextIOWrapper:
             io.FileIO(fd, "w", closefd=False), write_through=True, errors="backslashreplace" if err else None
         )
     return open(fd, "w", buffering=1 if err else -1, closefd=False, errors="backslashreplace" if err else None)
-
-
-def _exit_code(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
 
 
 def _run(script, argv, env, out, err, cwd, new_session) -> None:  # pragma: no cover (in the forked process)
