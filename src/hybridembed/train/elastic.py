@@ -167,11 +167,21 @@ def _exit_code(code: object) -> int:
     return 1
 
 
+def _interrupt_once(signum, frame) -> None:  # pragma: no cover (in a process the agent forked)
+    """A process's first SIGINT is a KeyboardInterrupt, the next ones are ignored: Ctrl-C reaches it
+    from the terminal and again from the agent, which forwards it, and a second interrupt in the
+    middle of the first one's cleanup (a checkpoint's) only printed tracebacks. The agent ends a
+    process that does not stop with SIGKILL."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _rank(here, argv: list[str]) -> None:  # pragma: no cover (in a process the agent forked)
     """One process of the job, forked from the forkserver: ``python -u -m hybridembed.cli train ARGV``
     with the caller's output, environment and working directory (the agent's variables over it)."""
     agent = {k: v for k, v in os.environ.items() if _AGENT_ENV.fullmatch(k)}
     here.apply()
+    signal.signal(signal.SIGINT, _interrupt_once)
     os.environ.update(agent)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # (-u: a kill loses nothing)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
