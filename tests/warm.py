@@ -22,11 +22,10 @@ import runpy
 import signal
 import sys
 import tempfile
-import threading
 import weakref
 from pathlib import Path
 
-from hybridembed.train.elastic import _exit_code  # (sys.exit's status as the interpreter makes it)
+from hybridembed.launch import _run_as_main
 
 PRELOAD = ["hybridembed.launch._preload"]  # (as hybridembed.launch.spawn's: one forkserver a process)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # started here, perhaps still running
@@ -119,18 +118,9 @@ def _run(script, argv, env, out, err, cwd, new_session) -> None:  # pragma: no c
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.path[0:0] = [os.path.dirname(os.path.abspath(script)), *extra]
     sys.argv = [script, *argv]
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        code = _exit_code(e.code)
-    except BaseException:  # (as the interpreter: kept in sys.last_* until the end, then sys.excepthook)
-        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
-        sys.excepthook(sys.last_type, sys.last_value, sys.last_traceback)
-        code = 1
-    try:  # the interpreter's end: non-daemon threads joined, then the atexit handlers
-        threading._shutdown()
-        atexit._run_exitfuncs()
+    code = 1
+    try:  # (as python runs a script: its exit status, sys.excepthook, threads joined, atexit)
+        code = _run_as_main(lambda: runpy.run_path(script, run_name="__main__"))
     finally:
         for s in (sys.stdout, sys.stderr):
             try:

@@ -23,6 +23,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -142,6 +143,39 @@ class _Here:
             os.chdir(self.cwd)
         except OSError:  # (the caller's directory is gone: the forkserver's stays)
             pass
+
+
+def _exit_code(code: object) -> int:
+    """``sys.exit(code)``'s exit status, as the interpreter makes it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_as_main(fn: Callable[[], Any]) -> int:
+    """``fn()`` run as the interpreter runs ``__main__``, in a process forked to be a script's or a
+    command's own: an unhandled exception kept in ``sys.last_*`` and given to ``sys.excepthook``
+    (status 1; the library's health hook reports it to the other ranks), ``sys.exit``'s status,
+    then the interpreter's end: non-daemon threads joined and the ``atexit`` handlers run. Returns
+    the exit status; the caller ends the process."""
+    import atexit
+    import threading
+
+    code = 0
+    try:
+        fn()
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException:  # (kept in sys.last_* until the end: what it references lives as long as it would)
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
+        sys.excepthook(sys.last_type, sys.last_value, sys.last_traceback)
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    return code
 
 
 def _is_open(fd: int) -> bool:

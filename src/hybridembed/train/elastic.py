@@ -27,7 +27,6 @@ last committed checkpoint is). The processes' output passes through.
 
 from __future__ import annotations
 
-import atexit
 import io
 import logging
 import os
@@ -35,7 +34,6 @@ import re
 import runpy
 import signal
 import sys
-import threading
 import uuid
 from collections.abc import Sequence
 
@@ -157,16 +155,6 @@ class _AgentLogs:
             lg.handlers, lg.propagate = handlers, propagate
 
 
-def _exit_code(code: object) -> int:
-    """``sys.exit(code)``'s exit status, as the interpreter makes it."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
 def _interrupt_once(signum, frame) -> None:  # pragma: no cover (in a process the agent forked)
     """A process's first SIGINT is a KeyboardInterrupt, the next ones are ignored: Ctrl-C reaches it
     from the terminal and again from the agent, which forwards it, and a second interrupt in the
@@ -179,6 +167,8 @@ def _interrupt_once(signum, frame) -> None:  # pragma: no cover (in a process th
 def _rank(here, argv: list[str]) -> None:  # pragma: no cover (in a process the agent forked)
     """One process of the job, forked from the forkserver: ``python -u -m hybridembed.cli train ARGV``
     with the caller's output, environment and working directory (the agent's variables over it)."""
+    from ..launch import _run_as_main
+
     agent = {k: v for k, v in os.environ.items() if _AGENT_ENV.fullmatch(k)}
     here.apply()
     signal.signal(signal.SIGINT, _interrupt_once)
@@ -186,17 +176,7 @@ def _rank(here, argv: list[str]) -> None:  # pragma: no cover (in a process the 
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)  # (-u: a kill loses nothing)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     sys.argv = ["-m", "train", *argv]  # (runpy puts the module's path first, as python -m does)
-    code = 0
-    try:
-        runpy.run_module("hybridembed.cli", run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = _exit_code(e.code)
-    except BaseException:  # (as the interpreter: kept in sys.last_* until the end, then sys.excepthook)
-        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
-        sys.excepthook(sys.last_type, sys.last_value, sys.last_traceback)
-        code = 1
-    threading._shutdown()  # the interpreter's end: non-daemon threads joined, then the atexit handlers
-    atexit._run_exitfuncs()
+    code = _run_as_main(lambda: runpy.run_module("hybridembed.cli", run_name="__main__", alter_sys=True))
     if code:
         raise SystemExit(code)  # (the agent's failure; 0: the return value it waits for)
 
