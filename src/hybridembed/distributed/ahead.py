@@ -28,17 +28,20 @@ import torch.distributed as dist
 from ..errors import HybridEmbedError
 from ..input import Jagged
 from . import health
+from .exchange import Capacity
 
 __all__ = ["Pipelined", "Sent", "Channel"]
 
 
 @dataclass
 class Channel:
-    """A process group the exchange's header runs on, and its count of headers (the key under
-    which a rank tells the others why it failed: the same on every rank)."""
+    """A process group the exchange's header runs on, its count of headers (the key under which a
+    rank tells the others why it failed: the same on every rank) and how many int64s ride after
+    them (:class:`~hybridembed.distributed.exchange.Capacity`)."""
 
     group: Any
     count: int = 0
+    cap: Capacity | None = None  # (made at the first exchange, for the group's size)
 
     def next_step(self) -> str:
         self.count += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import health
 
 __all__ = [
+    "Capacity",
     "Header",
     "INVALID",
     "FAILED",
@@ -31,6 +32,8 @@ __all__ = [
     "all_to_all",
     "exchange",
     "features_digest",
+    "headers_and_ints",
+    "MERGE_INTS",
 ]
 
 PER_PAIR = 3  # sizes sent per pair before the ids: bags, ids, one id per bag (then no lengths are sent)
@@ -53,14 +56,16 @@ class Header:
 
     ``failed``: 0, or :data:`INVALID` (this rank's input was refused) or :data:`FAILED` (it failed
     otherwise before the exchange); ``weights``: per-id weights follow the ids; ``digest``: of the
-    features looked up, in order; ``nints``: int64s this rank sends the other next (the sizes of
-    each pair the other owns, then their bag lengths and ids); ``rows``: the row elements this
-    rank will receive in all (every rank learns every rank's: when all are at most
-    :data:`FOLD_ROWS`, the owners' status rides in the rows' all-to-all, see :func:`fold_status`).
+    features looked up, in order; ``nints``: int64s this rank sends the other (the sizes of each
+    pair the other owns, then their bag lengths and ids: as many as fit ride after the header, see
+    :func:`headers_and_ints`); ``rows``: the row elements this rank will receive in all (every rank
+    learns every rank's: when all are at most :data:`FOLD_ROWS`, the owners' status rides in the
+    rows' all-to-all, see :func:`fold_status`); ``more``: some of this rank's int64s did not fit
+    after its headers (a second all-to-all sends the rest).
 
         >>> h = Header(0, 1, 12345, 7, 640)
-        >>> Header.unpack(torch.tensor([h.pack(), Header(INVALID, 0, 0, 0, 0).pack()]))
-        [Header(failed=0, weights=1, digest=12345, nints=7, rows=640), Header(failed=1, weights=0, digest=0, nints=0, rows=0)]
+        >>> Header.unpack(torch.tensor([h.pack(), Header(INVALID, 0, 0, 0, 0, 1).pack()]))
+        [Header(failed=0, weights=1, digest=12345, nints=7, rows=640, more=0), Header(failed=1, weights=0, digest=0, nints=0, rows=0, more=1)]
     """
 
     failed: int
@@ -68,11 +73,12 @@ class Header:
     digest: int
     nints: int
     rows: int = 0
+    more: int = 0
 
-    SIZE: ClassVar[int] = 5
+    SIZE: ClassVar[int] = 6
 
     def pack(self) -> list[int]:
-        return [self.failed, self.weights, self.digest, self.nints, self.rows]
+        return [self.failed, self.weights, self.digest, self.nints, self.rows, self.more]
 
     @staticmethod
     def unpack(rows: torch.Tensor) -> list[Header]:
@@ -81,6 +87,66 @@ class Header:
 
 
 INVALID, FAILED = 1, 2  # Header.failed: the rank's input was refused / it failed otherwise
+
+# A pair of ranks' int64s (ids and sizes) ride after the header in one all-to-all up to the
+# capacity that pair's last exchange set (what it sent then, an eighth more); a step like the
+# last one makes one collective for both, not two. Beyond this many int64s a pair sends them in
+# an all-to-all of their own, as before (padding that large costs more than a collective's
+# latency). See docs/benchmarks.md "The sharded step's fixed cost".
+MERGE_INTS = 1 << 16
+
+
+@dataclass
+class Capacity:
+    """Per rank of a channel's group: how many int64s ride after the header this rank sends it
+    (``send``) and after the one it receives from it (``recv``). Both ends of a pair derive their
+    figure from the same header, so they agree without a word."""
+
+    send: list[int]
+    recv: list[int]
+
+    @staticmethod
+    def of(world: int) -> Capacity:
+        return Capacity([0] * world, [0] * world)
+
+    @staticmethod
+    def after(n: int) -> int:
+        """The capacity after an exchange of ``n`` int64s."""
+        return 0 if n > MERGE_INTS else n + (n >> 3)
+
+
+def headers_and_ints(
+    heads: list[Header], ints: list[torch.Tensor] | None, cap: Capacity, group, device
+) -> tuple[list[Header], list[torch.Tensor] | None]:
+    """``heads[r]`` and ``ints[r]`` (the int64s that follow it; None: none, a failed rank's
+    header) to each rank ``r`` of ``group``; theirs back. As many int64s as ``cap`` holds ride after
+    each header in one all-to-all; when some rank's did not fit (its headers say ``more``), a
+    second all-to-all sends the rest. ``cap`` is then set from this exchange's sizes, the same on
+    both ends of every pair. Returns every rank's header to this one and what it sent after it
+    (None when some rank failed: nothing after a failed header is read)."""
+    world = len(heads)
+    ints = ints if ints is not None else [torch.zeros(0, dtype=torch.int64, device=device)] * world
+    more = int(any(x.numel() > c for x, c in zip(ints, cap.send)))
+    packed = torch.tensor([replace(h, more=more).pack() for h in heads], dtype=torch.int64, device=device)
+    pieces = []
+    for r, (x, c) in enumerate(zip(ints, cap.send)):
+        pieces += [packed[r], x[:c]]
+        if x.numel() < c:
+            pieces.append(x.new_zeros(c - x.numel()))
+    sizes = [Header.SIZE + c for c in cap.recv]
+    got = exchange(torch.cat(pieces), [Header.SIZE + c for c in cap.send], sizes, group).split(sizes)
+    got_h = Header.unpack(torch.cat([g[: Header.SIZE] for g in got]))
+    firsts = [g[Header.SIZE : Header.SIZE + min(h.nints, c)] for g, h, c in zip(got, got_h, cap.recv)]
+    rest_in = [max(0, h.nints - c) for h, c in zip(got_h, cap.recv)]
+    rest_out = [x[c:] for x, c in zip(ints, cap.send)]
+    cap.send, cap.recv = [Capacity.after(x.numel()) for x in ints], [Capacity.after(h.nints) for h in got_h]
+    if any(h.failed for h in got_h):
+        return got_h, None
+    if any(h.more for h in got_h):
+        rest = exchange(torch.cat(rest_out), [x.numel() for x in rest_out], rest_in, group).split(rest_in)
+        firsts = [torch.cat([a, b]) if b.numel() else a for a, b in zip(firsts, rest)]
+    return got_h, firsts
+
 
 # Rows' all-to-alls where every rank receives at most this many elements carry the owners'
 # status in the same all-to-all (one element after each owner's rows: a copy of rows this small

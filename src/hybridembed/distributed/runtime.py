@@ -9,8 +9,9 @@ another (``self.replicated``). A lookup of the features of one forward is one ex
    owns it (table-wise: the table's rank; column-wise: every column slice; row-wise: by
    block, residue or a hash of the id) and computes the combiners' per-id weights (mean,
    sqrtn need the whole bag, which a row shard does not see);
-2. a header all-to-all (sizes, an error flag, a digest of the features looked up), then
-   one all-to-all of ids and bag lengths (and one of per-id weights when any are used);
+2. a header all-to-all (sizes, an error flag, a digest of the features looked up) carrying the
+   ids and bag lengths after it (a second all-to-all carries what did not fit the capacity the
+   last step set: the first step's, or a larger one's), and one of per-id weights when any are used;
 3. each owner pools its part of every bag in one kernel call per group of its shards;
 4. one all-to-all of pooled rows back (autograd-aware: backward sends the gradients the
    reverse way, so the owner's sparse optimizer updates its rows); the requester sums a
@@ -53,12 +54,14 @@ from .exchange import (
     FOLD_ROWS,
     INVALID,
     PER_PAIR,
+    Capacity,
     Header,
     Pair,
     RowsExchange,
     exchange,
     features_digest,
     fold_status,
+    headers_and_ints,
 )
 from .plan import Plan
 from .routes import Sends, assemble
@@ -387,7 +390,7 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
             )
             raise
         if not pairs:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
-            step, _ = self._step_header(channel, reqs, error)
+            step, _, _ = self._step_header(channel, reqs, error)
             return Sent(reqs, tabs, pairs, sends, back, pooled_here, step)
         by_rank: list[list[int]] = [[] for _ in range(self.world_size)]
         for i, p in enumerate(pairs):
@@ -492,21 +495,26 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
 
     # --- failures: every rank learns them in the header of the exchange --------------------------
     def _header(
-        self, channel: Channel, failed: int, has_w: bool, digest: int, nints=None, why: str = "", rows: int = 0
-    ) -> tuple[str, list]:
-        """Phase 3 of :meth:`_run`: this rank's :class:`Header` to every rank, theirs back (one small
-        all-to-all of fixed size, on ``channel``); ``why``: this rank's failure, for the others'
-        errors; ``rows``: the row elements this rank will receive. Returns (the step's key, the headers)."""
+        self, channel: Channel, failed: int, has_w: bool, digest: int, nints=None, why="", rows=0, ints=None
+    ) -> tuple[str, list, list | None]:
+        """Phase 3 of :meth:`_run`: this rank's :class:`Header` to every rank, theirs back, on
+        ``channel``, with ``ints`` (per rank, the int64s this rank sends it next: as many as the
+        channel's capacity holds in the same all-to-all, see :func:`headers_and_ints`); ``why``: this
+        rank's failure, for the others' errors; ``rows``: the row elements this rank will receive.
+        Returns (the step's key, the headers, per rank the int64s it sent this one: None when a rank
+        failed)."""
         world = self.world_size
         nints = nints if nints is not None else [0] * world
         step = channel.next_step()
         if failed:
             health.tell(f"{step}/{self.rank}", why)
+        heads = [Header(failed, int(has_w), digest, n, rows) for n in nints]
         if world == 1:
-            return step, [Header(failed, int(has_w), digest, nints[0], rows)]
-        send = [Header(failed, int(has_w), digest, n, rows).pack() for n in nints]
-        send_h = torch.tensor(send, dtype=torch.int64, device=self._device).view(-1)  # (NCCL sends device tensors only)
-        return step, Header.unpack(exchange(send_h, [Header.SIZE] * world, [Header.SIZE] * world, channel.group))
+            return step, heads, None if failed else ints
+        if channel.cap is None:
+            channel.cap = Capacity.of(world)
+        got, got_ints = headers_and_ints(heads, ints, channel.cap, channel.group, self._device)
+        return step, got, got_ints
 
     def _raise_if_failed(self, step: str, got: list, error: BaseException | None, reqs) -> None:
         """Every rank's header -> raises on every rank when one failed (this rank's own error, or one
@@ -534,15 +542,18 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
                 "same lookups, in the same order, each step); this rank's: " + ", ".join(f for f, _ in reqs)
             )
 
-    def _step_header(self, channel: Channel, reqs, error, has_w=False, nints=None, rows: int = 0) -> tuple[str, list]:
-        """The headers of this step's exchange (``error``: this rank's refused input, or None);
-        raises on every rank when any rank failed or the ranks looked up different features."""
+    def _step_header(
+        self, channel: Channel, reqs, error, has_w=False, nints=None, rows: int = 0, ints=None
+    ) -> tuple[str, list, list | None]:
+        """The headers of this step's exchange (``error``: this rank's refused input, or None) and
+        what follows them (see :meth:`_header`); raises on every rank when any rank failed or the
+        ranks looked up different features."""
         why = health.first_line(error) if error is not None else ""
         digest = features_digest([f for f, _ in reqs])
         code = 0 if error is None else INVALID if isinstance(error, InvalidInputError) else FAILED
-        step, got = self._header(channel, code, has_w, digest, nints, why, rows)
+        step, got, got_ints = self._header(channel, code, has_w, digest, nints, why, rows, ints)
         self._raise_if_failed(step, got, error, reqs)
-        return step, got
+        return step, got, got_ints
 
     def step_failed(self, error: BaseException) -> None:
         """This rank cannot make its step's lookups (its input was refused before the exchange, or the
@@ -578,8 +589,9 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
 
     def _ids_to_owners(self, channel, reqs, pairs, sends: list[Sends], by_rank: list[list[int]], error) -> tuple:
         """Phases 3 and 4: to each owner the sizes of each of its pairs (bags, ids, one id per bag),
-        then their bag lengths (unless one id per bag) and ids, the header first saying how many
-        int64s that is (and whether per-id weights follow, sent next). Returns what this rank
+        then their bag lengths (unless one id per bag) and ids, after the header saying how many
+        int64s that is (and whether per-id weights follow, sent next): in the header's all-to-all
+        when the step is like the last one (:func:`headers_and_ints`). Returns what this rank
         received: per source (bags, ids, one-per-bag flags of each pair here, payload piece
         sizes), the ids and lengths, the weights (or None), and whether the owners' status rides
         in the rows' all-to-all (every rank receives at most :data:`FOLD_ROWS` row elements); and
@@ -590,14 +602,10 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
             out_ints = [self._ints_to(by_rank[r], sends) for r in range(world)]
         send_sizes = [int(x.numel()) for x in out_ints]
         incoming = sum(x.lengths.numel() * p.width for x, p in zip(sends, pairs))
-        step, got = self._step_header(
-            channel, reqs, error, any(x.weights is not None for x in sends), send_sizes, incoming
-        )
+        has_w = any(x.weights is not None for x in sends)
+        step, got, chunks = self._step_header(channel, reqs, error, has_w, send_sizes, incoming, out_ints)
         fold = max(h.rows for h in got) <= FOLD_ROWS
-        recv_sizes = [h.nints for h in got]
-        recv = out_ints[0] if world == 1 else exchange(torch.cat(out_ints), send_sizes, recv_sizes, group)
         m = PER_PAIR * len(by_rank[self.rank])
-        chunks = recv.split(recv_sizes)
         table = torch.cat([c[:m] for c in chunks]).view(world, len(by_rank[self.rank]), PER_PAIR).tolist()
         bags = [[x[0] for x in row] for row in table]  # per source: bags, ids and one-per-bag of each pair here
         nids = [[x[1] for x in row] for row in table]
