@@ -90,10 +90,11 @@ INVALID, FAILED = 1, 2  # Header.failed: the rank's input was refused / it faile
 
 # A pair of ranks' int64s (ids and sizes) ride after the header in one all-to-all up to the
 # capacity that pair's last exchange set (what it sent then, an eighth more); a step like the
-# last one makes one collective for both, not two. Beyond this many int64s a pair sends them in
-# an all-to-all of their own, as before (padding that large costs more than a collective's
-# latency). See docs/benchmarks.md "The sharded step's fixed cost".
-MERGE_INTS = 1 << 16
+# last one makes one collective for both, not two. Beyond this many int64s (128 KB) a pair sends
+# them in an all-to-all of their own: the collective's latency saved matters in small steps (batch
+# 128 a rank: 1,700 int64s an owner), not in large ones (4,096: 53,000), where the merge measured
+# no gain within this machine's noise. See docs/benchmarks.md "The sharded step's fixed cost".
+MERGE_INTS = 1 << 14
 
 
 @dataclass
