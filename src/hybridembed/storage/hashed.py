@@ -4,14 +4,14 @@ Shape legend: ``N`` ids in a batch, ``U`` distinct (table, id) pairs, ``C`` row 
 ``H`` hash-index positions (a power of two >= 2C), ``D`` dim.
 
 Slot 0 of ``weight`` (C+1, D) is the default vector, read by ids without a row and never
-updated. The index is collisionless open addressing over (table, id) pairs, in torch ops
-only (so it runs unchanged on CUDA tensors): each probing round is a few vectorised ops
-over the ids still unresolved, and concurrent inserts into one empty position are settled
-by ``scatter_reduce(amax)``, so the outcome does not depend on thread timing. With
-``kernels="triton"`` (:mod:`hybridembed.kernels.triton_hash`) a find or an insert is one
-Triton launch that probes one position at a time and claims by compare-and-swap: where a pair
-sits may then depend on timing, which pairs the index holds (every answer, every slot) not. Eviction
-frees many rows at once and rebuilds the index from the live rows. Memory beyond the rows
+updated. The index is collisionless open addressing over (table, id) pairs (linear probing).
+In torch ops (any device) each probing round is a few vectorised ops over the ids still
+unresolved, and concurrent inserts into one empty position are settled by
+``scatter_reduce(amax)``. On the CPU with Numba (``kernels="auto"``) a loop probes each pair to
+its end (:mod:`hybridembed.kernels.cpu_hash`); with ``kernels="triton"`` a find or an insert is
+one launch that claims by compare-and-swap: where a pair sits may differ, which pairs the index
+holds (every answer, every slot) not. Eviction frees many rows at once and rebuilds the index
+from the live rows. Memory beyond the rows
 and optimizer state: about 68 bytes per row slot (index at load <= 0.5: 2 x 20 bytes; key,
 table, recency, frequency: 28 bytes) plus the admission sketch when ``min_count > 1``. A new row's initial
 value is the table's row-keyed initializer at (seed, table, id), so a dynamic table fed
@@ -31,6 +31,7 @@ from .. import init as _init
 from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..input import offsets_from_lengths
+from ..kernels import cpu_hash
 from ..kernels.backend import uses_triton
 from ..utils import advise_huge_pages, get_logger
 from .base import RowStorage, add_sparse
@@ -215,18 +216,19 @@ class HashStorage(RowStorage):
         return (pos.unsqueeze(1) + offsets) & self._mask
 
     def _find(self, keys: torch.Tensor, tabs: torch.Tensor, where: bool = False) -> torch.Tensor:
-        """(U,) slots of (table, id) pairs (``where``: their index positions, eager); -1 where absent.
+        """(U,) slots of (table, id) pairs (``where``: their index positions); -1 where absent.
 
-        Linear probing. The first round reads each pair's home position (most pairs are
-        decided there); the few left read the next ``_FIND_WINDOW`` positions a round, where a
-        pair's first position that holds it (found) or is empty (absent: eviction rebuilds the
-        index; a tiered table's tombstones never match and never end a probe) decides: about 2 rounds instead of one per
-        probe (7 measured), each of ~15 small ops. With Triton kernels
+        The torch ops: the first round reads each pair's home position (most are decided there);
+        the few left read the next ``_FIND_WINDOW`` positions a round, where a pair's first
+        position that holds it (found) or is empty (absent; a tiered table's tombstones never
+        match and never end a probe) decides: about 2 rounds of ~15 small ops. Triton
         (:func:`hybridembed.kernels.triton_hash.find`): one launch, no host sync."""
         if uses_triton(self.kernels, self.weight) and not where:
             from ..kernels import triton_hash
 
             return triton_hash.find(self._hrow, self._mask, keys, tabs, self._hash(keys, tabs) & self._mask)
+        if cpu_hash.runs_on(self.kernels, self.weight):
+            return cpu_hash.find(self._hrow, self._mask, keys, tabs, self._hash(keys, tabs) & self._mask, where)
         tw = tabs.to(torch.int64) << 32  # the table as stored in a row's second word
         pos = self._hash(keys, tabs) & self._mask
         row = self._hrow.index_select(0, pos)  # (U, 2): each home position read once
@@ -252,15 +254,16 @@ class HashStorage(RowStorage):
 
     def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
         """Add absent, distinct (table, id) pairs pointing at ``slots``: each at the first empty
-        position of its probe sequence (W positions a round); pairs that chose the same position
-        go to the one with the highest index, the others probe on from there. With Triton
-        kernels (:func:`hybridembed.kernels.triton_hash.insert`): each pair claims its position
-        with a compare-and-swap, one launch; the layout may differ, what :meth:`_find` answers not."""
+        position of its probe sequence (the torch ops: W positions a round; pairs that chose the
+        same position go to the one with the highest index, the others probe on). Numba: in order;
+        Triton: by compare-and-swap. The layout may differ, what :meth:`_find` answers not."""
         if uses_triton(self.kernels, self.weight):
             from ..kernels import triton_hash
 
             triton_hash.insert(self._hrow, self._mask, keys, tabs, slots, self._hash(keys, tabs) & self._mask)
             return
+        if cpu_hash.runs_on(self.kernels, self.weight):
+            return cpu_hash.insert(self._hrow, self._mask, keys, tabs, slots, self._hash(keys, tabs) & self._mask)
         pending = torch.arange(keys.numel(), device=keys.device, dtype=torch.int32)
         pos = self._hash(keys, tabs) & self._mask
         word = (tabs.to(torch.int64) << 32) | slots.to(torch.int64)
