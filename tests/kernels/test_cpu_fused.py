@@ -35,11 +35,13 @@ OPTIMIZERS = {
 def _inputs(g: torch.Generator, kind: str, rows: int) -> dict:
     if kind == "one":  # one-hot: 1-D ids
         return {f: torch.randint(0, rows // 4, (64,), generator=g) for f in ("a", "b", "c")}
-    lengths = torch.randint(0, 6, (32,), generator=g)
+    lengths = (
+        torch.randint(4, 13, (32,), generator=g) if kind.startswith("long") else torch.randint(0, 6, (32,), generator=g)
+    )
     n = int(lengths.sum())
     ids = torch.randint(0, rows // 4, (n,), generator=g)
     ids[torch.rand(n, generator=g) < 0.3] = 2  # a hot id: long runs
-    w = torch.rand(n, generator=g) if kind == "weighted" else None
+    w = torch.rand(n, generator=g) if kind.endswith("weighted") else None
     return {f: he.Jagged.from_lengths(ids, lengths, w) for f in ("a", "b", "c")}
 
 
@@ -71,7 +73,7 @@ def _train(
     tables = [
         he.TableConfig(
             n, None if dynamic else 200, 8, dtype=dtype, optimizer=opt, combiner="mean" if n == "t1" else "sum",
-            dynamic=he.Dynamic() if dynamic else None,
+            dynamic=dynamic if isinstance(dynamic, he.Dynamic) else he.Dynamic() if dynamic else None,
         )
         for n in ("t0", "t1")
     ]  # fmt: skip
@@ -104,6 +106,37 @@ def test_fused_step_equals_the_eager_ops(name, kind):
     assert want.keys() == got.keys()
     for k in want:  # the rows and every optimizer state tensor
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["apart", "cat"])
+@pytest.mark.parametrize("kind", ["long", "long_weighted"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_sgd_on_long_bags_applies_each_id_in_place_as_the_eager_ops(monkeypatch, layout, kind, dynamic):
+    """Bags of 4 to 12 ids: SGD without weight decay adds each id's gradient to its row where it lies
+    (no sort, no reduction); with weight decay the rows are reduced first. Either way the eager
+    step's rows, on 1 and 2 threads alike, bit for bit."""
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 64)
+    dynamic = he.Dynamic(min_count=2) if dynamic else False  # (ids seen once read the default row, never updated)
+    real, calls = cpu_fused._sgd_in_place, []
+    monkeypatch.setattr(cpu_fused, "_sgd_in_place", lambda *a: calls.append(1) or real(*a))
+    threads = torch.get_num_threads()
+    for name, in_place in (("sgd", True), ("sgd_max", True), ("sgd_wd_max", False)):
+        opt = OPTIMIZERS.get(name) or so.SGD(lr=0.1, maximize=True)
+        ref = _train("eager", opt, kind, dynamic=dynamic, layout=layout)[0]
+        want = {**_state(ref), **{f"{i}.row0": st.weight.detach()[0] for i, st in enumerate(ref.storages)}}
+        got = []
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                calls.clear()
+                ec = _train("numba", opt, kind, dynamic=dynamic, layout=layout)[0]
+                got.append({**_state(ec), **{f"{i}.row0": st.weight.detach()[0] for i, st in enumerate(ec.storages)}})
+                assert len(calls) == (4 * len(ec.storages) if in_place else 0), (name, len(calls))  # (a call a step)
+        finally:
+            torch.set_num_threads(threads)
+        for k in want:
+            torch.testing.assert_close(got[0][k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{name} {k}: {m}")
+            assert torch.equal(got[0][k], got[1][k]), (name, k)  # (each row's ids in batch order either way)
 
 
 @pytest.mark.parametrize("name", ["adagrad", "rowwise", "adam"])

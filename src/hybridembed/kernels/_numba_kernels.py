@@ -31,6 +31,7 @@ from numba.extending import intrinsic
 __all__ = ["ROW_KERNELS"]
 
 _AHEAD = 4  # rows ahead that are prefetched
+_AHEAD_IDS = 16  # ids ahead whose row and gradient are prefetched (ids_sgd)
 _OPAQUE = _llvm.llvm_version_info[0] >= 15  # LLVM with opaque pointers names the intrinsic by address space only
 
 
@@ -180,3 +181,27 @@ def rows_adam(weight, s1, s2, ids, grad, row_stat, lo, hi, hp, maximize):  # pra
 
 # optimizer code (kernels.fused.FUSED) -> kernel
 ROW_KERNELS = (rows_sgd, rows_adagrad, rows_rowwise, rows_adam)
+
+
+@njit(nogil=True, cache=True)
+def ids_sgd(weight, ids, bag_of, psw, grad, hp, maximize, skip_zero, part, parts):  # pragma: no cover
+    """SGD without weight decay is linear in the gradient, so each id's gradient (its bag's row
+    ``grad[bag_of[i]]`` times ``psw[i]``; bag_of empty: row i; psw empty: 1) times ``scale`` is
+    applied to its row where it lies, in batch order: no sort, no reduced (U, D) gradient. This
+    call takes the rows ``row % parts == part`` (each row on one thread, its ids in batch order
+    whatever the threads); ``skip_zero``: slot 0 (a dynamic table's default row) is never updated."""
+    n, dim = ids.shape[0], weight.shape[1]
+    step = -hp[0] * hp[9] if not maximize else hp[0] * hp[9]  # (-lr * scale: w += step * g)
+    for i in range(n):
+        if i + _AHEAD_IDS < n:
+            j = i + _AHEAD_IDS
+            if ids[j] % parts == part:
+                _prefetch(weight, ids[j])
+                _prefetch(grad, bag_of[j] if bag_of.shape[0] > 0 else j)
+        row = ids[i]
+        if row % parts != part or (skip_zero and row == 0):
+            continue
+        b = bag_of[i] if bag_of.shape[0] > 0 else i
+        m = step * psw[i] if psw.shape[0] > 0 else step
+        for d in range(dim):
+            weight[row, d] += m * grad[b, d]

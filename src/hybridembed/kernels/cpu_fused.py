@@ -15,7 +15,9 @@ rows are scattered over the table: the pass is bound by memory latency); one sli
 thread, each a GIL-free call. No sparse gradient and no other (U, D) temporary: the eager path
 gathers the state, computes the update in several whole-tensor passes and scatters both back.
 Already-reduced rows (a sharded job's exchanged gradients, a parameter server's pushes) go to
-:func:`apply_rows` directly.
+:func:`apply_rows` directly. SGD without weight decay is linear in the gradient: on bags of many
+ids (at least :data:`_IN_PLACE_IDS` a bag) each id's gradient is added to its row where it lies,
+in batch order, without the sort and the reduction (:func:`_sgd_in_place`).
 
 Measured side by side (docs/benchmarks.md, "The fused CPU step"): a kernel that also summed
 each row's gradient itself (walking the sorted ids) lost to this split on one-hot batches and
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils import get_logger
-from .fused import step_hparams
+from .fused import FUSED, step_hparams
 from .lookup import sorted_segments
 
 __all__ = ["available", "runs_on", "pooled_lookup", "pooled_parts", "apply_fused", "apply_rows"]
@@ -49,6 +51,11 @@ __all__ = ["available", "runs_on", "pooled_lookup", "pooled_parts", "apply_fused
 _log = get_logger("hybridembed.kernels")
 _DTYPES = (torch.float32, torch.float64)
 _MIN_PER_THREAD = 4096  # ids (or rows) below which a slice is not worth a thread
+# SGD without weight decay applies each id's gradient in place (no sort, no reduction) when the
+# batch has at least this many ids per row of its bags' gradient: measured (26 x 200k x 64, batch
+# 8,192, power-law ids) 20% faster at 10 ids a bag, 13% at 5, but 5% slower at 2.5 and 15% at one
+# (the sorted update walks the table in order; the in-place one at random)
+_IN_PLACE_IDS = 4
 
 
 @functools.cache
@@ -215,11 +222,38 @@ def apply_fused(
     (one "bag" per row: FBGEMM's SpMDM kernel, on torch's threads), then :func:`apply_rows`."""
     if ids.numel() == 0:
         return
+    hpa, opt, maximize = _hparams(storage, hp, scale)
+    if opt == FUSED["SGD"] and hpa[5] == 0 and bag_of is not None and ids.numel() >= _IN_PLACE_IDS * grad.shape[0]:
+        _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize)  # (no weight decay: linear in the gradient)
+        return
     uniq, rows = reduce_kept(ids, grad, bag_of, psw, storage.weight.shape[0])
     if storage.keyed:  # slot 0, a dynamic table's default row, is never updated (it sorts first)
         if uniq.numel() and int(uniq[0]) == 0:
             uniq, rows = uniq[1:], rows[1:]
     apply_rows(storage, uniq, rows, hp, None, scale)
+
+
+def _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize: bool) -> None:
+    """SGD without weight decay: each id's gradient applied to its row where it lies, in batch order
+    (:func:`._numba_kernels.ids_sgd`; the rows split over the threads by residue)."""
+    from . import _numba_kernels as K
+
+    weight = storage.weight.detach()
+    empty = np.zeros(0, dtype=np.int64)
+    g = grad.to(weight.dtype)
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    head = (
+        weight.numpy(),
+        ids.to(torch.int64).contiguous().numpy(),
+        empty if bag_of is None else bag_of.to(torch.int64).contiguous().numpy(),
+        np.zeros(0, dtype=hpa.dtype) if psw is None else psw.to(weight.dtype).contiguous().numpy(),
+        g.numpy(),
+        hpa,
+        maximize,
+        bool(storage.keyed),
+    )
+    t = _threads(ids.numel())
+    _run(K.ids_sgd, [(k, t) for k in range(t)], head, ())
 
 
 def reduce_kept(ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw, nrows: int) -> tuple:
