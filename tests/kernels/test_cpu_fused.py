@@ -135,7 +135,9 @@ def test_sgd_on_long_bags_applies_each_id_in_place_as_the_eager_ops(monkeypatch,
         finally:
             torch.set_num_threads(threads)
         for k in want:
-            torch.testing.assert_close(got[0][k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{name} {k}: {m}")
+            torch.testing.assert_close(
+                got[0][k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k, name=name: f"{name} {k}: {m}"
+            )
             assert torch.equal(got[0][k], got[1][k]), (name, k)  # (each row's ids in batch order either way)
 
 
