@@ -128,7 +128,8 @@ def headers_and_ints(
     world = len(heads)
     ints = ints if ints is not None else [torch.zeros(0, dtype=torch.int64, device=device)] * world
     more = int(any(x.numel() > c for x, c in zip(ints, cap.send)))
-    packed = torch.tensor([replace(h, more=more).pack() for h in heads], dtype=torch.int64, device=device)
+    heads = [replace(h, more=more, nints=int(x.numel())) for h, x in zip(heads, ints)]  # (the count both ends use)
+    packed = torch.tensor([h.pack() for h in heads], dtype=torch.int64, device=device)
     pieces = []
     for r, (x, c) in enumerate(zip(ints, cap.send)):
         pieces += [packed[r], x[:c]]
