@@ -204,6 +204,7 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, 
         timeout = timedelta(seconds=pg_timeout)
         store = loopback_store(port, world, rank == 0, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        store.add("spawn/joined", 1)  # (see _all_joined)
         out = fn(rank, world, *args)
         # pickled to bytes here: a tensor put on a torch queue as is travels through shared memory
         # that dies with this process before the parent has read it
@@ -219,6 +220,8 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, 
         results.put((rank, False, (f"{type(e).__name__}: {e}\n{traceback.format_exc()}", exc)))
     finally:
         if dist.is_initialized():
+            if world > 1:
+                _all_joined(store, world, min(pg_timeout, _STORE_WAIT_S))
             try:  # trainers of parameter servers leave first (the servers wait for them)
                 from ..ps.collection import close_all
 
@@ -234,6 +237,18 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, 
 
 
 _STORE_WAIT_S = 30.0  # the most the store's host waits for the other ranks to finish
+
+
+def _all_joined(store, world: int, wait_s: float) -> None:
+    """Waits (at most ``wait_s`` seconds) until every rank has joined the process group: a rank
+    whose ``fn`` returns at once would otherwise close its gloo connections while a slower rank is
+    still connecting to it ("connectFullMesh failed ... Connection closed by peer")."""
+    try:
+        deadline = time.monotonic() + wait_s
+        while store.add("spawn/joined", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - leaving either way
+        pass
 
 
 def _leave(store, rank: int, world: int, wait_s: float) -> None:
