@@ -26,39 +26,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for c in _children(todo.pop()):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+from tests.procs import cmdline, descendants, forked_ranks, kill_tree  # noqa: E402
 
 
 def _ranks(pid: int) -> list[int]:
     """The job's processes: the children of the command's forkserver, or (a torchrun-based
     command) its ``python -m hybridembed.cli train`` descendants."""
-    servers = [c for c in _children(pid) if "multiprocessing.forkserver" in _cmdline(c)]
-    ranks = [r for s in servers for r in _children(s)]
-    return ranks or [d for d in _descendants(pid) if " -m hybridembed.cli train " in _cmdline(d)]
+    return forked_ranks(pid) or [d for d in descendants(pid) if " -m hybridembed.cli train " in cmdline(d)]
 
 
 def one_run(src: str, data: str, workdir: str, timeout: float) -> dict[str, float]:
@@ -90,11 +66,7 @@ def one_run(src: str, data: str, workdir: str, timeout: float) -> dict[str, floa
             time.sleep(0.02)
         proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
     finally:
-        for pid in [*_descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)
         proc.wait()
         reader.join(timeout=10)
     total = time.monotonic() - t0

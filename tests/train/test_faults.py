@@ -32,6 +32,7 @@ from hybridembed.checkpoint import compact, read_manifest  # noqa: E402
 from hybridembed.errors import CheckpointError  # noqa: E402
 from hybridembed.launch import cli as launch  # noqa: E402
 from hybridembed.train import cli, elastic  # noqa: E402
+from tests.procs import descendants, forked_ranks, kill_tree  # noqa: E402
 
 KILLS = int(os.environ.get("HYBRIDEMBED_FAULT_KILLS", "1"))  # (more for a longer stress run)
 WORKER = Path(__file__).with_name("fault_worker.py")
@@ -59,37 +60,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for c in _children(todo.pop()):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _kill_tree(proc: subprocess.Popen) -> None:
-    for pid in [*_descendants(proc.pid), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(proc.pid)
     proc.wait(timeout=30)
 
 
@@ -113,7 +85,7 @@ def _in_process(argv: list[str], timeout: float = TIMEOUT) -> int:
 
     def stop() -> None:  # (the ranks: the forkserver's children; it stays, as does multiprocessing's tracker)
         server = getattr(forkserver._forkserver, "_forkserver_pid", None)
-        for pid in _descendants(server) if server else []:
+        for pid in descendants(server) if server else []:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -211,13 +183,6 @@ def test_killed_ranks_resume_their_last_commit_and_end_like_a_job_never_killed(d
     print(f"\n{KILLS} + {KILLS} kills, {len(commits)} commits logged: {seconds:.1f} s", file=sys.stderr)
 
 
-def _workers(proc: subprocess.Popen) -> list[int]:
-    """The ranks under ``proc`` (``train --max-restarts``: the children of its forkserver, which the agent
-    forks them from)."""
-    servers = [p for p in _children(proc.pid) if "multiprocessing.forkserver" in _cmdline(p)]
-    return [rank for server in servers for rank in _children(server)]
-
-
 def _committed_step(ckpt: Path) -> int | None:
     """The step of the checkpoint committed now, None before the first commit."""
     for _ in range(20):  # a save may commit and drop the version between reading LATEST and its manifest
@@ -234,7 +199,7 @@ def _kill_a_rank_after_a_commit(proc: subprocess.Popen, ckpt: Path, rng: random.
     """SIGKILLs one of the two ranks once ``ckpt`` holds a commit; the step committed just before."""
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline and proc.poll() is None:
-        ranks = _workers(proc)
+        ranks = forked_ranks(proc.pid)
         if (ckpt / cli.MODEL_DIR / "LATEST").exists() and len(ranks) == 2:
             time.sleep(rng.uniform(0.0, 0.3))
             step = _committed_step(ckpt)
@@ -276,7 +241,7 @@ def test_when_no_restart_is_left_the_command_says_so_in_two_lines(generated, tmp
         deadline = time.monotonic() + TIMEOUT
         while not pointer.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        (rank,) = _workers(proc)  # --nproc 1: one process under the agent
+        (rank,) = forked_ranks(proc.pid)  # --nproc 1: one process under the agent
         os.kill(rank, signal.SIGKILL)
         out, err = proc.communicate(timeout=TIMEOUT)
     finally:

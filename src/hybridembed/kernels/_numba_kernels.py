@@ -186,7 +186,7 @@ ROW_KERNELS = (rows_sgd, rows_adagrad, rows_rowwise, rows_adam)
 @njit(nogil=True, cache=True)
 def ids_sgd(weight, ids, bag_of, psw, grad, hp, maximize, skip_zero, part, parts):  # pragma: no cover
     """SGD without weight decay is linear in the gradient, so each id's gradient (its bag's row
-    ``grad[bag_of[i]]`` times ``psw[i]``; bag_of empty: row i; psw empty: 1) times ``scale`` is
+    ``grad[bag_of[i]]`` times ``psw[i]``; psw empty: 1) times ``scale`` is
     applied to its row where it lies, in batch order: no sort, no reduced (U, D) gradient. This
     call takes the rows ``row % parts == part`` (each row on one thread, its ids in batch order
     whatever the threads); ``skip_zero``: slot 0 (a dynamic table's default row) is never updated."""
@@ -197,11 +197,11 @@ def ids_sgd(weight, ids, bag_of, psw, grad, hp, maximize, skip_zero, part, parts
             j = i + _AHEAD_IDS
             if ids[j] % parts == part:
                 _prefetch(weight, ids[j])
-                _prefetch(grad, bag_of[j] if bag_of.shape[0] > 0 else j)
+                _prefetch(grad, bag_of[j])
         row = ids[i]
         if row % parts != part or (skip_zero and row == 0):
             continue
-        b = bag_of[i] if bag_of.shape[0] > 0 else i
+        b = bag_of[i]
         m = step * psw[i] if psw.shape[0] > 0 else step
         for d in range(dim):
             weight[row, d] += m * grad[b, d]

@@ -234,18 +234,18 @@ def apply_fused(
 
 
 def _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize: bool) -> None:
-    """SGD without weight decay: each id's gradient applied to its row where it lies, in batch order
-    (:func:`._numba_kernels.ids_sgd`; the rows split over the threads by residue)."""
+    """SGD without weight decay on long bags (``bag_of``: each id's bag, given): each id's gradient
+    applied to its row where it lies, in batch order (:func:`._numba_kernels.ids_sgd`; the rows
+    split over the threads by residue)."""
     from . import _numba_kernels as K
 
     weight = storage.weight.detach()
-    empty = np.zeros(0, dtype=np.int64)
     g = grad.to(weight.dtype)
     g = g if g.stride(-1) == 1 else g.contiguous()
     head = (
         weight.numpy(),
         ids.to(torch.int64).contiguous().numpy(),
-        empty if bag_of is None else bag_of.to(torch.int64).contiguous().numpy(),
+        bag_of.to(torch.int64).contiguous().numpy(),
         np.zeros(0, dtype=hpa.dtype) if psw is None else psw.to(weight.dtype).contiguous().numpy(),
         g.numpy(),
         hpa,
