@@ -30,7 +30,8 @@ import hybridembed as he  # noqa: E402
 from hybridembed.train import cli  # noqa: E402
 from hybridembed.train import data as D  # noqa: E402
 from hybridembed.train import models as M  # noqa: E402
-from tests.train.test_faults import _differences, _env, _final, _in_process, _kill_tree, _train, _workers  # noqa: E402
+from tests.procs import forked_ranks  # noqa: E402
+from tests.train.test_faults import _differences, _env, _final, _in_process, _kill_tree, _train  # noqa: E402
 
 SMALL = ["--embedding-dim", "4", "--mlp", "16", "--bottom-mlp", "8", "--capacity", "20000", "--batch-size", "64"]
 EVERY = ["--checkpoint-every", "4", "--checkpoint-incremental", "--checkpoint-background"]
@@ -124,7 +125,7 @@ def test_max_restarts_with_servers_resumes_and_ends_like_a_job_never_killed(gene
     deadline = time.monotonic() + TIMEOUT
     try:
         while proc.poll() is None and time.monotonic() < deadline:  # a rank SIGKILLed once a checkpoint is committed
-            ranks = _workers(proc)
+            ranks = forked_ranks(proc.pid)
             if (ckpt / cli.MODEL_DIR / "LATEST").exists() and len(ranks) == 3:
                 os.kill(random.Random(5).choice(ranks), signal.SIGKILL)  # a trainer or the server
                 break
