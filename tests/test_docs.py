@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import torch
+
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
@@ -60,7 +60,7 @@ RUNNER = textwrap.dedent(
     """
     import json, sys, traceback
     import torch.distributed as dist
-    blocks = json.loads(sys.stdin.read())
+    blocks = json.loads(open(sys.argv[1]).read())
     failures = []
     for where, code, prelude in blocks:
         scope = {}
@@ -107,15 +107,10 @@ def test_the_pages_python_examples_run(tmp_path):
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    r = subprocess.run(
-        [sys.executable, "-c", RUNNER],
-        input=json.dumps(blocks),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    failures = json.loads(r.stdout.strip().splitlines()[-1])
+    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+    (tmp_path / "runner.py").write_text(RUNNER)
+    # (a process of its own, forked warm: torch and hybridembed imported, nothing else run)
+    rc, out, err = warm.run(tmp_path / "runner.py", [str(tmp_path / "blocks.json")], env, cwd=tmp_path, timeout=300)
+    assert rc == 0, err[-3000:]
+    failures = json.loads(out.strip().splitlines()[-1])
     assert not failures, "\n".join(failures)

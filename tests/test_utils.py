@@ -5,11 +5,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 import hybridembed as he
+from tests import warm
 
 SRC = Path(he.__file__).resolve().parents[1]  # the child imports the hybridembed under test
 
@@ -108,11 +110,12 @@ def _log_probe(how, *args, env_extra=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDEMBED_") and k not in ("RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
-    p = subprocess.run(
-        [sys.executable, "-c", _LOG_PROBE, how, *map(str, args)], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert p.returncode == 0, p.stderr
-    return p.stderr
+    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:  # (forked warm: logging is configured at run time)
+        script = Path(tmp) / "probe.py"
+        script.write_text(_LOG_PROBE)
+        rc, _, err = warm.run(script, [how, *map(str, args)], env, cwd=tmp, timeout=120)
+    assert rc == 0, err
+    return err
 
 
 def test_an_applications_logging_config_receives_the_librarys_records(tmp_path):

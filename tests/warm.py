@@ -150,3 +150,16 @@ def run_code(code: str, env: dict[str, str], cwd: str | Path, timeout: float) ->
         script = Path(tmp) / "code.py"
         script.write_text(code)
         return run(script, [], env, cwd, timeout)
+
+
+_MODULE = "import runpy, sys\nmod = sys.argv[1]\nsys.argv = [mod, *sys.argv[2:]]\nrunpy.run_module(mod, run_name='__main__', alter_sys=True)\n"
+
+
+def run_module(
+    module: str, argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float
+) -> tuple[int, str, str]:
+    """``python -m module *argv`` as a warm process (see :func:`run`)."""
+    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
+        script = Path(tmp) / "module.py"
+        script.write_text(_MODULE)
+        return run(script, [module, *argv], env, cwd, timeout)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import hybridembed as he
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_tiered.py"
@@ -24,9 +23,9 @@ def test_quick(tmp_path):
     out = tmp_path / "tiered.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--checkpoint", "--dir", str(tmp_path), "--json", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    argv = ["--quick", "--checkpoint", "--dir", str(tmp_path), "--json", str(out)]
+    rc, _, stderr = warm.run(SCRIPT, argv, env, cwd=tmp_path, timeout=300)
+    assert rc == 0, stderr[-3000:]
     res = json.loads(out.read_text())
     speed, memory = res["speed"], res["memory"]
     assert speed["equal_to_memory"] is True and speed["tiered_ms"] > 0 and speed["memory_ms"] > 0

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import hybridembed as he
+from tests import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "fuzz_faults.py"
@@ -27,15 +26,8 @@ def _fuzz(tmp_path: Path, argv: list[str], env: dict | None = None) -> dict:
     full = dict(os.environ)
     full["PYTHONPATH"] = os.pathsep.join([SRC, str(ROOT), full.get("PYTHONPATH", "")])
     full.update(env or {})
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv, "--json", str(out)],
-        env=full,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rc, stdout, stderr = warm.run(SCRIPT, [*argv, "--json", str(out)], full, cwd=tmp_path, timeout=240)
+    assert rc == 0, stdout[-2000:] + stderr[-3000:]
     return json.loads(out.read_text())
 
 

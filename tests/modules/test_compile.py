@@ -14,6 +14,17 @@ import hybridembed as he
 
 torch._dynamo.config.cache_size_limit = 16
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _scalar_cpp_kernels():
+    """Inductor's C++ kernels without SIMD: they compile in about two thirds of the time here (what is
+    tested is the graph the compiler sees, not its vectorization)."""
+    from torch._inductor import config
+
+    with config.patch({"cpp.vec_isa_ok": False}):
+        yield
+
+
 TABLES = [
     he.TableConfig("a", 100, 8),
     he.TableConfig("b", 50, 8, combiner="mean"),

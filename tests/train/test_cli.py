@@ -16,6 +16,7 @@ import pytest
 from hybridembed import cli as top
 from hybridembed.train import cli
 from hybridembed.train import job as train_job
+from tests import warm
 
 PROG = "hybridembed train"
 
@@ -97,17 +98,19 @@ def test_usage_errors_in_process(argv, needle, tmp_path, capsys):
 
 
 def test_console_errors_have_no_traceback(criteo_sample, tmp_path):
-    r = _run("--model", "nope")
+    r = _run("--model", "nope")  # (the installed script, a fresh process)
     assert r.returncode == 2 and "invalid choice" in _one_error_line(r.stderr)
-    r = _run("--data", str(tmp_path / "missing.tsv"))
-    assert r.returncode == 2 and "missing.tsv: no such file" in _one_error_line(r.stderr)
+    rc, _, err = warm.run_module("hybridembed.cli", ["train", "--data", str(tmp_path / "missing.tsv")], dict(os.environ),
+                                 cwd=tmp_path, timeout=120)  # fmt: skip
+    assert rc == 2 and "missing.tsv: no such file" in _one_error_line(err)
     lines = criteo_sample.read_text().splitlines()[:40]
     lines[30] += "\textra"  # 41 columns
     bad = tmp_path / "bad.tsv"
     bad.write_text("\n".join(lines) + "\n")
-    r = _run("--data", str(bad), "--workdir", str(tmp_path / "w"), "--no-progress")
-    line = _one_error_line(r.stderr)
-    assert r.returncode == 2 and "bad.tsv" in line and "line 31" in line and "got 41" in line
+    argv = ["train", "--data", str(bad), "--workdir", str(tmp_path / "w"), "--no-progress"]
+    rc, _, err = warm.run_module("hybridembed.cli", argv, dict(os.environ), cwd=tmp_path, timeout=120)
+    line = _one_error_line(err)
+    assert rc == 2 and "bad.tsv" in line and "line 31" in line and "got 41" in line
 
 
 def test_resume_from_a_directory_that_is_no_checkpoint(tmp_path, capsys):
