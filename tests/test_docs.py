@@ -108,9 +108,8 @@ def test_the_pages_python_examples_run(tmp_path):
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
-    (tmp_path / "runner.py").write_text(RUNNER)
     # (a process of its own, forked warm: torch and hybridembed imported, nothing else run)
-    rc, out, err = warm.run(tmp_path / "runner.py", [str(tmp_path / "blocks.json")], env, cwd=tmp_path, timeout=300)
+    rc, out, err = warm.run_code(RUNNER, env, cwd=tmp_path, timeout=300, argv=[str(tmp_path / "blocks.json")])
     assert rc == 0, err[-3000:]
     failures = json.loads(out.strip().splitlines()[-1])
     assert not failures, "\n".join(failures)

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -110,10 +109,8 @@ def _log_probe(how, *args, env_extra=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDEMBED_") and k not in ("RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
-    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:  # (forked warm: logging is configured at run time)
-        script = Path(tmp) / "probe.py"
-        script.write_text(_LOG_PROBE)
-        rc, _, err = warm.run(script, [how, *map(str, args)], env, cwd=tmp, timeout=120)
+    # (a process forked warm: the library's logging is configured when the probe runs, not at its import)
+    rc, _, err = warm.run_code(_LOG_PROBE, env, cwd=SRC, timeout=120, argv=[how, *map(str, args)])
     assert rc == 0, err
     return err
 

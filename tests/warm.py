@@ -144,22 +144,23 @@ def run(
         return p.returncode, *(f.read_text(errors="replace") if f.exists() else "" for f in files)
 
 
-def run_code(code: str, env: dict[str, str], cwd: str | Path, timeout: float) -> tuple[int, str, str]:
-    """``python -c code`` as a warm process (see :func:`run`)."""
+def run_code(
+    code: str, env: dict[str, str], cwd: str | Path, timeout: float, argv: list[str] = ()
+) -> tuple[int, str, str]:
+    """``python -c code *argv`` as a warm process (see :func:`run`)."""
     with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
         script = Path(tmp) / "code.py"
         script.write_text(code)
-        return run(script, [], env, cwd, timeout)
+        return run(script, list(argv), env, cwd, timeout)
 
 
-_MODULE = "import runpy, sys\nmod = sys.argv[1]\nsys.argv = [mod, *sys.argv[2:]]\nrunpy.run_module(mod, run_name='__main__', alter_sys=True)\n"
+_MODULE = (
+    "import runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+)
 
 
 def run_module(
     module: str, argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float
 ) -> tuple[int, str, str]:
     """``python -m module *argv`` as a warm process (see :func:`run`)."""
-    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
-        script = Path(tmp) / "module.py"
-        script.write_text(_MODULE)
-        return run(script, [module, *argv], env, cwd, timeout)
+    return run_code(_MODULE, env, cwd, timeout, [module, *argv])

@@ -528,17 +528,14 @@ def run_killed(script: str, where, files: int) -> None:
     """Runs ``script`` (it trains ``ec`` with ``opt`` and saves to ``where/ck``) in a process that
     then dies (SIGKILL) in a save after writing ``files`` of its files; checks that it did."""
     import signal
-    import tempfile
 
     from tests import warm
 
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(he.__path__[0]), os.environ.get("PYTHONPATH", "")])
     )
-    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:  # (a process of its own, forked warm)
-        job = Path(tmp) / "dies.py"
-        job.write_text(script + _DIES_IN_A_SAVE.replace("DEATH", str(files)))
-        rc, _, err = warm.run(job, [str(where), os.path.dirname(__file__)], env, cwd=tmp, timeout=120)
+    code = script + _DIES_IN_A_SAVE.replace("DEATH", str(files))  # (a process of its own, forked warm)
+    rc, _, err = warm.run_code(code, env, cwd=where, timeout=120, argv=[str(where), os.path.dirname(__file__)])
     assert rc == -signal.SIGKILL, err[-2000:]
     assert any(p.name.startswith(".tmp-") for p in (where / "ck").iterdir())  # (the save that died)
 
