@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 from hybridembed.launch import _run_as_main
@@ -145,7 +146,7 @@ def run(
 
 
 def run_code(
-    code: str, env: dict[str, str], cwd: str | Path, timeout: float, argv: list[str] = ()
+    code: str, env: dict[str, str], cwd: str | Path, timeout: float, argv: Sequence[str] = ()
 ) -> tuple[int, str, str]:
     """``python -c code *argv`` as a warm process (see :func:`run`)."""
     with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
