@@ -49,14 +49,15 @@ __all__ = ["pooled_lookup", "FUSED", "fusable", "apply_fused"]
 
 _CHUNK = 32  # sorted ids per program of the update
 _ROWS = 32  # rows per program of the one-id-per-bag gather
-_BLOCK_N = 16  # ids read at once per bag of the pooled forward
+_BLOCK_N = 8  # ids read at once per bag of the pooled forward
 # launch parameters of the pooled forward, swept on an H200 (benchmarks/sweep_pool.py, bench_gpu.py's
 # sizes): one-hot bags 0.097 ms with 8 bags a program and 1 warp (1.18 ms one bag a program, 4
-# warps); multi-hot bags of 0..40 ids 0.83 ms with 16 ids at once and 2 warps (2.1 ms with 4)
+# warps); multi-hot bags of 0..40 ids 0.48 ms with 8 ids at once and 1 warp (0.83 ms with 16 and 2
+# warps, 2.1 ms with 4)
 _BAGS = 8  # bags per program of the pooled forward of short bags (32 with 2+ warps: Triton 3.6 fails to compile)
 _SHORT = 2  # mean ids per bag up to which the forward reads many bags a program
 _SHORT_WARPS = 1  # warps per program of the short bags' kernel
-_POOL_WARPS = 2  # warps per program of the one-bag-a-program kernel
+_POOL_WARPS = 1  # warps per program of the one-bag-a-program kernel
 
 
 def _acc(dtype: torch.dtype):
