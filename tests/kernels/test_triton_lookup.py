@@ -222,8 +222,16 @@ def test_zero_grad_drops_kept_gradients():
     assert all(torch.equal(b, st.weight) for b, st in zip(before, model["ec"].storages))
 
 
+@pytest.fixture(params=["walk", "tile"])
+def update_kernel(request, monkeypatch):
+    """Each of the update's two first kernels: the walk id by id (_reduce_update, chosen for bags of
+    more than _SHORT ids on average) and the tile (_reduce_update_short, for shorter ones)."""
+    monkeypatch.setattr(tk, "_SHORT", 0 if request.param == "walk" else 10**9)
+    return request.param
+
+
 @pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise", "adam"])
-def test_fused_update_hot_ids_many_chunks(name):
+def test_fused_update_hot_ids_many_chunks(name, update_kernel):
     """One id in hundreds of bags (runs over many chunks), many distinct ids, against the eager update."""
     from hybridembed.optim import sparse as so
 
@@ -286,9 +294,10 @@ def _edge_layout(name):
         "run_ends_one_past_a_chunk",
     ],
 )
-def test_fused_update_runs_at_chunk_edges(layout):
+def test_fused_update_runs_at_chunk_edges(layout, update_kernel):
     """Every way a run of equal ids can meet a chunk edge (N a multiple of C or not), one id per
-    bag in shuffled order, against the eager update: each row updated once, with its whole sum."""
+    bag in shuffled order, against the eager update: each row updated once, with its whole sum.
+    (Bags given as bags for the walk: one id per bag without offsets always takes the tile.)"""
     from hybridembed.optim import sparse as so
 
     ids = _edge_layout(layout)
@@ -301,7 +310,7 @@ def test_fused_update_runs_at_chunk_edges(layout):
             st = he.EmbeddingCollection([he.TableConfig("t", 300, 5)], device=DEVICE, kernels="triton").storages[0]
             st.attach_optimizer(opt, dict(opt.hparams))
             sts.append(st)
-        sts[0].defer_grad(ids, grad, offsets, None, True)
+        sts[0].defer_grad(ids, grad, offsets, None, update_kernel == "tile")
         sts[0].apply_fused(sts[0].hparams)
         sts[1].defer_grad(ids, grad, offsets, None, True)
         r = sts[1].grad_rows()

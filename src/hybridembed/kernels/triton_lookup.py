@@ -20,7 +20,10 @@ that ``torch.optim``'s semantics hold: several backwards accumulate, ``zero_grad
    summing the gradient rows (``grad[bag of id] * weight of id``) of each run of equal ids.
    A run inside the chunk is complete: the optimizer is applied to its row at once, the row
    and its state read and written once. A run cut by the chunk's edge leaves its partial sum
-   in a small buffer (two rows per chunk);
+   in a small buffer (two rows per chunk). Where bags hold a few ids (one-hot features), runs
+   are short and ``_reduce_update_short`` does the same on the chunk as a tile: every gradient
+   row read at once, summed per run by a segmented scan (0.79 -> 0.55 ms for 26 one-hot
+   features on an H200, ``benchmarks/sweep_update.py``; the walk is faster for multi-hot bags);
 3. ``_carry_partials``: every chunk whose first run began earlier adds its partial sum, with
    one atomic add, to the partial row of the chunk where that run began;
 4. ``_finish_runs``: each run that starts in a chunk and goes on past it is updated from that row.
@@ -48,6 +51,7 @@ from .fused import FUSED, fusable, step_hparams
 __all__ = ["pooled_lookup", "FUSED", "fusable", "apply_fused"]
 
 _CHUNK = 32  # sorted ids per program of the update
+_UPDATE_WARPS = 4  # warps per program of the update (benchmarks/sweep_update.py)
 _ROWS = 32  # rows per program of the one-id-per-bag gather
 _BLOCK_N = 8  # ids read at once per bag of the pooled forward
 # launch parameters of the pooled forward, swept on an H200 (benchmarks/sweep_pool.py, bench_gpu.py's
@@ -55,7 +59,7 @@ _BLOCK_N = 8  # ids read at once per bag of the pooled forward
 # warps); multi-hot bags of 0..40 ids 0.48 ms with 8 ids at once and 1 warp (0.83 ms with 16 and 2
 # warps, 2.1 ms with 4)
 _BAGS = 8  # bags per program of the pooled forward of short bags (32 with 2+ warps: Triton 3.6 fails to compile)
-_SHORT = 2  # mean ids per bag up to which the forward reads many bags a program
+_SHORT = 2  # mean ids per bag up to which the forward reads many bags a program, the update a tile
 _SHORT_WARPS = 1  # warps per program of the short bags' kernel
 _POOL_WARPS = 1  # warps per program of the one-bag-a-program kernel
 
@@ -265,12 +269,13 @@ def pooled_lookup(
 
 # --- the fused reduce and update -------------------------------------------------------------
 @triton.jit
-def _update_row(
+def _update_rows(
     weight,
     s1,
     s2,
-    row,
+    rows,
     g,
+    keep_row,
     d,
     dm,
     D,
@@ -286,18 +291,19 @@ def _update_row(
     SKIP_ZERO: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """One optimizer step on row ``row`` with its summed gradient ``g`` (BLOCK_D,), in ACC. The
-    hyper-parameters arrive in float64 (a Python float would be float32): exact for a float64 table,
-    rounded once to float32 for the others (as the eager ops round them)."""
+    """One optimizer step on the rows ``rows`` (M,) where ``keep_row`` (M,), with their summed
+    gradients ``g`` (M, BLOCK_D) in ACC. The hyper-parameters arrive in float64 (a Python float
+    would be float32): exact for a float64 table, rounded once to float32 for the others (as the
+    eager ops round them)."""
     c1, c2 = 1.0 - b1, 1.0 - b2
     if ACC != tl.float64:
         lr, eps, wd = tl.cast(lr, ACC), tl.cast(eps, ACC), tl.cast(wd, ACC)
         c1, b2, c2 = tl.cast(c1, ACC), tl.cast(b2, ACC), tl.cast(c2, ACC)
-    keep = dm
     if SKIP_ZERO:  # a dynamic table's default row is never updated
-        keep = dm & ((row + d * 0) != 0)
-    row = row.to(tl.int64)
-    wp = weight + row * stride_w + d
+        keep_row = keep_row & (rows != 0)
+    keep = keep_row[:, None] & dm[None, :]
+    rows = rows.to(tl.int64)
+    wp = weight + rows[:, None] * stride_w + d[None, :]
     w = tl.load(wp, mask=keep, other=0.0).to(ACC)
     if MAXIMIZE:
         g = -g
@@ -305,19 +311,18 @@ def _update_row(
     if OPT == 0:  # SGD
         w = w - lr * g
     elif OPT == 1:  # Adagrad: lr is the decayed lr of this step
-        sp = s1 + row * stride_s + d
+        sp = s1 + rows[:, None] * stride_s + d[None, :]
         s = tl.load(sp, mask=keep, other=0.0) + g * g
         tl.store(sp, s, mask=keep)
         w = w - lr * (g / (tl.sqrt(s) + eps))
     elif OPT == 2:  # row-wise Adagrad: one accumulator per row, the mean square of the row's gradient
-        ms = tl.sum(tl.where(dm, g * g, 0.0), 0) / D
-        first = keep & (d == 0)  # (one lane reads and writes the row's accumulator)
-        s = tl.sum(tl.load(s1 + row + d * 0, mask=first, other=0.0), 0) + ms
-        tl.store(s1 + row + d * 0, s + tl.zeros_like(ms + d * 0), mask=first)
-        w = w - lr * (g * (1.0 / (tl.sqrt(s) + eps)))
+        ms = tl.sum(tl.where(dm[None, :], g * g, 0.0), 1) / D  # (M,)
+        s = tl.load(s1 + rows, mask=keep_row, other=0.0) + ms
+        tl.store(s1 + rows, s, mask=keep_row)
+        w = w - lr * (g * (1.0 / (tl.sqrt(s) + eps))[:, None])
     else:  # Adam (SparseAdam's formula): lr is the bias-corrected step size
-        mp = s1 + row * stride_s + d
-        vp = s2 + row * stride_s + d
+        mp = s1 + rows[:, None] * stride_s + d[None, :]
+        vp = s2 + rows[:, None] * stride_s + d[None, :]
         m = tl.load(mp, mask=keep, other=0.0)
         v = tl.load(vp, mask=keep, other=0.0)
         m = m + c1 * (g - m)
@@ -357,7 +362,10 @@ def _reduce_update(
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Chunk c of the sorted ids: complete runs updated here, cut runs' partial sums to buf[c]."""
+    """Chunk c of the sorted ids: complete runs updated here, cut runs' partial sums to buf[c].
+
+    The walk, id by id, one (BLOCK_D,) row in registers: for long runs (multi-hot bags), where a
+    program holds little and many run at once (faster than :func:`_reduce_update_short` there)."""
     c = tl.program_id(0)
     p0 = c * CHUNK
     d = tl.arange(0, BLOCK_D)
@@ -384,12 +392,14 @@ def _reduce_update(
                 if head:  # (began in an earlier chunk: _finish_runs completes it)
                     tl.store(buf + (2 * c) * BLOCK_D + d, acc)
                 else:
-                    _update_row(
+                    one = tl.arange(0, 1)
+                    _update_rows(
                         weight,
                         s1,
                         s2,
-                        row,
-                        acc,
+                        row + one,
+                        acc[None, :],
+                        one == 0,
                         d,
                         dm,
                         D,
@@ -412,6 +422,99 @@ def _reduce_update(
                     tl.store(buf + (2 * c) * BLOCK_D + d, acc)
                 else:
                     tl.store(buf + (2 * c + 1) * BLOCK_D + d, acc)
+
+
+@triton.jit
+def _segment_add(a, a_starts, b, b_starts):
+    """The combine of a segmented sum: ``b`` restarts the sum where a segment starts in it."""
+    return tl.where(b_starts != 0, b, a + b), a_starts | b_starts
+
+
+@triton.jit
+def _reduce_update_short(
+    sorted_ids,
+    perm,
+    bag_of,
+    psw,
+    grad,
+    buf,
+    weight,
+    s1,
+    s2,
+    N,
+    D,
+    stride_w,
+    stride_s,
+    lr: tl.float64,
+    eps: tl.float64,
+    b1: tl.float64,
+    b2: tl.float64,
+    wd: tl.float64,
+    HOT1: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    OPT: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    SKIP_ZERO: tl.constexpr,
+    ACC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """:func:`_reduce_update` for short runs (one-hot features): the chunk's gradient rows read at
+    once, a (CHUNK, BLOCK_D) tile, summed per run by a segmented scan and the runs' rows updated
+    together, no load waiting for the one before it."""
+    c = tl.program_id(0)
+    p0 = c * CHUNK
+    k = tl.arange(0, CHUNK)
+    p = p0 + k
+    pm = p < N
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    row = tl.load(sorted_ids + p, mask=pm, other=-1)
+    prev = tl.load(sorted_ids + p - 1, mask=pm & (p > 0), other=-1)
+    nxt = tl.load(sorted_ids + p + 1, mask=p + 1 < N, other=-1)
+    src = tl.load(perm + p, mask=pm, other=0).to(tl.int64)  # each id's position in the batch
+    if HOT1:
+        bag = src
+    else:
+        bag = tl.load(bag_of + src, mask=pm, other=0)
+    g = tl.load(grad + bag[:, None] * D + d[None, :], mask=pm[:, None] & dm[None, :], other=0.0).to(ACC)
+    if HAS_PSW:
+        g = g * tl.load(psw + src, mask=pm, other=0.0).to(ACC)[:, None]
+    starts = tl.broadcast_to(((row != prev) | (k == 0)).to(tl.int32)[:, None], (CHUNK, BLOCK_D))
+    sums, _ = tl.associative_scan((g, starts), 0, _segment_add)  # at a run's last id: the run's sum
+    first = tl.load(sorted_ids + p0)
+    before = tl.load(sorted_ids + p0 - 1, mask=p0 > 0, other=-1)  # (-1: no id)
+    in_head = (row == first) & (
+        row == before
+    )  # the chunk's first run, begun in an earlier chunk (_finish_runs ends it)
+    ends = pm & ((nxt != row) | (k == CHUNK - 1))  # a run's last id in this chunk
+    cut = ends & (nxt == row)  # the chunk ends inside the run
+    _update_rows(
+        weight,
+        s1,
+        s2,
+        row,
+        sums,
+        ends & ~cut & ~in_head,
+        d,
+        dm,
+        D,
+        stride_w,
+        stride_s,
+        lr,
+        eps,
+        b1,
+        b2,
+        wd,
+        OPT,
+        MAXIMIZE,
+        SKIP_ZERO,
+        ACC,
+    )
+    slot = tl.where(
+        in_head, 2 * c, 2 * c + 1
+    )  # partial sums: the first run's to buf[2c], a cut last one's to buf[2c + 1]
+    tl.store(buf + slot[:, None] * BLOCK_D + d[None, :], sums, mask=((ends & in_head) | (cut & ~in_head))[:, None])
 
 
 @triton.jit
@@ -464,9 +567,29 @@ def _finish_runs(
     prev = tl.load(sorted_ids + p0 - 1, mask=p0 > 0, other=-1)
     through = (p0 > 0) & (prev == first) & (first == row)  # the run began before this chunk
     if (nxt == row) & (through == 0):
-        acc = tl.load(buf + (2 * c + 1) * BLOCK_D + d)
-        _update_row(
-            weight, s1, s2, row, acc, d, dm, D, stride_w, stride_s, lr, eps, b1, b2, wd, OPT, MAXIMIZE, SKIP_ZERO, ACC
+        one = tl.arange(0, 1)
+        acc = tl.load(buf + (2 * c + 1) * BLOCK_D + one[:, None] * 0 + d[None, :])  # (1, BLOCK_D)
+        _update_rows(
+            weight,
+            s1,
+            s2,
+            row + one,
+            acc,
+            one == 0,
+            d,
+            dm,
+            D,
+            stride_w,
+            stride_s,
+            lr,
+            eps,
+            b1,
+            b2,
+            wd,
+            OPT,
+            MAXIMIZE,
+            SKIP_ZERO,
+            ACC,
         )
 
 
@@ -522,8 +645,19 @@ def apply_fused(
         CHUNK=_CHUNK,
         BLOCK_D=block_d,
     )
-    _reduce_update[(chunks,)](
-        sorted_ids, perm, bag_of, psw, grad, buf, *args, HOT1=bag_of is None, HAS_PSW=psw is not None, **flags
+    short = bag_of is None or n <= _SHORT * grad.shape[0]  # (one-hot features: runs of a few ids)
+    (_reduce_update_short if short else _reduce_update)[(chunks,)](
+        sorted_ids,
+        perm,
+        bag_of,
+        psw,
+        grad,
+        buf,
+        *args,
+        HOT1=bag_of is None,
+        HAS_PSW=psw is not None,
+        num_warps=_UPDATE_WARPS,
+        **flags,
     )
     # per chunk, the chunk where the run at its start began: read off the chunks' edges only (a scan
     # over N / C values, no host sync). A chunk lying wholly inside a run begun earlier passes it on.

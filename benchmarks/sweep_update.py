@@ -1,0 +1,73 @@
+"""The fused update's launch parameters swept on a GPU (bench_gpu.py's sizes: 26 x 1M x 128
+float32 rows, batch 16,384, power-law ids), to choose ``_CHUNK`` and ``_UPDATE_WARPS`` of
+kernels/triton_lookup.py. ``--against FILE`` also times another version of that module (say,
+the last commit's, ``git show HEAD~1:src/hybridembed/kernels/triton_lookup.py > old.py``) at its
+defaults, in the same run.
+
+    PYTHONPATH=src:. python benchmarks/sweep_update.py [--against old.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import sys
+from functools import partial
+
+import torch
+from triton.testing import do_bench
+
+import hybridembed as he
+from benchmarks.sweep_pool import B, D, R, T, batch
+from hybridembed.kernels import triton_lookup as tk
+from hybridembed.optim import sparse as so
+
+DEVICE = "cuda"
+
+
+def load(path: str):
+    """Another version of triton_lookup.py, as a module of hybridembed.kernels (its relative imports hold)."""
+    spec = importlib.util.spec_from_file_location("hybridembed.kernels._swept", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--against", help="another triton_lookup.py, timed at its defaults")
+    p.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    args = p.parse_args()
+    g = torch.Generator().manual_seed(0)
+    modules = [("this", tk)] + ([("against", load(args.against))] if args.against else [])
+    for max_len, opts in ((40, ("adagrad", "sgd")), (1, ("adagrad",))):
+        ids, offsets = batch(max_len, g)
+        bag_of = torch.repeat_interleave(torch.arange(T * B, device=DEVICE), offsets.diff())
+        grad = torch.randn(T * B, D, device=DEVICE)
+        for opt_name in opts:
+            opt = so.Adagrad(lr=0.01) if opt_name == "adagrad" else so.SGD(lr=0.01)
+            st = he.EmbeddingCollection([he.TableConfig("t", T * R, D)], device=DEVICE, kernels="triton").storages[0]
+            st.attach_optimizer(opt, dict(opt.hparams))
+            kind = "one-hot" if max_len == 1 else f"multi-hot 0..{max_len}"
+            print(f"\n{kind}, {opt_name}: {ids.numel():,} ids, {torch.unique(ids).numel():,} distinct", flush=True)
+            for name, mod in modules:
+                grid = itertools.product(args.chunks, args.warps) if name == "this" else [(mod._CHUNK, None)]
+                for chunk, warps in grid:
+                    saved = mod._CHUNK, getattr(mod, "_UPDATE_WARPS", None)
+                    mod._CHUNK, mod._UPDATE_WARPS = chunk, warps or saved[1]
+                    cfg = f"{name} chunk={chunk} warps={mod._UPDATE_WARPS or 'default'}"
+                    try:
+                        ms = do_bench(partial(mod.apply_fused, st, ids, grad, bag_of, None, st.hparams))
+                    except Exception as e:  # (a launch parameter the compiler refuses)
+                        print(f"  {cfg:<36} failed: {type(e).__name__}: {str(e)[:100]}")
+                    else:
+                        print(f"  {cfg:<36} {ms:7.3f} ms", flush=True)
+                    mod._CHUNK, mod._UPDATE_WARPS = saved
+            del st
+
+
+if __name__ == "__main__":
+    main()
