@@ -127,3 +127,32 @@ def test_id_tensors_on_a_gpu_are_taken_whole_without_a_sync(monkeypatch, pad):
         assert torch.equal(a, b), f
     with pytest.raises(he.InvalidInputError, match="feature 'two'.*100"):
         ec(_tensor_inputs(pad, bad=True))
+
+
+@pytest.mark.parametrize("span", [1_000, 10**12])
+def test_a_dynamic_group_step_syncs_where_sizes_depend_on_the_ids(span):
+    """A training step of a group of dynamic tables with new ids every step: besides the input
+    validation, one sync for the batch's id range (the sort key's form), one or two for the
+    distinct (table, id) pairs (two when ids span more than the key holds: the hash clashes are
+    looked for) and one for the misses. The tables' id counts reach the device without a wait."""
+    tables = [he.TableConfig(f"t{i}", None, 8, dynamic=he.Dynamic()) for i in range(3)]
+    ec = he.EmbeddingCollection(tables, device=DEVICE, kernels="triton")
+    mlp = torch.nn.Linear(8, 1).to(DEVICE)
+    model = torch.nn.ModuleDict({"ec": ec, "mlp": mlp})
+    opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        ids = {f"t{i}": he.Jagged(torch.randint(0, span, (32,), generator=g), torch.arange(33)) for i in range(3)}
+        out = ec({k: v.to(DEVICE) for k, v in ids.items()})
+        mlp(sum(out.values())).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    with count_syncs() as calls:
+        step()
+    sites = [c.split(":")[0] for c in calls]
+    distinct = ["nonzero at hashed.py"] * 2 if span > 2**29 else ["unique_consecutive at hashed.py"]
+    want = ["__bool__ at collection.py", "tolist at hashed.py", *distinct, "nonzero at hashed.py"]
+    assert sites == want, calls

@@ -33,7 +33,7 @@ from ..errors import HybridEmbedError
 from ..input import offsets_from_lengths
 from ..kernels import cpu_hash
 from ..kernels.backend import uses_triton
-from ..utils import advise_huge_pages, get_logger
+from ..utils import advise_huge_pages, device_tensor, get_logger
 from .base import RowStorage, add_sparse
 from .protocol import LookupPlan, _nothing
 from .slot_index import SlotIndex, lowest
@@ -95,7 +95,7 @@ def sort_pairs(ids: torch.Tensor, tabs: torch.Tensor, num_tables: int):
     clash = (same_key & new_pair).nonzero().squeeze(1) + 1  # different ids sharing a key
     if clash.numel():  # re-sort those keys' runs by id (the runs keep their place)
         key_start = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), (~same_key).nonzero().squeeze(1) + 1])
-        key_end = torch.cat([key_start[1:], torch.tensor([n], device=dev)])
+        key_end = torch.cat([key_start[1:], key_start.new_full((1,), n)])
         runs = torch.unique(torch.searchsorted(key_start, clash, right=True) - 1)
         lens = key_end[runs] - key_start[runs]
         within = torch.arange(int(lens.sum()), device=dev) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
@@ -108,7 +108,7 @@ def sort_pairs(ids: torch.Tensor, tabs: torch.Tensor, num_tables: int):
         sid[members] = mid.index_select(0, o)
         new_pair = ~same_key | (sid[1:] != sid[:-1])
     starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), new_pair.nonzero().squeeze(1) + 1])
-    counts = torch.diff(starts, append=torch.tensor([n], device=dev))
+    counts = torch.diff(starts, append=starts.new_full((1,), n))
     return sid.index_select(0, starts), (s.index_select(0, starts) >> bits).to(torch.int32), perm, counts
 
 
@@ -463,9 +463,7 @@ class HashStorage(RowStorage):
         """:meth:`plan_lookup` of ``ids`` (N,), the first ``counts[0]`` of table index ``tables[0]``,
         the next ``counts[1]`` of ``tables[1]``, ... (see :meth:`Storage.resolve`)."""
         tabs = torch.repeat_interleave(
-            torch.tensor(tables, dtype=torch.int32, device=ids.device),
-            torch.tensor(counts, device=ids.device),
-            output_size=ids.numel(),
+            device_tensor(tables, ids.device, torch.int32), device_tensor(counts, ids.device), output_size=ids.numel()
         )
         return self.plan_lookup(ids, tabs, train)
 
