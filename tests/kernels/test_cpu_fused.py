@@ -38,6 +38,10 @@ def _inputs(g: torch.Generator, kind: str, rows: int) -> dict:
     lengths = (
         torch.randint(4, 13, (32,), generator=g) if kind.startswith("long") else torch.randint(0, 6, (32,), generator=g)
     )
+    if kind in ("one_jagged", "as_many"):  # one id a bag given as a Jagged; as many ids as bags, not one each
+        lengths = torch.ones(32, dtype=torch.int64)
+        if kind == "as_many":
+            lengths[::4], lengths[1::4] = 0, 2
     n = int(lengths.sum())
     ids = torch.randint(0, rows // 4, (n,), generator=g)
     ids[torch.rand(n, generator=g) < 0.3] = 2  # a hot id: long runs
@@ -96,7 +100,7 @@ def _state(ec) -> dict:
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("kind", ["one", "bags", "weighted"])
+@pytest.mark.parametrize("kind", ["one", "bags", "weighted", "one_jagged", "as_many"])
 def test_fused_step_equals_the_eager_ops(name, kind):
     opt = OPTIMIZERS[name]
     eager, _ = _train("eager", opt, kind)
@@ -268,6 +272,8 @@ def test_outputs_apart_are_joined_as_autograd_joins_them():
     z = torch.zeros(5, 12)
     source, rows_of = cpu_fused._in_place([z[:, 4:8], z[:, 8:12]])
     assert source.shape == (15, 4) and rows_of.tolist() == [1, 4, 7, 10, 13, 2, 5, 8, 11, 14]
+    _, rows_of = cpu_fused._in_place([z[1:3, 4:8], z[:4, 8:12]])  # (batch sizes apart)
+    assert rows_of.tolist() == [4, 7, 2, 5, 8, 11]
     assert cpu_fused._in_place([z[:, 2:6]]) == (None, None)  # (columns not on a row boundary of D)
 
 

@@ -137,9 +137,12 @@ def _in_place(grads) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     rows = base.nbytes() // (g0.element_size() * d)
     source = g0.as_strided((rows, d), (d, 1), 0)
     dev = g0.device
-    rows_of = torch.cat(
-        [torch.arange(g.shape[0], device=dev) * (g.stride(0) // d) + g.storage_offset() // d for g in grads]
-    )
+    steps = [g.stride(0) // d for g in grads]  # (each feature's bag b at row starts[f] + b * steps[f])
+    starts = [g.storage_offset() // d for g in grads]
+    if all(g.shape[0] == g0.shape[0] for g in grads):  # (features of one batch size: one (F, B) grid, 3 ops)
+        grid = torch.arange(g0.shape[0], device=dev) * torch.tensor(steps, device=dev)[:, None]
+        return source, grid.add_(torch.tensor(starts, device=dev)[:, None]).view(-1)
+    rows_of = torch.cat([torch.arange(g.shape[0], device=dev) * k + o for g, k, o in zip(grads, steps, starts)])
     return source, rows_of
 
 

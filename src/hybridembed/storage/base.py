@@ -248,12 +248,15 @@ class RowStorage(nn.Module):
         self._mark(ids)
         apply_fused(self, ids, grad, bag_of, psw, hparams, scale)
 
-    @staticmethod
-    def _kept_batch(entries: list[tuple]) -> tuple:
+    def _kept_batch(self, entries: list[tuple]) -> tuple:
         """Kept lookup gradients -> one batch: (ids (N,), bags' gradient (S', D), each id's row of it
         (N,) or None (id i is row i), multipliers (N,) or None)."""
         if len(entries) == 1:
             ids, grad, offsets, psw, one, rows_of = entries[0]
+            if not one and offsets.numel() == ids.numel() + 1 and cpu_fused.runs_on(self.kernels, self.weight):
+                # (one id a bag, given as a Jagged: seen here in one pass, instead of each id's bag
+                # made and gathered; on the host, where reading the answer waits for nothing)
+                one = bool(offsets[1:].sub(offsets[:-1]).eq(1).all())
             bag_of = None if one else bag_index(offsets, ids.numel())
             if rows_of is not None:  # (each id's row of the model's gradient buffer)
                 bag_of = rows_of if bag_of is None else rows_of.index_select(0, bag_of)
