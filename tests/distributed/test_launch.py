@@ -174,7 +174,7 @@ JOB = """
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = {"env": {k: os.environ.get(k) for k in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")},
-           "ranks": _listening(), "agent": _listening(os.getppid())}
+           "ranks": _listening(), "agent": _listening(os.getppid()), "parent": os.getppid()}
     dist.barrier()  # (every rank listens before any reads: gloo's listeners, the stores)
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -189,9 +189,14 @@ def test_a_launched_job_on_one_machine_listens_on_loopback_only(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *sys.path])  # (the job imports _listening from here)
     cmd = [sys.executable, "-m", "hybridembed.cli", "launch", "--nproc", "2", str(script), str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0, r.stderr
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, stderr
     out = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert out[0]["parent"] == out[1]["parent"] == proc.pid  # (torchrun's agent is the command's own process)
     agent = out[0]["agent"]  # torchrun's agent: its rendezvous store and the store shared with the ranks
     assert len(agent) >= 2 and all(addr == "127.0.0.1" for addr, _ in agent), agent  # (were [::])
     assert ["127.0.0.1", int(out[0]["env"]["MASTER_PORT"])] in agent

@@ -7,7 +7,8 @@
 A thin wrapper: the flags become ``torch.distributed.run``'s (``--nproc-per-node N
 --standalone --local-addr 127.0.0.1`` on one machine; ``--nnodes``, ``--node-rank``,
 ``--master-addr``, ``--master-port`` or ``--rdzv-endpoint`` across machines; ``--max-restarts``),
-and ``python -m torch.distributed.run ...`` runs in a child process. On one machine the job
+and torchrun's agent runs in this process (as ``python -m torch.distributed.run ...`` would in a
+child, without importing torch a second time). On one machine the job
 listens on loopback only (docs/distributed.md, Trust model): torchrun runs through
 :mod:`~hybridembed.launch.local_run` (its stores on 127.0.0.1) and the processes get
 ``GLOO_SOCKET_IFNAME`` of the loopback interface (unless set). Every process gets
@@ -23,14 +24,16 @@ import argparse
 import ipaddress
 import os
 import re
-import subprocess
+import signal
 import sys
 from collections.abc import Sequence
 
 from ..utils import OneLineParser
 from . import LOOPBACK, loopback_interface
 
-__all__ = ["main", "build_parser", "split_torchrun_flags", "torchrun_argv", "torchrun_command", "restart_env"]
+__all__ = [
+    "main", "build_parser", "split_torchrun_flags", "torchrun_argv", "torchrun_command", "restart_env", "run_torchrun",
+]  # fmt: skip
 
 PROG = "hybridembed launch"
 
@@ -298,12 +301,41 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         return 2
-    cmd = torchrun_command(args)
+    return run_torchrun(torchrun_argv(args), restart_env(args.max_restarts, _one_machine(args)),
+                        _one_machine(args), prog)  # fmt: skip
+
+
+def run_torchrun(argv: Sequence[str], env: dict[str, str], one_machine: bool, prog: str = PROG) -> int:
+    """torchrun ``argv`` with ``env`` as the environment, in this process (what
+    :func:`torchrun_command` would run: this process has torch imported already, a child would
+    import it again, ~3 s here). Returns torchrun's exit code: 0, 1 when a process failed (torchrun's
+    failure table on stderr), 130 when interrupted, or the code torchrun exited with."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if one_machine:
+        from .local_run import main as torchrun
+    else:
+        from torch.distributed.run import main as torchrun
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)  # (what the agent reads, and the processes are given)
     try:
-        return subprocess.call(cmd, env=restart_env(args.max_restarts, _one_machine(args)))
-    except KeyboardInterrupt:  # torchrun got the signal too and stops its processes
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        torchrun(list(argv))
+        return 0
+    except ChildFailedError as e:
+        print(e, file=sys.stderr, flush=True)  # (torchrun's table: which process failed, how, its error)
+        return 1
+    except SystemExit as e:  # (torchrun's own argument errors)
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except (KeyboardInterrupt, SignalException) as e:  # (the agent stopped the processes)
+        sig = getattr(e, "sigval", None)
+        print(f"{prog}: {'interrupted' if sig in (None, signal.SIGINT) else f'stopped by {sig.name}'}",
+              file=sys.stderr)  # fmt: skip
+        return 130 if sig in (None, signal.SIGINT) else 128 + int(sig)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 if __name__ == "__main__":
