@@ -165,3 +165,18 @@ def run_module(
 ) -> tuple[int, str, str]:
     """``python -m module *argv`` as a warm process (see :func:`run`)."""
     return run_code(_MODULE, env, cwd, timeout, [module, *argv])
+
+
+def start_module(
+    module: str,
+    argv: list[str],
+    env: dict[str, str],
+    stdout: str | Path,
+    stderr: str | Path,
+    cwd: str | Path | None = None,
+) -> Script:
+    """``python -m module *argv`` started as a warm :class:`Script`, its output into the files given
+    (the caller waits, and kills what it must); its launcher is written beside ``stdout``."""
+    code = Path(stdout).with_name(Path(stdout).name + ".main.py")
+    code.write_text(_MODULE)
+    return Script(code, [module, *argv], env, stdout, stderr, cwd=cwd)

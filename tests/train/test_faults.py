@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from hybridembed.checkpoint import compact, read_manifest  # noqa: E402
 from hybridembed.errors import CheckpointError  # noqa: E402
 from hybridembed.launch import cli as launch  # noqa: E402
 from hybridembed.train import cli, elastic  # noqa: E402
+from tests import warm  # noqa: E402
 from tests.procs import descendants, forked_ranks, kill_tree  # noqa: E402
 
 KILLS = int(os.environ.get("HYBRIDEMBED_FAULT_KILLS", "1"))  # (more for a longer stress run)
@@ -66,16 +68,20 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 def _run(argv: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc)
-        raise
-    finally:
-        if proc.poll() is None:
-            _kill_tree(proc)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    """``python -m hybridembed.cli ARGV`` as a warm process (tests/warm.py: the command's own imports
+    done once), its whole process tree killed past ``timeout`` (then TimeoutExpired)."""
+    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        proc = warm.start_module("hybridembed.cli", argv, _env(), out, err, cwd=os.getcwd())
+        try:
+            if proc.wait(timeout) is None:
+                raise subprocess.TimeoutExpired(argv, timeout)
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+                proc.wait(30)
+        texts = [f.read_text(errors="replace") if f.exists() else "" for f in (out, err)]
+        return subprocess.CompletedProcess(argv, proc.returncode, *texts)
 
 
 def _in_process(argv: list[str], timeout: float = TIMEOUT) -> int:
@@ -160,7 +166,7 @@ def _log(path: Path) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]]]
 def test_killed_ranks_resume_their_last_commit_and_end_like_a_job_never_killed(data, reference, tmp_path):
     log, ckpt = tmp_path / "events.log", tmp_path / "ckpt"
     restarts = 2 * KILLS
-    launch = [sys.executable, "-m", "hybridembed.cli", "launch", "--nproc", "2", "--max-restarts", str(restarts)]
+    launch = ["launch", "--nproc", "2", "--max-restarts", str(restarts)]
     train_flags = [*FLAGS, *EVERY, "--data", str(data), "--workdir", str(tmp_path), "--checkpoint", str(ckpt)]
     t0 = time.perf_counter()
     r = _run([*launch, str(WORKER), str(log), str(KILLS), "7", *train_flags, "--max-restarts", str(restarts)])

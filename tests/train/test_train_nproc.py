@@ -9,6 +9,7 @@ one checks several things at once.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from hybridembed.launch import cli as launch  # noqa: E402
 from hybridembed.train import cli  # noqa: E402
 from hybridembed.train.data import Batch  # noqa: E402
 from hybridembed.train.parallel import Job  # noqa: E402
+from tests import warm  # noqa: E402
 
 SMALL = ["--embedding-dim", "4", "--mlp", "16", "--bottom-mlp", "8", "--capacity", "20000", "--batch-size", "128"]
 EPOCH = re.compile(r"^epoch 1/1  train loss ([\d.]+)  test loss ([\d.]+)  AUC ([\d.]+)  ([\d,]+) samples", re.M)
@@ -200,10 +202,13 @@ SCRIPT = """
 
 
 def _launch(tmp_path, *argv: str, flags=("--nproc", "2")) -> subprocess.CompletedProcess:
+    """``python -m hybridembed.cli launch FLAGS job.py TMP ARGV`` as a warm process (tests/warm.py: the
+    command's own imports done once; torchrun starts the ranks as new interpreters)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    cmd = [sys.executable, "-m", "hybridembed.cli", "launch", *flags, str(script), str(tmp_path), *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    cmd = ["launch", *flags, str(script), str(tmp_path), *argv]
+    rc, out, err = warm.run_module("hybridembed.cli", cmd, dict(os.environ), tmp_path, timeout=240)
+    return subprocess.CompletedProcess(cmd, rc, out, err)
 
 
 def test_launch_runs_every_rank_of_the_job(tmp_path):
