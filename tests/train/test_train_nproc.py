@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -81,13 +80,12 @@ def test_the_pipelined_job_trains_as_the_unpipelined_one(generated, tmp_path, ca
 
 
 def test_under_torchrun_each_process_joins_the_job(generated, tmp_path):
-    cmd = [sys.executable, "-m", "hybridembed.cli", "launch", "--nproc", "2", "-m", "hybridembed.cli", "train"]
-    r = subprocess.run(
-        [*cmd, *_argv(generated, tmp_path, "--no-checkpoint", "--no-export")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    argv = ["launch", "--nproc", "2", "-m", "hybridembed.cli", "train"]
+    rc, out, err = warm.run_module(
+        "hybridembed.cli", [*argv, *_argv(generated, tmp_path, "--no-checkpoint", "--no-export")], dict(os.environ),
+        tmp_path, timeout=240,
+    )  # fmt: skip
+    r = subprocess.CompletedProcess(argv, rc, out, err)
     assert r.returncode == 0, r.stderr
     assert len(EPOCH.findall(r.stdout)) == 1 and r.stdout.count("done in ") == 1, r.stdout  # rank 0 prints
     assert "sharded over 2 processes" in r.stdout
