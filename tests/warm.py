@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hybridembed.launch import _run_as_main
+from tests.procs import kill_tree
 
 PRELOAD = ["hybridembed.launch._preload"]  # (as hybridembed.launch.spawn's: one forkserver a process)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # started here, perhaps still running
@@ -135,12 +136,12 @@ def run(
     script: str | Path, argv: list[str], env: dict[str, str], cwd: str | Path, timeout: float
 ) -> tuple[int, str, str]:
     """``subprocess.run([python, script, *argv], ...)`` as a warm process: (exit code, stdout, stderr);
-    one still running at ``timeout`` is killed (exit code -9)."""
+    one still running at ``timeout`` is killed with every process it started (exit code -9)."""
     with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
         files = [Path(tmp) / "out", Path(tmp) / "err"]
         p = Script(script, argv, env, *files, cwd=cwd)
         if p.wait(timeout) is None:
-            p.kill()
+            kill_tree(p.pid)  # (a launcher's ranks too: none outlives the test)
             p.wait(30)
         return p.returncode, *(f.read_text(errors="replace") if f.exists() else "" for f in files)
 
@@ -165,18 +166,3 @@ def run_module(
 ) -> tuple[int, str, str]:
     """``python -m module *argv`` as a warm process (see :func:`run`)."""
     return run_code(_MODULE, env, cwd, timeout, [module, *argv])
-
-
-def start_module(
-    module: str,
-    argv: list[str],
-    env: dict[str, str],
-    stdout: str | Path,
-    stderr: str | Path,
-    cwd: str | Path | None = None,
-) -> Script:
-    """``python -m module *argv`` started as a warm :class:`Script`, its output into the files given
-    (the caller waits, and kills what it must); its launcher is written beside ``stdout``."""
-    code = Path(stdout).with_name(Path(stdout).name + ".main.py")
-    code.write_text(_MODULE)
-    return Script(code, [module, *argv], env, stdout, stderr, cwd=cwd)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hybridembed import launch
 from hybridembed.launch import loopback_interface, spawn
+from tests.procs import kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp (Linux)")
@@ -193,7 +194,8 @@ def test_a_launched_job_on_one_machine_listens_on_loopback_only(tmp_path):
         try:
             _, stderr = proc.communicate(timeout=120)
         finally:
-            proc.kill()
+            if proc.poll() is None:  # (timed out: its ranks too)
+                kill_tree(proc.pid)
     assert proc.returncode == 0, stderr
     out = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert out[0]["parent"] == out[1]["parent"] == proc.pid  # (torchrun's agent is the command's own process)

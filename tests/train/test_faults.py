@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -69,19 +68,9 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def _run(argv: list[str], timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     """``python -m hybridembed.cli ARGV`` as a warm process (tests/warm.py: the command's own imports
-    done once), its whole process tree killed past ``timeout`` (then TimeoutExpired)."""
-    with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
-        out, err = Path(tmp) / "out", Path(tmp) / "err"
-        proc = warm.start_module("hybridembed.cli", argv, _env(), out, err, cwd=os.getcwd())
-        try:
-            if proc.wait(timeout) is None:
-                raise subprocess.TimeoutExpired(argv, timeout)
-        finally:
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-                proc.wait(30)
-        texts = [f.read_text(errors="replace") if f.exists() else "" for f in (out, err)]
-        return subprocess.CompletedProcess(argv, proc.returncode, *texts)
+    done once); past ``timeout`` its whole process tree is killed (exit code -9)."""
+    rc, out, err = warm.run_module("hybridembed.cli", argv, _env(), os.getcwd(), timeout)
+    return subprocess.CompletedProcess(argv, rc, out, err)
 
 
 def _in_process(argv: list[str], timeout: float = TIMEOUT) -> int:

@@ -301,8 +301,8 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         return 2
-    return run_torchrun(torchrun_argv(args), restart_env(args.max_restarts, _one_machine(args)),
-                        _one_machine(args), prog)  # fmt: skip
+    one = _one_machine(args)
+    return run_torchrun(torchrun_argv(args), restart_env(args.max_restarts, one), one, prog)
 
 
 def run_torchrun(argv: Sequence[str], env: dict[str, str], one_machine: bool, prog: str = PROG) -> int:
