@@ -19,7 +19,7 @@ for k in eager triton; do timeout 60 "$PY" benchmarks/nccl_probe.py --kernels $k
 echo "== the pooled forward's launch parameters"
 timeout ${T_SWEEP:-100} "$PY" benchmarks/sweep_pool.py 2>&1 | grep "^copy\|^[a-z].*ids\|^  [a-z_]*=" | tee "$OUT/sweep.txt"
 echo "== the fused update's launch parameters"
-timeout ${T_UPDATE:-60} "$PY" benchmarks/sweep_update.py --chunks 16 32 --warps 4 8 2>&1 | grep -v "Warn\|warn" | tee "$OUT/sweep_update.txt"
+timeout ${T_UPDATE:-60} "$PY" benchmarks/sweep_update.py --chunks 16 32 --warps 4 8 ${AGAINST:+--against $AGAINST} 2>&1 | grep -v "Warn\|warn" | tee "$OUT/sweep_update.txt"
 echo "== bench_gpu"
 timeout ${T_GPU:-120} "$PY" benchmarks/bench_gpu.py --device cuda --rounds ${ROUNDS:-8} --warmup 2 --json "$OUT/bench_gpu.json" 2>&1 \
   | grep -v "Warn\|warn\|sparse_coo"

@@ -46,18 +46,19 @@ for arch in ARCHS:
           "D": "i32", "stride_w": "i32"} | dict.fromkeys(("HAS_PSW", "ACC", "BLOCK_N", "BLOCK_D"), "constexpr"),
           {"HAS_PSW": True, "ACC": F32, "BLOCK_N": 16, "BLOCK_D": 128}, arch)
     for opt in (tk.FUSED["RowWiseAdagrad"], tk.FUSED["Adam"]):  # (SGD's and Adagrad's branches use a subset of their operations)
-        flags = {"OPT": opt, "MAXIMIZE": True, "SKIP_ZERO": True, "ACC": F32, "CHUNK": 32, "BLOCK_D": 128}
-        for reduce in (tk._reduce_update, tk._reduce_update_short):
+        for reduce, chunk in ((tk._reduce_update, tk._CHUNK), (tk._reduce_update_short, tk._TILE_CHUNK)):
+            flags = {"OPT": opt, "MAXIMIZE": True, "SKIP_ZERO": True, "ACC": F32, "CHUNK": chunk, "BLOCK_D": 128}
             build(reduce, update | dict.fromkeys(("HOT1", "HAS_PSW", *flags), "constexpr"),
                   {"HOT1": False, "HAS_PSW": True, **flags}, arch)
-        build(tk._finish_runs, finish | dict.fromkeys(flags, "constexpr"), flags, arch)
+            build(tk._finish_runs, finish | dict.fromkeys(flags, "constexpr"), flags, arch)
     # (the tile for one-hot groups, as they come: each id its own bag, float64 rows, no multipliers)
-    f64 = {"OPT": tk.FUSED["Adagrad"], "MAXIMIZE": False, "SKIP_ZERO": False, "ACC": tl.float64, "CHUNK": 32, "BLOCK_D": 64}
+    f64 = {"OPT": tk.FUSED["Adagrad"], "MAXIMIZE": False, "SKIP_ZERO": False, "ACC": tl.float64, "CHUNK": tk._TILE_CHUNK,
+           "BLOCK_D": 64}
     build(tk._reduce_update_short, update | {"weight": "*fp64", "grad": "*fp64", "buf": "*fp64", "s1": "*fp64",
           "s2": "*fp64"} | dict.fromkeys(("HOT1", "HAS_PSW", *f64), "constexpr"), {"HOT1": True, "HAS_PSW": False, **f64},
           arch)
     build(tk._carry_partials, {"sorted_ids": "*i32", "run_chunk": "*i64", "buf": "*fp32", "CHUNK": "constexpr",
-          "BLOCK_D": "constexpr"}, {"CHUNK": 32, "BLOCK_D": 128}, arch)
+          "BLOCK_D": "constexpr"}, {"CHUNK": tk._CHUNK, "BLOCK_D": 128}, arch)
     index = {"hrow_ptr": "*i64", "mask": "i64", "keys_ptr": "*i64", "tabs_ptr": "*i32"}
     build(th._find_kernel, index | {"home_ptr": "*i64", "out_ptr": "*i64", "n": "i32", "BLOCK": "constexpr"},
           {"BLOCK": 128}, arch)
@@ -74,4 +75,4 @@ def test_kernels_compile_for_gpus(tmp_path):
     # H100 (sm_90); the other targets compile the same source: `python -c "$SCRIPT" 80 90` checks A100 too
     r = subprocess.run([sys.executable, "-c", SCRIPT, "90"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "12 compiled" in r.stdout
+    assert "14 compiled" in r.stdout

@@ -225,8 +225,8 @@ def test_zero_grad_drops_kept_gradients():
 @pytest.fixture(params=["walk", "tile"])
 def update_kernel(request, monkeypatch):
     """Each of the update's two first kernels: the walk id by id (_reduce_update, chosen for bags of
-    more than _SHORT ids on average) and the tile (_reduce_update_short, for shorter ones)."""
-    monkeypatch.setattr(tk, "_SHORT", 0 if request.param == "walk" else 10**9)
+    more than _TILE ids on average) and the tile (_reduce_update_short, for shorter ones)."""
+    monkeypatch.setattr(tk, "_TILE", 0 if request.param == "walk" else 10**9)
     return request.param
 
 
@@ -266,9 +266,9 @@ def test_fused_update_hot_ids_many_chunks(name, update_kernel):
         torch.testing.assert_close(sts[0].state[k], sts[1].state[k], rtol=1e-5, atol=1e-6)
 
 
-def _edge_layout(name):
+def _edge_layout(name, kernel):
     """Sorted ids whose runs of equal ids sit at the update's chunk edges (chunks of C ids)."""
-    c, cat, full = tk._CHUNK, torch.cat, torch.full
+    c, cat, full = (tk._CHUNK if kernel == "walk" else tk._TILE_CHUNK), torch.cat, torch.full
     return {
         "single_id": torch.tensor([5]),
         "one_chunk_one_id": full((c,), 3),
@@ -300,7 +300,7 @@ def test_fused_update_runs_at_chunk_edges(layout, update_kernel):
     (Bags given as bags for the walk: one id per bag without offsets always takes the tile.)"""
     from hybridembed.optim import sparse as so
 
-    ids = _edge_layout(layout)
+    ids = _edge_layout(layout, update_kernel)
     ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))].to(DEVICE)
     grad = torch.randn(ids.numel(), 5, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     offsets = torch.arange(ids.numel() + 1, device=DEVICE)

@@ -16,7 +16,8 @@ that row (SGD, Adagrad, row-wise Adagrad, Adam: FBGEMM's fused backward, moved t
 that ``torch.optim``'s semantics hold: several backwards accumulate, ``zero_grad`` drops them):
 
 1. the ids are sorted (``torch.sort``; equal rows side by side), with no host sync;
-2. ``_reduce_update``: the sorted ids are cut in chunks of ``C``; a program walks its chunk,
+2. ``_reduce_update``: the sorted ids are cut in chunks of ``C`` (64 ids, 2 warps a program:
+   multi-hot Adagrad 3.90 -> 2.67 ms against 32 ids and 4 warps on an H200); a program walks its chunk,
    summing the gradient rows (``grad[bag of id] * weight of id``) of each run of equal ids.
    A run inside the chunk is complete: the optimizer is applied to its row at once, the row
    and its state read and written once. A run cut by the chunk's edge leaves its partial sum
@@ -50,8 +51,10 @@ from .fused import FUSED, fusable, step_hparams
 
 __all__ = ["pooled_lookup", "FUSED", "fusable", "apply_fused"]
 
-_CHUNK = 32  # sorted ids per program of the update
-_UPDATE_WARPS = 4  # warps per program of the update (benchmarks/sweep_update.py)
+_CHUNK = 64  # sorted ids per program of the update's walk
+_UPDATE_WARPS = 2  # warps per program of the update's walk (benchmarks/sweep_update.py)
+_TILE_CHUNK = 32  # sorted ids per program of the update's tile (one-hot features)
+_TILE_WARPS = 4  # warps per program of the update's tile
 _ROWS = 32  # rows per program of the one-id-per-bag gather
 _BLOCK_N = 8  # ids read at once per bag of the pooled forward
 # launch parameters of the pooled forward, swept on an H200 (benchmarks/sweep_pool.py, bench_gpu.py's
@@ -59,7 +62,8 @@ _BLOCK_N = 8  # ids read at once per bag of the pooled forward
 # warps); multi-hot bags of 0..40 ids 0.48 ms with 8 ids at once and 1 warp (0.83 ms with 16 and 2
 # warps, 2.1 ms with 4)
 _BAGS = 8  # bags per program of the pooled forward of short bags (32 with 2+ warps: Triton 3.6 fails to compile)
-_SHORT = 2  # mean ids per bag up to which the forward reads many bags a program, the update a tile
+_SHORT = 2  # mean ids per bag up to which the forward reads many bags a program
+_TILE = 2  # mean ids per bag up to which the update sums its chunk as a tile (the walk above)
 _SHORT_WARPS = 1  # warps per program of the short bags' kernel
 _POOL_WARPS = 1  # warps per program of the one-bag-a-program kernel
 
@@ -630,7 +634,9 @@ def apply_fused(
     s2 = storage.state[names[1]] if len(names) > 1 else s1
     key = ids.to(torch.int32) if weight.shape[0] < 2**31 else ids.to(torch.int64)
     sorted_ids, perm = torch.sort(key, stable=True)  # (N,): equal rows side by side, in batch order
-    chunks = triton.cdiv(n, _CHUNK)
+    short = bag_of is None or n <= _TILE * grad.shape[0]  # (one-hot features: runs of a few ids)
+    chunk, warps = (_TILE_CHUNK, _TILE_WARPS) if short else (_CHUNK, _UPDATE_WARPS)
+    chunks = triton.cdiv(n, chunk)
     block_d = triton.next_power_of_2(dim)
     acc = _acc(storage.compute_dtype)
     buf = torch.empty(2 * chunks, block_d, dtype=storage.compute_dtype, device=weight.device)
@@ -642,10 +648,9 @@ def apply_fused(
         MAXIMIZE=h.maximize,
         SKIP_ZERO=bool(storage.keyed),
         ACC=acc,
-        CHUNK=_CHUNK,
+        CHUNK=chunk,
         BLOCK_D=block_d,
     )
-    short = bag_of is None or n <= _SHORT * grad.shape[0]  # (one-hot features: runs of a few ids)
     (_reduce_update_short if short else _reduce_update)[(chunks,)](
         sorted_ids,
         perm,
@@ -656,16 +661,16 @@ def apply_fused(
         *args,
         HOT1=bag_of is None,
         HAS_PSW=psw is not None,
-        num_warps=_UPDATE_WARPS,
+        num_warps=warps,
         **flags,
     )
     # per chunk, the chunk where the run at its start began: read off the chunks' edges only (a scan
     # over N / C values, no host sync). A chunk lying wholly inside a run begun earlier passes it on.
-    firsts = torch.arange(0, n, _CHUNK, device=weight.device)  # (chunks,) each chunk's first position
+    firsts = torch.arange(0, n, chunk, device=weight.device)  # (chunks,) each chunk's first position
     first = sorted_ids.index_select(0, firsts)
-    last = sorted_ids.index_select(0, (firsts + _CHUNK - 1).clamp_(max=n - 1))
+    last = sorted_ids.index_select(0, (firsts + chunk - 1).clamp_(max=n - 1))
     before = torch.cat([first.new_full((1,), -1), sorted_ids.index_select(0, firsts[1:] - 1)])
     inside = (before == first) & (first == last)  # the chunk lies inside a run begun before it
     run_chunk = torch.cat([inside.new_zeros(1, dtype=torch.int64), last_start(inside)[:-1]])  # (chunks,)
-    _carry_partials[(chunks,)](sorted_ids, run_chunk, buf, CHUNK=_CHUNK, BLOCK_D=block_d)
+    _carry_partials[(chunks,)](sorted_ids, run_chunk, buf, CHUNK=chunk, BLOCK_D=block_d)
     _finish_runs[(chunks,)](sorted_ids, buf, *args, **flags)
