@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session's GPU checks for issue 27, batched (a machine with one CUDA GPU, torch and
 # Triton installed; run from the repository root; results under $OUT). About 4 minutes on an H200:
-#   OUT=gpu_out bash benchmarks/gpu_session.sh
+#   OUT=gpu_out bash benchmarks/gpu_session.sh    (AGAINST=old.py: sweep_update.py also times that triton_lookup.py)
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=src:. PYTHONDONTWRITEBYTECODE=1
