@@ -29,6 +29,10 @@ dynamic with ids spread over int64) written to disk and dropped from the page ca
 ``--prefetch-cache`` rows, uniform ids (nearly every row a miss): a step without and with
 ``ec.prefetch(next batch)`` after the backward, and the main thread's read time; the two modes
 alternate in blocks of 5 steps (``--steps`` of each), each block from a cold page cache; medians.
+``--ahead 2``: the batch two steps ahead is prefetched instead (two prefetches held at once).
+
+**reads**: a tiered file's scattered reads alone, from a cold page cache: one thread against the
+reads as shipped (many runs far apart cut into slices read by several threads).
 
 **index**: the records index of dynamic tiered tables alone (``storage/records.py``, its arrays in
 mapped files): a rebuild a window of positions at a time against one pass, each in a fresh process
@@ -389,15 +393,19 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
     # prefetches the block's first batch)
     times: dict[str, list[float]] = {"plain": [], "prefetch": []}
     reads = {"plain": 0.0, "prefetch": 0.0}
+    k = args.ahead
     for b in range(2 * max(1, args.steps // BLOCK)):
         mode = ("plain", "prefetch")[b % 2]
-        xs = [batch() for _ in range(BLOCK + 2)]
+        xs = [batch() for _ in range(BLOCK + 1 + k)]
         _cold(st)
-        step(xs[0], xs[1] if mode == "prefetch" else None)
+        if mode == "prefetch":
+            for j in range(1, k):
+                ec.prefetch(xs[j])
+        step(xs[0], xs[k] if mode == "prefetch" else None)
         read_s[0] = 0.0
         for i in range(1, BLOCK + 1):
             t0 = time.perf_counter()
-            step(xs[i], xs[i + 1] if mode == "prefetch" else None)
+            step(xs[i], xs[i + k] if mode == "prefetch" else None)
             times[mode].append(time.perf_counter() - t0)
         ec.storage_of("t0").drop_prefetch()
         reads[mode] += read_s[0]
@@ -412,11 +420,51 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
     return out
 
 
+def reads(args: argparse.Namespace, where: str) -> list[dict]:
+    """A tiered file's scattered reads alone (``_File.read``), from a cold page cache: one thread
+    against :data:`~hybridembed.storage.tiered._READERS` threads each reading a slice, for reads of
+    ``--reads-counts`` records of a ``--reads-rows`` x 264-byte file (a 64-float row and its
+    row-wise state), alternated ``--rounds`` times; medians."""
+    from hybridembed.storage import tiered as tiered_mod
+
+    os.makedirs(where, exist_ok=True)
+    rows, width = args.reads_rows, 264
+    f = tiered_mod._File(Path(where) / "records", rows, width, torch.uint8)
+    g = torch.Generator().manual_seed(0)
+    for lo in range(0, rows, 1 << 19):
+        k = min(1 << 19, rows - lo)
+        f.write(torch.arange(lo, lo + k), torch.randint(0, 255, (k, width), dtype=torch.uint8, generator=g))
+    os.fsync(f.fd)
+    out, saved = [], (tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP)
+    try:
+        for n in args.reads_counts:
+            ms: dict[str, list[float]] = {"one thread": [], "slices": []}
+            for i in range(args.rounds):
+                for mode in list(ms)[:: 1 if i % 2 == 0 else -1]:  # (which goes first alternates)
+                    tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP = (10**12, 0) if mode == "one thread" else saved
+                    r = torch.randperm(rows, generator=g)[:n]
+                    os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    t0 = time.perf_counter()
+                    f.read(r)
+                    ms[mode].append((time.perf_counter() - t0) * 1e3)
+            row = {"records": n, "gap_kib": rows * width / n / 1024, **{k: statistics.median(v) for k, v in ms.items()}}
+            out.append(row)
+            print(
+                f"reads: {n:,} records of {rows * width / 2**30:.1f} GiB (one per {row['gap_kib']:.0f} KiB), cold: "
+                f"one thread {row['one thread']:.1f} ms, as shipped {row['slices']:.1f} ms "
+                f"({row['one thread'] / row['slices']:.2f}x)",
+                flush=True,
+            )
+    finally:
+        tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP = saved
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--part",
-        choices=["speed", "dynamic", "memory", "prefetch", "dynamic-prefetch", "index", "both"],
+        choices=["speed", "dynamic", "memory", "prefetch", "dynamic-prefetch", "index", "reads", "both"],
         default="both",
     )
     p.add_argument("--index-records", type=int, default=8_000_000, help="index part: records")
@@ -426,6 +474,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--index-timeout", type=float, default=300.0, help="index part: seconds a run may take")
     p.add_argument("--prefetch-rows", type=int, default=4_000_000, help="prefetch part: rows of all tables")
     p.add_argument("--prefetch-cache", type=int, default=200_000)
+    p.add_argument(
+        "--ahead", type=int, choices=(1, 2), default=1, help="prefetch parts: prefetch the batch 1 or 2 steps ahead"
+    )
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=500_000)
     p.add_argument("--dim", type=int, default=64)
@@ -448,6 +499,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--memory-dynamic", action="store_true", help="memory part: a dynamic table (ids 0..rows-1 written first)"
     )
+    p.add_argument("--reads-rows", type=int, default=4_000_000, help="reads part: records in the file")
+    p.add_argument("--reads-counts", type=int, nargs="+", default=[31_000, 12_000, 8_000, 5_000])
+    p.add_argument("--rounds", type=int, default=3, help="reads part: alternations")
     p.add_argument("--dir", help="where the tables' files go (default: a temporary directory)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
@@ -457,6 +511,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.memory_rows, args.memory_cache, args.memory_steps = 100_000, 400, 3
         args.prefetch_rows, args.prefetch_cache = 40_000, 2_000
         args.index_records, args.index_window, args.index_limit = 300_000, 1, 0
+        args.reads_rows, args.reads_counts, args.rounds = 20_000, [300], 1
     root = tempfile.mkdtemp(prefix="hybridembed-tiered-", dir=args.dir)
     result: dict = {}
     try:
@@ -534,6 +589,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f"reading): {r['hidden']:.0%} of the read time hidden (target >= 70%)",
                 flush=True,
             )
+        if args.part == "reads" or args.quick:
+            result["reads"] = reads(args, f"{root}/reads")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:

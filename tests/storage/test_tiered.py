@@ -258,18 +258,27 @@ def test_runs_longer_than_one_call_are_split(tmp_path, monkeypatch):
     _same(_state(ec), _state(ref))
 
 
-@pytest.mark.parametrize("numba", [True, False], ids=["numba", "python"])
+@pytest.mark.parametrize("numba", [True, False, "parallel"], ids=["numba", "python", "parallel"])
 def test_a_file_reads_and_writes_scattered_rows_and_runs_and_a_truncated_file_is_a_clear_error(
     tmp_path, monkeypatch, numba
 ):
     """``_File``: one call a run of consecutive rows, in Numba's loop or (without Numba) Python's;
-    a run longer than one call's bytes is cut; a short read raises, naming the file."""
+    a run longer than one call's bytes is cut; a short read raises, naming the file. ``parallel``:
+    every read of 2+ runs cut into slices read by several threads (as runs far apart are)."""
     from hybridembed.storage import tiered as T
 
     if numba and T._io() is None:
         pytest.skip("Numba does not import here")
     if not numba:
         monkeypatch.setattr(T, "_io", lambda: None)
+    if numba == "parallel":
+        monkeypatch.setattr(T, "_PARALLEL_RUNS", 2)
+        monkeypatch.setattr(T, "_SPARSE_GAP", 0)
+        monkeypatch.setattr(T, "_READERS", 3)
+        monkeypatch.setattr(T, "_readers", None)
+        calls = []
+        real = T._io().pread_runs
+        monkeypatch.setattr(T._io(), "pread_runs", lambda *a: calls.append(a[2].size) or real(*a))
     monkeypatch.setattr(T, "_CALL_BYTES", 3 * 5 * 4)  # (three rows of 5 float32 per call)
     f = T._File(tmp_path / "f.rows", 64, 5, torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -281,9 +290,13 @@ def test_a_file_reads_and_writes_scattered_rows_and_runs_and_a_truncated_file_is
         assert torch.equal(f.read(rows), data)
     assert torch.equal(f.read(torch.arange(64).flip(0)), want.flip(0))
     assert f.read(torch.zeros(0, dtype=torch.int64)).shape == (0, 5)
+    if numba == "parallel":
+        assert len(calls) > 3 and max(calls) < 20, calls  # (sliced: no call read every run)
     os.truncate(f.path, 40 * 5 * 4)
     with pytest.raises(he.HybridEmbedError, match=r"f\.rows: a short read \(the file was truncated\?\)"):
         f.read(torch.tensor([2, 39, 41]))
+    with pytest.raises(he.HybridEmbedError, match="a short read"):  # (the failing run in a later slice)
+        f.read(torch.tensor([2, 9, 12, 20, 25, 30, 33, 41, 50]))
 
 
 def _pieces(monkeypatch, rows: int) -> None:
@@ -433,8 +446,9 @@ def test_convert_puts_dense_layers_on_disk_and_they_train_as_in_memory(tmp_path)
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])
 def test_prefetched_rows_train_as_the_table_in_memory(tmp_path, name, ahead):
     """ec.prefetch(a later batch) reads its rows on disk in a background thread; the lookup takes
-    them from memory. Two batches ahead, some prefetched rows are loaded, changed and written back
-    before their batch comes: they are read again (equal to the table in memory either way)."""
+    them from memory. Two batches ahead (two prefetches held), some prefetched rows are loaded,
+    changed and written back before their batch comes: they are read again (equal to the table in
+    memory either way)."""
     opt_cfg = OPTIMIZERS[name]
     g = torch.Generator().manual_seed(3)
     batches = [_batch(g) for _ in range(30)]
@@ -452,9 +466,25 @@ def test_prefetched_rows_train_as_the_table_in_memory(tmp_path, name, ahead):
         runs[kind] = ec
     stats = runs["tiered"].storage_of("a").stats()
     assert stats["prefetched"] > 50, stats
+    if ahead == 2:  # (two prefetches held at once: the one for the batch after next is not dropped first)
+        assert stats["prefetched"] > 3 * stats["disk_reads"], stats
     if ahead == 1:  # (nothing changes between the prefetch and its lookup: every row on disk came from it)
         assert stats["disk_reads"] == 0, stats
     _same(_state(runs["tiered"]), _state(runs["memory"]))
+
+
+def test_two_prefetches_are_held_and_a_third_drops_the_oldest(tmp_path):
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60)), seed=1)
+    _train(ec, steps=25)
+    st = ec.storage_of("a")
+    made = []
+    for lo in (100, 150, 200):
+        ec.prefetch({"a": torch.arange(lo, lo + 40), "b": torch.arange(lo - 100, lo - 60)})
+        made.append(st._prefetches[-1])
+    assert len(set(map(id, made))) == 3 and st._prefetches == made[1:]
+    assert not made[0]._thread.is_alive()  # (the dropped one's read was waited for)
+    st.drop_prefetch()
+    assert st._prefetches == [] and not any(pf._thread.is_alive() for pf in made)
 
 
 def test_a_row_written_after_its_prefetch_is_read_again_and_a_failed_prefetch_is_dropped(tmp_path, monkeypatch):
@@ -472,12 +502,12 @@ def test_a_row_written_after_its_prefetch_is_read_again_and_a_failed_prefetch_is
         if m is ec:
             assert int((st.slot_of[100:130] < 0).sum()) > 10  # (cold rows on disk)
             m.prefetch(cold)
-            st._prefetched.ready()
+            st._prefetches[-1].ready()
         for b in (cold, hot, cold):  # cold rows taken from the prefetch, changed, written back, read again
             opt.zero_grad()
             sum(v.sum() for v in m(b).values()).backward()
             opt.step()
-    assert st._prefetched.stale.any() and st.stats()["prefetched"] > 0
+    assert st._prefetches[-1].stale.any() and st.stats()["prefetched"] > 0
     _same(_state(ec), _state(ref))
     import threading
 
@@ -492,7 +522,7 @@ def test_a_row_written_after_its_prefetch_is_read_again_and_a_failed_prefetch_is
     ec.prefetch(hot)
     before = st.stats()["prefetched"]
     assert torch.equal(ec(hot)["a"], ref(hot)["a"])  # (the lookup read the files itself)
-    assert st._prefetched.error is not None and st.stats()["prefetched"] == before
+    assert st._prefetches[-1].error is not None and st.stats()["prefetched"] == before
 
 
 _KILLED = r"""

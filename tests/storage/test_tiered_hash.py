@@ -277,6 +277,8 @@ def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead, 
         runs[kind] = ec
     stats = runs["tiered"].storage_of("a").stats()
     assert stats["prefetched"] > 50, stats
+    if ahead == 2:  # (two prefetches held at once: the one for the batch after next is not dropped first)
+        assert stats["prefetched"] > 0.7 * stats["read_back"], stats
     assert (stats["compactions"] > 0) == (compact is True), stats
     if (
         ahead == 1 and compact is not True

@@ -46,7 +46,7 @@ from ..errors import ConfigError, HybridEmbedError
 from .hashed import _EMPTY, HashStorage, sort_pairs
 from .protocol import LookupPlan, _nothing
 from .records import Homes
-from .tiered import _File, _lock, _Prefetch, grown, mapped
+from .tiered import _File, _lock, _Prefetch, add_prefetch, grown, mapped
 
 __all__ = ["TieredHashStorage"]
 
@@ -82,7 +82,7 @@ class TieredHashStorage(HashStorage):
         self._parts = self._parts_of()  # where in a record each of them is
         self._reserved = 0  # places the files have room for
         self._tail = 0  # the next free place: each spill appends (one write a file), compaction reclaims
-        self._prefetched: _Prefetch | None = None  # records prefetch() is reading, or read
+        self._prefetches: list[_Prefetch] = []  # records prefetch() is reading, or read (oldest first)
         self.pinned = torch.zeros(self.weight.shape[0], dtype=torch.bool)  # a pending gradient may name it
         self.slot_rec = torch.full((self.weight.shape[0],), -1, dtype=torch.int64)  # a cached row's record (below)
         if kind == "meta":
@@ -396,8 +396,9 @@ class TieredHashStorage(HashStorage):
         """Start reading, in a background thread, the rows on disk of (table index ``tabs``, id
         ``ids``) pairs (a later batch's), with their optimizer state; a lookup that reads them
         back takes them from memory. A hint: rows cached or never seen are skipped, a record
-        written meanwhile is read again, a failed read is dropped. One at a time."""
-        self.drop_prefetch()
+        written meanwhile is read again, a failed read is dropped. Two at a time (the next batch's
+        and the one after it: a third call drops the first one's rows)."""
+        add_prefetch(self._prefetches, None)
         if self._file is None or ids.numel() == 0:
             return
         ids, tabs = ids.to(torch.int64), tabs.to(torch.int32)
@@ -409,42 +410,42 @@ class TieredHashStorage(HashStorage):
             on_disk[on_disk.clone()] = self.rec_live.index_select(0, recs[on_disk])
             return torch.sort(self.rec_at.index_select(0, recs[on_disk]))[0]  # (read by place, whole records)
 
-        self._prefetched = _Prefetch(None, None, {}, self._file, find=find)
+        add_prefetch(self._prefetches, _Prefetch(None, None, {}, self._file, find=find))
 
     def _settle(self) -> None:
-        """Before the records index or the records' places change: a prefetch has found its rows."""
-        if self._prefetched is not None:
-            self._prefetched.settle()
+        """Before the records index or the records' places change: the prefetches have found their rows."""
+        for pf in self._prefetches:
+            pf.settle()
 
     def _written(self, at: torch.Tensor) -> None:
         """Places ``at`` are written again in place now: a prefetched copy of them is old."""
-        if self._prefetched is not None:
-            _, pos = self._prefetched.positions(at)
-            self._prefetched.stale[pos] = True
+        for pf in self._prefetches:
+            pf.stale[pf.positions(at)[1]] = True
 
     def drop_prefetch(self) -> None:
-        """Forget the rows prefetched (waits for a read in progress)."""
-        if self._prefetched is not None:
-            self._prefetched.ready()
-            self._prefetched = None
+        """Forget the rows prefetched (waits for the reads in progress)."""
+        while self._prefetches:
+            self._prefetches.pop(0).ready()
 
     def _from_prefetch(self, recs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         """Records ``recs`` (K,) the prefetch holds (fresh): ((K,) bool which, their rows and state
         by name (K, ...) where taken), or None (none)."""
-        pf = self._prefetched
-        if pf is None:
-            return None
-        found, at = pf.positions(self.rec_at.index_select(0, recs))
-        if found.numel() == 0 or not pf.ready():
-            return None
-        got = self._unpack(pf.weight.index_select(0, at))
-        out = {k: v.new_empty((recs.numel(), *v.shape[1:])) for k, v in got.items()}
-        for k, v in got.items():
-            out[k].index_copy_(0, found, v)
-        taken = torch.zeros(recs.numel(), dtype=torch.bool)
-        taken[found] = True
-        self.spill_counters["prefetched"] += found.numel()
-        return taken, out
+        taken, out = torch.zeros(recs.numel(), dtype=torch.bool), None
+        places = self.rec_at.index_select(0, recs) if self._prefetches else None
+        for pf in self._prefetches:  # (oldest first)
+            found, at = pf.positions(places)
+            want = (~taken).index_select(0, found)
+            found, at = found[want], at[want]
+            if found.numel() == 0 or not pf.worth_waiting(found.numel()) or not pf.ready():
+                continue
+            got = self._unpack(pf.weight.index_select(0, at))
+            if out is None:
+                out = {k: v.new_empty((recs.numel(), *v.shape[1:])) for k, v in got.items()}
+            for k, v in got.items():
+                out[k].index_copy_(0, found, v)
+            taken[found] = True
+            self.spill_counters["prefetched"] += found.numel()
+        return None if out is None else (taken, out)
 
     def attach_optimizer(self, optimizer, hparams: dict) -> None:
         """The optimizer's state beside the cached rows, and its files beside the rows' file (every
