@@ -361,3 +361,29 @@ def test_a_scaled_fused_step_equals_the_scaled_reduced_rows(name):
     torch.testing.assert_close(stores[0].weight.detach(), stores[1].weight.detach(), rtol=1e-6, atol=1e-7)
     for k in stores[1].state:
         torch.testing.assert_close(stores[0].state[k], stores[1].state[k], rtol=1e-6, atol=1e-7)
+
+
+_FORKED_POOL = r"""
+import os, signal, sys
+from hybridembed.kernels import cpu_fused as cf
+cf._run(lambda lo, hi: None, [(0, 1), (1, 2)], (), ())  # (the parent's pool made and used)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)  # (a hung child ends itself)
+    got = []
+    cf._run(lambda lo, hi: got.append(lo), [(0, 1), (1, 2), (2, 3)], (), ())
+    os._exit(0 if sorted(got) == [0, 1, 2] else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_the_step_on_threads_of_its_own():
+    """A process forked after the step's thread pool was made (a warm server forking ranks) gets
+    a pool of its own: the parent's pool has no threads in the child, and work sent to it waited
+    forever."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", _FORKED_POOL], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]

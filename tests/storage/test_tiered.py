@@ -299,6 +299,41 @@ def test_a_file_reads_and_writes_scattered_rows_and_runs_and_a_truncated_file_is
         f.read(torch.tensor([2, 9, 12, 20, 25, 30, 33, 41, 50]))
 
 
+_FORKED_READ = r"""
+import os, signal, sys, torch
+from pathlib import Path
+from hybridembed.storage import tiered as T
+T._PARALLEL_RUNS, T._SPARSE_GAP = 2, 0
+f = T._File(Path(sys.argv[1]), 64, 5, torch.float32)
+f.write(torch.arange(64), torch.arange(320.0).view(64, 5))
+assert torch.equal(f.read(torch.arange(0, 64, 2)), torch.arange(320.0).view(64, 5)[::2])  # (the pool made)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)  # (a hung child ends itself)
+    ok = torch.equal(f.read(torch.arange(1, 64, 2)), torch.arange(320.0).view(64, 5)[1::2])
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
+    """Sliced reads in a process forked after the readers' pool was made: the child makes its own
+    (the parent's has no threads there, and a read sent to it would wait forever)."""
+    import subprocess
+    import sys
+
+    from hybridembed.storage import tiered as T
+
+    if T._io() is None:
+        pytest.skip("Numba does not import here")
+    r = subprocess.run(
+        [sys.executable, "-c", _FORKED_READ, str(tmp_path / "f")], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def _pieces(monkeypatch, rows: int) -> None:
     """Checkpoint files of ``rows`` rows of these tables (dim 8, one float32 state)."""
     from hybridembed.checkpoint import local, snapshot

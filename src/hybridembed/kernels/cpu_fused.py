@@ -175,6 +175,15 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _forget_pool() -> None:  # (a forked child has none of its parent's threads: it makes its own pool)
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _threads(work: int) -> int:
     return max(1, min(torch.get_num_threads(), work // _MIN_PER_THREAD))
 
