@@ -28,15 +28,20 @@ def _epoch(out: str, n: int) -> str:
 
 def test_tiered_tables_train_checkpoint_resume_like_one_run_and_export(generated, tmp_path, capsys):
     base = ["--data", str(generated), "--no-progress", "--threads", "1", *SMALL, "--tiered-cache", "9000"]
-    straight = _run(
-        [*base, "--workdir", str(tmp_path / "a"), "--tiered", str(tmp_path / "a/tiers"), "--epochs", "2"], capsys
+    straight = _run(  # (--prefetch: the next batch's rows on disk read in a thread during the step)
+        [*base, "--workdir", str(tmp_path / "a"), "--tiered", str(tmp_path / "a/tiers"), "--epochs", "2", "--prefetch"],
+        capsys,
     )
     assert "26 tiered tables (dim 4, 5,000 rows each, ids hashed into them" in straight
-    hit = re.search(r"cache hit rate ([\d.]+) so far \(([\d,]+) rows read from disk\)", straight)
-    assert hit and 0 < float(hit.group(1)) < 1 and int(hit.group(2).replace(",", "")) > 0, straight  # (evictions)
+    hit = re.search(
+        r"cache hit rate ([\d.]+) so far \(([\d,]+) rows read from disk in the step, ([\d,]+) ahead", straight
+    )
+    assert hit and 0 < float(hit.group(1)) < 1, straight
+    assert int(hit.group(3).replace(",", "")) > 0, straight  # (evicted rows read back, the next batch's ahead of it)
     b = ["--workdir", str(tmp_path / "b"), "--tiered", str(tmp_path / "b/tiers")]
     first = _run([*base, *b, "--epochs", "1"], capsys)
-    assert _epoch(first, 1) == _epoch(straight, 1)
+    assert _epoch(first, 1) == _epoch(straight, 1)  # (without --prefetch: the same)
+    assert re.search(r"rows read from disk in the step, 0 ahead of it", first), first
     assert not (tmp_path / "a/model.pt2").exists()  # (no export unless asked: it holds every table in memory)
     resumed = _run(
         [*base, *b, "--resume", str(tmp_path / "b/checkpoint"), "--epochs", "2", "--export", str(tmp_path / "m.pt2")],
@@ -51,6 +56,7 @@ def test_tiered_tables_train_checkpoint_resume_like_one_run_and_export(generated
     [
         (["--min-count", "2"], "drop --min-count"),
         (["--tiered-cache", "100"], "--tiered-cache 100 rows cannot hold a batch's rows"),
+        (["--nproc", "2", "--prefetch"], "--prefetch applies to parameter servers"),  # (or one process)
     ],
 )
 def test_what_tiered_tables_cannot_do_is_refused_before_training(extra, needle, generated, tmp_path, capsys):
@@ -83,10 +89,13 @@ def test_dynamic_tables_on_disk_train_as_in_memory_and_resume_from_either(genera
     base = ["--data", str(generated), "--no-progress", "--threads", "1", *small, "--no-export"]
     memory = _run([*base, "--workdir", str(tmp_path / "m"), "--epochs", "2"], capsys)
     disk = ["--tiered", str(tmp_path / "tiers"), "--tiered-cache", "9000"]
-    tiered = _run([*base, "--workdir", str(tmp_path / "t"), *disk, "--epochs", "2"], capsys)
+    tiered = _run([*base, "--workdir", str(tmp_path / "t"), *disk, "--epochs", "2", "--prefetch"], capsys)
     assert "dynamic tables (26 features, dim 4, unbounded; rows beyond 9,000 in memory spilled" in tiered
-    on_disk = re.search(r"table rows ([\d,]+) \(([\d,]+) on disk, ([\d,]+) read back so far\)", tiered)
+    on_disk = re.search(
+        r"table rows ([\d,]+) \(([\d,]+) on disk, ([\d,]+) read back so far, ([\d,]+) of them ahead", tiered
+    )
     assert on_disk and int(on_disk.group(2).replace(",", "")) > 0 and int(on_disk.group(3).replace(",", "")) > 0
+    assert int(on_disk.group(4).replace(",", "")) > 0, tiered  # (one process: the next batch's rows read ahead)
     assert re.search(r"table rows ([\d,]+)", memory).group(1) == on_disk.group(1)
     for n in (1, 2):
         assert _epoch(tiered, n) == _epoch(memory, n)
@@ -120,7 +129,7 @@ def test_a_job_of_2_processes_keeps_each_shard_on_its_disk_and_trains_as_in_memo
     memory = run("--nproc", "2", "--workdir", str(tmp_path / "m"), "--epochs", "2", "--no-checkpoint")
     tiered = run("--nproc", "2", "--workdir", str(tmp_path / "t"), *disk, "--epochs", "1")
     assert "rows of each process's shards in memory; sharded over 2 processes" in tiered
-    on_disk = re.search(r"table rows ([\d,]+) \(([\d,]+) on disk, ([\d,]+) read back so far\)", tiered)
+    on_disk = re.search(r"table rows ([\d,]+) \(([\d,]+) on disk, ([\d,]+) read back so far", tiered)
     assert on_disk and int(on_disk.group(2).replace(",", "")) > 0, tiered  # (both ranks' shards counted)
     assert re.search(r"table rows ([\d,]+)", memory).group(1) == on_disk.group(1)
     assert _epoch(tiered, 1) == _epoch(memory, 1)

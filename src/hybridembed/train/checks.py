@@ -244,6 +244,8 @@ def _resolve_servers(args: argparse.Namespace, world: int) -> None:
     """Checks the parameter-server flags against --nproc and the model; fills their defaults."""
     flags = [f"--{k.replace('_', '-')}" for k in PS_FLAGS if getattr(args, k) not in (None, False)]
     if not args.servers:
+        if args.tiered and world == 1:  # (one process: --prefetch reads the next batch's rows on disk ahead)
+            flags = [f for f in flags if f != "--prefetch"]
         if flags:
             raise UsageError(
                 f"{flags[0]} applies to parameter servers; add --servers S (the last S of the --nproc N processes "

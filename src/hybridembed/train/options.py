@@ -303,7 +303,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     s.add_argument(
         "--prefetch",
         action="store_true",
-        help="send the pulls of the next batch before this step's optimizer step, so rows travel while it pushes",
+        help="send the pulls of the next batch before this step's optimizer step, so rows travel while it pushes; "
+        "with --tiered DIR in one process, read the next batch's rows on disk in a background thread meanwhile",
     )
     t.add_argument(
         "--max-restarts",

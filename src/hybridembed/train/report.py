@@ -77,23 +77,31 @@ def epoch_line(
         parts.append(f"{tr.rows:,} samples in {tr.seconds:.1f} s = {tr.samples_per_s:,.0f} samples/s")
     tiered = [m.collection for m in model.modules() if isinstance(m, M.TieredEmbeddings)]
     if tiered:  # (rows on disk: how often a step's rows were found in memory)
-        keys = ("hits", "misses", "disk_reads")
+        keys = ("hits", "misses", "disk_reads", "prefetched")
         remote = ps_collection(model)
         if remote is not None:  # (the servers' caches, asked: every trainer hears the same)
             stats = [s for server in remote.server_stats() for s in server["storages"] if "hits" in s]
-            hits, misses, reads = (sum(int(s[k]) for s in stats) for k in keys)
+            hits, misses, reads, ahead = (sum(int(s.get(k, 0)) for s in stats) for k in keys)
         else:
             stats = [st.stats() for c in tiered for st in c.storages]
-            hits, misses, reads = (int(v) for v in job.sum(*(sum(s[k] for s in stats) for k in keys)))
+            hits, misses, reads, ahead = (int(v) for v in job.sum(*(sum(s[k] for s in stats) for k in keys)))
         seen = hits + misses
-        parts.append(f"cache hit rate {hits / seen if seen else 0.0:.3f} so far ({reads:,} rows read from disk)")
+        parts.append(
+            f"cache hit rate {hits / seen if seen else 0.0:.3f} so far ({reads:,} rows read from disk in the step, "
+            f"{ahead:,} ahead of it)"
+        )
         return "  ".join(parts)
     spills = [st.stats() for m in model.modules() if isinstance(m, M.DynamicEmbeddings) for st in m.collection.storages]
     if spills and "disk_rows" in spills[0]:  # (dynamic tables on disk)
-        rows, disk, back = (
-            int(v) for v in job.sum(*(sum(s[k] for s in spills) for k in ("rows", "disk_rows", "read_back")))
+        rows, disk, back, ahead = (
+            int(v)
+            for v in job.sum(
+                *(sum(s.get(k, 0) for s in spills) for k in ("rows", "disk_rows", "read_back", "prefetched"))
+            )
         )
-        parts.append(f"table rows {rows:,} ({disk:,} on disk, {back:,} read back so far)")
+        parts.append(
+            f"table rows {rows:,} ({disk:,} on disk, {back:,} read back so far, {ahead:,} of them ahead of their step)"
+        )
         return "  ".join(parts)
     rows, evicted, _ = table_stats(model, job)
     parts.append(f"table rows {rows:,}" + (f" ({evicted:,} evicted)" if evicted else ""))
