@@ -241,17 +241,19 @@ def _distribute(args: argparse.Namespace, model: nn.Module) -> nn.Module | None:
     return distribute(model, ddp=_NO_BUFFER_SYNC)
 
 
-def _prefetcher(model: nn.Module, collection) -> Callable[[D.Batch], None]:
-    """``collection.prefetch`` of a batch's ids (the next step's): ``--prefetch`` sends the pulls
-    to the servers at once; ``--tiered`` in one process reads the rows on disk in a background
-    thread while this step's optimizer step runs."""
+def _prefetcher(model: nn.Module, collection=None) -> Callable[[D.Batch], None]:
+    """``prefetch`` of a batch's ids (the next step's) by the model's tables in ``collection`` (None:
+    every set of them): ``--prefetch`` sends the pulls to the servers at once; with ``--tiered`` in
+    one process, the rows on disk are read in a background thread while this step's optimizer step
+    runs."""
     kinds = (M.DynamicEmbeddings, M.TieredEmbeddings)
-    (tables,) = [m for m in model.modules() if isinstance(m, kinds) and m.collection is collection]
-    rows = getattr(tables, "rows", None)  # (tiered tables: ids hashed into their rows, as their forward does)
+    sets = [m for m in model.modules() if isinstance(m, kinds) and (collection is None or m.collection is collection)]
 
     def prefetch(b: D.Batch) -> None:
-        ids = b.sparse if rows is None else b.sparse.remainder(rows)
-        collection.prefetch({n: ids[:, j] for j, n in enumerate(tables.names)})  # {feature: (B,)}
+        for tables in sets:
+            rows = getattr(tables, "rows", None)  # (tiered tables: ids hashed into their rows, as their forward does)
+            ids = b.sparse if rows is None else b.sparse.remainder(rows)
+            tables.collection.prefetch({n: ids[:, j] for j, n in enumerate(tables.names)})  # {feature: (B,)}
 
     return prefetch
 
@@ -392,8 +394,7 @@ def _train(
     estimate = train.estimate_rows()
     ahead = _prefetcher(inner, remote) if args.servers and args.prefetch else None
     if args.tiered and args.prefetch and not job.parallel:  # (one process: the next batch's rows on disk read ahead)
-        kinds = (M.DynamicEmbeddings, M.TieredEmbeddings)
-        ahead = _prefetcher(inner, next(m for m in inner.modules() if isinstance(m, kinds)).collection)
+        ahead = _prefetcher(inner)
     pipeline = _pipeliner(inner) if job.parallel and not args.servers and args.pipeline else None
     for epoch in range(epoch0, args.epochs):
         label = f"epoch {epoch + 1}/{args.epochs}"
