@@ -8,6 +8,8 @@ for every fused optimizer, every kind of input, dense and dynamic tables, one an
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 
 import pytest
@@ -378,12 +380,10 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_runs_the_step_on_threads_of_its_own():
     """A process forked after the step's thread pool was made (a warm server forking ranks) gets
     a pool of its own: the parent's pool has no threads in the child, and work sent to it waited
     forever."""
-    import subprocess
-
     r = subprocess.run([sys.executable, "-c", _FORKED_POOL], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]

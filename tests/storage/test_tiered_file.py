@@ -5,6 +5,8 @@ truncated file a clear error."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,9 +77,6 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
     """Sliced reads in a process forked after the readers' pool was made: the child makes its own
     (the parent's has no threads there, and a read sent to it would wait forever)."""
-    import subprocess
-    import sys
-
     from hybridembed.storage import tiered as T
 
     if T._io() is None:

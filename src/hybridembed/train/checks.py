@@ -247,9 +247,10 @@ def _resolve_servers(args: argparse.Namespace, world: int) -> None:
         if args.tiered and world == 1:  # (one process: --prefetch reads the next batch's rows on disk ahead)
             flags = [f for f in flags if f != "--prefetch"]
         if flags:
+            also = "; or, without servers, give it with --tiered DIR in one process" if flags[0] == "--prefetch" else ""
             raise UsageError(
                 f"{flags[0]} applies to parameter servers; add --servers S (the last S of the --nproc N processes "
-                "serve the tables)"
+                f"serve the tables){also}"
             )
         return
     if args.servers >= world:
