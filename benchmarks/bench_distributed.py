@@ -28,6 +28,9 @@ Contenders (``--contenders``):
 - ``default_pipe`` / ``table_wise_pipe``: ``default`` / ``table_wise`` pipelined: after each
   forward, ``he.prefetch(model, next batch)`` sends the next step's ids while this step's
   backward and optimizer step run (``hybridembed.distributed.ahead``);
+- ``default_gloo`` / ``table_wise_gloo``: ``default`` / ``table_wise`` with every exchange through
+  gloo's all-to-all (``HYBRIDEMBED_SHM=0``: large rows' exchanges of ranks of one machine go
+  through shared memory by default, ``hybridembed.distributed.shm``);
 - ``table_wise_dedup`` / ``table_wise_dedup_pipe``: ``table_wise`` (pipelined) with
   ``dedup=True`` (a feature's distinct ids' rows cross, pooled by the requester);
 - ``single`` / ``single_small``: ``he.convert`` of the same model in one process (world 1 only):
@@ -60,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -75,7 +79,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.bench.system import cpu_busy, machine
-from hybridembed.distributed import Plan, ShardedCollection, shard_table
+from hybridembed.distributed import Plan, ShardedCollection, shard_table, shm
 from hybridembed.launch import SpawnError, spawn
 from hybridembed.synthetic import powerlaw_ids
 
@@ -93,6 +97,8 @@ HYBRID = (
     "table_wise_pipe",
     "table_wise_dedup",
     "table_wise_dedup_pipe",
+    "default_gloo",
+    "table_wise_gloo",
 )
 SINGLE = ("single", "single_small", "dlrm_single")  # one process: world 1 only
 TORCHREC = ("torchrec_tw", "torchrec_rw")
@@ -346,7 +352,8 @@ def _hybrid(name: str, rank: int, world: int, cfg: dict) -> tuple[Callable, Call
         model = he.convert(model)
         plan = None
     else:
-        kind = name.removesuffix("_pipe").removesuffix("_bf16").removesuffix("_dedup")
+        kind = name.removesuffix("_pipe").removesuffix("_bf16").removesuffix("_dedup").removesuffix("_gloo")
+        os.environ[shm.ENV] = "0" if name.endswith("_gloo") else os.environ.get(shm.ENV, "1")
         plan = None if kind == "default" else explicit_plan(kind, rows, cfg["dim"], world)
         wire = "bf16" if "_bf16" in name else None
         model = he.distribute(model, plan, wire=wire, dedup="_dedup" in name)

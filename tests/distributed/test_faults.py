@@ -77,11 +77,11 @@ def test_bad_input_on_one_rank_fails_the_step_on_every_rank_and_a_skipping_loop_
 
 
 @pytest.mark.parametrize(
-    "fault", ["stop", "raise"]
-)  # (a killed rank fails the exchange the same way, at once: tests/ps/test_trainer_faults.py kills)
-def test_a_lost_sharded_rank_is_named_by_every_survivor_within_the_timeout(fault):
+    "fault,shared", [("stop", "0"), ("raise", "0"), ("kill", "1"), ("stop", "1")]
+)  # (a killed rank fails gloo's exchange the same way, at once: tests/ps/test_trainer_faults.py kills)
+def test_a_lost_sharded_rank_is_named_by_every_survivor_within_the_timeout(fault, shared):
     timeout = 4.0
-    env = {"JOB_TIMEOUT": str(timeout), "JOB_STEPS": "4", "JOB_DDP": "0"}
+    env = {"JOB_TIMEOUT": str(timeout), "JOB_STEPS": "4", "JOB_DDP": "0", "JOB_SHARED": shared}
     ranks = run_job(SCRIPT, ["0", fault, "1", "2"], 2, timeout=timeout + 60, env=env, linger={1})
     for r in ranks[:1]:
         assert r.code == 1, (r.rank, r.code, r.err[-2000:])

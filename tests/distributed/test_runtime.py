@@ -3,6 +3,8 @@ rank's slice of the batches equal K steps at world 1 on the concatenated batches
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -120,6 +122,11 @@ def _train(ec: nn.Module, batches: list[dict], optimizer: str, scale: float, fea
 
 
 def _run_sharded(rank: int, world: int, case: dict) -> dict:
+    if "shared" in case:  # every rows' exchange large enough for shared memory; allowed or not
+        from hybridembed.distributed import runtime, shm
+
+        runtime.FOLD_ROWS = 0
+        os.environ[shm.ENV] = "1" if case["shared"] else "0"
     tables = _tables(case["dynamic"])
     features = {f: t for f, t in FEATURES.items() if any(t == x.name for x in tables)}
     plan = _plan(world, tables, case["plan"], case["optimizer"])
@@ -149,6 +156,7 @@ def _run_sharded(rank: int, world: int, case: dict) -> dict:
         "out": {f: (x.values if isinstance(x, he.Jagged) else x) for f, x in mine.items()},
         "fused": dict(opt.fused_steps),
         "here": [local for _, _, _, local in ec.shards_here()],
+        "shared": ec._shm is not None,
     }
 
 
@@ -208,6 +216,15 @@ def test_mixed_plan_world2_equals_world1_every_optimizer():
             dense_shards = [n for n in r["here"] if n.split("@")[0] in ("a", "c", "d")]
             assert dense_shards and all(r["fused"].get(n) == 2 for n in dense_shards), (r["here"], r["fused"])
             assert "f" not in r["fused"], r["fused"]  # (data-parallel: its rows are all-reduced first)
+
+
+def test_rows_through_shared_memory_or_gloo_equal_one_process():
+    """Every rows' exchange through shared memory (world 3) or through gloo (world 2, turned off)."""
+    cases = [{**BASE, "optimizer": o, "sizes": [5, 5, 5], "shared": True} for o in ("sgd", "rowwise")]
+    for case in _check_all(cases, 3):
+        assert all(r["shared"] for r in case)
+    (case,) = _check_all([{**BASE, "optimizer": "adam", "sizes": [6, 6], "shared": False}], 2)
+    assert not any(r["shared"] for r in case)
 
 
 def test_world4_unequal_batches_sum_and_each_sharding_type():
@@ -319,14 +336,17 @@ class _Bags(nn.Module):
         return torch.cat([e(x) for e, x in zip(self.embs, ids)], 1)
 
 
-def _one_hot_faults(rank: int, world: int, fold_rows: int) -> dict:
+def _one_hot_faults(rank: int, world: int, fold_rows: int, shared: bool = True) -> dict:
     """A converted model of one-hot bags (their ids checked in one batched pass): an id past the
     last of five tables on rank 1 only, then an owner's lookup failing on rank 1 only (its status
-    in the rows' all-to-all, or in one of its own with ``fold_rows`` 0): every rank raises, no row
-    changes, the job goes on."""
-    from hybridembed.distributed import runtime
+    in the rows' all-to-all, or with ``fold_rows`` 0 in the shared-memory meeting, or without
+    ``shared`` in an all-to-all of its own): every rank raises, no row changes, the job goes on."""
+    import os
+
+    from hybridembed.distributed import runtime, shm
 
     runtime.FOLD_ROWS = fold_rows
+    os.environ[shm.ENV] = "1" if shared else "0"
     names = [f"embs__{i}" for i in range(5)]
     tables = [he.TableConfig(n, r, 4) for n, r in zip(names, (30, 40, 50, 60, 70))]
     plan = Plan(world, tuple(shard_table(t, "table_wise", (i % world,)) for i, t in enumerate(tables)))
@@ -365,9 +385,11 @@ def _one_hot_faults(rank: int, world: int, fold_rows: int) -> dict:
     return {"errors": errors, "same": same, "changed": not torch.equal(before[names[0]], ec.gather_table(names[0]))}
 
 
-@pytest.mark.parametrize("fold_rows", [1 << 18, 0], ids=["status-with-rows", "status-alone"])
-def test_one_hot_bags_bad_id_and_a_failing_owner_raise_on_every_rank(fold_rows):
-    got = spawn(_one_hot_faults, 2, fold_rows, timeout=120)
+@pytest.mark.parametrize(
+    "fold_rows,shared", [(1 << 18, True), (0, True), (0, False)], ids=["status-with-rows", "shared", "status-alone"]
+)
+def test_one_hot_bags_bad_id_and_a_failing_owner_raise_on_every_rank(fold_rows, shared):
+    got = spawn(_one_hot_faults, 2, fold_rows, shared, timeout=120)
     for r in got:
         assert r["same"] and r["changed"], r
         assert len(r["errors"]) == 2, r["errors"]

@@ -29,6 +29,7 @@ __all__ = [
     "PER_PAIR",
     "Pair",
     "RowsExchange",
+    "SharedRowsExchange",
     "all_to_all",
     "exchange",
     "features_digest",
@@ -203,6 +204,35 @@ class RowsExchange(torch.autograd.Function):
         out = g.new_empty(sum(send_splits))
         all_to_all(out, g, send_splits, recv_splits, ctx.group)
         return out, None, None, None
+
+
+class SharedRowsExchange(torch.autograd.Function):
+    """:class:`RowsExchange` through a shared-memory :class:`~hybridembed.distributed.shm.Transport`,
+    straight into and out of the requester's matrices: ``shapes[r]`` lists the (bags, width) of
+    the pieces source ``r`` sends here, in order. Returns (every rank's ``status``, the meeting's
+    payload, as a (W,) tensor; then one (bags, width) matrix per piece, source by source), each
+    received element copied once into its own matrix, and in the backward each gradient element
+    copied once from the model's (strided) gradients to where it goes: no flat buffer to join."""
+
+    @staticmethod
+    def forward(ctx, send, send_splits, recv_splits, shapes, transport, status):
+        mats = [[send.new_empty(n, w) for n, w in src] for src in shapes]
+        statuses = torch.tensor(transport.all_to_all(mats, send, recv_splits, send_splits, status))
+        ctx.splits, ctx.transport, ctx.counts = (send_splits, recv_splits), transport, [len(m) for m in mats]
+        ctx.like = (send.dtype, send.device)
+        ctx.mark_non_differentiable(statuses)
+        return (statuses, *[m for src in mats for m in src])
+
+    @staticmethod
+    def backward(ctx, _, *grads):
+        send_splits, recv_splits = ctx.splits
+        per_rank, k = [], 0
+        for c in ctx.counts:
+            per_rank.append(list(grads[k : k + c]))
+            k += c
+        out = torch.empty(sum(send_splits), dtype=ctx.like[0], device=ctx.like[1])
+        ctx.transport.all_to_all(out, per_rank, send_splits, recv_splits)
+        return out, None, None, None, None, None
 
 
 def exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:

@@ -46,7 +46,7 @@ from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
 from ..storage.dense import rows_from_caller
 from ..utils import check_device, kept_tensor
-from . import health
+from . import health, shm
 from .ahead import Channel, Pipelined, Sent
 from .entries import ShardedEntries
 from .exchange import (
@@ -58,6 +58,7 @@ from .exchange import (
     Header,
     Pair,
     RowsExchange,
+    SharedRowsExchange,
     exchange,
     features_digest,
     fold_status,
@@ -164,6 +165,8 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         )
         self.dedup = dedup
         self._main = Channel(self._group)  # the exchange's group, and its count of headers
+        self._shm: shm.Transport | None = None  # the rows' all-to-all through shared memory (see _shared)
+        self._shm_tried = False
         self._scale = 1.0 / self.world_size if reduction == "mean" else 1.0
         self._column_tables = [n for n, route in self._routes.items() if route.slices_columns]
         local_tables = [
@@ -576,7 +579,7 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         flat = self._rows_back(sent.step, flat_send, failure, pairs, sends, by_rank, sizes[0], fold)  # 6.
         order = [i for r in range(self.world_size) for i in by_rank[r]]
         shapes = [(sends[i].lengths.numel(), pairs[i].width) for i in order]
-        rows_of = dict(zip(order, _matrices(flat, shapes)))
+        rows_of = dict(zip(order, flat if isinstance(flat, list) else _matrices(flat, shapes)))
         self._pool_here(rows_of, sent.pooled_here)  # 7.
         return rows_of
 
@@ -647,11 +650,12 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         total = sum(b[k] * w for b in sizes[0] for k, w in enumerate(width))
         return torch.zeros(total, dtype=self._wire, device=self._device)
 
-    def _rows_back(self, step, flat_send, failure, pairs, sends, by_rank, bags, fold: bool) -> torch.Tensor:
+    def _rows_back(self, step, flat_send, failure, pairs, sends, by_rank, bags, fold: bool):
         """Phase 6: rows back: per source, its bags of every pair this rank owns (the kernels'
         outputs as they are), and the owners' status (``fold``: after each owner's rows in the same
-        all-to-all; else in one of its own): a lookup that failed on one rank fails on every rank.
-        Returns the rows this rank asked for, flat, owner by owner."""
+        all-to-all; else in one of its own, or in the shared-memory meeting): a lookup that failed
+        on one rank fails on every rank. Returns the rows this rank asked for, owner by owner: flat,
+        or (through shared memory) one matrix per pair."""
         world = self.world_size
         width = [pairs[i].width for i in by_rank[self.rank]]
         send_splits = [sum(b[k] * w for k, w in enumerate(width)) for b in bags]
@@ -666,13 +670,17 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
             flat, statuses = flat_send, [status]
         elif fold:
             flat, statuses = fold_status(flat_send, send_splits, recv_splits, status, self._group)
+        elif self._shared() is not None:  # (every rank takes this branch: the headers' counts chose it)
+            shapes = [[(sends[i].lengths.numel(), pairs[i].width) for i in by_rank[r]] for r in range(world)]
+            got, *flat = SharedRowsExchange.apply(flat_send, send_splits, recv_splits, shapes, self._shm, status)
+            statuses = got.tolist()
         else:
             flat = RowsExchange.apply(flat_send, send_splits, recv_splits, self._group)
             mine_ok = torch.full((world,), status, dtype=torch.float32, device=self._device)
             statuses = exchange(mine_ok, [1] * world, [1] * world, self._group).tolist()
         if failure is not None:
             raise failure
-        flat = flat.to(self._wire)
+        flat = [m.to(self._wire) for m in flat] if isinstance(flat, list) else flat.to(self._wire)
         bad = [r for r, x in enumerate(statuses) if x != 1.0]
         if bad:
             why = "; ".join(f"rank {r}: {health.told(f'{step}/{r}/lookup') or 'its error names it'}" for r in bad)
@@ -680,6 +688,15 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
                 f"the lookup failed on rank(s) {', '.join(map(str, bad))} ({why}); no row was changed"
             )
         return flat
+
+    def _shared(self) -> shm.Transport | None:
+        """The rows' shared-memory transport (:mod:`~hybridembed.distributed.shm`), opened by the
+        first large exchange (collective: every rank makes it at the same exchange); None where the
+        ranks cannot share memory or it is turned off."""
+        if not self._shm_tried:
+            self._shm_tried = True
+            self._shm = shm.Transport.open(self._group, self._device)
+        return self._shm
 
     @staticmethod
     def _pool_here(rows_of: dict[int, torch.Tensor], pooled_here: dict[int, tuple]) -> None:

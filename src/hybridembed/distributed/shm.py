@@ -1,0 +1,320 @@
+"""The rows' all-to-all through shared memory, for ranks of one machine on gloo.
+
+Gloo moves an all-to-all between processes of one machine through loopback sockets: the sender's
+bytes are copied into the kernel and out again, by gloo's threads, on the cores the ranks compute
+on. Here each rank writes what it sends into a file of ``/dev/shm`` it owns, the ranks meet in a
+one-element gloo all-gather (which also carries each rank's status), and each copies what is its
+own straight out of the others' files: one copy each way, no socket. World 2 on the 2-core
+machine of ``docs/benchmarks.md``: a 27 MB all-to-all 17.6-18.7 ms through gloo, 9.0-12.2 ms so.
+
+Used by the sharded runtime's rows exchange (forward rows, backward gradients) when every rank of
+its group is a process of this machine (same boot, each maps the others' files: checked once, at
+the first such exchange), its tensors are on the CPU and its backend is gloo, and the exchange is
+large (more than :data:`~hybridembed.distributed.exchange.FOLD_ROWS` row elements for some rank;
+smaller ones fold the owners' status into one gloo all-to-all); ``HYBRIDEMBED_SHM=0`` turns it
+off. Every rank takes the same path for every exchange: the choice is made from what every rank
+knows (the headers' row counts).
+
+Files: two per rank (one for each parity of the calls: a rank writes call n + 1 while a slower
+peer may still read call n), grown when a call needs more, their pages reserved when made (a full
+``/dev/shm``, as a container's small default, fails there and not with SIGBUS at a write: every
+rank then sends through gloo from that exchange on, told by the meeting, with one warning), named
+``hybridembed-<pid>-<job>-<rank>-<parity>-<generation>``; a file's name is removed as soon as every
+peer has mapped it (the call after it first carried data), so a killed job leaves at most the files
+of its last growth, and those of processes that no longer run are removed (a minute on) when a
+transport opens. A peer that died or hangs fails the all-gather as it would fail gloo's
+all-to-all (:class:`~hybridembed.RankLost` naming it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..errors import HybridEmbedError
+from ..utils import get_logger
+from . import health
+
+__all__ = ["Transport", "ENV"]
+
+_log = get_logger(__name__)
+
+ENV = "HYBRIDEMBED_SHM"  # "0": never (every exchange through gloo)
+DIR = "/dev/shm"
+_CONTROL = 4  # int64s per (parity, peer) in a rank's control file: generation, offset, bytes, call
+_NAME = re.compile(r"hybridembed-(\d+)-[0-9a-f]+-\d+-(?:[01]-\d+|c)")
+_STALE = 60.0  # seconds: a file younger than this is never swept (a process of another PID namespace may run)
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _sweep() -> None:
+    """Removes the files of processes that no longer run (a job killed mid-growth)."""
+    try:
+        names = os.listdir(DIR)
+    except OSError:
+        return
+    uid = os.getuid()
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join(DIR, name)
+        try:
+            st = os.stat(path)
+            if st.st_uid != uid or time.time() - st.st_mtime < _STALE:
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except OSError:
+            continue
+
+
+def _unlink(names: list[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+
+
+def _control_bytes(world: int) -> int:
+    return 2 * world * _CONTROL * 8
+
+
+def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
+    """A (nbytes,) uint8 tensor over the file at ``path`` (made, of that size, when ``create``)."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:  # (its pages reserved now: a full /dev/shm fails here, not with SIGBUS at a write)
+            os.posix_fallocate(fd, 0, nbytes)
+        elif os.fstat(fd).st_size < nbytes:
+            raise OSError(f"{path}: {os.fstat(fd).st_size} bytes, expected {nbytes}")
+        buf = mmap.mmap(fd, nbytes)
+    except OSError:
+        if create:
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _copy_pieces(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
+    """The elements of ``src``'s pieces, in order, into ``dst``'s pieces, in order (one side is one
+    flat piece, or both are the same pieces)."""
+    if len(src) == 1 and src[0].dim() == 1:
+        k, flat = 0, src[0]
+        for d in dst:
+            d.copy_(flat[k : k + d.numel()].view(d.shape))
+            k += d.numel()
+    elif len(dst) == 1 and dst[0].dim() == 1:
+        k, flat = 0, dst[0]
+        for x in src:
+            flat[k : k + x.numel()].view(x.shape).copy_(x)
+            k += x.numel()
+    else:
+        for x, d in zip(src, dst, strict=True):
+            d.copy_(x)
+
+
+class Transport:
+    """Shared-memory all-to-all over the ranks of ``group`` (all on this machine): see the module.
+
+    Make it with :meth:`open` (collective: every rank of ``group`` calls it); ``None`` where the
+    ranks cannot share memory. :meth:`all_to_all` is collective too, and every rank must choose it
+    for the same calls."""
+
+    def __init__(self, group, rank: int, world: int, prefixes: list[str], control: list[torch.Tensor]) -> None:
+        self.group, self.rank, self.world = group, rank, world
+        self.prefixes, self.control = prefixes, control  # every rank's names; its control file, mapped
+        self.calls = 0
+        self._mine: list[tuple[int, torch.Tensor | None]] = [(0, None), (0, None)]  # per parity: (gen, data)
+        self._theirs: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (peer, parity) -> (gen, data)
+        self._unlink: list[str] = []  # names every peer will have mapped once the next meeting is passed
+        self._fresh: list[str] = []
+        self.broken = False  # some rank's shared memory failed (every rank knows): gloo from then on
+        self._why: OSError | None = None
+
+    @classmethod
+    def open(cls, group, device: torch.device) -> Transport | None:
+        """Collective over ``group``: a transport when every rank is a process of this machine on
+        gloo with CPU tensors and sees the others' files; ``None`` otherwise (exchanges stay on gloo)."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        ok = (
+            world > 1
+            and os.environ.get(ENV, "1") != "0"
+            and torch.device(device).type == "cpu"
+            and dist.get_backend(group) == "gloo"
+            and os.path.isdir(DIR)
+            and os.access(DIR, os.W_OK)
+        )
+        prefix, own, control = f"hybridembed-{os.getpid()}-{secrets.token_hex(6)}", None, None
+        if ok:
+            _sweep()
+            try:
+                own = os.path.join(DIR, f"{prefix}-{rank}-c")
+                control = _map(own, _control_bytes(world), True)
+                control.view(torch.int64).fill_(-1)
+            except OSError:
+                ok, own = False, None
+        key = (socket.gethostname(), _boot_id(), prefix if ok else None)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, key, group=group)
+        ok = all(k[2] is not None and k[:2] == key[:2] for k in everyone)
+        seen, maps = True, []
+        if ok:
+            try:  # each peer's control file, by the name its owner made
+                maps = [
+                    control.view(torch.int64)
+                    if r == rank
+                    else _map(os.path.join(DIR, f"{everyone[r][2]}-{r}-c"), _control_bytes(world), False).view(
+                        torch.int64
+                    )
+                    for r in range(world)
+                ]
+            except OSError:
+                seen = False
+        verdict: list = [None] * world
+        dist.all_gather_object(verdict, ok and seen, group=group)
+        if own is not None:  # (every peer has mapped it, or will not use it)
+            os.unlink(own)
+        if not all(verdict):
+            return None
+        return cls(group, rank, world, [k[2] for k in everyone], maps)
+
+    def close(self) -> None:
+        """Removes this rank's files that still have names (mappings end with their last tensor)."""
+        _unlink(self._unlink)
+        self._unlink = []
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _segment(self, parity: int, nbytes: int) -> torch.Tensor:
+        gen, data = self._mine[parity]
+        if data is None or data.numel() < nbytes:
+            gen += 1
+            path = os.path.join(DIR, f"{self.prefixes[self.rank]}-{self.rank}-{parity}-{gen}")
+            data = _map(path, max(nbytes + (nbytes >> 3), 1 << 20), True)
+            self._mine[parity] = (gen, data)
+            self._fresh.append(path)
+        return data
+
+    def all_to_all(self, out, t, recv_splits, send_splits, status: float = 1.0) -> list[float]:
+        """``all_to_all_single(out, t, recv_splits, send_splits)`` through shared memory; returns every
+        rank's ``status`` (the meeting's payload). ``t`` may also be, per rank, a list of tensors
+        (any shapes and strides) that are its piece in order, and ``out``, per rank, a list of
+        tensors to fill in order (not both): each element is then copied once, straight where it goes."""
+        parity, self.calls = self.calls & 1, self.calls + 1
+        self._fresh = []
+        sends = t.split(list(send_splits)) if isinstance(t, torch.Tensor) else None
+        recvs = out.split(list(recv_splits)) if isinstance(out, torch.Tensor) else None
+        src = [[x] for x in sends] if sends is not None else t
+        dst = [[x] for x in recvs] if recvs is not None else out
+        dtype = t.dtype if sends is not None else out.dtype  # (one side is flat)
+        item = t.element_size() if sends is not None else out.element_size()
+        need = sum(n for r, n in enumerate(send_splits) if r != self.rank) * item
+        data = None
+        if not self.broken:
+            try:
+                data = self._segment(parity, need)
+            except OSError as e:  # (/dev/shm full: every rank goes through gloo from now on, below)
+                self._why = e
+        if data is not None:
+            gen = self._mine[parity][0]
+            ctl = self.control[self.rank].view(2, self.world, _CONTROL)[parity]
+            at = 0
+            for r in range(self.world):
+                if r == self.rank:
+                    _copy_pieces(src[r], dst[r])
+                    continue
+                start = at
+                for x in src[r]:
+                    n = x.numel() * item
+                    data[at : at + n].view(x.dtype).view(x.shape).copy_(x)
+                    at += n
+                if at - start != send_splits[r] * item:
+                    raise ValueError(
+                        f"rank {self.rank}: {(at - start) // item} elements for rank {r}, split {send_splits[r]}"
+                    )
+                ctl[r] = torch.tensor([gen, start, at - start, self.calls])
+        statuses, broken = self._meet(status, data is None)
+        _unlink(self._unlink)  # (every peer has read the call that first used them: mapped)
+        self._unlink = self._fresh
+        if broken:
+            if not self.broken:
+                self.broken = True
+                _log.warning(
+                    "the embedding exchange's shared memory failed on rank(s) %s (this rank: %s); the rows go "
+                    "through gloo from now on (a container's /dev/shm may be small: docker --shm-size)",
+                    ", ".join(map(str, broken)),
+                    self._why or "fine",
+                )
+            self.close()  # (no peer reads this rank's files any more)
+            self._mine, self._theirs = [(0, None), (0, None)], {}
+            self._gloo(out, t, src, dst, recv_splits, send_splits)
+            return statuses
+        for q in range(self.world):
+            if q == self.rank:
+                continue
+            g, off, n, call = self.control[q].view(2, self.world, _CONTROL)[parity][self.rank].tolist()
+            want = recv_splits[q] * item
+            if call != self.calls or n != want:
+                raise HybridEmbedError(
+                    f"rank {self.rank}: the shared-memory exchange with rank {q} is out of step (call {call} "
+                    f"sending {n} bytes, expected call {self.calls} of {want} bytes)"
+                )
+            have = self._theirs.get((q, parity))
+            if have is None or have[0] != g:
+                path = os.path.join(DIR, f"{self.prefixes[q]}-{q}-{parity}-{g}")
+                have = (g, _map(path, os.stat(path).st_size, False))
+                self._theirs[(q, parity)] = have
+            if n:
+                _copy_pieces([have[1][off : off + n].view(dtype)], dst[q])
+        return statuses
+
+    def _meet(self, status: float, failed: bool) -> tuple[list[float], list[int]]:
+        """The ranks' meeting: after it every rank's writes of this call are done (and each peer has
+        read the call before it); its payload is every rank's ``status`` and whether its shared
+        memory failed. Returns (the statuses, the ranks whose shared memory failed)."""
+        mine = torch.tensor([status, float(failed or self.broken)], dtype=torch.float32)
+        got = [torch.empty(2, dtype=torch.float32) for _ in range(self.world)]
+        try:
+            dist.all_gather(got, mine, group=self.group)
+        except RuntimeError as e:
+            peers = [r for r in range(self.world) if r != self.rank]
+            raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, self.group) from None
+        rows = torch.stack(got).tolist()
+        return [s for s, _ in rows], [r for r, (_, f) in enumerate(rows) if f]
+
+    def _gloo(self, out, t, src, dst, recv_splits, send_splits) -> None:
+        """This call through gloo's all-to-all (every rank's shared memory given up)."""
+        flat_t = t.contiguous() if isinstance(t, torch.Tensor) else torch.cat([x.reshape(-1) for p in src for x in p])
+        flat_out = out if isinstance(out, torch.Tensor) else flat_t.new_empty(sum(recv_splits))
+        try:
+            dist.all_to_all_single(flat_out, flat_t, list(recv_splits), list(send_splits), group=self.group)
+        except RuntimeError as e:
+            peers = [r for r in range(self.world) if r != self.rank]
+            raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, self.group) from None
+        if not isinstance(out, torch.Tensor):
+            for piece, d in zip(flat_out.split(list(recv_splits)), dst):
+                _copy_pieces([piece], d)

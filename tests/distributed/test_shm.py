@@ -1,0 +1,116 @@
+"""The rows' all-to-all through shared memory (``hybridembed.distributed.shm``) delivers what gloo's
+``all_to_all_single`` delivers, call after call, through growing, shrinking and empty calls, every
+dtype the wire carries, and leaves no file behind; it is refused where ranks cannot share memory."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybridembed.distributed import shm
+from hybridembed.launch import spawn
+
+# per call, the elements rank s sends rank d: SIZES[call][s][d] (world 3)
+SIZES = [
+    [[5, 7, 0], [3, 3, 3], [1, 0, 9]],
+    [[300_000, 7, 1], [3, 200_000, 3], [1, 0, 9]],  # grows past the first files
+    [[4, 7, 0], [3, 2, 3], [1, 0, 10]],  # shrinks: the grown files are kept
+    [[0, 0, 0], [0, 0, 0], [0, 0, 0]],  # nothing at all
+    [[900_000, 1, 900_000], [2, 2, 2], [700_000, 700_000, 1]],  # grows again, both parities
+    [[6, 6, 6], [6, 6, 6], [6, 6, 6]],
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float32, torch.int64, torch.float16, torch.float32]
+
+
+def _data(call: int, src: int, dst: int, n: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * call + 10 * src + dst)
+    return (torch.randn(n, generator=g) * 100).to(dtype)
+
+
+def _calls(rank: int, world: int, full_at: int | None = None) -> dict:
+    """Every call of SIZES through a transport against gloo's all-to-all; ``full_at``: from that call
+    on, rank 0 cannot make a file (its /dev/shm full: at call 4 it grows one)."""
+    group = dist.group.WORLD
+    t = shm.Transport.open(group, torch.device("cpu"))
+    assert t is not None
+    real, statuses, broken = shm._map, [], []
+    for call, (sizes, dtype) in enumerate(zip(SIZES, DTYPES)):
+        if full_at is not None and call == full_at and rank == 0:
+
+            def full(path, nbytes, create):
+                if create:
+                    raise OSError(28, "No space left on device", path)
+                return real(path, nbytes, create)
+
+            shm._map = full
+        send_splits = sizes[rank]
+        recv_splits = [sizes[s][rank] for s in range(world)]
+        pieces = [_data(call, rank, d, n, dtype) for d, n in enumerate(send_splits)]
+        send = torch.cat(pieces)
+        ref = send.new_empty(sum(recv_splits))
+        dist.all_to_all_single(ref, send, recv_splits, send_splits)
+        if call % 2:  # received into one matrix per source (flat pieces sent)
+            out = [[send.new_full((n // 2, 2) if n % 2 == 0 else (n,), 7)] for n in recv_splits]
+            statuses.append(t.all_to_all(out, send, recv_splits, send_splits, status=float(rank + call)))
+            out = torch.cat([m.reshape(-1) for p in out for m in p])
+        else:  # sent from strided matrices, received flat
+            mats = []
+            for p in pieces:  # (each an (n, 1) view of every other element of a buffer)
+                buf = torch.zeros(p.numel(), 2, dtype=p.dtype)
+                buf[:, 0] = p
+                mats.append(buf[:, :1])
+            out = send.new_full((sum(recv_splits),), 7)
+            statuses.append(t.all_to_all(out, [[m] for m in mats], recv_splits, send_splits, status=float(rank + call)))
+        assert torch.equal(out, ref), (call, rank)
+        expected = torch.cat([_data(call, s, rank, sizes[s][rank], dtype) for s in range(world)])
+        assert torch.equal(out, expected), (call, rank)
+        broken.append(t.broken)
+    shm._map = real
+    prefix = t.prefixes[rank]
+    t.close()
+    dist.barrier()
+    left = [n for n in os.listdir(shm.DIR) if n.startswith(prefix)]
+    return {"statuses": statuses, "left": left, "broken": broken}
+
+
+@pytest.mark.skipif(not os.access(shm.DIR, os.W_OK), reason="no writable /dev/shm")
+@pytest.mark.parametrize("full_at", [None, 4], ids=["shared", "dev-shm-full-on-one-rank"])
+def test_the_shared_memory_all_to_all_equals_gloos_and_leaves_no_file(full_at):
+    res = spawn(_calls, 3, full_at, timeout=120)
+    for r in res:
+        assert r["statuses"] == [[float(s + c) for s in range(3)] for c in range(len(SIZES))]
+        assert r["left"] == []
+        # a rank that cannot grow its file: every rank goes through gloo from that call on
+        assert r["broken"] == [full_at is not None and c >= full_at for c in range(len(SIZES))]
+
+
+def _refused(rank: int, world: int) -> bool:
+    os.environ[shm.ENV] = "0" if rank == 1 else "1"  # one rank turned it off: nobody uses it
+    return shm.Transport.open(dist.group.WORLD, torch.device("cpu")) is None
+
+
+def test_one_rank_that_cannot_share_turns_it_off_for_every_rank():
+    assert spawn(_refused, 2, timeout=60) == [True, True]
+
+
+def test_files_of_processes_that_no_longer_run_are_swept_a_minute_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm, "DIR", str(tmp_path))
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    stale = tmp_path / f"hybridembed-{dead}-abcdef-0-1-3"
+    stale_control = tmp_path / f"hybridembed-{dead}-abcdef-1-c"
+    young = tmp_path / f"hybridembed-{dead}-abcdef-0-0-1"  # (perhaps a process of another PID namespace)
+    alive = tmp_path / f"hybridembed-{os.getpid()}-abcdef-0-0-1"
+    other = tmp_path / "hybridembed-notes.txt"
+    for p in (stale, stale_control, young, alive, other):
+        p.write_bytes(b"x")
+    for p in (stale, stale_control, alive, other):
+        os.utime(p, (time.time() - 120, time.time() - 120))
+    shm._sweep()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([young.name, alive.name, other.name])
