@@ -206,18 +206,42 @@ class RowsExchange(torch.autograd.Function):
         return out, None, None, None
 
 
+def _pieces_of(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """``flat``'s consecutive (n, width) pieces, not views for autograd (as ``unsafe_split``'s):
+    each run of one width split from one (-1, width) view of it."""
+    out: list[torch.Tensor] = []
+    at, i = 0, 0
+    while i < len(shapes):
+        w, j = shapes[i][1], i
+        while j < len(shapes) and shapes[j][1] == w:
+            j += 1
+        run = [n for n, _ in shapes[i:j]]
+        size = sum(run) * w
+        if w:
+            out.extend(torch.unsafe_split_with_sizes(flat[at : at + size].view(-1, w), run))
+        else:
+            out.extend(flat.new_empty(n, 0) for n in run)
+        at, i = at + size, j
+    return out
+
+
 class SharedRowsExchange(torch.autograd.Function):
     """:class:`RowsExchange` through a shared-memory :class:`~hybridembed.distributed.shm.Transport`,
     straight into and out of the requester's matrices: ``shapes[r]`` lists the (bags, width) of
     the pieces source ``r`` sends here, in order. Returns (every rank's ``status``, the meeting's
-    payload, as a (W,) tensor; then one (bags, width) matrix per piece, source by source), each
-    received element copied once into its own matrix, and in the backward each gradient element
-    copied once from the model's (strided) gradients to where it goes: no flat buffer to join."""
+    payload, as a (W,) tensor; then one (bags, width) matrix per piece, source by source): the
+    other ranks' rows copied once, each into its matrix, this rank's own the owner's output as it
+    is (not views for autograd, as ``unsafe_split``'s: the owner never reads its output again);
+    in the backward each gradient element copied once from the model's (strided) gradients to
+    where it goes: no flat buffer is joined."""
 
     @staticmethod
     def forward(ctx, send, send_splits, recv_splits, shapes, transport, status):
-        mats = [[send.new_empty(n, w) for n, w in src] for src in shapes]
+        me = transport.rank
+        mats = [[send.new_empty(n, w) for n, w in src] if r != me else None for r, src in enumerate(shapes)]
         statuses = torch.tensor(transport.all_to_all(mats, send, recv_splits, send_splits, status))
+        at = sum(send_splits[:me])
+        mats[me] = _pieces_of(send.detach()[at : at + send_splits[me]], shapes[me])
         ctx.splits, ctx.transport, ctx.counts = (send_splits, recv_splits), transport, [len(m) for m in mats]
         ctx.like = (send.dtype, send.device)
         ctx.mark_non_differentiable(statuses)

@@ -86,7 +86,8 @@ def _matrices(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.T
             runs.append([(n, w)])
     sizes = [sum(n * w for n, w in run) for run in runs]
     for run, piece in zip(runs, flat.split(sizes) if len(runs) > 1 else [flat]):
-        out.extend(piece.view(-1, run[0][1]).split([n for n, _ in run]))
+        # (not views for autograd, as unsafe_split's: a model may change its lookups' outputs in place)
+        out.extend(torch.unsafe_split_with_sizes(piece.view(-1, run[0][1]), [n for n, _ in run]))
     return out
 
 

@@ -223,7 +223,8 @@ class Transport:
         """``all_to_all_single(out, t, recv_splits, send_splits)`` through shared memory; returns every
         rank's ``status`` (the meeting's payload). ``t`` may also be, per rank, a list of tensors
         (any shapes and strides) that are its piece in order, and ``out``, per rank, a list of
-        tensors to fill in order (not both): each element is then copied once, straight where it goes."""
+        tensors to fill in order (not both): each element is then copied once, straight where it goes
+        (``out[rank]`` None: this rank's own part is not copied)."""
         parity, self.calls = self.calls & 1, self.calls + 1
         self._fresh = []
         sends = t.split(list(send_splits)) if isinstance(t, torch.Tensor) else None
@@ -245,7 +246,8 @@ class Transport:
             at = 0
             for r in range(self.world):
                 if r == self.rank:
-                    _copy_pieces(src[r], dst[r])
+                    if dst[r] is not None:  # (None: the caller takes its own part itself)
+                        _copy_pieces(src[r], dst[r])
                     continue
                 start = at
                 for x in src[r]:
@@ -317,4 +319,5 @@ class Transport:
             raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, self.group) from None
         if not isinstance(out, torch.Tensor):
             for piece, d in zip(flat_out.split(list(recv_splits)), dst):
-                _copy_pieces([piece], d)
+                if d is not None:
+                    _copy_pieces([piece], d)
