@@ -162,7 +162,8 @@ def make_batches(rank: int, batch: int, rows: int, seed: int = 0) -> list[tuple[
 # --- counting the exchanges -----------------------------------------------------------------
 class Counter:
     """Wraps ``torch.distributed.all_to_all_single`` and ``all_reduce`` (as the runtime and
-    TorchRec call them, through the module) to count bytes and, on request, time each call."""
+    TorchRec call them, through the module), and the rows' shared-memory all-to-all of ranks of one
+    machine, to count bytes and, on request, time each call."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -206,13 +207,29 @@ class Counter:
             self.calls.append(rec)
             return out
 
+        through = self._through = shm.Transport.all_to_all
+
+        def shared(tr, out, t, recv_splits, send_splits, status=1.0):  # (the rows of ranks of one machine)
+            flat = t if isinstance(t, torch.Tensor) else out
+            size = flat.element_size()
+            rec = {"op": "all_to_all_single", "phase": self.phase, "dtype": str(flat.dtype), "shared": True}
+            rec["bytes"] = sum(send_splits) * size
+            rec["off_rank_bytes"] = (sum(send_splits) - send_splits[tr.rank]) * size
+            t0 = time.perf_counter()
+            res = through(tr, out, t, recv_splits, send_splits, status)
+            rec["ms"] = (time.perf_counter() - t0) * 1e3
+            self.calls.append(rec)
+            return res
+
         dist.all_to_all_single = all_to_all_single
         dist.all_reduce = all_reduce
+        shm.Transport.all_to_all = shared
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for k, v in self._saved.items():
             setattr(dist, k, v)
+        shm.Transport.all_to_all = self._through
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"calls": len(self.calls)}

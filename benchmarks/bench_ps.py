@@ -63,7 +63,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.bench.system import cpu_busy, machine
-from hybridembed.distributed import Plan, shard_table
+from hybridembed.distributed import Plan, shard_table, shm
 from hybridembed.launch import SpawnError, spawn
 from hybridembed.ps import PSCollection
 from hybridembed.synthetic import powerlaw_ids
@@ -123,7 +123,8 @@ def cpu_seconds(pid: int) -> float:
 
 class A2ACounter:
     """Counts the bytes this rank sends to / receives from other ranks through
-    ``torch.distributed.all_to_all_single`` (as the collective runtime calls it)."""
+    ``torch.distributed.all_to_all_single`` (as the collective runtime calls it) and through the
+    rows' shared memory (:mod:`hybridembed.distributed.shm`, ranks of one machine)."""
 
     def __init__(self) -> None:
         self.sent = self.received = self.calls = 0
@@ -140,11 +141,22 @@ class A2ACounter:
             self.calls += 1
             return a2a(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
+        self._shm = through = shm.Transport.all_to_all
+
+        def shared(tr, out, t, recv_splits, send_splits, status=1.0):
+            size = (t if isinstance(t, torch.Tensor) else out).element_size()
+            self.sent += (sum(send_splits) - send_splits[tr.rank]) * size
+            self.received += (sum(recv_splits) - recv_splits[tr.rank]) * size
+            self.calls += 1
+            return through(tr, out, t, recv_splits, send_splits, status)
+
         dist.all_to_all_single = wrapped
+        shm.Transport.all_to_all = shared
         return self
 
     def __exit__(self, *exc: Any) -> None:
         dist.all_to_all_single = self._a2a
+        shm.Transport.all_to_all = self._shm
 
 
 def _top(prof: cProfile.Profile, n: int, key: str, dump: str | None = None) -> list[str]:
