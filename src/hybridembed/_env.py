@@ -15,6 +15,10 @@
 ``HYBRIDEMBED_CLIP_GRAD_NORM=0``
     do not make ``torch.nn.utils.clip_grad_norm_`` route calls that hold a table (or a sparse
     gradient) to :func:`hybridembed.clip_grad_norm_` (on by default, from the import).
+``HYBRIDEMBED_SHM=0``
+    the sharded runtime's rows exchange between ranks of one machine stays on gloo's all-to-all
+    (by default, large ones go through shared memory in ``/dev/shm``; see
+    :mod:`hybridembed.distributed.shm`). Read when a collection's first large exchange runs.
 ``HYBRIDEMBED_KERNELS``
     the kernel backend of collections built with ``kernels="auto"`` (the default): ``eager``
     (PyTorch ops), ``triton`` (Triton kernels on CUDA, and on the CPU under

@@ -77,8 +77,9 @@ def test_bad_input_on_one_rank_fails_the_step_on_every_rank_and_a_skipping_loop_
 
 
 @pytest.mark.parametrize(
-    "fault,shared", [("stop", "0"), ("raise", "0"), ("kill", "1"), ("stop", "1")]
-)  # (a killed rank fails gloo's exchange the same way, at once: tests/ps/test_trainer_faults.py kills)
+    "fault,shared", [("stop", "0"), ("raise", "0"), ("kill", "1")]
+)  # (a rank killed in gloo's exchange fails it the same way, at once: tests/ps/test_trainer_faults.py kills;
+#     "1": every rows' exchange through shared memory, whose meeting is a gloo collective as any other)
 def test_a_lost_sharded_rank_is_named_by_every_survivor_within_the_timeout(fault, shared):
     timeout = 4.0
     env = {"JOB_TIMEOUT": str(timeout), "JOB_STEPS": "4", "JOB_DDP": "0", "JOB_SHARED": shared}

@@ -116,35 +116,40 @@ def test_files_of_processes_that_no_longer_run_are_swept_a_minute_on(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([young.name, alive.name, other.name])
 
 
-def _in_place_job(rank: int, world: int, shared: bool) -> dict:
-    """Every rows' exchange large enough for shared memory (allowed or not); the model changes its
-    lookups' outputs in place (this rank's own rows are the owner's kernel output, not copied)."""
+def _in_place_job(rank: int, world: int) -> dict:
+    """Every rows' exchange large enough for shared memory, through it and through gloo (the choice
+    is read when a collection's first large exchange runs); the model changes its lookups' outputs
+    in place (this rank's own rows are the owner's kernel output, not copied)."""
     import hybridembed as he
     from hybridembed.distributed import Plan, ShardedCollection, runtime, shard_table
 
     runtime.FOLD_ROWS = 0
-    os.environ[shm.ENV] = "1" if shared else "0"
     tables = [he.TableConfig("a", 40, 8), he.TableConfig("b", 30, 4), he.TableConfig("c", 50, 8)]
     plan = Plan(world, (shard_table(tables[0], "table_wise", (0,)), shard_table(tables[1], "table_wise", (1,)),
                         shard_table(tables[2], "row_wise", (0, 1))))  # fmt: skip
-    ec = ShardedCollection(tables, plan=plan, seed=2)
-    opt = he.wrap_optimizer(torch.optim.Adagrad(ec.parameters(), lr=0.3), ec)
-    outs = []
-    for step in range(3):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        out = ec({t.name: torch.randint(0, t.num_embeddings, (6, 2), generator=g) for t in tables})
-        for x in out.values():
-            x.mul_(3).add_(0.5)  # (in place, after the exchange)
-        outs.append({k: v.detach().clone() for k, v in out.items()})
-        opt.zero_grad()
-        sum((v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum() for v in out.values()).backward()
-        opt.step()
-    return {"outs": outs, "tables": {t.name: ec.gather_table(t.name) for t in tables}, "shared": ec._shm is not None}
+    res = {}
+    for shared in (False, True):
+        os.environ[shm.ENV] = "1" if shared else "0"
+        ec = ShardedCollection(tables, plan=plan, seed=2)
+        opt = he.wrap_optimizer(torch.optim.Adagrad(ec.parameters(), lr=0.3), ec)
+        outs = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            out = ec({t.name: torch.randint(0, t.num_embeddings, (6, 2), generator=g) for t in tables})
+            for x in out.values():
+                x.mul_(3).add_(0.5)  # (in place, after the exchange)
+            outs.append({k: v.detach().clone() for k, v in out.items()})
+            opt.zero_grad()
+            sum((v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum() for v in out.values()).backward()
+            opt.step()
+        res[shared] = {"outs": outs, "tables": {t.name: ec.gather_table(t.name) for t in tables},
+                       "shared": ec._shm is not None}  # fmt: skip
+    return res
 
 
 def test_outputs_changed_in_place_train_as_through_gloo():
-    gloo, shared = spawn(_in_place_job, 2, False, timeout=120), spawn(_in_place_job, 2, True, timeout=120)
-    for g, s in zip(gloo, shared):
+    for r in spawn(_in_place_job, 2, timeout=120):
+        g, s = r[False], r[True]
         assert s["shared"] and not g["shared"]
         for a, b in zip(g["outs"], s["outs"]):
             assert all(torch.equal(a[k], b[k]) for k in a)

@@ -87,26 +87,28 @@ def test_bf16_wire_rounds_what_crosses_once_and_halves_its_bytes():
             torch.testing.assert_close(got, want, rtol=0, atol=0.5 * 2 * 2**-8 * 4, msg=name)
 
 
-def _job_through(rank: int, world: int, wire: str | None, shared: bool) -> dict:
-    """:func:`_job` with every rows' exchange large enough for shared memory, allowed or not."""
+def _job_through(rank: int, world: int, shared: bool) -> dict:
+    """:func:`_job` with either wire, every rows' exchange large enough for shared memory, allowed
+    or not (one job: the choice is read when each collection's first large exchange runs)."""
     import os
 
     from hybridembed.distributed import runtime, shm
 
     runtime.FOLD_ROWS = 0
     os.environ[shm.ENV] = "1" if shared else "0"
-    return _job(rank, world, wire)
+    return {str(wire): _job(rank, world, wire) for wire in (None, "bf16")}
 
 
-@pytest.mark.parametrize("wire", [None, "bf16"])
-def test_rows_through_shared_memory_equal_gloos_bit_for_bit(wire):
-    gloo = spawn(_job_through, 2, wire, False, timeout=120)
-    shared = spawn(_job_through, 2, wire, True, timeout=120)
-    for g, s in zip(gloo, shared):
-        assert [n for _, n in g["sent"] if n > 8] and not [n for _, n in s["sent"] if n > 8]  # (rows left gloo)
-        for a, b in zip(g["outs"], s["outs"]):
-            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        assert all(torch.equal(g["tables"][k], s["tables"][k]) for k in g["tables"])
+def test_rows_through_shared_memory_equal_gloos_bit_for_bit():
+    gloo = spawn(_job_through, 2, False, timeout=120)
+    shared = spawn(_job_through, 2, True, timeout=120)
+    for g_wires, s_wires in zip(gloo, shared):
+        for wire, g in g_wires.items():
+            s = s_wires[wire]
+            assert [n for _, n in g["sent"] if n > 8] and not [n for _, n in s["sent"] if n > 8]  # (rows left gloo)
+            for a, b in zip(g["outs"], s["outs"]):
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), wire
+            assert all(torch.equal(g["tables"][k], s["tables"][k]) for k in g["tables"]), wire
 
 
 def _refused(rank: int, world: int) -> list[str]:

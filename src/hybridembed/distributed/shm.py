@@ -38,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import _env
 from ..errors import HybridEmbedError
 from ..utils import get_logger
 from . import health
@@ -46,7 +47,7 @@ __all__ = ["Transport", "ENV"]
 
 _log = get_logger(__name__)
 
-ENV = "HYBRIDEMBED_SHM"  # "0": never (every exchange through gloo)
+ENV = _env.PREFIX + "SHM"  # "0": never (every exchange through gloo)
 DIR = "/dev/shm"
 _CONTROL = 4  # int64s per (parity, peer) in a rank's control file: generation, offset, bytes, call
 _NAME = re.compile(r"hybridembed-(\d+)-[0-9a-f]+-\d+-(?:[01]-\d+|c)")
@@ -161,7 +162,7 @@ class Transport:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         ok = (
             world > 1
-            and os.environ.get(ENV, "1") != "0"
+            and _env.flag("SHM", True)
             and torch.device(device).type == "cpu"
             and dist.get_backend(group) == "gloo"
             and os.path.isdir(DIR)
