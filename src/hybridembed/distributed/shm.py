@@ -208,7 +208,10 @@ class Transport:
         self._unlink = []
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - (at interpreter exit, what close needs may be gone)
+            pass
 
     def _segment(self, parity: int, nbytes: int) -> torch.Tensor:
         gen, data = self._mine[parity]
