@@ -221,15 +221,28 @@ class Counter:
             self.calls.append(rec)
             return res
 
+        summed = self._summed = shm.Transport.all_reduce
+
+        def shared_sum(tr, buf):  # (a replicated table's dense buffer, ranks of one machine)
+            rec = {"op": "all_reduce", "phase": self.phase, "dtype": str(buf.dtype), "shared": True}
+            rec["bytes"] = rec["off_rank_bytes"] = buf.numel() * buf.element_size()
+            t0 = time.perf_counter()
+            res = summed(tr, buf)
+            rec["ms"] = (time.perf_counter() - t0) * 1e3
+            self.calls.append(rec)
+            return res
+
         dist.all_to_all_single = all_to_all_single
         dist.all_reduce = all_reduce
         shm.Transport.all_to_all = shared
+        shm.Transport.all_reduce = shared_sum
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for k, v in self._saved.items():
             setattr(dist, k, v)
         shm.Transport.all_to_all = self._through
+        shm.Transport.all_reduce = self._summed
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"calls": len(self.calls)}

@@ -1,6 +1,7 @@
 """Data-parallel (replicated) tables: their row gradients summed over the ranks by the touched
 rows alone (a big table, few rows a step) or by a dense all-reduce (a small table, most rows
-touched), each against one process on the concatenated batches."""
+touched; through gloo, or through shared memory between ranks of one machine), each against one
+process on the concatenated batches."""
 
 from __future__ import annotations
 
@@ -39,10 +40,21 @@ def _train(ec, batch_of, scale: float) -> None:
 
 
 def _job(rank: int, world: int) -> dict:
+    """Both ways of summing the small table: gloo's all-reduce, and (ranks of one machine, the
+    default) shared memory; the choice is read when the collection first needs it."""
+    return {shared: _trained(rank, world, shared) for shared in (False, True)}
+
+
+def _trained(rank: int, world: int, shared: bool) -> dict:
+    import os
+
+    from hybridembed.distributed import shm
+
+    os.environ[shm.ENV] = "1" if shared else "0"
     plan = Plan(world, tuple(shard_table(t, "data_parallel", tuple(range(world))) for t in TABLES))
     ec = ShardedCollection(TABLES, plan=plan, seed=2)
     seen: list[str] = []
-    real_gather, real_reduce = dist.all_gather_single, dist.all_reduce
+    real_gather, real_reduce, real_shared = dist.all_gather_single, dist.all_reduce, shm.Transport.all_reduce
 
     def gather(out, t, *a, **k):
         seen.append(f"all_gather {t.dtype}")
@@ -52,11 +64,15 @@ def _job(rank: int, world: int) -> dict:
         seen.append(f"all_reduce {t.dtype} {tuple(t.shape)}")
         return real_reduce(t, *a, **k)
 
-    dist.all_gather_single, dist.all_reduce = gather, reduce
+    def through(tr, t):
+        seen.append(f"shared all_reduce {t.dtype} {tuple(t.shape)}")
+        return real_shared(tr, t)
+
+    dist.all_gather_single, dist.all_reduce, shm.Transport.all_reduce = gather, reduce, through
     try:
         _train(ec, lambda step: _batch(step, rank), 1.0)  # (mean over ranks: as the whole batch's half)
     finally:
-        dist.all_gather_single, dist.all_reduce = real_gather, real_reduce
+        dist.all_gather_single, dist.all_reduce, shm.Transport.all_reduce = real_gather, real_reduce, real_shared
     return {"seen": seen, "tables": {t.name: ec.gather_table(t.name) for t in TABLES}}
 
 
@@ -64,10 +80,11 @@ def test_replicated_rows_summed_by_touched_rows_or_dense_equal_one_process():
     got = spawn(_job, 2, timeout=120)
     ref = he.EmbeddingCollection(TABLES, seed=2)
     _train(ref, lambda step: _batch(step, None), 0.5)
-    for r in got:
-        for t in TABLES:
-            torch.testing.assert_close(r["tables"][t.name], ref.weight(t.name), rtol=1e-6, atol=1e-7, msg=t.name)
-        # per step: the counts (int64), the big table's touched rows (bytes), the small one's dense buffer
-        assert (
-            r["seen"] == ["all_gather torch.int64", "all_gather torch.uint8", "all_reduce torch.float64 (8, 7)"] * STEPS
-        )
+    for both in got:
+        for shared, r in both.items():
+            for t in TABLES:
+                torch.testing.assert_close(r["tables"][t.name], ref.weight(t.name), rtol=1e-6, atol=1e-7, msg=t.name)
+                assert torch.equal(r["tables"][t.name], both[False]["tables"][t.name])  # (b0 + b1 either way)
+            # per step: the counts (int64), the big table's touched rows (bytes), the small one's dense buffer
+            dense = f"{'shared ' if shared else ''}all_reduce torch.float64 (8, 7)"
+            assert r["seen"] == ["all_gather torch.int64", "all_gather torch.uint8", dense] * STEPS, (shared, r["seen"])

@@ -88,6 +88,33 @@ def test_the_shared_memory_all_to_all_equals_gloos_and_leaves_no_file(full_at):
         assert r["broken"] == [full_at is not None and c >= full_at for c in range(len(SIZES))]
 
 
+def _reduces(rank: int, world: int) -> list[bool]:
+    """Sums through the transport (growing its files, after an all-to-all) against gloo's; every
+    rank's sum the same bits."""
+    t = shm.Transport.open(dist.group.WORLD, torch.device("cpu"))
+    out = []
+    for call, n in enumerate((10, 600_000, 7, 900_000)):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(10 * call + rank), dtype=torch.float64)
+        ref, got = x.clone(), x.clone()
+        dist.all_reduce(ref)
+        t.all_reduce(got)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+        every = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(every, got)
+        out.append(all(torch.equal(e, got) for e in every))
+        if call == 1:  # (an all-to-all between two sums: one count of calls)
+            send = torch.arange(world, dtype=torch.float32)
+            recv = torch.empty(world)
+            t.all_to_all(recv, send, [1] * world, [1] * world)
+            assert recv.tolist() == [float(rank)] * world
+    t.close()
+    return out
+
+
+def test_the_shared_memory_sum_is_every_rank_s_the_same_and_equals_gloos():
+    assert spawn(_reduces, 3, timeout=120) == [[True] * 4] * 3
+
+
 def _refused(rank: int, world: int) -> bool:
     os.environ[shm.ENV] = "0" if rank == 1 else "1"  # one rank turned it off: nobody uses it
     return shm.Transport.open(dist.group.WORLD, torch.device("cpu")) is None

@@ -7,7 +7,8 @@ one-element gloo all-gather (which also carries each rank's status), and each co
 own straight out of the others' files: one copy each way, no socket. World 2 on the 2-core
 machine of ``docs/benchmarks.md``: a 27 MB all-to-all 17.6-18.7 ms through gloo, 9.0-12.2 ms so.
 
-Used by the sharded runtime's rows exchange (forward rows, backward gradients) when every rank of
+Used by the sharded runtime's rows exchange (forward rows, backward gradients) and by the dense
+sum of replicated tables' row gradients (:meth:`Transport.all_reduce`) when every rank of
 its group is a process of this machine (same boot, each maps the others' files: checked once, at
 the first such exchange), its tensors are on the CPU and its backend is gloo, and the exchange is
 large (more than :data:`~hybridembed.distributed.exchange.FOLD_ROWS` row elements for some rank;
@@ -267,36 +268,81 @@ class Transport:
         _unlink(self._unlink)  # (every peer has read the call that first used them: mapped)
         self._unlink = self._fresh
         if broken:
-            if not self.broken:
-                self.broken = True
-                _log.warning(
-                    "the embedding exchange's shared memory failed on rank(s) %s (this rank: %s); the rows go "
-                    "through gloo from now on (a container's /dev/shm may be small: docker --shm-size)",
-                    ", ".join(map(str, broken)),
-                    self._why or "fine",
-                )
-            self.close()  # (no peer reads this rank's files any more)
-            self._mine, self._theirs = [(0, None), (0, None)], {}
+            self._give_up(broken)
             self._gloo(out, t, src, dst, recv_splits, send_splits)
             return statuses
         for q in range(self.world):
-            if q == self.rank:
-                continue
-            g, off, n, call = self.control[q].view(2, self.world, _CONTROL)[parity][self.rank].tolist()
-            want = recv_splits[q] * item
-            if call != self.calls or n != want:
-                raise HybridEmbedError(
-                    f"rank {self.rank}: the shared-memory exchange with rank {q} is out of step (call {call} "
-                    f"sending {n} bytes, expected call {self.calls} of {want} bytes)"
-                )
-            have = self._theirs.get((q, parity))
-            if have is None or have[0] != g:
-                path = os.path.join(DIR, f"{self.prefixes[q]}-{q}-{parity}-{g}")
-                have = (g, _map(path, os.stat(path).st_size, False))
-                self._theirs[(q, parity)] = have
-            if n:
-                _copy_pieces([have[1][off : off + n].view(dtype)], dst[q])
+            if q != self.rank and recv_splits[q]:
+                _copy_pieces([self._peer(q, parity, recv_splits[q] * item).view(dtype)], dst[q])
+            elif q != self.rank:
+                self._peer(q, parity, 0)  # (checked: in step, nothing for this rank)
         return statuses
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        """``all_reduce(buf)`` (a sum) through shared memory: every rank's ``buf`` into its file, the
+        meeting, then each rank adds the others' in rank order (every rank the same sum, bit for bit:
+        at world 2 ``b0 + b1``, as gloo's)."""
+        parity, self.calls = self.calls & 1, self.calls + 1
+        self._fresh = []
+        flat = buf.view(-1)
+        nbytes = flat.numel() * flat.element_size()
+        data = None
+        if not self.broken:
+            try:
+                data = self._segment(parity, nbytes)
+            except OSError as e:
+                self._why = e
+        if data is not None:
+            data[:nbytes].view(flat.dtype).copy_(flat)
+            ctl = self.control[self.rank].view(2, self.world, _CONTROL)[parity]
+            ctl[:] = torch.tensor([self._mine[parity][0], 0, nbytes, self.calls])
+        _, broken = self._meet(1.0, data is None)
+        _unlink(self._unlink)
+        self._unlink = self._fresh
+        if broken:
+            self._give_up(broken)
+            try:
+                dist.all_reduce(buf, group=self.group)
+            except RuntimeError as e:
+                peers = [r for r in range(self.world) if r != self.rank]
+                raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, self.group) from None
+            return
+        terms = [flat if q == self.rank else self._peer(q, parity, nbytes).view(flat.dtype) for q in range(self.world)]
+        if self.world == 2:
+            flat.add_(terms[1 - self.rank])  # (b0 + b1 == b1 + b0, bit for bit)
+            return
+        acc = torch.add(terms[0], terms[1])
+        for term in terms[2:]:
+            acc.add_(term)
+        flat.copy_(acc)
+
+    def _peer(self, q: int, parity: int, want: int) -> torch.Tensor:
+        """The bytes rank ``q`` wrote for this rank in this call (checked against ``want``)."""
+        g, off, n, call = self.control[q].view(2, self.world, _CONTROL)[parity][self.rank].tolist()
+        if call != self.calls or n != want:
+            raise HybridEmbedError(
+                f"rank {self.rank}: the shared-memory exchange with rank {q} is out of step (call {call} "
+                f"sending {n} bytes, expected call {self.calls} of {want} bytes)"
+            )
+        have = self._theirs.get((q, parity))
+        if have is None or have[0] != g:
+            path = os.path.join(DIR, f"{self.prefixes[q]}-{q}-{parity}-{g}")
+            have = (g, _map(path, os.stat(path).st_size, False))
+            self._theirs[(q, parity)] = have
+        return have[1][off : off + n]
+
+    def _give_up(self, broken: list[int]) -> None:
+        """Some rank's shared memory failed (every rank learnt it in the meeting): gloo from now on."""
+        if not self.broken:
+            self.broken = True
+            _log.warning(
+                "the embedding exchange's shared memory failed on rank(s) %s (this rank: %s); the rows go "
+                "through gloo from now on (a container's /dev/shm may be small: docker --shm-size)",
+                ", ".join(map(str, broken)),
+                self._why or "fine",
+            )
+        self.close()  # (no peer reads this rank's files any more)
+        self._mine, self._theirs = [(0, None), (0, None)], {}
 
     def _meet(self, status: float, failed: bool) -> tuple[list[float], list[int]]:
         """The ranks' meeting: after it every rank's writes of this call are done (and each peer has

@@ -28,7 +28,8 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 class ShardedStep(SparseStepHook):
     """The step hook of a sharded collection. Reads the collection's ``local`` (its shards),
-    ``replicated``, ``tables``, routes and process group; holds no state of its own."""
+    ``replicated``, ``tables``, routes, process group and shared-memory transport (``_shared()``);
+    holds no state of its own."""
 
     def needs_rows(self, storage) -> bool:
         """A replicated table's storage (its row gradients are summed over the ranks) and a shard's storage
@@ -132,7 +133,11 @@ class ShardedStep(SparseStepHook):
             ids = pending.ids.to(torch.int64)
             buf[:, :dim].index_copy_(0, ids, pending.rows.to(buf.dtype))
             buf[:, dim].index_fill_(0, ids, 1.0)
-        dist.all_reduce(buf, group=self._group)
+        shared = self._shared() if buf.device.type == "cpu" else None  # (ranks of one machine: see shm)
+        if shared is not None:
+            shared.all_reduce(buf)
+        else:
+            dist.all_reduce(buf, group=self._group)
         touched = buf[:, dim].nonzero().squeeze(1)
         if touched.numel() == 0:
             return None
