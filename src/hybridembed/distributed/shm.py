@@ -304,8 +304,7 @@ class Transport:
             try:
                 dist.all_reduce(buf, group=self.group)
             except RuntimeError as e:
-                peers = [r for r in range(self.world) if r != self.rank]
-                raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, self.group) from None
+                raise self._lost(e) from None
             return
         terms = [flat if q == self.rank else self._peer(q, parity, nbytes).view(flat.dtype) for q in range(self.world)]
         if self.world == 2:
@@ -344,6 +343,12 @@ class Transport:
         self.close()  # (no peer reads this rank's files any more)
         self._mine, self._theirs = [(0, None), (0, None)], {}
 
+    def _lost(self, e: RuntimeError) -> Exception:
+        """A collective of the group failed: :class:`~hybridembed.RankLost` naming the peers that
+        died or stopped (as gloo's all-to-all's failures, :func:`~hybridembed.distributed.exchange.all_to_all`)."""
+        peers = [r for r in range(self.world) if r != self.rank]
+        return health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, self.group)
+
     def _meet(self, status: float, failed: bool) -> tuple[list[float], list[int]]:
         """The ranks' meeting: after it every rank's writes of this call are done (and each peer has
         read the call before it); its payload is every rank's ``status`` and whether its shared
@@ -353,8 +358,7 @@ class Transport:
         try:
             dist.all_gather(got, mine, group=self.group)
         except RuntimeError as e:
-            peers = [r for r in range(self.world) if r != self.rank]
-            raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, self.group) from None
+            raise self._lost(e) from None
         rows = torch.stack(got).tolist()
         return [s for s, _ in rows], [r for r, (_, f) in enumerate(rows) if f]
 
@@ -365,8 +369,7 @@ class Transport:
         try:
             dist.all_to_all_single(flat_out, flat_t, list(recv_splits), list(send_splits), group=self.group)
         except RuntimeError as e:
-            peers = [r for r in range(self.world) if r != self.rank]
-            raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, self.group) from None
+            raise self._lost(e) from None
         if not isinstance(out, torch.Tensor):
             for piece, d in zip(flat_out.split(list(recv_splits)), dst):
                 if d is not None:
