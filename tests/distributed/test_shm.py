@@ -69,6 +69,9 @@ def _calls(rank: int, world: int, full_at: int | None = None) -> dict:
         expected = torch.cat([_data(call, s, rank, sizes[s][rank], dtype) for s in range(world)])
         assert torch.equal(out, expected), (call, rank)
         broken.append(t.broken)
+    summed = torch.full((5,), float(rank))  # (a sum after them: through gloo too once given up)
+    t.all_reduce(summed)
+    assert summed.tolist() == [float(sum(range(world)))] * 5
     shm._map = real
     prefix = t.prefixes[rank]
     t.close()

@@ -34,6 +34,7 @@ __all__ = [
     "exchange",
     "features_digest",
     "headers_and_ints",
+    "lost_peer",
     "MERGE_INTS",
 ]
 
@@ -180,8 +181,14 @@ def all_to_all(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, gro
     try:
         dist.all_to_all_single(out, t, recv_splits, send_splits, group=group)
     except RuntimeError as e:
-        peers = [r for r in range(dist.get_world_size(group)) if r != dist.get_rank(group)]
-        raise health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, group) from None
+        raise lost_peer(e, group) from None
+
+
+def lost_peer(e: RuntimeError, group) -> health.RankLost:
+    """A collective of the exchange's ``group`` failed with ``e``: :class:`RankLost` naming the
+    peers that died, stopped or failed (their heartbeats and notes, :func:`health.lost`)."""
+    peers = [r for r in range(dist.get_world_size(group)) if r != dist.get_rank(group)]
+    return health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, group)
 
 
 class RowsExchange(torch.autograd.Function):

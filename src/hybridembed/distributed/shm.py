@@ -42,7 +42,7 @@ import torch.distributed as dist
 from .. import _env
 from ..errors import HybridEmbedError
 from ..utils import get_logger
-from . import health
+from .exchange import all_to_all, lost_peer
 
 __all__ = ["Transport", "ENV"]
 
@@ -282,16 +282,18 @@ class Transport:
         """``all_reduce(buf)`` (a sum) through shared memory: every rank's ``buf`` into its file, the
         meeting, then each rank adds the others' in rank order (every rank the same sum, bit for bit:
         at world 2 ``b0 + b1``, as gloo's)."""
+        if self.broken:  # (every rank knows since the meeting that said so: no meeting needed)
+            self._sum_through_gloo(buf)
+            return
         parity, self.calls = self.calls & 1, self.calls + 1
         self._fresh = []
         flat = buf.view(-1)
         nbytes = flat.numel() * flat.element_size()
         data = None
-        if not self.broken:
-            try:
-                data = self._segment(parity, nbytes)
-            except OSError as e:
-                self._why = e
+        try:
+            data = self._segment(parity, nbytes)
+        except OSError as e:
+            self._why = e
         if data is not None:
             data[:nbytes].view(flat.dtype).copy_(flat)
             ctl = self.control[self.rank].view(2, self.world, _CONTROL)[parity]
@@ -301,10 +303,7 @@ class Transport:
         self._unlink = self._fresh
         if broken:
             self._give_up(broken)
-            try:
-                dist.all_reduce(buf, group=self.group)
-            except RuntimeError as e:
-                raise self._lost(e) from None
+            self._sum_through_gloo(buf)
             return
         terms = [flat if q == self.rank else self._peer(q, parity, nbytes).view(flat.dtype) for q in range(self.world)]
         if self.world == 2:
@@ -314,6 +313,12 @@ class Transport:
         for term in terms[2:]:
             acc.add_(term)
         flat.copy_(acc)
+
+    def _sum_through_gloo(self, buf: torch.Tensor) -> None:
+        try:
+            dist.all_reduce(buf, group=self.group)
+        except RuntimeError as e:
+            raise lost_peer(e, self.group) from None
 
     def _peer(self, q: int, parity: int, want: int) -> torch.Tensor:
         """The bytes rank ``q`` wrote for this rank in this call (checked against ``want``)."""
@@ -343,12 +348,6 @@ class Transport:
         self.close()  # (no peer reads this rank's files any more)
         self._mine, self._theirs = [(0, None), (0, None)], {}
 
-    def _lost(self, e: RuntimeError) -> Exception:
-        """A collective of the group failed: :class:`~hybridembed.RankLost` naming the peers that
-        died or stopped (as gloo's all-to-all's failures, :func:`~hybridembed.distributed.exchange.all_to_all`)."""
-        peers = [r for r in range(self.world) if r != self.rank]
-        return health.lost(f"rank {dist.get_rank()}: the embedding exchange", peers, e, self.group)
-
     def _meet(self, status: float, failed: bool) -> tuple[list[float], list[int]]:
         """The ranks' meeting: after it every rank's writes of this call are done (and each peer has
         read the call before it); its payload is every rank's ``status`` and whether its shared
@@ -358,7 +357,7 @@ class Transport:
         try:
             dist.all_gather(got, mine, group=self.group)
         except RuntimeError as e:
-            raise self._lost(e) from None
+            raise lost_peer(e, self.group) from None
         rows = torch.stack(got).tolist()
         return [s for s, _ in rows], [r for r, (_, f) in enumerate(rows) if f]
 
@@ -366,10 +365,7 @@ class Transport:
         """This call through gloo's all-to-all (every rank's shared memory given up)."""
         flat_t = t.contiguous() if isinstance(t, torch.Tensor) else torch.cat([x.reshape(-1) for p in src for x in p])
         flat_out = out if isinstance(out, torch.Tensor) else flat_t.new_empty(sum(recv_splits))
-        try:
-            dist.all_to_all_single(flat_out, flat_t, list(recv_splits), list(send_splits), group=self.group)
-        except RuntimeError as e:
-            raise self._lost(e) from None
+        all_to_all(flat_out, flat_t, list(recv_splits), list(send_splits), self.group)
         if not isinstance(out, torch.Tensor):
             for piece, d in zip(flat_out.split(list(recv_splits)), dst):
                 if d is not None:
