@@ -115,6 +115,28 @@ def test_wrong_ids_are_refused_and_change_nothing(world1):
     assert torch.equal(sc.gather_table("a"), before)
 
 
+def test_a_distributed_layer_refuses_wrong_ids_of_one_per_bag_and_changes_nothing(world1):
+    """A converted layer's bags of one id come with the collection's own offsets (checks skipped for
+    them): the ids themselves are still checked, whatever the layer is given."""
+    model = he.distribute(nn.ModuleDict({"e": nn.Embedding(10, 4), "b": nn.EmbeddingBag(10, 4)}), ddp=False)
+    sc = [m for m in model.modules() if isinstance(m, ShardedCollection)][0]
+    before = {t: sc.gather_table(t).clone() for t in sc.tables}
+    for bad, why in (
+        (torch.tensor([1.0, 2.0]), "must be integers"),
+        (torch.tensor([1, 10]), "out of range"),
+        (torch.tensor([-1, 2]), "out of range|>= 0"),
+        (torch.empty(2, dtype=torch.int64, device="meta"), "meta"),
+    ):
+        for name in ("e", "b"):
+            x = bad.reshape(-1, 1) if name == "b" and bad.dim() == 1 else bad
+            with pytest.raises(he.InvalidInputError, match=why):
+                model[name](x).sum().backward()
+    out = model["e"](torch.tensor([1, 2]))  # and good ids still work after
+    assert out.shape == (2, 4)
+    for t, w in before.items():
+        assert torch.equal(sc.gather_table(t), w), t
+
+
 def test_clip_grad_norm_of_a_distributed_model_is_refused(world1):
     model = he.distribute(nn.ModuleDict({"e": nn.EmbeddingBag(10, 4)}), ddp=False)
     with pytest.raises(he.ConfigError, match="this rank's alone"):

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError, InvalidInputError
 from ..input import Jagged, as_feature_inputs, as_jagged, offsets_from_lengths
+from ..input.jagged import _INT_DTYPES
 from ..kernels import bag_scale
 from ..kernels.backend import check_kernels
 from ..modules import EmbeddingCollection
@@ -346,7 +347,17 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         """For the lookup queue: ``ids`` checked now (structure, device), the output dtype and device."""
         if feature not in self.features:
             raise InvalidInputError(f"unknown feature {feature!r}; features: {', '.join(self.features)}", feature)
-        return self._as_input(feature, ids), self.tables[self.features[feature]].compute_dtype, self._device
+        v = ids.values
+        if not (  # ids with this collection's own offsets (a converted layer's one id a bag): the ids alone
+            self._trusted(ids)
+            and ids.weights is None
+            and v.dim() == 1
+            and v.dtype in _INT_DTYPES
+            and v.device == self._device
+            and v.device.type != "meta"
+        ):
+            ids = self._as_input(feature, ids)
+        return ids, self.tables[self.features[feature]].compute_dtype, self._device
 
     def _one_per_bag(self, n: int, device: torch.device) -> torch.Tensor:
         """Offsets ``arange(n + 1)`` of n bags of one id, kept for later calls of the same size
