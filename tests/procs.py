@@ -4,8 +4,10 @@ whole tree (what a test started never outlives it)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+import time
 
 
 def children(pid: int) -> list[int]:
@@ -47,3 +49,26 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def a_forked_child_ends() -> None:
+    """Forks a child that runs the exit handlers as an interpreter ending normally (a data loader's
+    worker, a helper script's fork): they must leave this process's job alone (its groups, files,
+    servers are not the child's) and end at once; raises when the child fails or is still running
+    20 s on (it is then killed)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, status
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"a child forked by pid {os.getpid()} did not end within 20 s of its exit handlers")

@@ -10,6 +10,7 @@ from torch import nn
 import hybridembed as he
 from hybridembed.distributed import Plan, ShardedCollection, shard_table, unwrap
 from hybridembed.launch import spawn
+from tests.procs import a_forked_child_ends
 
 
 class Plain(nn.Module):
@@ -108,9 +109,11 @@ def _distributed(rank: int, world: int, plan_kind: str) -> dict:
     per = N // world
     batches = [_slice(*_batch(s, N), rank * per, (rank + 1) * per) for s in range(STEPS)]
     losses = []
-    for b in batches:
+    for k, b in enumerate(batches):
         losses += _train(model, [b], opt)
         sched.step()
+        if k == 1:  # a child forked mid-job that ends leaves the job alone (its groups and shared files)
+            a_forked_child_ends()
     inner = unwrap(model)
     ec = inner.hybridembed
     assert isinstance(ec, ShardedCollection)

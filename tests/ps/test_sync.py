@@ -17,6 +17,7 @@ from tests.distributed.test_checkpoint import _close, _snapshot
 from tests.distributed.test_distribute import Plain, _slice, _train
 from tests.distributed.test_distribute import _batch as _plain_batch
 from tests.distributed.test_reshard import K, N, Ranker, _optimizer, _reference, _steps, _tables
+from tests.procs import a_forked_child_ends
 
 T = 2  # trainers
 
@@ -52,6 +53,7 @@ def _train_save_train(rank: int, world: int, path: str, servers: int) -> dict:
     ec = unwrap(model).ec
     assert isinstance(ec, PSCollection) and ec.servers == list(range(T, world))
     _steps(model, opt, range(K), rank, T)
+    a_forked_child_ends()  # (the trainer's servers, cache and groups are not the child's)
     he.save(path, model, opt)
     saved = _snapshot(model)
     torch.distributed.barrier(model.process_group)  # (no trainer's next lookup before both have read)

@@ -128,7 +128,7 @@ class _Heartbeat:
     :data:`STORE_WAIT` seconds (:meth:`ask`): a caller never waits longer."""
 
     def __init__(self, store, rank: int):
-        self.rank = rank
+        self.rank, self.pid = rank, os.getpid()
         self.beat_store = dist.PrefixStore(_PREFIX, _clone(store))
         self.store = dist.PrefixStore(_PREFIX, _clone(store))
         self._stop = threading.Event()
@@ -249,6 +249,8 @@ def stop() -> None:
     """Stop this process's heartbeat (its job is ending: the store may go away before the process
     does, and a beat into a closed store makes torch print a warning)."""
     global _beat, _beat_store
+    if _beat is not None and _beat.pid != os.getpid():  # (a forked child ending: the beat is its parent's)
+        return
     with _lock:
         beat, _beat, _beat_store = _beat, None, None
     if beat is not None:
@@ -257,10 +259,12 @@ def stop() -> None:
 
 atexit.register(stop)
 _exit_hook = False
+_exit_pid = 0  # the process whose groups _destroy_at_exit ends (a child forked from it leaves them alone)
 
 
 def _destroy_at_exit_once() -> None:
-    global _exit_hook
+    global _exit_hook, _exit_pid
+    _exit_pid = os.getpid()
     if not _exit_hook:
         _exit_hook = True
         atexit.register(_destroy_at_exit)
@@ -279,6 +283,8 @@ def _destroy_at_exit() -> None:
     pytorch/pytorch#190489): seen about once in 20 jobs whose last line gathered a table, in a
     core dump a worker destroying an all-gather's work. Groups the model still holds (its own,
     DDP's) keep their threads, so destroying the groups alone did not prevent it."""
+    if os.getpid() != _exit_pid:  # (a forked child, a data loader's worker: the groups are its parent's)
+        return
     if _failure is None and dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -155,6 +155,7 @@ class Transport:
         self._fresh: list[str] = []
         self.broken = False  # some rank's shared memory failed (every rank knows): gloo from then on
         self._why: OSError | None = None
+        self._pid = os.getpid()  # (a forked child, a data loader's worker, never removes this rank's files)
 
     @classmethod
     def open(cls, group, device: torch.device) -> Transport | None:
@@ -204,8 +205,10 @@ class Transport:
         return cls(group, rank, world, [k[2] for k in everyone], maps)
 
     def close(self) -> None:
-        """Removes this rank's files that still have names (mappings end with their last tensor)."""
-        _unlink(self._unlink)
+        """Removes this rank's files that still have names (mappings end with their last tensor); in a
+        forked child of the rank, nothing (the peers may not have mapped them yet)."""
+        if os.getpid() == self._pid:
+            _unlink(self._unlink)
         self._unlink = []
 
     def __del__(self) -> None:

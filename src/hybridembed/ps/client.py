@@ -4,6 +4,8 @@ says goodbye; :class:`Pull` is one group's pull (:mod:`hybridembed.ps.remote` ma
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..errors import HybridEmbedError
@@ -41,6 +43,7 @@ class Client:
         self._waiting: dict[tuple[int, int], list] = {}  # (server, req) -> [(pull, shard, positions)]
         self._stash: dict[tuple[int, int], Message] = {}
         self.closed = False
+        self.pid = os.getpid()  # (a child forked from this trainer never says its goodbye)
         self.bytes_out = self.bytes_in = 0
 
     def req(self) -> int:
@@ -162,7 +165,7 @@ class Client:
 
     def bye(self, failed: str | None = None) -> None:
         CLIENTS.discard(self)
-        if self.closed:
+        if self.closed or os.getpid() != self.pid:
             return
         self.closed = True
         for link in self.links.values():

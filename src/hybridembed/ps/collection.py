@@ -6,6 +6,7 @@ goodbye to its servers at exit, or before its process group is destroyed). Its r
 from __future__ import annotations
 
 import atexit
+import os
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -347,8 +348,9 @@ class PSCollection(ShardedTables, SparseStepHook, CheckpointParticipant):
         return out
 
     def close(self, failed: str | None = None) -> None:
-        """Leave the job: write back cached gradients and say bye to every server (at exit too)."""
-        if self.client.closed:
+        """Leave the job: write back cached gradients and say bye to every server (at exit too; not
+        in a child forked from this trainer, whose exit leaves its parent's servers alone)."""
+        if self.client.closed or os.getpid() != self.client.pid:
             return
         try:
             if failed is None:
