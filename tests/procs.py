@@ -54,8 +54,8 @@ def kill_tree(pid: int) -> None:
 def a_forked_child_ends() -> None:
     """Forks a child that runs the exit handlers as an interpreter ending normally (a data loader's
     worker, a helper script's fork): they must leave this process's job alone (its groups, files,
-    servers are not the child's) and end at once; raises when the child fails or is still running
-    20 s on (it is then killed)."""
+    servers are not the child's) and end at once; raises when the child dies by a signal or is still
+    running 20 s on (it is then killed)."""
     pid = os.fork()
     if pid == 0:
         try:

@@ -114,7 +114,7 @@ def _reduces(rank: int, world: int) -> list[bool]:
                 os._exit(0)
             os.waitpid(pid, 0)
             assert all(os.path.exists(n) for n in names), names
-        if call == 1:  # (an all-to-all between two sums: one count of calls)
+            # (an all-to-all between two sums: one count of calls)
             send = torch.arange(world, dtype=torch.float32)
             recv = torch.empty(world)
             t.all_to_all(recv, send, [1] * world, [1] * world)
