@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 import time
 
 
@@ -51,14 +52,17 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def a_forked_child_ends() -> None:
+def a_forked_child_ends(failing: bool = False) -> None:
     """Forks a child that runs the exit handlers as an interpreter ending normally (a data loader's
     worker, a helper script's fork): they must leave this process's job alone (its groups, files,
     servers are not the child's) and end at once; raises when the child dies by a signal or is still
-    running 20 s on (it is then killed)."""
+    running 20 s on (it is then killed). ``failing``: the child ends with an unhandled exception
+    first (``sys.excepthook``, as the interpreter calls it)."""
     pid = os.fork()
     if pid == 0:
         try:
+            if failing:
+                sys.excepthook(RuntimeError, RuntimeError("a forked child failed"), None)
             atexit._run_exitfuncs()
         finally:
             os._exit(0)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hybridembed as he
-from hybridembed.distributed import Plan, ShardedCollection, shard_table, unwrap
+from hybridembed.distributed import Plan, ShardedCollection, health, shard_table, unwrap
 from hybridembed.launch import spawn
 from tests.procs import a_forked_child_ends
 
@@ -112,12 +112,13 @@ def _distributed(rank: int, world: int, plan_kind: str) -> dict:
     for k, b in enumerate(batches):
         losses += _train(model, [b], opt)
         sched.step()
-        if k == 1:  # a child forked mid-job that ends leaves the job alone (its groups and shared files)
-            a_forked_child_ends()
+        if k == 1:  # a child forked mid-job that fails and ends leaves the job alone (groups, store, files)
+            a_forked_child_ends(failing=True)
     inner = unwrap(model)
     ec = inner.hybridembed
     assert isinstance(ec, ShardedCollection)
-    tables = {n: ec.gather_table(n) for n in ec.tables}
+    tables = {n: ec.gather_table(n) for n in ec.tables}  # (collective: every rank's child has ended)
+    assert health.heartbeat().failures(list(range(world))) == {}  # (the children's errors were their own)
     sd = inner.state_dict()  # (mod-placed tables: their shards' own entries; any table: loads back)
     inner.load_state_dict(sd)
     assert {n: ec.gather_table(n) for n in ec.tables}.keys() == tables.keys()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import hybridembed as he
-from hybridembed.distributed import Plan, shard_table, unwrap
+from hybridembed.distributed import Plan, health, shard_table, unwrap
 from hybridembed.launch import spawn
 from hybridembed.ps import PSCollection
 from tests.distributed.test_checkpoint import _close, _snapshot
@@ -53,10 +53,11 @@ def _train_save_train(rank: int, world: int, path: str, servers: int) -> dict:
     ec = unwrap(model).ec
     assert isinstance(ec, PSCollection) and ec.servers == list(range(T, world))
     _steps(model, opt, range(K), rank, T)
-    a_forked_child_ends()  # (the trainer's servers, cache and groups are not the child's)
+    a_forked_child_ends(failing=True)  # (the trainer's servers, cache, groups and store are not the child's)
     he.save(path, model, opt)
     saved = _snapshot(model)
     torch.distributed.barrier(model.process_group)  # (no trainer's next lookup before both have read)
+    assert health.heartbeat().failures(list(range(world))) == {}  # (the children's errors are their own)
     _steps(model, opt, range(K, 2 * K), rank, T)
     out = {"saved": saved, "final": _snapshot(model), "stats": ec.stats(), "servers": ec.server_stats()}
     ec.close()

@@ -224,6 +224,8 @@ def heartbeat() -> _Heartbeat | None:
     global _beat, _beat_store
     if not dist.is_available() or not dist.is_initialized():
         return None
+    if _beat is not None and _beat.pid != os.getpid():  # (a forked child: the job, its store, are its parent's)
+        return None
     store = _store()
     if store is None:
         return None
@@ -335,8 +337,9 @@ def note_failure(e: BaseException) -> None:
         return
     text = f"{type(e).__name__}: {e}".splitlines()[0][:_TEXT] if str(e) else type(e).__name__
     _failure = text
-    if _beat is not None and not isinstance(e, RankLost):  # (a peer's loss is that peer's to report)
-        _beat.ask(lambda st: st.set(f"failed/{_beat.rank}", text))
+    beat = _beat
+    if beat is not None and beat.pid == os.getpid() and not isinstance(e, RankLost):  # (a peer's loss is
+        beat.ask(lambda st: st.set(f"failed/{beat.rank}", text))  # that peer's to report; a forked child's is its own)
 
 
 def _install_excepthook() -> None:
