@@ -1,10 +1,12 @@
-"""Data-parallel (replicated) tables: their row gradients summed over the ranks by the touched
-rows alone (a big table, few rows a step) or by a dense all-reduce (a small table, most rows
-touched; through gloo, or through shared memory between ranks of one machine), each against one
-process on the concatenated batches."""
+"""Data-parallel (replicated) tables: their row gradients summed over the ranks, each against one
+process on the concatenated batches: through gloo by the touched rows alone (a big table, few rows
+a step) or by a dense all-reduce (a small table, most rows touched); between ranks of one machine
+(the default) by every rank's touched rows read from the others' shared memory, merged (each rank's
+ids ascending) or, where that cannot run, summed by index."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -16,11 +18,11 @@ TABLES = [he.TableConfig("big", 2000, 6), he.TableConfig("small", 8, 6, dtype=to
 STEPS = 3
 
 
-def _batch(step: int, rank: int | None) -> dict[str, he.Jagged]:
-    """Rank ``rank``'s half of step ``step``'s batch (None: the whole batch, ranks concatenated)."""
+def _batch(step: int, rank: int | None, world: int = 2) -> dict[str, he.Jagged]:
+    """Rank ``rank``'s part of step ``step``'s batch (None: the whole batch, ranks concatenated)."""
     if rank is None:
-        halves = [_batch(step, r) for r in range(2)]
-        return {k: he.Jagged.from_lists(halves[0][k].to_lists() + halves[1][k].to_lists()) for k in halves[0]}
+        parts = [_batch(step, r, world) for r in range(world)]
+        return {k: he.Jagged.from_lists(sum((p[k].to_lists() for p in parts), [])) for k in parts[0]}
     g = torch.Generator().manual_seed(100 * step + rank)
     return {
         t.name: he.Jagged.from_lists(
@@ -31,7 +33,8 @@ def _batch(step: int, rank: int | None) -> dict[str, he.Jagged]:
 
 
 def _train(ec, batch_of, scale: float) -> None:
-    opt = he.wrap_optimizer(torch.optim.Adagrad(ec.parameters(), lr=0.3), ec)
+    # (an accumulator that starts above 0: an update not invariant to the scale of the gradient)
+    opt = he.wrap_optimizer(torch.optim.Adagrad(ec.parameters(), lr=0.3, initial_accumulator_value=0.1), ec)
     for step in range(STEPS):
         out = ec(batch_of(step))
         opt.zero_grad()
@@ -40,51 +43,72 @@ def _train(ec, batch_of, scale: float) -> None:
 
 
 def _job(rank: int, world: int) -> dict:
-    """Both ways of summing the small table: gloo's all-reduce, and (ranks of one machine, the
-    default) shared memory; the choice is read when the collection first needs it."""
-    return {shared: _trained(rank, world, shared) for shared in (False, True)}
+    """Every way of summing: gloo (touched rows, or the small table's dense all-reduce), and (ranks
+    of one machine, the default) shared memory, merged or summed by index; the choice is read when
+    the collection first needs it."""
+    ways = ("gloo", "shared", "shared, by index") if world == 2 else ("shared", "shared, by index")
+    return {way: _trained(rank, world, way) for way in ways}
 
 
-def _trained(rank: int, world: int, shared: bool) -> dict:
+def _trained(rank: int, world: int, way: str) -> dict:
     import os
 
     from hybridembed.distributed import shm
+    from hybridembed.kernels import cpu_fused
 
-    os.environ[shm.ENV] = "1" if shared else "0"
+    os.environ[shm.ENV] = "0" if way == "gloo" else "1"
     plan = Plan(world, tuple(shard_table(t, "data_parallel", tuple(range(world))) for t in TABLES))
     ec = ShardedCollection(TABLES, plan=plan, seed=2)
     seen: list[str] = []
-    real_gather, real_reduce, real_shared = dist.all_gather_single, dist.all_reduce, shm.Transport.all_reduce
+    real = dist.all_gather_single, dist.all_reduce, shm.Transport.all_gather, cpu_fused.merge_rows
 
     def gather(out, t, *a, **k):
         seen.append(f"all_gather {t.dtype}")
-        return real_gather(out, t, *a, **k)
+        return real[0](out, t, *a, **k)
 
     def reduce(t, *a, **k):
         seen.append(f"all_reduce {t.dtype} {tuple(t.shape)}")
-        return real_reduce(t, *a, **k)
+        return real[1](t, *a, **k)
 
-    def through(tr, t):
-        seen.append(f"shared all_reduce {t.dtype} {tuple(t.shape)}")
-        return real_shared(tr, t)
+    def through(tr, pieces):
+        seen.append(f"shared all_gather {[p.dtype for p in pieces]}")
+        return real[2](tr, pieces)
 
-    dist.all_gather_single, dist.all_reduce, shm.Transport.all_reduce = gather, reduce, through
+    def merged(ids, rows, divisor):
+        out = real[3](ids, rows, divisor)
+        seen.append(f"merged {out is not None}")
+        return out
+
+    by_index = way.endswith("by index")
+    cpu_fused.merge_rows = (lambda *a: None) if by_index else merged
+    dist.all_gather_single, dist.all_reduce, shm.Transport.all_gather = gather, reduce, through
     try:
-        _train(ec, lambda step: _batch(step, rank), 1.0)  # (mean over ranks: as the whole batch's half)
+        _train(ec, lambda step: _batch(step, rank, world), 1.0)  # (mean over ranks: as the whole batch's part)
     finally:
-        dist.all_gather_single, dist.all_reduce, shm.Transport.all_reduce = real_gather, real_reduce, real_shared
-    return {"seen": seen, "tables": {t.name: ec.gather_table(t.name) for t in TABLES}}
+        dist.all_gather_single, dist.all_reduce, shm.Transport.all_gather, cpu_fused.merge_rows = real
+    tables = {t.name: ec.gather_table(t.name) for t in TABLES}
+    every = [{} for _ in range(world)]
+    dist.all_gather_object(every, {k: v.tolist() for k, v in tables.items()})
+    return {"seen": seen, "tables": tables, "replicas agree": all(e == every[0] for e in every)}
 
 
-def test_replicated_rows_summed_by_touched_rows_or_dense_equal_one_process():
-    got = spawn(_job, 2, timeout=120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_replicated_rows_summed_every_way_equal_one_process(world):
+    got = spawn(_job, world, timeout=120)
     ref = he.EmbeddingCollection(TABLES, seed=2)
-    _train(ref, lambda step: _batch(step, None), 0.5)
-    for both in got:
-        for shared, r in both.items():
+    _train(ref, lambda step: _batch(step, None, world), 1.0 / world)
+    for ways in got:
+        for way, r in ways.items():
+            assert r["replicas agree"], way  # (every replica the same bits)
             for t in TABLES:
                 torch.testing.assert_close(r["tables"][t.name], ref.weight(t.name), rtol=1e-6, atol=1e-7, msg=t.name)
-                assert torch.equal(r["tables"][t.name], both[False]["tables"][t.name])  # (b0 + b1 either way)
-            # per step: the counts (int64), the big table's touched rows (bytes), the small one's dense buffer
-            dense = f"{'shared ' if shared else ''}all_reduce torch.float64 (8, 7)"
-            assert r["seen"] == ["all_gather torch.int64", "all_gather torch.uint8", dense] * STEPS, (shared, r["seen"])
+                # (every way sums each row in rank order: the same bits; gloo's dense sum at world 2: b0 + b1)
+                assert torch.equal(r["tables"][t.name], ways["shared, by index"]["tables"][t.name]), (way, t.name)
+            if (
+                way == "gloo"
+            ):  # per step: the counts (int64), the big table's touched rows (bytes), the small one's dense buffer
+                expected = ["all_gather torch.int64", "all_gather torch.uint8", "all_reduce torch.float64 (8, 7)"]
+            else:  # one gather of both tables' ids and rows, each summed (merged: each rank's ids were ascending)
+                expected = ["shared all_gather [torch.int64, torch.float32, torch.int64, torch.float64]"]
+                expected += [] if way.endswith("by index") else ["merged True", "merged True"]
+            assert r["seen"] == expected * STEPS, (way, r["seen"])

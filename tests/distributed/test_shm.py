@@ -4,6 +4,7 @@ dtype the wire carries, and leaves no file behind; it is refused where ranks can
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -69,9 +70,8 @@ def _calls(rank: int, world: int, full_at: int | None = None) -> dict:
         expected = torch.cat([_data(call, s, rank, sizes[s][rank], dtype) for s in range(world)])
         assert torch.equal(out, expected), (call, rank)
         broken.append(t.broken)
-    summed = torch.full((5,), float(rank))  # (a sum after them: through gloo too once given up)
-    t.all_reduce(summed)
-    assert summed.tolist() == [float(sum(range(world)))] * 5
+    every = t.all_gather([torch.full((rank,), float(rank))])  # (a gather after them: through gloo too once given up)
+    assert [e[0].tolist() for e in every] == [[float(q)] * q for q in range(world)]
     shm._map = real
     prefix = t.prefixes[rank]
     t.close()
@@ -91,22 +91,31 @@ def test_the_shared_memory_all_to_all_equals_gloos_and_leaves_no_file(full_at):
         assert r["broken"] == [full_at is not None and c >= full_at for c in range(len(SIZES))]
 
 
-def _reduces(rank: int, world: int) -> list[bool]:
-    """Sums through the transport (growing its files, after an all-to-all) against gloo's; every
-    rank's sum the same bits."""
+# per call, the rows each rank gathers (world 3): every rank's (ids, rows) pieces
+GATHERS = [[3, 0, 5], [200_000, 7, 90_000], [0, 0, 0], [4, 1, 2], [500_000, 3, 600_000], [2, 2, 2]]
+
+
+def _piece(call: int, rank: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * call + rank)
+    return [torch.randint(-(2**40), 2**40, (n,), generator=g), torch.randn(n, 3, generator=g, dtype=torch.float64)]
+
+
+def _gathers(rank: int, world: int, full_at: int | None) -> dict:
+    """Gathers of every rank's pieces (ints and (n, 3) rows, some ranks or every rank none, growing
+    the files past their first size) read where they lie; ``full_at``: rank 0 cannot make a file from
+    that call on (every rank goes through gloo from there)."""
     t = shm.Transport.open(dist.group.WORLD, torch.device("cpu"))
-    out = []
-    for call, n in enumerate((10, 600_000, 7, 900_000)):
-        x = torch.randn(n, generator=torch.Generator().manual_seed(10 * call + rank), dtype=torch.float64)
-        ref, got = x.clone(), x.clone()
-        dist.all_reduce(ref)
-        t.all_reduce(got)
-        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
-        every = [torch.empty_like(got) for _ in range(world)]
-        dist.all_gather(every, got)
-        out.append(all(torch.equal(e, got) for e in every))
-        if call == 1:  # a forked child that ends (a data loader's worker) leaves this rank's files alone
-            names = list(t._unlink)  # (the files this sum grew: their names stay until the next meeting)
+    real, broken, ok = shm._map, [], []
+    for call, sizes in enumerate(GATHERS):
+        if full_at is not None and call == full_at and rank == 0:
+            shm._map = lambda path, nbytes, create: (_ for _ in ()).throw(OSError(28, "No space", path))
+        mine = _piece(call, rank, sizes[rank])
+        mine[1] = mine[1][:, :3]  # (a piece may be any strided tensor)
+        got = t.all_gather(mine)
+        if (
+            call == 1 and full_at is None
+        ):  # a forked child that ends (a data loader's worker) leaves this rank's files alone
+            names = list(t._unlink)  # (the files this call grew: their names stay until the next meeting)
             assert names
             pid = os.fork()
             if pid == 0:
@@ -114,17 +123,49 @@ def _reduces(rank: int, world: int) -> list[bool]:
                 os._exit(0)
             os.waitpid(pid, 0)
             assert all(os.path.exists(n) for n in names), names
-            # (an all-to-all between two sums: one count of calls)
-            send = torch.arange(world, dtype=torch.float32)
-            recv = torch.empty(world)
-            t.all_to_all(recv, send, [1] * world, [1] * world)
-            assert recv.tolist() == [float(rank)] * world
+        ok.append(all(
+            len(got[q]) == 2 and all(torch.equal(a, b) for a, b in zip(got[q], _piece(call, q, sizes[q])))
+            for q in range(world)
+        ))  # fmt: skip
+        broken.append(t.broken)
+    shm._map = real
+    prefix = t.prefixes[rank]
     t.close()
-    return out
+    dist.barrier()
+    return {"ok": ok, "broken": broken, "left": [n for n in os.listdir(shm.DIR) if n.startswith(prefix)]}
 
 
-def test_the_shared_memory_sum_is_every_rank_s_the_same_and_equals_gloos():
-    assert spawn(_reduces, 3, timeout=120) == [[True] * 4] * 3
+@pytest.mark.skipif(not os.access(shm.DIR, os.W_OK), reason="no writable /dev/shm")
+@pytest.mark.parametrize("full_at", [None, 4], ids=["shared", "dev-shm-full-on-one-rank"])
+def test_the_shared_memory_gather_gives_every_rank_s_pieces(full_at):
+    for r in spawn(_gathers, 3, full_at, timeout=120):
+        assert r["ok"] == [True] * len(GATHERS)
+        assert r["broken"] == [full_at is not None and c >= full_at for c in range(len(GATHERS))]
+        assert r["left"] == []
+
+
+def _late(peer, *args):
+    time.sleep(0.5)
+    return peer(*args)
+
+
+def _ends_first(rank: int, world: int) -> list:
+    """Rank 0 closes its transport (its job ends) right after a call whose new files rank 1 maps
+    late: rank 1 still reads them (rank 0 waited for it before removing their names)."""
+    t = shm.Transport.open(dist.group.WORLD, torch.device("cpu"))
+    got = []
+    for call, n in enumerate((10, 400_000)):  # (the second grows the files: new names)
+        if rank == 1 and call == 1:
+            t._peer = functools.partial(_late, t._peer)
+        got.append(t.all_gather([torch.full((n,), float(rank))])[1 - rank][0].sum().item())
+        if rank == 0 and call == 1:
+            t.close()
+    t.close()
+    return got
+
+
+def test_a_rank_that_ends_first_leaves_its_last_files_to_a_late_peer():
+    assert spawn(_ends_first, 2, timeout=60) == [[10.0, 400_000.0], [0.0, 0.0]]
 
 
 def _refused(rank: int, world: int) -> bool:

@@ -387,3 +387,21 @@ def test_a_forked_child_runs_the_step_on_threads_of_its_own():
     forever."""
     r = subprocess.run([sys.executable, "-c", _FORKED_POOL], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_merged_row_sets_equal_the_sum_by_index_in_set_order(dtype):
+    """Sets of distinct ascending ids (ranks' touched rows) merged: their union ascending, each row
+    summed in the sets' order and divided, bit for bit as ``index_add_`` into zeros set after set."""
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randperm(50, generator=g)[:n].sort().values for n in (20, 0, 35, 1)]
+    rows = [torch.randn(i.numel(), 4, generator=g, dtype=dtype) * 1e3 for i in ids]
+    got_ids, got = cpu_fused.merge_rows(ids, rows, 3.0)
+    union, where = torch.unique(torch.cat(ids), return_inverse=True)
+    ref = torch.zeros(union.numel(), 4, dtype=dtype)
+    for at, r in zip(where.split([i.numel() for i in ids]), rows):
+        ref.index_add_(0, at, r)
+    assert torch.equal(got_ids, union) and torch.equal(got, ref / 3)
+    # what it does not take: the caller sums another way
+    assert cpu_fused.merge_rows([ids[0].flip(0), ids[2]], [rows[0], rows[2]], 1.0) is None  # (not ascending)
+    assert cpu_fused.merge_rows([ids[0], ids[2]], [rows[0], rows[2].to(torch.bfloat16)], 1.0) is None

@@ -7,13 +7,13 @@ one-element gloo all-gather (which also carries each rank's status), and each co
 own straight out of the others' files: one copy each way, no socket. World 2 on the 2-core
 machine of ``docs/benchmarks.md``: a 27 MB all-to-all 17.6-18.7 ms through gloo, 9.0-12.2 ms so.
 
-Used by the sharded runtime's rows exchange (forward rows, backward gradients) and by the dense
-sum of replicated tables' row gradients (:meth:`Transport.all_reduce`) when every rank of
-its group is a process of this machine (same boot, each maps the others' files: checked once, at
-the first such exchange), its tensors are on the CPU and its backend is gloo, and the exchange is
-large (more than :data:`~hybridembed.distributed.exchange.FOLD_ROWS` row elements for some rank;
-smaller ones fold the owners' status into one gloo all-to-all); ``HYBRIDEMBED_SHM=0`` turns it
-off. Every rank takes the same path for every exchange: the choice is made from what every rank
+Used by the sharded runtime's rows exchange (forward rows, backward gradients) and by the sum of
+replicated tables' row gradients (:meth:`Transport.all_gather`: every rank's touched rows, read
+where they lie) when every rank of its group is a process of this machine (same boot, each maps
+the others' files: checked once, at the first such exchange), its tensors are on the CPU and its
+backend is gloo, and (the rows' exchange) the exchange is large (more than
+:data:`~hybridembed.distributed.exchange.FOLD_ROWS` row elements for some rank; smaller ones fold
+the owners' status into one gloo all-to-all); ``HYBRIDEMBED_SHM=0`` turns it off. Every rank takes the same path for every exchange: the choice is made from what every rank
 knows (the headers' row counts).
 
 Files: two per rank (one for each parity of the calls: a rank writes call n + 1 while a slower
@@ -29,6 +29,7 @@ all-to-all (:class:`~hybridembed.RankLost` naming it).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -52,6 +53,7 @@ ENV = _env.PREFIX + "SHM"  # "0": never (every exchange through gloo)
 DIR = "/dev/shm"
 _CONTROL = 4  # int64s per (parity, peer) in a rank's control file: generation, offset, bytes, call
 _NAME = re.compile(r"hybridembed-(\d+)-[0-9a-f]+-\d+-(?:[01]-\d+|c)")
+_CLOSE_WAIT = 10.0  # seconds a closing rank waits for its peers to map its last call's files
 _STALE = 60.0  # seconds: a file younger than this is never swept (a process of another PID namespace may run)
 
 
@@ -89,6 +91,18 @@ def _sweep() -> None:
             continue
 
 
+def _runs(prefix: str) -> bool:
+    """Whether the process that made files named ``prefix`` still runs (it may, unseen, in another
+    PID namespace: then it is taken as gone)."""
+    try:
+        os.kill(int(prefix.split("-")[1]), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError, IndexError):
+        return True
+    return True
+
+
 def _unlink(names: list[str]) -> None:
     for name in names:
         try:
@@ -98,7 +112,7 @@ def _unlink(names: list[str]) -> None:
 
 
 def _control_bytes(world: int) -> int:
-    return 2 * world * _CONTROL * 8
+    return (2 * world * _CONTROL + 1) * 8  # (and last, the call whose peers' files this rank has mapped)
 
 
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -136,6 +150,17 @@ def _copy_pieces(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
     else:
         for x, d in zip(src, dst, strict=True):
             d.copy_(x)
+
+
+def _spans(pieces: list[torch.Tensor], counts: list[int], shapes: list | None = None) -> list[int]:
+    """Where each piece of a gather starts in its rank's bytes (after the pieces' first dimensions,
+    ``counts``, as int64s; each piece at a multiple of 64 bytes), and their end: (P + 1,)."""
+    at, out = 8 * len(pieces), []
+    for k, p in enumerate(pieces):
+        at = -(-at // 64) * 64
+        out.append(at)
+        at += (p.numel() if shapes is None else math.prod(shapes[k])) * p.element_size()
+    return [*out, at]
 
 
 class Transport:
@@ -204,10 +229,18 @@ class Transport:
             return None
         return cls(group, rank, world, [k[2] for k in everyone], maps)
 
-    def close(self) -> None:
-        """Removes this rank's files that still have names (mappings end with their last tensor); in a
-        forked child of the rank, nothing (the peers may not have mapped them yet)."""
-        if os.getpid() == self._pid:
+    def close(self, wait: float = _CLOSE_WAIT) -> None:
+        """Removes this rank's files that still have names (mappings end with their last tensor), once
+        every peer has mapped them: the files of the last call may not be yet when this rank is done
+        with it (a rank that ends its job while a peer still reads: waited for up to ``wait`` seconds,
+        less for a peer whose process is gone). In a forked child of the rank, nothing."""
+        if os.getpid() == self._pid and self._unlink:
+            deadline = time.monotonic() + wait
+            peers = [q for q in range(self.world) if q != self.rank]
+            while peers and time.monotonic() < deadline:
+                peers = [q for q in peers if int(self.control[q][-1]) < self.calls and _runs(self.prefixes[q])]
+                if peers:
+                    time.sleep(0.001)
             _unlink(self._unlink)
         self._unlink = []
 
@@ -250,7 +283,7 @@ class Transport:
                 self._why = e
         if data is not None:
             gen = self._mine[parity][0]
-            ctl = self.control[self.rank].view(2, self.world, _CONTROL)[parity]
+            ctl = self.control[self.rank][:-1].view(2, self.world, _CONTROL)[parity]
             at = 0
             for r in range(self.world):
                 if r == self.rank:
@@ -279,54 +312,98 @@ class Transport:
                 _copy_pieces([self._peer(q, parity, recv_splits[q] * item).view(dtype)], dst[q])
             elif q != self.rank:
                 self._peer(q, parity, 0)  # (checked: in step, nothing for this rank)
+        self.control[self.rank][-1] = self.calls  # (this call's files mapped: see close)
         return statuses
 
-    def all_reduce(self, buf: torch.Tensor) -> None:
-        """``all_reduce(buf)`` (a sum) through shared memory: every rank's ``buf`` into its file, the
-        meeting, then each rank adds the others' in rank order (every rank the same sum, bit for bit:
-        at world 2 ``b0 + b1``, as gloo's)."""
-        if self.broken:  # (every rank knows since the meeting that said so: no meeting needed)
-            self._sum_through_gloo(buf)
-            return
+    def all_gather(self, pieces: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Every rank's ``pieces`` (tensors whose first dimensions may differ between ranks; every rank
+        gives as many, of the same dtypes and other dimensions, in the same order): per rank, its
+        pieces. This rank's are the tensors given; a peer's are views of its file, valid until this rank's
+        next call on the transport (its next write to that file waits for a meeting this rank joins).
+        Each rank writes its pieces once; no rank sends another what it will read."""
+        if self.broken:
+            return self._gather_through_gloo(pieces)
         parity, self.calls = self.calls & 1, self.calls + 1
         self._fresh = []
-        flat = buf.view(-1)
-        nbytes = flat.numel() * flat.element_size()
+        counts = [p.shape[0] for p in pieces]
+        spans = _spans(pieces, counts)
         data = None
         try:
-            data = self._segment(parity, nbytes)
+            data = self._segment(parity, spans[-1])
         except OSError as e:
             self._why = e
         if data is not None:
-            data[:nbytes].view(flat.dtype).copy_(flat)
-            ctl = self.control[self.rank].view(2, self.world, _CONTROL)[parity]
-            ctl[:] = torch.tensor([self._mine[parity][0], 0, nbytes, self.calls])
+            data[: 8 * len(pieces)].view(torch.int64).copy_(torch.tensor(counts, dtype=torch.int64))
+            for p, at in zip(pieces, spans):
+                n = p.numel() * p.element_size()
+                data[at : at + n].view(p.dtype).view(p.shape).copy_(p)
+            ctl = self.control[self.rank][:-1].view(2, self.world, _CONTROL)[parity]
+            ctl[:] = torch.tensor([self._mine[parity][0], 0, spans[-1], self.calls])
         _, broken = self._meet(1.0, data is None)
         _unlink(self._unlink)
         self._unlink = self._fresh
         if broken:
             self._give_up(broken)
-            self._sum_through_gloo(buf)
-            return
-        terms = [flat if q == self.rank else self._peer(q, parity, nbytes).view(flat.dtype) for q in range(self.world)]
-        if self.world == 2:
-            flat.add_(terms[1 - self.rank])  # (b0 + b1 == b1 + b0, bit for bit)
-            return
-        acc = torch.add(terms[0], terms[1])
-        for term in terms[2:]:
-            acc.add_(term)
-        flat.copy_(acc)
+            return self._gather_through_gloo(pieces)
+        out = []
+        for q in range(self.world):
+            if q == self.rank:
+                out.append(list(pieces))
+                continue
+            raw = self._peer(q, parity, None)
+            theirs = raw[: 8 * len(pieces)].view(torch.int64).tolist()
+            shapes = [(n, *p.shape[1:]) for n, p in zip(theirs, pieces)]
+            where = _spans([torch.empty(0, dtype=p.dtype) for p in pieces], theirs, shapes)
+            if where[-1] != raw.numel():
+                raise HybridEmbedError(
+                    f"rank {self.rank}: rank {q}'s pieces in the shared-memory gather are not this rank's "
+                    f"({raw.numel()} bytes for counts {theirs})"
+                )
+            out.append(
+                [
+                    raw[at : at + math.prod(shape) * p.element_size()].view(p.dtype).view(shape)
+                    for p, at, shape in zip(pieces, where, shapes)
+                ]
+            )
+        self.control[self.rank][-1] = self.calls  # (this call's files mapped: see close)
+        return out
 
-    def _sum_through_gloo(self, buf: torch.Tensor) -> None:
+    def _gather_through_gloo(self, pieces: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """:meth:`all_gather` through gloo (the shared memory given up): the pieces' bytes, padded to
+        the largest rank's."""
+        counts = [p.shape[0] for p in pieces]
+        spans = _spans(pieces, counts)
+        mine = torch.zeros(spans[-1], dtype=torch.uint8)
+        mine[: 8 * len(pieces)].view(torch.int64).copy_(torch.tensor(counts, dtype=torch.int64))
+        for p, at in zip(pieces, spans):
+            mine[at : at + p.numel() * p.element_size()].view(p.dtype).view(p.shape).copy_(p)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         try:
-            dist.all_reduce(buf, group=self.group)
+            dist.all_gather(sizes, torch.tensor([mine.numel()]), group=self.group)
+            most = max(int(s) for s in sizes)
+            every = torch.zeros(self.world * most, dtype=torch.uint8)
+            dist.all_gather_into_tensor(every, torch.cat([mine, mine.new_zeros(most - mine.numel())]), group=self.group)
         except RuntimeError as e:
             raise lost_peer(e, self.group) from None
+        out = []
+        for q in range(self.world):
+            raw = every[q * most : (q + 1) * most]
+            theirs = raw[: 8 * len(pieces)].view(torch.int64).tolist()
+            shapes = [(n, *p.shape[1:]) for n, p in zip(theirs, pieces)]
+            where = _spans([torch.empty(0, dtype=p.dtype) for p in pieces], theirs, shapes)
+            out.append(
+                [
+                    raw[at : at + math.prod(shape) * p.element_size()].view(p.dtype).view(shape)
+                    for p, at, shape in zip(pieces, where, shapes)
+                ]
+            )
+        return out
 
-    def _peer(self, q: int, parity: int, want: int) -> torch.Tensor:
-        """The bytes rank ``q`` wrote for this rank in this call (checked against ``want``)."""
-        g, off, n, call = self.control[q].view(2, self.world, _CONTROL)[parity][self.rank].tolist()
-        if call != self.calls or n != want:
+    def _peer(self, q: int, parity: int, want: int | None) -> torch.Tensor:
+        """The bytes rank ``q`` wrote for this rank in this call (checked against ``want``: a number
+        of bytes, or None for any)."""
+        g, off, n, call = self.control[q][:-1].view(2, self.world, _CONTROL)[parity][self.rank].tolist()
+        if call != self.calls or (want is not None and n != want):
             raise HybridEmbedError(
                 f"rank {self.rank}: the shared-memory exchange with rank {q} is out of step (call {call} "
                 f"sending {n} bytes, expected call {self.calls} of {want} bytes)"
@@ -348,7 +425,7 @@ class Transport:
                 ", ".join(map(str, broken)),
                 self._why or "fine",
             )
-        self.close()  # (no peer reads this rank's files any more)
+        self.close(wait=0)  # (no peer reads this rank's files any more)
         self._mine, self._theirs = [(0, None), (0, None)], {}
 
     def _meet(self, status: float, failed: bool) -> tuple[list[float], list[int]]:

@@ -4,8 +4,9 @@ asks of it (:class:`ShardedStep`, a base of :class:`~hybridembed.distributed.Sha
 ``he.wrap_optimizer`` calls :meth:`ShardedStep.before_sparse_step` on every rank before any
 update: a shard's row gradients are scaled by the ``mean`` reduction (shards updated by the
 fused Triton step are scaled there, by :meth:`ShardedStep.grad_scale`), a replicated table's
-are summed over the ranks (the touched rows gathered, or a dense all-reduce where the ranks
-touch most of the table), and a column slice under a row-wise optimizer gets its whole rows' statistic.
+are summed over the ranks (ranks of one machine: each rank's touched rows read from the others'
+shared memory; otherwise the touched rows gathered, or a dense all-reduce where the ranks touch
+most of the table), and a column slice under a row-wise optimizer gets its whole rows' statistic.
 Only the storages :meth:`ShardedStep.needs_rows` names hand their rows over; every other shard
 keeps the fused update.
 """
@@ -17,6 +18,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from ..kernels import cpu_fused
 from ..optim.hooks import RowGrads, SparseStepHook
 
 __all__ = ["ShardedStep"]
@@ -82,12 +84,17 @@ class ShardedStep(SparseStepHook):
 
     def _sync_replicas(self, reps: list, rows: list) -> None:
         """Replicated tables' row gradients summed over the ranks (``mean``: divided by the world
-        size), in place in ``rows``. First every rank's count of touched rows per storage (one
-        small all-gather), then per storage the cheaper of: the touched rows alone, gathered from
-        every rank (bytes ~ world x the most rows a rank touched: the batch's), or a dense
-        all-reduce of a (rows, dim + 1) buffer (bytes ~ the table's, when most rows are touched).
-        Every rank makes the same choice (it sees every count)."""
+        size), in place in ``rows``. Ranks of one machine: every rank's touched rows from the others'
+        shared memory (:meth:`_sum_through_shared`). Otherwise first every rank's count of touched
+        rows per storage (one small all-gather), then per storage the cheaper of: the touched rows
+        alone, gathered from every rank (bytes ~ world x the most rows a rank touched: the batch's),
+        or a dense all-reduce of a (rows, dim + 1) buffer (bytes ~ the table's, when most rows are
+        touched). Every rank makes the same choice (it sees every count)."""
         world = self.world_size
+        shared = self._shared() if self._device.type == "cpu" else None  # (ranks of one machine: see shm)
+        if shared is not None:
+            self._sum_through_shared(shared, reps, rows)
+            return
         mine = [0 if rows[k] is None else rows[k].ids.numel() for k, _ in reps]
         counts = torch.tensor(mine, dtype=torch.int64, device=self._device)
         every = counts.new_empty(world * len(reps))
@@ -102,6 +109,41 @@ class ShardedStep(SparseStepHook):
                 rows[k] = self._gather_touched(st, rows[k], sizes)
             else:
                 rows[k] = self._sync_replica(st, rows[k])
+
+    def _sum_through_shared(self, shared, reps: list, rows: list) -> None:
+        """:meth:`_sync_replicas` for ranks of one machine: every rank writes its touched rows (ids and
+        gradients) once into its shared-memory file, and sums every rank's straight from theirs
+        (bytes read ~ the rows the ranks touched, never the table; no count exchanged first)."""
+        pieces = []
+        for k, st in reps:
+            pending, dim, cdt = rows[k], st.weight.shape[1], st.compute_dtype
+            if pending is None:
+                pieces += [torch.empty(0, dtype=torch.int64), torch.empty(0, dim, dtype=cdt)]
+            else:
+                pieces += [pending.ids.to(torch.int64), pending.rows.to(cdt)]
+        every = shared.all_gather(pieces)
+        for j, (k, st) in enumerate(reps):
+            rows[k] = self._summed(st, [got[2 * j] for got in every], [got[2 * j + 1] for got in every])
+
+    def _summed(self, st, ids: list[torch.Tensor], grads: list[torch.Tensor]) -> RowGrads | None:
+        """Every rank's touched ``ids`` and their row gradients (in rank order) -> the distinct ids
+        ascending and their summed rows (``mean``: divided by the world size), every rank the same
+        bits: each row summed in rank order."""
+        sizes = [x.numel() for x in ids]
+        if not any(sizes):
+            return None
+        divisor = self.world_size if self.reduction == "mean" else 1
+        merged = cpu_fused.merge_rows(ids, grads, divisor) if ids[0].device.type == "cpu" else None
+        if merged is not None:  # (each rank's ids ascending, as the fused step's reduction leaves them: one merge)
+            return RowGrads(merged[0], merged[1].to(st.weight.dtype))
+        touched, where = torch.unique(torch.cat(ids), return_inverse=True)
+        grad = torch.zeros(touched.numel(), st.weight.shape[1], dtype=st.compute_dtype, device=touched.device)
+        for at, g in zip(where.split(sizes), grads):  # (in rank order)
+            if g.shape[0]:
+                grad.index_add_(0, at, g)
+        if self.reduction == "mean":
+            grad.div_(self.world_size)
+        return RowGrads(touched, grad.to(st.weight.dtype))
 
     def _gather_touched(self, st, pending: RowGrads | None, sizes: list[int]) -> RowGrads:
         """A replica's touched rows from every rank (each row's id and gradient as bytes: copied
@@ -133,11 +175,7 @@ class ShardedStep(SparseStepHook):
             ids = pending.ids.to(torch.int64)
             buf[:, :dim].index_copy_(0, ids, pending.rows.to(buf.dtype))
             buf[:, dim].index_fill_(0, ids, 1.0)
-        shared = self._shared() if buf.device.type == "cpu" else None  # (ranks of one machine: see shm)
-        if shared is not None:
-            shared.all_reduce(buf)
-        else:
-            dist.all_reduce(buf, group=self._group)
+        dist.all_reduce(buf, group=self._group)
         touched = buf[:, dim].nonzero().squeeze(1)
         if touched.numel() == 0:
             return None

@@ -205,3 +205,37 @@ def ids_sgd(weight, ids, bag_of, psw, grad, hp, maximize, skip_zero, part, parts
         m = step * psw[i] if psw.shape[0] > 0 else step
         for d in range(dim):
             weight[row, d] += m * grad[b, d]
+
+
+@njit(nogil=True, cache=True)
+def merge_rows(a_ids, a_rows, b_ids, b_rows, out_ids, out_rows, divisor):  # pragma: no cover (compiled)
+    """Two sets of distinct row ids, each ascending, and their rows -> their union ascending in
+    ``out_ids``, each row ``(a + b) / divisor`` (or the one side's, divided) in ``out_rows``;
+    returns the union's size, or -1 when a side is not strictly ascending (nothing usable then)."""
+    na, nb, dim = a_ids.shape[0], b_ids.shape[0], out_rows.shape[1]
+    i = j = u = 0
+    while i < na or j < nb:
+        if i < na and (j >= nb or a_ids[i] <= b_ids[j]):
+            if i > 0 and a_ids[i] <= a_ids[i - 1]:
+                return -1
+            r = a_ids[i]
+            if j < nb and b_ids[j] == r:
+                if j > 0 and b_ids[j] <= b_ids[j - 1]:
+                    return -1
+                for d in range(dim):
+                    out_rows[u, d] = (a_rows[i, d] + b_rows[j, d]) / divisor
+                j += 1
+            else:
+                for d in range(dim):
+                    out_rows[u, d] = a_rows[i, d] / divisor
+            i += 1
+        else:
+            if j > 0 and b_ids[j] <= b_ids[j - 1]:
+                return -1
+            r = b_ids[j]
+            for d in range(dim):
+                out_rows[u, d] = b_rows[j, d] / divisor
+            j += 1
+        out_ids[u] = r
+        u += 1
+    return u

@@ -46,7 +46,7 @@ from ..utils import get_logger
 from .fused import FUSED, step_hparams
 from .lookup import sorted_segments
 
-__all__ = ["available", "runs_on", "pooled_lookup", "pooled_parts", "apply_fused", "apply_rows"]
+__all__ = ["available", "runs_on", "pooled_lookup", "pooled_parts", "apply_fused", "apply_rows", "merge_rows"]
 
 _log = get_logger("hybridembed.kernels")
 _DTYPES = (torch.float32, torch.float64)
@@ -300,3 +300,28 @@ def apply_rows(
     slices = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
     head = (weight.numpy(), s1, s2, ids.to(torch.int64).contiguous().numpy(), g, stat)
     _run(K.ROW_KERNELS[opt], slices, head, (hpa, maximize))
+
+
+def merge_rows(ids: list[torch.Tensor], rows: list[torch.Tensor], divisor: float) -> tuple | None:
+    """Several sets of distinct row ids, each ascending, with their rows (U_k, D) -> (their union
+    ascending, each id's rows summed in the order of the sets and divided by ``divisor``), in one
+    pass per further set; None where this cannot (no Numba, a dtype it does not take, a set not
+    ascending): the caller then sums another way."""
+    if len(ids) < 2 or not all(r.dtype in _DTYPES and r.dtype == rows[0].dtype for r in rows) or not available():
+        return None
+    from . import _numba_kernels as K
+
+    acc_ids, acc = ids[0].to(torch.int64).contiguous(), rows[0].contiguous()
+    for k in range(1, len(ids)):
+        last = k == len(ids) - 1
+        b_ids, b = ids[k].to(torch.int64).contiguous(), rows[k].contiguous()
+        out_ids = torch.empty(acc_ids.numel() + b_ids.numel(), dtype=torch.int64)
+        out = torch.empty(out_ids.numel(), acc.shape[1], dtype=acc.dtype)
+        a, o = acc.numpy(), out.numpy()  # (the divisor in the rows' dtype: a float32 row is divided as float32)
+        n = K.merge_rows(
+            acc_ids.numpy(), a, b_ids.numpy(), b.numpy(), out_ids.numpy(), o, o.dtype.type(divisor if last else 1)
+        )
+        if n < 0:
+            return None
+        acc_ids, acc = out_ids[:n], out[:n]
+    return acc_ids, acc
