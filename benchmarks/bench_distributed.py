@@ -565,7 +565,7 @@ def run_rank(rank: int, world: int, name: str, cfg: dict) -> dict[str, Any]:
     if plan is not None:
         names = [f"embs__{i}" for i in range(TABLES)]
         out["min_bytes"] = minimum_bytes(plan, raw[0][0], names, cfg["dim"])
-    if cfg["profile"] and name not in SINGLE:
+    if cfg["profile"]:
         out["profile"] = profile(go, cfg, rank, ours=name not in TORCHREC)
     return out
 
