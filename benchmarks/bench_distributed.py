@@ -162,8 +162,9 @@ def make_batches(rank: int, batch: int, rows: int, seed: int = 0) -> list[tuple[
 # --- counting the exchanges -----------------------------------------------------------------
 class Counter:
     """Wraps ``torch.distributed.all_to_all_single`` and ``all_reduce`` (as the runtime and
-    TorchRec call them, through the module), and the rows' shared-memory all-to-all of ranks of one
-    machine, to count bytes and, on request, time each call."""
+    TorchRec call them, through the module), and the shared-memory all-to-all (rows) and all-gather
+    (replicated tables' touched rows) of ranks of one machine, to count bytes and, on request, time
+    each call."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -221,13 +222,13 @@ class Counter:
             self.calls.append(rec)
             return res
 
-        summed = self._summed = shm.Transport.all_reduce
+        gathered = self._gathered = shm.Transport.all_gather
 
-        def shared_sum(tr, buf):  # (a replicated table's dense buffer, ranks of one machine)
-            rec = {"op": "all_reduce", "phase": self.phase, "dtype": str(buf.dtype), "shared": True}
-            rec["bytes"] = rec["off_rank_bytes"] = buf.numel() * buf.element_size()
+        def shared_gather(tr, pieces):  # (replicated tables' touched rows, ranks of one machine: written once)
+            rec = {"op": "all_gather", "phase": self.phase, "dtype": str([p.dtype for p in pieces]), "shared": True}
+            rec["bytes"] = rec["off_rank_bytes"] = sum(p.numel() * p.element_size() for p in pieces)
             t0 = time.perf_counter()
-            res = summed(tr, buf)
+            res = gathered(tr, pieces)
             rec["ms"] = (time.perf_counter() - t0) * 1e3
             self.calls.append(rec)
             return res
@@ -235,14 +236,14 @@ class Counter:
         dist.all_to_all_single = all_to_all_single
         dist.all_reduce = all_reduce
         shm.Transport.all_to_all = shared
-        shm.Transport.all_reduce = shared_sum
+        shm.Transport.all_gather = shared_gather
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for k, v in self._saved.items():
             setattr(dist, k, v)
         shm.Transport.all_to_all = self._through
-        shm.Transport.all_reduce = self._summed
+        shm.Transport.all_gather = self._gathered
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"calls": len(self.calls)}
@@ -250,6 +251,7 @@ class Counter:
             ("a2a_forward", lambda c: c["op"] == "all_to_all_single" and c["phase"] == "forward"),
             ("a2a_backward", lambda c: c["op"] == "all_to_all_single" and c["phase"] != "forward"),
             ("all_reduce", lambda c: c["op"] == "all_reduce"),
+            ("all_gather", lambda c: c["op"] == "all_gather"),
         ):
             picked = [c for c in self.calls if sel(c)]
             out[key] = {
@@ -336,6 +338,7 @@ class Phases:
         fwd = [c for c in self.counter.calls if c["op"] == "all_to_all_single" and c["phase"] == "forward"]
         bwd = [c for c in self.counter.calls if c["op"] == "all_to_all_single" and c["phase"] != "forward"]
         ar = [c for c in self.counter.calls if c["op"] == "all_reduce"]
+        ag = [c for c in self.counter.calls if c["op"] == "all_gather"]
         per = len(fwd) // steps if steps else 0
         if not ours:  # another runtime's exchanges: by position in the step
             for i in range(per):
@@ -357,6 +360,8 @@ class Phases:
             out["a2a row gradients (bwd)"] = sum(c["ms"] for c in bwd) / steps
         if ar:
             out["all_reduce (data-parallel rows, in step)"] = sum(c["ms"] for c in ar) / steps
+        if ag:
+            out["shared all_gather (data-parallel rows, in step)"] = sum(c["ms"] for c in ag) / steps
         return out
 
 
