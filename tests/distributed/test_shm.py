@@ -144,6 +144,25 @@ def test_the_shared_memory_gather_gives_every_rank_s_pieces(full_at):
         assert r["left"] == []
 
 
+def _mismatched(rank: int, world: int) -> str:
+    """Ranks that gather pieces of different widths: each rank's read of the other's is refused."""
+    from hybridembed.errors import HybridEmbedError
+
+    t = shm.Transport.open(dist.group.WORLD, torch.device("cpu"))
+    try:
+        t.all_gather([torch.arange(4), torch.zeros(5, 3 if rank == 0 else 4)])
+    except HybridEmbedError as e:
+        return str(e)
+    finally:
+        t.close()
+    return "gathered"
+
+
+def test_pieces_that_differ_between_ranks_are_refused_on_every_rank():
+    for rank, msg in enumerate(spawn(_mismatched, 2, timeout=60)):
+        assert f"rank {1 - rank}'s pieces in the shared-memory gather are not this rank's" in msg, msg
+
+
 def _late(peer, *args):
     time.sleep(0.5)
     return peer(*args)

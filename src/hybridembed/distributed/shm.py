@@ -13,8 +13,9 @@ where they lie) when every rank of its group is a process of this machine (same 
 the others' files: checked once, at the first such exchange), its tensors are on the CPU and its
 backend is gloo, and (the rows' exchange) the exchange is large (more than
 :data:`~hybridembed.distributed.exchange.FOLD_ROWS` row elements for some rank; smaller ones fold
-the owners' status into one gloo all-to-all); ``HYBRIDEMBED_SHM=0`` turns it off. Every rank takes the same path for every exchange: the choice is made from what every rank
-knows (the headers' row counts).
+the owners' status into one gloo all-to-all); ``HYBRIDEMBED_SHM=0`` turns it off. Every rank
+takes the same path for every exchange: the choice is made from what every rank knows (the
+headers' row counts).
 
 Files: two per rank (one for each parity of the calls: a rank writes call n + 1 while a slower
 peer may still read call n), grown when a call needs more, their pages reserved when made (a full
@@ -152,15 +153,42 @@ def _copy_pieces(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
             d.copy_(x)
 
 
-def _spans(pieces: list[torch.Tensor], counts: list[int], shapes: list | None = None) -> list[int]:
-    """Where each piece of a gather starts in its rank's bytes (after the pieces' first dimensions,
-    ``counts``, as int64s; each piece at a multiple of 64 bytes), and their end: (P + 1,)."""
+def _spans(pieces: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> list[int]:
+    """Where each piece of a gather starts in its rank's bytes (after the pieces' first dimensions
+    as int64s; each piece at a multiple of 64 bytes), and their end: (P + 1,). ``shapes``: the
+    pieces' shapes on the rank that wrote them (``pieces``: this rank's, for their dtypes)."""
     at, out = 8 * len(pieces), []
-    for k, p in enumerate(pieces):
+    for p, shape in zip(pieces, shapes):
         at = -(-at // 64) * 64
         out.append(at)
-        at += (p.numel() if shapes is None else math.prod(shapes[k])) * p.element_size()
+        at += math.prod(shape) * p.element_size()
     return [*out, at]
+
+
+def _pack(data: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+    """``pieces`` (any strides) into the bytes ``data`` as a gather lays them out (:func:`_spans`)."""
+    data[: 8 * len(pieces)].view(torch.int64).copy_(torch.tensor([p.shape[0] for p in pieces], dtype=torch.int64))
+    for p, at in zip(pieces, _spans(pieces, [tuple(p.shape) for p in pieces])):
+        data[at : at + p.numel() * p.element_size()].view(p.dtype).view(p.shape).copy_(p)
+
+
+def _unpack(raw: torch.Tensor, pieces: list[torch.Tensor], rank: int, q: int) -> list[torch.Tensor]:
+    """Rank ``q``'s pieces, views of its bytes ``raw`` (checked: as many bytes as ``pieces``, this
+    rank's, of the same dtypes and other dimensions, take with ``q``'s first dimensions)."""
+    if raw.numel() < 8 * len(pieces):
+        raise HybridEmbedError(f"rank {rank}: rank {q}'s gather holds {raw.numel()} bytes, too few for its counts")
+    counts = raw[: 8 * len(pieces)].view(torch.int64).tolist()
+    shapes = [(n, *p.shape[1:]) for n, p in zip(counts, pieces)]
+    where = _spans(pieces, shapes)
+    if where[-1] != raw.numel():
+        raise HybridEmbedError(
+            f"rank {rank}: rank {q}'s pieces in the shared-memory gather are not this rank's ({raw.numel()} bytes "
+            f"for counts {counts}; this rank's pieces: {[(p.dtype, tuple(p.shape[1:])) for p in pieces]})"
+        )
+    return [
+        raw[at : at + math.prod(shape) * p.element_size()].view(p.dtype).view(shape)
+        for p, at, shape in zip(pieces, where, shapes)
+    ]
 
 
 class Transport:
@@ -316,88 +344,54 @@ class Transport:
         return statuses
 
     def all_gather(self, pieces: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Every rank's ``pieces`` (tensors whose first dimensions may differ between ranks; every rank
-        gives as many, of the same dtypes and other dimensions, in the same order): per rank, its
-        pieces. This rank's are the tensors given; a peer's are views of its file, valid until this rank's
-        next call on the transport (its next write to that file waits for a meeting this rank joins).
-        Each rank writes its pieces once; no rank sends another what it will read."""
+        """Every rank's ``pieces`` (tensors of at least one dimension; the first may differ between
+        ranks; every rank gives as many, of the same dtypes and other dimensions, in the same order):
+        per rank, its pieces. This rank's are the tensors given; a peer's are views of its file,
+        valid until this rank's next call on the transport (the peer's next write to that file waits
+        for a meeting this rank joins). Each rank writes its pieces once, whatever the world size."""
         if self.broken:
             return self._gather_through_gloo(pieces)
         parity, self.calls = self.calls & 1, self.calls + 1
         self._fresh = []
-        counts = [p.shape[0] for p in pieces]
-        spans = _spans(pieces, counts)
+        nbytes = _spans(pieces, [tuple(p.shape) for p in pieces])[-1]
         data = None
         try:
-            data = self._segment(parity, spans[-1])
+            data = self._segment(parity, nbytes)
         except OSError as e:
             self._why = e
         if data is not None:
-            data[: 8 * len(pieces)].view(torch.int64).copy_(torch.tensor(counts, dtype=torch.int64))
-            for p, at in zip(pieces, spans):
-                n = p.numel() * p.element_size()
-                data[at : at + n].view(p.dtype).view(p.shape).copy_(p)
+            _pack(data, pieces)
             ctl = self.control[self.rank][:-1].view(2, self.world, _CONTROL)[parity]
-            ctl[:] = torch.tensor([self._mine[parity][0], 0, spans[-1], self.calls])
+            ctl[:] = torch.tensor([self._mine[parity][0], 0, nbytes, self.calls])
         _, broken = self._meet(1.0, data is None)
         _unlink(self._unlink)
         self._unlink = self._fresh
         if broken:
             self._give_up(broken)
             return self._gather_through_gloo(pieces)
-        out = []
-        for q in range(self.world):
-            if q == self.rank:
-                out.append(list(pieces))
-                continue
-            raw = self._peer(q, parity, None)
-            theirs = raw[: 8 * len(pieces)].view(torch.int64).tolist()
-            shapes = [(n, *p.shape[1:]) for n, p in zip(theirs, pieces)]
-            where = _spans([torch.empty(0, dtype=p.dtype) for p in pieces], theirs, shapes)
-            if where[-1] != raw.numel():
-                raise HybridEmbedError(
-                    f"rank {self.rank}: rank {q}'s pieces in the shared-memory gather are not this rank's "
-                    f"({raw.numel()} bytes for counts {theirs})"
-                )
-            out.append(
-                [
-                    raw[at : at + math.prod(shape) * p.element_size()].view(p.dtype).view(shape)
-                    for p, at, shape in zip(pieces, where, shapes)
-                ]
-            )
+        raw = [None if q == self.rank else self._peer(q, parity, None) for q in range(self.world)]
         self.control[self.rank][-1] = self.calls  # (this call's files mapped: see close)
-        return out
+        return [list(pieces) if q == self.rank else _unpack(raw[q], pieces, self.rank, q) for q in range(self.world)]
 
     def _gather_through_gloo(self, pieces: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """:meth:`all_gather` through gloo (the shared memory given up): the pieces' bytes, padded to
         the largest rank's."""
-        counts = [p.shape[0] for p in pieces]
-        spans = _spans(pieces, counts)
-        mine = torch.zeros(spans[-1], dtype=torch.uint8)
-        mine[: 8 * len(pieces)].view(torch.int64).copy_(torch.tensor(counts, dtype=torch.int64))
-        for p, at in zip(pieces, spans):
-            mine[at : at + p.numel() * p.element_size()].view(p.dtype).view(p.shape).copy_(p)
+        mine = torch.zeros(_spans(pieces, [tuple(p.shape) for p in pieces])[-1], dtype=torch.uint8)
+        _pack(mine, pieces)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         try:
             dist.all_gather(sizes, torch.tensor([mine.numel()]), group=self.group)
-            most = max(int(s) for s in sizes)
+            most = max(int(x) for x in sizes)
             every = torch.zeros(self.world * most, dtype=torch.uint8)
             dist.all_gather_into_tensor(every, torch.cat([mine, mine.new_zeros(most - mine.numel())]), group=self.group)
         except RuntimeError as e:
             raise lost_peer(e, self.group) from None
-        out = []
-        for q in range(self.world):
-            raw = every[q * most : (q + 1) * most]
-            theirs = raw[: 8 * len(pieces)].view(torch.int64).tolist()
-            shapes = [(n, *p.shape[1:]) for n, p in zip(theirs, pieces)]
-            where = _spans([torch.empty(0, dtype=p.dtype) for p in pieces], theirs, shapes)
-            out.append(
-                [
-                    raw[at : at + math.prod(shape) * p.element_size()].view(p.dtype).view(shape)
-                    for p, at, shape in zip(pieces, where, shapes)
-                ]
-            )
-        return out
+        return [
+            list(pieces)
+            if q == self.rank
+            else _unpack(every[q * most : q * most + int(sizes[q])], pieces, self.rank, q)
+            for q in range(self.world)
+        ]
 
     def _peer(self, q: int, parity: int, want: int | None) -> torch.Tensor:
         """The bytes rank ``q`` wrote for this rank in this call (checked against ``want``: a number
