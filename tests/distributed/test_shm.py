@@ -187,6 +187,25 @@ def test_a_rank_that_ends_first_leaves_its_last_files_to_a_late_peer():
     assert spawn(_ends_first, 2, timeout=60) == [[10.0, 400_000.0], [0.0, 0.0]]
 
 
+def test_a_closing_rank_waits_for_a_peer_that_runs_and_not_for_one_that_is_gone(tmp_path):
+    """Its last call's files: kept while a running peer has not mapped them (up to the wait), removed
+    at once when the peer's process is gone (ended, not yet collected by its parent)."""
+    gone = os.fork()
+    if gone == 0:
+        os._exit(0)
+    time.sleep(0.1)  # (a zombie until waited for)
+    for peer, wait, least, most in ((os.getpid(), 0.5, 0.5, 5.0), (gone, 10.0, 0.0, 2.0)):
+        name = tmp_path / f"last-{peer}"
+        name.write_bytes(b"x")
+        control = [torch.full((shm._control_bytes(2) // 8,), -1, dtype=torch.int64) for _ in range(2)]
+        t = shm.Transport(None, 0, 2, [f"hybridembed-{os.getpid()}-aa", f"hybridembed-{peer}-bb"], control)
+        t.calls, t._unlink = 1, [str(name)]
+        start = time.monotonic()
+        t.close(wait=wait)
+        assert least <= time.monotonic() - start < most and not name.exists(), peer
+    os.waitpid(gone, 0)
+
+
 def _refused(rank: int, world: int) -> bool:
     os.environ[shm.ENV] = "0" if rank == 1 else "1"  # one rank turned it off: nobody uses it
     return shm.Transport.open(dist.group.WORLD, torch.device("cpu")) is None

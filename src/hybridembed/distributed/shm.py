@@ -93,15 +93,20 @@ def _sweep() -> None:
 
 
 def _runs(prefix: str) -> bool:
-    """Whether the process that made files named ``prefix`` still runs (it may, unseen, in another
-    PID namespace: then it is taken as gone)."""
+    """Whether the process that made files named ``prefix`` still runs (a zombie, ended but not yet
+    collected by its parent, has not; a process unseen in another PID namespace is taken as gone)."""
     try:
-        os.kill(int(prefix.split("-")[1]), 0)
+        pid = int(prefix.split("-")[1])
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (OSError, ValueError, IndexError):
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _unlink(names: list[str]) -> None:
@@ -174,7 +179,7 @@ def _pack(data: torch.Tensor, pieces: list[torch.Tensor]) -> None:
 
 def _unpack(raw: torch.Tensor, pieces: list[torch.Tensor], rank: int, q: int) -> list[torch.Tensor]:
     """Rank ``q``'s pieces, views of its bytes ``raw`` (checked: as many bytes as ``pieces``, this
-    rank's, of the same dtypes and other dimensions, take with ``q``'s first dimensions)."""
+    rank's, of the same dtypes and other dimensions, taken with ``q``'s first dimensions)."""
     if raw.numel() < 8 * len(pieces):
         raise HybridEmbedError(f"rank {rank}: rank {q}'s gather holds {raw.numel()} bytes, too few for its counts")
     counts = raw[: 8 * len(pieces)].view(torch.int64).tolist()
