@@ -119,14 +119,15 @@ class Capacity:
 
 
 def headers_and_ints(
-    heads: list[Header], ints: list[torch.Tensor] | None, cap: Capacity, group, device
+    heads: list[Header], ints: list[torch.Tensor] | None, cap: Capacity, group, device, meanwhile=None
 ) -> tuple[list[Header], list[torch.Tensor] | None]:
     """``heads[r]`` and ``ints[r]`` (the int64s that follow it; None: none, a failed rank's
     header) to each rank ``r`` of ``group``; theirs back. As many int64s as ``cap`` holds ride after
     each header in one all-to-all; when some rank's did not fit (its headers say ``more``), a
     second all-to-all sends the rest. ``cap`` is then set from this exchange's sizes, the same on
     both ends of every pair. Returns every rank's header to this one and what it sent after it
-    (None when some rank failed: nothing after a failed header is read)."""
+    (None when some rank failed: nothing after a failed header is read). ``meanwhile``: a function
+    called while the headers cross (the first all-to-all started, then waited for)."""
     world = len(heads)
     ints = ints if ints is not None else [torch.zeros(0, dtype=torch.int64, device=device)] * world
     more = int(any(x.numel() > c for x, c in zip(ints, cap.send)))
@@ -138,7 +139,25 @@ def headers_and_ints(
         if x.numel() < c:
             pieces.append(x.new_zeros(c - x.numel()))
     sizes = [Header.SIZE + c for c in cap.recv]
-    got = exchange(torch.cat(pieces), [Header.SIZE + c for c in cap.send], sizes, group).split(sizes)
+    if meanwhile is None:
+        got = exchange(torch.cat(pieces), [Header.SIZE + c for c in cap.send], sizes, group).split(sizes)
+    else:
+        flat = torch.cat(pieces)
+        out = flat.new_empty(sum(sizes))
+        try:
+            work = dist.all_to_all_single(
+                out, flat, sizes, [Header.SIZE + c for c in cap.send], group=group, async_op=True
+            )
+        except RuntimeError as e:
+            raise lost_peer(e, group) from None
+        try:
+            meanwhile()
+        finally:  # (the headers are waited for whatever meanwhile did: every rank's stream of collectives stays whole)
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise lost_peer(e, group) from None
+        got = out.split(sizes)
     got_h = Header.unpack(torch.cat([g[: Header.SIZE] for g in got]))
     firsts = [g[Header.SIZE : Header.SIZE + min(h.nints, c)] for g, h, c in zip(got, got_h, cap.recv)]
     rest_in = [max(0, h.nints - c) for h, c in zip(got_h, cap.recv)]

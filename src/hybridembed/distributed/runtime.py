@@ -386,14 +386,24 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         if ahead is not None:  # (its phases 1 to 4 ran in ec.prefetch)
             sent, mine, order = self._sent_ahead(ahead, reqs)  # (this forward's requests, in the prefetch's order)
         else:
-            sent, mine, order = self._send_ids(reqs, self._main), reqs, None  # 1. to 4.
+            local: list = []  # (only replicated tables asked for: looked up while the header crosses)
+            sent = self._send_ids(
+                reqs, self._main, meanwhile=lambda tabs: local.append(self._combine(reqs, tabs, {}, {}, train))
+            )
+            if local:
+                return local[0]
+            mine, order = reqs, None  # 1. to 4.
         rows_of = self._rows_for(sent, train) if sent.pairs else {}  # 5. to 7.
         out = self._combine(mine, sent.tabs, rows_of, sent.back, train)  # 8.
         return out if order is None else [out[p] for p in order]
 
-    def _send_ids(self, reqs: list[tuple[str, Jagged]], channel: Channel, error: Exception | None = None) -> Sent:
+    def _send_ids(
+        self, reqs: list[tuple[str, Jagged]], channel: Channel, error: Exception | None = None, meanwhile=None
+    ) -> Sent:
         """Phases 1 to 4 of :meth:`_run`, the header on ``channel``: the ids checked, routed and sent to
-        their owners. ``error``: this rank's refused input (the header tells every rank; raised)."""
+        their owners. ``error``: this rank's refused input (the header tells every rank; raised).
+        ``meanwhile(tabs)``: called while the header crosses when only replicated tables are asked
+        for and this rank's input is good (their lookups; nothing else crosses)."""
         tabs = [self.tables[self.features[f]] for f, _ in reqs]
         try:  # (any failure before the header still reaches every rank: see step_failed)
             error = error or self._validate(reqs, tabs)  # 1. (a refused input travels in the header)
@@ -405,7 +415,8 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
             )
             raise
         if not pairs:  # only replicated tables asked for: nothing crosses but whether every rank's input was good
-            step, _, _ = self._step_header(channel, reqs, error)
+            during = None if meanwhile is None or error is not None else partial(meanwhile, tabs)
+            step, _, _ = self._step_header(channel, reqs, error, meanwhile=during)
             return Sent(reqs, tabs, pairs, sends, back, pooled_here, step)
         by_rank: list[list[int]] = [[] for _ in range(self.world_size)]
         for i, p in enumerate(pairs):
@@ -510,14 +521,23 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
 
     # --- failures: every rank learns them in the header of the exchange --------------------------
     def _header(
-        self, channel: Channel, failed: int, has_w: bool, digest: int, nints=None, why="", rows=0, ints=None
+        self,
+        channel: Channel,
+        failed: int,
+        has_w: bool,
+        digest: int,
+        nints=None,
+        why="",
+        rows=0,
+        ints=None,
+        meanwhile=None,
     ) -> tuple[str, list, list | None]:
         """Phase 3 of :meth:`_run`: this rank's :class:`Header` to every rank, theirs back, on
         ``channel``, with ``ints`` (per rank, the int64s this rank sends it next: as many as the
         channel's capacity holds in the same all-to-all, see :func:`headers_and_ints`); ``why``: this
         rank's failure, for the others' errors; ``rows``: the row elements this rank will receive.
         Returns (the step's key, the headers, per rank the int64s it sent this one: None when a rank
-        failed)."""
+        failed). ``meanwhile``: called while the headers cross (see :func:`headers_and_ints`)."""
         world = self.world_size
         nints = nints if nints is not None else [0] * world
         step = channel.next_step()
@@ -525,10 +545,12 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
             health.tell(f"{step}/{self.rank}", why)
         heads = [Header(failed, int(has_w), digest, n, rows) for n in nints]
         if world == 1:
+            if meanwhile is not None:
+                meanwhile()
             return step, heads, None if failed else ints
         if channel.cap is None:
             channel.cap = Capacity.of(world)
-        got, got_ints = headers_and_ints(heads, ints, channel.cap, channel.group, self._device)
+        got, got_ints = headers_and_ints(heads, ints, channel.cap, channel.group, self._device, meanwhile)
         return step, got, got_ints
 
     def _raise_if_failed(self, step: str, got: list, error: BaseException | None, reqs) -> None:
@@ -558,7 +580,7 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
             )
 
     def _step_header(
-        self, channel: Channel, reqs, error, has_w=False, nints=None, rows: int = 0, ints=None
+        self, channel: Channel, reqs, error, has_w=False, nints=None, rows: int = 0, ints=None, meanwhile=None
     ) -> tuple[str, list, list | None]:
         """The headers of this step's exchange (``error``: this rank's refused input, or None) and
         what follows them (see :meth:`_header`); raises on every rank when any rank failed or the
@@ -566,7 +588,7 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
         why = health.first_line(error) if error is not None else ""
         digest = features_digest([f for f, _ in reqs])
         code = 0 if error is None else INVALID if isinstance(error, InvalidInputError) else FAILED
-        step, got, got_ints = self._header(channel, code, has_w, digest, nints, why, rows, ints)
+        step, got, got_ints = self._header(channel, code, has_w, digest, nints, why, rows, ints, meanwhile)
         self._raise_if_failed(step, got, error, reqs)
         return step, got, got_ints
 
