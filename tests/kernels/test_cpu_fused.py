@@ -405,3 +405,7 @@ def test_merged_row_sets_equal_the_sum_by_index_in_set_order(dtype):
     # what it does not take: the caller sums another way
     assert cpu_fused.merge_rows([ids[0].flip(0), ids[2]], [rows[0], rows[2]], 1.0) is None  # (not ascending)
     assert cpu_fused.merge_rows([ids[0], ids[2]], [rows[0], rows[2].to(torch.bfloat16)], 1.0) is None
+    with pytest.raises(ValueError, match="one D"):  # (rows that do not match their ids: never read out of bounds)
+        cpu_fused.merge_rows([ids[0], ids[2]], [rows[0], rows[2][:-1]], 1.0)
+    with pytest.raises(ValueError, match="one D"):
+        cpu_fused.merge_rows([ids[0], ids[2]], [rows[0], rows[2][:, :3]], 1.0)

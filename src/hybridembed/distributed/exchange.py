@@ -127,7 +127,7 @@ def headers_and_ints(
     second all-to-all sends the rest. ``cap`` is then set from this exchange's sizes, the same on
     both ends of every pair. Returns every rank's header to this one and what it sent after it
     (None when some rank failed: nothing after a failed header is read). ``meanwhile``: a function
-    called while the headers cross (the first all-to-all started, then waited for)."""
+    called while the headers cross (see :func:`all_to_all`)."""
     world = len(heads)
     ints = ints if ints is not None else [torch.zeros(0, dtype=torch.int64, device=device)] * world
     more = int(any(x.numel() > c for x, c in zip(ints, cap.send)))
@@ -139,25 +139,7 @@ def headers_and_ints(
         if x.numel() < c:
             pieces.append(x.new_zeros(c - x.numel()))
     sizes = [Header.SIZE + c for c in cap.recv]
-    if meanwhile is None:
-        got = exchange(torch.cat(pieces), [Header.SIZE + c for c in cap.send], sizes, group).split(sizes)
-    else:
-        flat = torch.cat(pieces)
-        out = flat.new_empty(sum(sizes))
-        try:
-            work = dist.all_to_all_single(
-                out, flat, sizes, [Header.SIZE + c for c in cap.send], group=group, async_op=True
-            )
-        except RuntimeError as e:
-            raise lost_peer(e, group) from None
-        try:
-            meanwhile()
-        finally:  # (the headers are waited for whatever meanwhile did: every rank's stream of collectives stays whole)
-            try:
-                work.wait()
-            except RuntimeError as e:
-                raise lost_peer(e, group) from None
-        got = out.split(sizes)
+    got = exchange(torch.cat(pieces), [Header.SIZE + c for c in cap.send], sizes, group, meanwhile).split(sizes)
     got_h = Header.unpack(torch.cat([g[: Header.SIZE] for g in got]))
     firsts = [g[Header.SIZE : Header.SIZE + min(h.nints, c)] for g, h, c in zip(got, got_h, cap.recv)]
     rest_in = [max(0, h.nints - c) for h, c in zip(got_h, cap.recv)]
@@ -195,12 +177,24 @@ def fold_status(send: torch.Tensor, send_splits: list[int], recv_splits: list[in
     return torch.cat([p[:-1] for p in parts]), statuses
 
 
-def all_to_all(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, group) -> None:
-    """``all_to_all_single``; a peer that died, stopped or failed -> :class:`RankLost` naming it."""
+def all_to_all(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, group, meanwhile=None) -> None:
+    """``all_to_all_single``; a peer that died, stopped or failed -> :class:`RankLost` naming it.
+    ``meanwhile``: a function called while it runs (started, then waited for whatever the function
+    did: every rank's sequence of collectives stays whole)."""
     try:
-        dist.all_to_all_single(out, t, recv_splits, send_splits, group=group)
+        if meanwhile is None:
+            dist.all_to_all_single(out, t, recv_splits, send_splits, group=group)
+            return
+        work = dist.all_to_all_single(out, t, recv_splits, send_splits, group=group, async_op=True)
     except RuntimeError as e:
         raise lost_peer(e, group) from None
+    try:
+        meanwhile()
+    finally:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise lost_peer(e, group) from None
 
 
 def lost_peer(e: RuntimeError, group) -> health.RankLost:
@@ -285,10 +279,11 @@ class SharedRowsExchange(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-def exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    """``t`` split by ``send_splits`` to the ranks of ``group``; what they send back, by ``recv_splits``."""
+def exchange(t: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, meanwhile=None) -> torch.Tensor:
+    """``t`` split by ``send_splits`` to the ranks of ``group``; what they send back, by ``recv_splits``
+    (``meanwhile``: see :func:`all_to_all`)."""
     out = t.new_empty(sum(recv_splits))
-    all_to_all(out, t, recv_splits, send_splits, group)
+    all_to_all(out, t, recv_splits, send_splits, group, meanwhile)
     return out
 
 

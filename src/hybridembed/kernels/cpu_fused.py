@@ -306,7 +306,15 @@ def merge_rows(ids: list[torch.Tensor], rows: list[torch.Tensor], divisor: float
     """Several sets of distinct row ids, each ascending, with their rows (U_k, D) -> (their union
     ascending, each id's rows summed in the order of the sets and divided by ``divisor``), in one
     pass per further set; None where this cannot (no Numba, a dtype it does not take, a set not
-    ascending): the caller then sums another way."""
+    ascending): the caller then sums another way. Sets of other shapes are refused (the kernel reads
+    without bounds checks)."""
+    width = rows[0].shape[1] if rows and rows[0].dim() == 2 else -1
+    if len(ids) != len(rows) or any(
+        i.dim() != 1 or r.dim() != 2 or r.shape != (i.numel(), width) for i, r in zip(ids, rows)
+    ):
+        raise ValueError(
+            f"merge_rows: (ids (U,), rows (U, D)) per set, one D; got {[(i.shape, r.shape) for i, r in zip(ids, rows)]}"
+        )
     if len(ids) < 2 or not all(r.dtype in _DTYPES and r.dtype == rows[0].dtype for r in rows) or not available():
         return None
     from . import _numba_kernels as K
