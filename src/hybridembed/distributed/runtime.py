@@ -65,6 +65,7 @@ from .exchange import (
     fold_status,
     headers_and_ints,
 )
+from .joined import ShardedJoined
 from .plan import Plan
 from .routes import Sends, assemble
 from .sharded import REDUCTIONS, ShardedTables, check_wire
@@ -92,7 +93,7 @@ def _matrices(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.T
     return out
 
 
-class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined):
+class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined, ShardedJoined):
     """Tables sharded over a process group, looked up like an :class:`EmbeddingCollection`.
 
     Args:

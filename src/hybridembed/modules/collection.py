@@ -36,6 +36,7 @@ from ..storage import LookupPlan, RowStorage, serial, storage_class
 from ..storage.tiered import prefetch_rows
 from ..utils import check_device, device_tensor, kept_tensor
 from .compiled import compiled_forward, compiling
+from .joined import lookup_joined
 
 __all__ = ["EmbeddingCollection"]
 
@@ -517,6 +518,10 @@ class EmbeddingCollection(nn.Module):
         self._validate(batches, jagged)
         out = self._run_groups(batches, jagged, train)
         return [out[str(i)] for i in range(len(requests))]
+
+    def _lookup_joined(self, requests, outs, pieces, train: bool) -> torch.Tensor | None:
+        """A ``torch.cat`` of queued lookups made by their kernel call, or None (:mod:`.joined`)."""
+        return lookup_joined(self, requests, outs, pieces, train)
 
     def _assemble(self, storage: RowStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict) -> _GroupBatch:
         """A group's features as one batch for one kernel call: pooled features are bags, and

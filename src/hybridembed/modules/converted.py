@@ -56,6 +56,10 @@ class ConvertedCollection(EmbeddingCollection):
         self._check_consumed()
         return super()._lookup_many(requests, train, checked)
 
+    def _lookup_joined(self, requests, outs, pieces, train: bool) -> torch.Tensor | None:
+        self._check_consumed()
+        return super()._lookup_joined(requests, outs, pieces, train)
+
     def _check_consumed(self) -> None:
         """Warns once when a table's gradient was left by the last step with no optimizer to take
         it: the model was converted after its optimizer was built, and he.wrap_optimizer was not called."""
@@ -174,7 +178,10 @@ class _TableLayer(nn.Module):
 
         queue = ec.lookup_queue
         if queue is not None and queue.active:
-            return queue.request(self.table, Jagged(ids, offsets, weights), shape, dtype, finish)
+            # (no post: the queue's own cast, so a torch.cat of the outputs may be made by the lookup: .joined)
+            return queue.request(
+                self.table, Jagged(ids, offsets, weights), shape, dtype, None if post is None else finish
+            )
         return finish(ec.lookup(self.table, Jagged(ids, offsets, weights)))
 
     def _rows(self, ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -8,7 +8,8 @@ torch op (the ``torch.cat`` that joins a model's embeddings, an MLP layer, ``.su
 every lookup queued so far runs at once through
 :meth:`~hybridembed.EmbeddingCollection.lookup_many`: one kernel call per group of
 tables, one validation sync, one sparse gradient per group. The op then runs on the real
-rows; autograd sees ordinary tensors.
+rows; autograd sees ordinary tensors. When that first use is a ``torch.cat`` of the queued
+outputs along their last dim, the kernel call may write the joined tensor itself (:mod:`.joined`).
 
 Rules that keep this exact:
 
@@ -57,6 +58,7 @@ import torch
 from torch.fx import _symbolic_trace as _fx
 
 from ..input import Jagged
+from .joined import JOINS
 
 __all__ = ["DeferredRows", "LookupQueue", "deferral_possible"]
 
@@ -103,16 +105,21 @@ class DeferredRows(torch.Tensor):
     _queue: LookupQueue | None
     _value: torch.Tensor | None
     _error: BaseException | None
+    _joined: tuple | None  # (a joined lookup's Made, this output's request in it): see .joined
 
     @staticmethod
     def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, queue: LookupQueue):
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
-        t._queue, t._value, t._error = queue, None, None
+        t._queue, t._value, t._error, t._joined = queue, None, None, None
         return t
 
     def materialize(self) -> torch.Tensor:
         """The real output (runs the queue if it has not run yet)."""
         if self._value is None:
+            if self._joined is not None:  # (made by a joined lookup: its columns of the cat)
+                made, i = self._joined
+                self._value, self._joined = made.value(i), None
+                return self._value
             if self._error is None and self._queue is not None:
                 self._queue.flush()
             if self._error is not None:
@@ -126,6 +133,10 @@ class DeferredRows(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if func in JOINS:  # (a cat that is the first use of the queued lookups: made by their kernel call)
+            joined = _join(args, kwargs or {})
+            if joined is not None:
+                return joined
         args = tuple(_real(a) for a in args)
         kwargs = {k: _real(v) for k, v in kwargs.items()} if kwargs else {}
         return func(*args, **kwargs)
@@ -142,6 +153,18 @@ class DeferredRows(torch.Tensor):
 
     def __reduce_ex__(self, proto):
         return self.materialize().__reduce_ex__(proto)
+
+
+def _join(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``torch.cat(tensors, dim)`` made by a joined lookup (:mod:`.joined`), or None."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+    if type(tensors) not in (list, tuple) or len(args) > 2 or set(kwargs) - {"tensors", "dim", "axis"}:
+        return None
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim not in (1, -1):
+        return None
+    queue = next((t._queue for t in tensors if isinstance(t, DeferredRows) and t._value is None), None)
+    return None if queue is None else queue.flush_joined(list(tensors))
 
 
 class _Request:
@@ -313,6 +336,46 @@ class LookupQueue:
         t.mode = mode
         out = DeferredRows(shape, dtype, device, self)
         t.pending.append(_Request(feature, ids, post, out, tuple(shape), dtype))
+        return out
+
+    def flush_joined(self, tensors: list) -> torch.Tensor | None:
+        """``torch.cat(tensors, 1)`` of 2-D tensors, when they hold every queued lookup: made by
+        one kernel call in the joined layout (:mod:`.joined`), or None (nothing run) where it does
+        not apply."""
+        t = self._thread
+        waiting = {id(r.out): r for r in t.pending}
+        reqs, pieces = [], []
+        for x in tensors:
+            if isinstance(x, DeferredRows) and (x._value is None or x._joined is not None):
+                r = waiting.pop(id(x), None)
+                if r is None or r.post is not None or len(r.shape) != 2:
+                    return None  # (another queue's, one joined already, twice in this cat, a shaped output)
+                pieces.append(len(reqs))
+                reqs.append(r)
+            elif isinstance(x, torch.Tensor) and x.dim() == 2:
+                pieces.append(_real(x))
+            else:
+                return None
+        joined = getattr(self.collection, "_lookup_joined", None)
+        if waiting or not reqs or joined is None or t.mode[1]:
+            return None
+        grad, _, train = t.mode
+        queued, t.pending = t.pending, []
+        try:
+            with torch.set_grad_enabled(grad):
+                out = joined([(r.feature, r.ids) for r in reqs], [(r.shape, r.dtype) for r in reqs], pieces, train)
+        except BaseException as e:
+            for r in reqs:
+                r.out._error, r.out._queue = e, None
+            self.flushes += 1
+            raise
+        if out is None:
+            t.pending = queued
+            return None
+        self.flushes += 1
+        out, made = out
+        for i, r in enumerate(reqs):
+            r.out._joined, r.out._queue = (made, i), None
         return out
 
     def flush(self) -> None:

@@ -1,0 +1,188 @@
+"""Joined lookups: a model's ``torch.cat`` of its deferred embedding outputs made by the kernel call.
+
+Most recommendation models join their features' rows side by side before the dense part
+(``torch.cat([emb(x) for ...], 1)``; DLRM's ``torch.cat([x] + ly, 1)``). A group's kernel call
+writes its bags one feature after the other, (F x B, D), and the ``cat`` then copies every row
+again into (B, W): at 26 features x 4,096 x 64 that copy is 27 MB, a third of a one-process step
+on a 2-core machine (``docs/benchmarks.md``). FBGEMM's and TorchRec's layout is the joined one.
+
+When the ``cat`` is the first use of a forward's deferred outputs (:mod:`.grouped`), along their
+last dim, and the outputs it joins are every lookup queued (the group's features, one id a bag
+each, pooled by sum, of one batch size), the queue hands the whole ``cat`` to the collection:
+the group's ids are taken batch by batch (bag ``b * slots + s`` is feature ``s``'s bag ``b``),
+so the kernel's (B x slots, D) output *is* the joined (B, W) tensor; the ``cat``'s other inputs
+(a dense part's (B, k x D) output) are bags with no id, filled after. Its gradient is kept as it
+lies for the fused CPU step (each id's row of the (B, W) gradient). Anything else (other
+layouts, kernels, per-id weights, a dense input whose width is not a multiple of the rows')
+takes the usual path: the lookups run, then ``torch.cat`` copies.
+
+The joined outputs' own values are the ``cat``'s columns, copied out when a later op reads one
+(rare: a model reads the joined tensor); see :class:`Made`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import HybridEmbedError
+from ..input import Jagged
+from ..kernels import cpu_fused
+
+__all__ = ["lookup_joined", "prepare", "Ready", "Made", "JOINS"]
+
+JOINS = (torch.cat, torch.concat, torch.concatenate)  # (the torch functions whose first use this takes)
+
+
+class _KeptJoined(torch.autograd.Function):
+    """``embedding_bag`` over bags in the joined layout -> (B, W), the dense inputs written in
+    their columns; the backward keeps the rows' gradient beside the storage where it lies and
+    gives each dense input its columns."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, offsets, storage, rows_of, shape, cols, *dense):
+        ctx.storage, ctx.rows_of, ctx.cols, ctx.d = storage, rows_of, cols, weight.shape[1]
+        ctx.keep = weight.requires_grad
+        ctx.save_for_backward(ids)
+        return _joined(weight, ids, offsets, shape, cols, dense)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, W)
+        if ctx.keep:
+            (ids,) = ctx.saved_tensors
+            g = grad if grad.is_contiguous() else grad.contiguous()
+            source = g.view(-1, ctx.d)  # (B x slots, D): bag b * slots + s
+            ctx.storage.defer_grad(ids, source, _ones(ids), None, True, ctx.rows_of)
+        return (None,) * 7 + tuple(grad[:, a:b] for a, b in ctx.cols)
+
+
+def _ones(ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(ids.numel() + 1, dtype=torch.int64, device=ids.device)
+
+
+def _joined(weight, ids, offsets, shape, cols, dense) -> torch.Tensor:
+    out = F.embedding_bag(ids, weight, offsets, mode="sum", include_last_offset=True)
+    out = torch.ops.aten._unsafe_view(out, shape)  # (not a view for autograd: the model may change it in place)
+    for (a, b), x in zip(cols, dense):
+        out[:, a:b].copy_(x)
+    return out
+
+
+def lookup_joined(
+    collection, requests: Sequence[tuple[str, Jagged]], outs: Sequence[tuple], pieces: list[Any], train: bool
+):
+    """``torch.cat(pieces, 1)`` where each piece is the index of a request ``(feature, ids)`` (the
+    queue's, checked; its output's ``(shape, dtype)`` in ``outs``) or a 2-D tensor: made by one
+    kernel call in the joined layout, as (the joined tensor, its :class:`Made`), or None where this
+    layout does not apply (nothing was looked up then: the caller runs the usual path)."""
+    ready = prepare(collection, requests, outs, pieces)
+    return None if ready is None else ready.run(train)
+
+
+def prepare(collection, requests: Sequence[tuple[str, Jagged]], outs: Sequence[tuple], pieces: list[Any]):
+    """:func:`lookup_joined`'s checks (nothing looked up, nothing changed): a :class:`Ready` to run,
+    or None where the joined layout does not apply."""
+    feats = [collection._keyed(feature, i) for i, (feature, _) in enumerate(requests)]
+    js = [ids for _, ids in requests]
+    f0 = feats[0]
+    storage = collection.storages[f0.group]
+    cdt = f0.table.compute_dtype
+    if not (
+        all(f.group == f0.group and f.table.combiner == "sum" for f in feats)
+        and all(j.weights is None and collection._trusted(j) for j in js)
+        and len({j.values.numel() for j in js}) == 1
+        and all(shape == (js[0].values.numel(), storage.dim) and dtype == cdt for shape, dtype in outs)
+        and not storage.remote  # (the fused step may keep the gradient: collection._keeps without weights)
+        and cdt == storage.weight.dtype
+        and cpu_fused.runs_on(storage.kernels, storage.weight)
+    ):
+        return None
+    b, d = js[0].values.numel(), storage.dim
+    slot_of, cols, dense, width = {}, [], [], 0
+    for p in pieces:
+        if isinstance(p, int):
+            slot_of[p] = width // d
+            width += d
+            continue
+        if not (p.dim() == 2 and p.shape[0] == b and p.shape[1] % d == 0 and p.dtype == cdt):
+            return None
+        if p.device != storage.weight.device:
+            return None
+        cols.append((width, width + p.shape[1]))
+        dense.append(p)
+        width += p.shape[1]
+    return Ready(collection, storage, feats, js, slot_of, cols, dense, (b, width))
+
+
+class Ready:
+    """A joined lookup checked by :func:`prepare`, to run."""
+
+    def __init__(self, collection, storage, feats, js, slot_of: dict, cols: list, dense: list, shape: tuple):
+        self.collection, self.storage, self.slot_of = collection, storage, slot_of
+        self.order = sorted(slot_of, key=slot_of.get)  # the requests in the cat's order
+        self.feats, self.js = [feats[i] for i in self.order], [js[i] for i in self.order]
+        self.cols, self.dense, self.shape = cols, dense, shape
+
+    def run(self, train: bool) -> tuple[torch.Tensor, Made]:
+        """The lookup (validated first: bad ids raise and change nothing) -> (the joined tensor, its Made)."""
+        collection, storage, slot_of, order = self.collection, self.storage, self.slot_of, self.order
+        (b, width), d, nf = self.shape, storage.dim, len(self.feats)
+        slots = width // d
+        batch = collection._assemble_small(storage, self.feats, self.js, [b] * nf, [b] * nf)
+        collection._validate([batch], {f.jkey: j for f, j in zip(self.feats, self.js)})
+        collection._plan_group(batch, train)
+        plan, batch.plan = batch.plan, None
+        ids, _ = plan.commit()  # (F x B,) row slots, feature after feature
+        dev = ids.device
+        ids = ids.view(nf, b).t().contiguous().view(-1)  # bag b * F + k: the cat's k-th lookup's bag b
+        if slots == nf:
+            offsets, rows_of = _ones(ids), None
+        else:  # the dense inputs' columns are bags with no id; each id's bag is its row of the (B x slots, D) output
+            taken = torch.tensor([slot_of[i] for i in order], dtype=torch.int64, device=dev)
+            before = torch.zeros(slots + 1, dtype=torch.int64, device=dev)
+            before[taken + 1] = 1
+            before = before.cumsum(0)[:-1]  # (slots,): lookups before each slot
+            offsets = torch.empty(b * slots + 1, dtype=torch.int64, device=dev)
+            torch.add(torch.arange(b, device=dev).mul_(nf).unsqueeze(1), before, out=offsets[:-1].view(b, slots))
+            offsets[-1] = ids.numel()
+            rows_of = (torch.arange(b, device=dev).mul_(slots).unsqueeze(1) + taken).view(-1)
+        if ids.dtype != offsets.dtype:
+            offsets = offsets.to(ids.dtype)
+        weight, cols, dense = storage.weight, self.cols, self.dense
+        grad = torch.is_grad_enabled() and (weight.requires_grad or any(x.requires_grad for x in dense))
+        if grad:
+            out = _KeptJoined.apply(weight, ids, offsets, storage, rows_of, self.shape, cols, *dense)
+        else:
+            out = _joined(weight.detach(), ids, offsets, self.shape, cols, dense)
+        return out, Made(out, storage, ids.view(b, nf), [slot_of[i] * d for i in range(nf)], order, grad)
+
+
+class Made:
+    """A joined lookup's result, for its outputs' own values when a later op reads one: the
+    columns of the joined tensor, copied; where that tensor was changed in place since, the rows
+    looked up again (the table unchanged since: no optimizer step, no write); else an error."""
+
+    def __init__(self, out, storage, ids, starts: list[int], order: list[int], grad: bool):
+        self.out, self.version, self.storage, self.grad = out, out._version, storage, grad
+        self.step, self.wversion = storage.step, storage.weight._version
+        self.ids, self.starts = ids, starts  # (B, F) row slots in the cat's order; each request's first column
+        self.column = {i: k for k, i in enumerate(order)}  # request -> its column of ids
+
+    def value(self, i: int) -> torch.Tensor:
+        """Request ``i``'s output (B, D)."""
+        a, d = self.starts[i], self.storage.dim
+        if self.out._version == self.version:
+            return self.out[:, a : a + d].clone()
+        st = self.storage
+        if st.step == self.step and st.weight._version == self.wversion and not st.keyed:
+            ids = self.ids[:, self.column[i]].contiguous()
+            with torch.set_grad_enabled(self.grad):
+                return cpu_fused.pooled_lookup(st, ids, _ones(ids), None, True)
+        raise HybridEmbedError(
+            "an embedding output was read after the torch.cat that joined it (made by the lookup itself) was "
+            "changed in place and its table changed too: its rows are gone. Read it before changing the joined "
+            "tensor, or convert the model with he.convert(model, grouped=False)"
+        )
