@@ -214,3 +214,46 @@ def test_bad_ids_in_a_joined_cat_are_refused_and_change_nothing():
     x, ids = batch(1)  # the next forward is served
     conv(x, ids)[0].sum().backward()
     opt.step()
+
+
+class DeepFm(nn.Module):
+    """DeepCTR's shape: per field a (B, 1, D) and a (B, 1, 1) lookup, all called before the first cat
+    (two groups queued: each cat joins one, the other stays queued until its own cat)."""
+
+    def __init__(self, fields: int = 3, vocab: int = 25, dim: int = 4):
+        super().__init__()
+        self.emb = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(fields))
+        self.lin = nn.ModuleList(nn.Embedding(vocab, 1) for _ in range(fields))
+        self.dense = nn.Linear(2, dim)
+        self.deep = nn.Linear((fields + 1) * dim, 1)
+
+    def forward(self, sparse, x):
+        emb = [e(sparse[:, i : i + 1]) for i, e in enumerate(self.emb)]  # F x (B, 1, D)
+        lin = [e(sparse[:, i : i + 1]) for i, e in enumerate(self.lin)]  # F x (B, 1, 1)
+        e = torch.cat([self.dense(x).unsqueeze(1), *emb], 1)  # (B, F + 1, D)
+        first = torch.cat(lin, 1).sum((1, 2))
+        fm = 0.5 * (e.sum(1).pow(2) - e.pow(2).sum(1)).sum(1)
+        return first + fm + self.deep(e.flatten(1)).squeeze(1)
+
+
+def test_three_dim_outputs_of_two_groups_are_joined_each_and_train_as_plain_pytorch(monkeypatch):
+    made = spy(monkeypatch)
+    torch.manual_seed(7)
+    base = DeepFm()
+    ref, conv = copy.deepcopy(base), he.convert(copy.deepcopy(base))
+    ropt = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    opt = he.wrap_optimizer(torch.optim.Adagrad(conv.parameters(), lr=0.1), conv)
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        sparse, x = torch.randint(0, 25, (8, 3), generator=g), torch.randn(8, 2, generator=g)
+        out, rout = conv(sparse, x), ref(sparse, x)
+        torch.testing.assert_close(out, rout, rtol=1e-5, atol=1e-6)
+        opt.zero_grad()
+        ropt.zero_grad()
+        (out**2).mean().backward()
+        (rout**2).mean().backward()
+        opt.step()
+        ropt.step()
+    assert made == [True, True] * 3
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(conv.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -15,7 +15,7 @@ from ..modules import joined
 class ShardedJoined:
     """The :class:`~hybridembed.distributed.ShardedCollection` side of a joined lookup."""
 
-    def _lookup_joined(self, requests, outs, pieces: list[Any], train: bool) -> tuple | None:
+    def _lookup_joined(self, requests, outs, pieces: list[Any], train: bool, others=()) -> tuple | None:
         """``torch.cat`` of queued lookups of replicated tables and 2-D tensors, made by one kernel
         call of the replicas' collection, or None (nothing exchanged, nothing looked up)."""
         if self._ahead is not None or not all(self._routes[self.features[f]].replicated for f, _ in requests):
@@ -25,7 +25,7 @@ class ShardedJoined:
             return None
         # (one id a bag: the same ids with the replicas' own offsets, which it takes on trust as these)
         mine = [(f, Jagged(j.values, rep._one_per_bag(j.values.shape[0], j.values.device))) for f, j in requests]
-        ready = joined.prepare(rep, mine, outs, pieces)
+        ready = joined.prepare(rep, mine, outs, pieces, others)
         if ready is None:
             return None
         try:  # (a refusal here reaches every rank: see step_failed)

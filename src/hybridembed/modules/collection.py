@@ -519,9 +519,9 @@ class EmbeddingCollection(nn.Module):
         out = self._run_groups(batches, jagged, train)
         return [out[str(i)] for i in range(len(requests))]
 
-    def _lookup_joined(self, requests, outs, pieces, train: bool) -> torch.Tensor | None:
+    def _lookup_joined(self, requests, outs, pieces, train: bool, others=()) -> tuple | None:
         """A ``torch.cat`` of queued lookups made by their kernel call, or None (:mod:`.joined`)."""
-        return lookup_joined(self, requests, outs, pieces, train)
+        return lookup_joined(self, requests, outs, pieces, train, others)
 
     def _assemble(self, storage: RowStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict) -> _GroupBatch:
         """A group's features as one batch for one kernel call: pooled features are bags, and

@@ -56,9 +56,9 @@ class ConvertedCollection(EmbeddingCollection):
         self._check_consumed()
         return super()._lookup_many(requests, train, checked)
 
-    def _lookup_joined(self, requests, outs, pieces, train: bool) -> torch.Tensor | None:
+    def _lookup_joined(self, requests, outs, pieces, train: bool, others=()) -> tuple | None:
         self._check_consumed()
-        return super()._lookup_joined(requests, outs, pieces, train)
+        return super()._lookup_joined(requests, outs, pieces, train, others)
 
     def _check_consumed(self) -> None:
         """Warns once when a table's gradient was left by the last step with no optimizer to take

@@ -161,10 +161,10 @@ def _join(args: tuple, kwargs: dict) -> torch.Tensor | None:
     dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
     if type(tensors) not in (list, tuple) or len(args) > 2 or set(kwargs) - {"tensors", "dim", "axis"}:
         return None
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim not in (1, -1):
+    if not isinstance(dim, int) or isinstance(dim, bool):
         return None
     queue = next((t._queue for t in tensors if isinstance(t, DeferredRows) and t._value is None), None)
-    return None if queue is None else queue.flush_joined(list(tensors))
+    return None if queue is None else queue.flush_joined(list(tensors), dim)
 
 
 class _Request:
@@ -338,32 +338,47 @@ class LookupQueue:
         t.pending.append(_Request(feature, ids, post, out, tuple(shape), dtype))
         return out
 
-    def flush_joined(self, tensors: list) -> torch.Tensor | None:
-        """``torch.cat(tensors, 1)`` of 2-D tensors, when they hold every queued lookup: made by
-        one kernel call in the joined layout (:mod:`.joined`), or None (nothing run) where it does
-        not apply."""
+    def flush_joined(self, tensors: list, dim: int) -> torch.Tensor | None:
+        """``torch.cat(tensors, dim)`` of 2-D tensors along their last dim, or of 3-D ones along
+        dim 1 (outputs (B, 1, D)), when they hold every queued lookup of their group: made by one
+        kernel call in the joined layout (:mod:`.joined`), or None (nothing run) where it does not
+        apply. The other groups' queued lookups stay queued."""
         t = self._thread
         waiting = {id(r.out): r for r in t.pending}
-        reqs, pieces = [], []
+        reqs, pieces, nd = [], [], None
         for x in tensors:
             if isinstance(x, DeferredRows) and (x._value is None or x._joined is not None):
                 r = waiting.pop(id(x), None)
-                if r is None or r.post is not None or len(r.shape) != 2:
+                if r is None or r.post is not None or not (len(r.shape) == 2 or r.shape[1:2] == (1,)):
                     return None  # (another queue's, one joined already, twice in this cat, a shaped output)
                 pieces.append(len(reqs))
                 reqs.append(r)
-            elif isinstance(x, torch.Tensor) and x.dim() == 2:
-                pieces.append(_real(x))
+                nd = nd or len(r.shape)
+            elif isinstance(x, torch.Tensor):
+                v = x._value if isinstance(x, DeferredRows) else x  # (a deferred output run already: its rows)
+                if v is None or v.dim() not in (2, 3):
+                    return None
+                pieces.append(v)
             else:
                 return None
+        if (
+            nd is None
+            or any(len(r.shape) != nd for r in reqs)
+            or any(not isinstance(p, int) and p.dim() != nd for p in pieces)
+        ):
+            return None
         joined = getattr(self.collection, "_lookup_joined", None)
-        if waiting or not reqs or joined is None or t.mode[1]:
+        if dim not in ((1, -1) if nd == 2 else (1, -2)) or joined is None or t.mode[1]:
             return None
         grad, _, train = t.mode
-        queued, t.pending = t.pending, []
+        queued = t.pending
+        t.pending = [r for r in queued if id(r.out) in waiting]  # (other groups' lookups: still queued)
+        others = [r.feature for r in t.pending]
         try:
             with torch.set_grad_enabled(grad):
-                out = joined([(r.feature, r.ids) for r in reqs], [(r.shape, r.dtype) for r in reqs], pieces, train)
+                out = joined(
+                    [(r.feature, r.ids) for r in reqs], [(r.shape, r.dtype) for r in reqs], pieces, train, others
+                )
         except BaseException as e:
             for r in reqs:
                 r.out._error, r.out._queue = e, None

@@ -45,18 +45,20 @@ class _KeptJoined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, ids, offsets, storage, rows_of, shape, cols, *dense):
         ctx.storage, ctx.rows_of, ctx.cols, ctx.d = storage, rows_of, cols, weight.shape[1]
+        ctx.shapes = [x.shape for x in dense]
         ctx.keep = weight.requires_grad
         ctx.save_for_backward(ids)
         return _joined(weight, ids, offsets, shape, cols, dense)
 
     @staticmethod
-    def backward(ctx, grad):  # (B, W)
+    def backward(ctx, grad):  # (B, W) or (B, slots, D)
+        g = grad if grad.is_contiguous() else grad.contiguous()
         if ctx.keep:
             (ids,) = ctx.saved_tensors
-            g = grad if grad.is_contiguous() else grad.contiguous()
             source = g.view(-1, ctx.d)  # (B x slots, D): bag b * slots + s
             ctx.storage.defer_grad(ids, source, _ones(ids), None, True, ctx.rows_of)
-        return (None,) * 7 + tuple(grad[:, a:b] for a, b in ctx.cols)
+        flat = g.view(g.shape[0], -1)
+        return (None,) * 7 + tuple(flat[:, a:b].view(shape) for (a, b), shape in zip(ctx.cols, ctx.shapes))
 
 
 def _ones(ids: torch.Tensor) -> torch.Tensor:
@@ -66,62 +68,73 @@ def _ones(ids: torch.Tensor) -> torch.Tensor:
 def _joined(weight, ids, offsets, shape, cols, dense) -> torch.Tensor:
     out = F.embedding_bag(ids, weight, offsets, mode="sum", include_last_offset=True)
     out = torch.ops.aten._unsafe_view(out, shape)  # (not a view for autograd: the model may change it in place)
+    flat = out.view(shape[0], -1)
     for (a, b), x in zip(cols, dense):
-        out[:, a:b].copy_(x)
+        flat[:, a:b].copy_(x.reshape(shape[0], -1))
     return out
 
 
 def lookup_joined(
-    collection, requests: Sequence[tuple[str, Jagged]], outs: Sequence[tuple], pieces: list[Any], train: bool
+    collection,
+    requests: Sequence[tuple[str, Jagged]],
+    outs: Sequence[tuple],
+    pieces: list[Any],
+    train: bool,
+    others: Sequence[str] = (),
 ):
     """``torch.cat(pieces, 1)`` where each piece is the index of a request ``(feature, ids)`` (the
-    queue's, checked; its output's ``(shape, dtype)`` in ``outs``) or a 2-D tensor: made by one
-    kernel call in the joined layout, as (the joined tensor, its :class:`Made`), or None where this
-    layout does not apply (nothing was looked up then: the caller runs the usual path)."""
-    ready = prepare(collection, requests, outs, pieces)
+    queue's, checked; its output's ``(shape, dtype)`` in ``outs``: (B, D), or (B, 1, D) when every
+    piece is 3-D) or a tensor: made by one kernel call in the joined layout, as (the joined tensor,
+    its :class:`Made`), or None where this layout does not apply (nothing was looked up then: the
+    caller runs the usual path). ``others``: the features of lookups still queued besides (none of
+    the requests' group may be among them)."""
+    ready = prepare(collection, requests, outs, pieces, others)
     return None if ready is None else ready.run(train)
 
 
-def prepare(collection, requests: Sequence[tuple[str, Jagged]], outs: Sequence[tuple], pieces: list[Any]):
+def prepare(collection, requests, outs: Sequence[tuple], pieces: list[Any], others: Sequence[str] = ()):
     """:func:`lookup_joined`'s checks (nothing looked up, nothing changed): a :class:`Ready` to run,
     or None where the joined layout does not apply."""
     feats = [collection._keyed(feature, i) for i, (feature, _) in enumerate(requests)]
     js = [ids for _, ids in requests]
     f0 = feats[0]
     storage = collection.storages[f0.group]
-    cdt = f0.table.compute_dtype
+    cdt, b, d = f0.table.compute_dtype, js[0].values.numel(), storage.dim
+    nd = len(outs[0][0])
+    each = (b, d) if nd == 2 else (b, 1, d)  # (every output's shape)
     if not (
         all(f.group == f0.group and f.table.combiner == "sum" for f in feats)
-        and all(j.weights is None and collection._trusted(j) for j in js)
-        and len({j.values.numel() for j in js}) == 1
-        and all(shape == (js[0].values.numel(), storage.dim) and dtype == cdt for shape, dtype in outs)
+        and all(j.weights is None and collection._trusted(j) and j.values.numel() == b for j in js)
+        and all(tuple(shape) == each and dtype == cdt for shape, dtype in outs)
+        and not any(f in collection._features and collection._features[f].group == f0.group for f in others)
         and not storage.remote  # (the fused step may keep the gradient: collection._keeps without weights)
         and cdt == storage.weight.dtype
         and cpu_fused.runs_on(storage.kernels, storage.weight)
     ):
         return None
-    b, d = js[0].values.numel(), storage.dim
     slot_of, cols, dense, width = {}, [], [], 0
     for p in pieces:
         if isinstance(p, int):
             slot_of[p] = width // d
             width += d
             continue
-        if not (p.dim() == 2 and p.shape[0] == b and p.shape[1] % d == 0 and p.dtype == cdt):
+        k = p.shape[1] * d if nd == 3 else p.shape[1]  # (its width in the joined rows)
+        if not (p.shape[0] == b and p.shape[-1] % d == 0 and p.shape[nd - 1] == (d if nd == 3 else p.shape[1])):
             return None
-        if p.device != storage.weight.device:
+        if p.dtype != cdt or p.device != storage.weight.device:
             return None
-        cols.append((width, width + p.shape[1]))
+        cols.append((width, width + k))
         dense.append(p)
-        width += p.shape[1]
-    return Ready(collection, storage, feats, js, slot_of, cols, dense, (b, width))
+        width += k
+    shape = (b, width) if nd == 2 else (b, width // d, d)
+    return Ready(collection, storage, feats, js, slot_of, cols, dense, shape, each)
 
 
 class Ready:
     """A joined lookup checked by :func:`prepare`, to run."""
 
-    def __init__(self, collection, storage, feats, js, slot_of: dict, cols: list, dense: list, shape: tuple):
-        self.collection, self.storage, self.slot_of = collection, storage, slot_of
+    def __init__(self, collection, storage, feats, js, slot_of: dict, cols: list, dense: list, shape, each):
+        self.collection, self.storage, self.slot_of, self.each = collection, storage, slot_of, each
         self.order = sorted(slot_of, key=slot_of.get)  # the requests in the cat's order
         self.feats, self.js = [feats[i] for i in self.order], [js[i] for i in self.order]
         self.cols, self.dense, self.shape = cols, dense, shape
@@ -129,8 +142,8 @@ class Ready:
     def run(self, train: bool) -> tuple[torch.Tensor, Made]:
         """The lookup (validated first: bad ids raise and change nothing) -> (the joined tensor, its Made)."""
         collection, storage, slot_of, order = self.collection, self.storage, self.slot_of, self.order
-        (b, width), d, nf = self.shape, storage.dim, len(self.feats)
-        slots = width // d
+        b, d, nf = self.shape[0], storage.dim, len(self.feats)
+        slots = self.shape[1] if len(self.shape) == 3 else self.shape[1] // d
         batch = collection._assemble_small(storage, self.feats, self.js, [b] * nf, [b] * nf)
         collection._validate([batch], {f.jkey: j for f, j in zip(self.feats, self.js)})
         collection._plan_group(batch, train)
@@ -157,7 +170,7 @@ class Ready:
             out = _KeptJoined.apply(weight, ids, offsets, storage, rows_of, self.shape, cols, *dense)
         else:
             out = _joined(weight.detach(), ids, offsets, self.shape, cols, dense)
-        return out, Made(out, storage, ids.view(b, nf), [slot_of[i] * d for i in range(nf)], order, grad)
+        return out, Made(out, storage, ids.view(b, nf), [slot_of[i] * d for i in range(nf)], order, grad, self.each)
 
 
 class Made:
@@ -165,22 +178,22 @@ class Made:
     columns of the joined tensor, copied; where that tensor was changed in place since, the rows
     looked up again (the table unchanged since: no optimizer step, no write); else an error."""
 
-    def __init__(self, out, storage, ids, starts: list[int], order: list[int], grad: bool):
-        self.out, self.version, self.storage, self.grad = out, out._version, storage, grad
+    def __init__(self, out, storage, ids, starts: list[int], order: list[int], grad: bool, each: tuple):
+        self.out, self.version, self.storage, self.grad, self.each = out, out._version, storage, grad, each
         self.step, self.wversion = storage.step, storage.weight._version
         self.ids, self.starts = ids, starts  # (B, F) row slots in the cat's order; each request's first column
         self.column = {i: k for k, i in enumerate(order)}  # request -> its column of ids
 
     def value(self, i: int) -> torch.Tensor:
-        """Request ``i``'s output (B, D)."""
+        """Request ``i``'s output ((B, D) or (B, 1, D))."""
         a, d = self.starts[i], self.storage.dim
         if self.out._version == self.version:
-            return self.out[:, a : a + d].clone()
+            return self.out.view(self.each[0], -1)[:, a : a + d].clone().view(self.each)
         st = self.storage
         if st.step == self.step and st.weight._version == self.wversion and not st.keyed:
             ids = self.ids[:, self.column[i]].contiguous()
             with torch.set_grad_enabled(self.grad):
-                return cpu_fused.pooled_lookup(st, ids, _ones(ids), None, True)
+                return cpu_fused.pooled_lookup(st, ids, _ones(ids), None, True).view(self.each)
         raise HybridEmbedError(
             "an embedding output was read after the torch.cat that joined it (made by the lookup itself) was "
             "changed in place and its table changed too: its rows are gone. Read it before changing the joined "
