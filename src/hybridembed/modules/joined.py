@@ -7,14 +7,15 @@ again into (B, W): at 26 features x 4,096 x 64 that copy is 27 MB, a third of a 
 on a 2-core machine (``docs/benchmarks.md``). FBGEMM's and TorchRec's layout is the joined one.
 
 When the ``cat`` is the first use of a forward's deferred outputs (:mod:`.grouped`), along their
-last dim, and the outputs it joins are every lookup queued (the group's features, one id a bag
-each, pooled by sum, of one batch size), the queue hands the whole ``cat`` to the collection:
-the group's ids are taken batch by batch (bag ``b * slots + s`` is feature ``s``'s bag ``b``),
-so the kernel's (B x slots, D) output *is* the joined (B, W) tensor; the ``cat``'s other inputs
-(a dense part's (B, k x D) output) are bags with no id, filled after. Its gradient is kept as it
-lies for the fused CPU step (each id's row of the (B, W) gradient). Anything else (other
-layouts, kernels, per-id weights, a dense input whose width is not a multiple of the rows')
-takes the usual path: the lookups run, then ``torch.cat`` copies.
+last dim (or dim 1 of (B, 1, D) outputs, DeepCTR's layout), and the outputs it joins are every
+lookup of their group queued (one id a bag each, pooled by sum, of one batch size; other groups'
+lookups stay queued), the queue hands the whole ``cat`` to the collection: the group's ids are
+taken batch by batch (bag ``b * slots + s`` is the cat's ``s``-th input's bag ``b``), so the
+kernel's (B x slots, D) output *is* the joined tensor; the ``cat``'s other inputs (a dense part's
+(B, k x D) output) are bags with no id, filled after. Its gradient is kept as it lies for the
+fused CPU step (each id's row of the joined gradient). Anything else (other layouts, kernels,
+per-id weights, a dense input whose width is not a multiple of the rows') takes the usual path:
+the lookups run, then ``torch.cat`` copies.
 
 The joined outputs' own values are the ``cat``'s columns, copied out when a later op reads one
 (rare: a model reads the joined tensor); see :class:`Made`.
