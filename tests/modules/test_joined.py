@@ -257,3 +257,18 @@ def test_three_dim_outputs_of_two_groups_are_joined_each_and_train_as_plain_pyto
     assert made == [True, True] * 3
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(conv.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_refused_joined_cat_fails_every_queued_output_as_a_flush_does():
+    torch.manual_seed(8)
+    base = DeepFm()
+    conv = he.convert(copy.deepcopy(base))
+    told = []  # (a sharded collection tells the other ranks here; they raised in the same exchange already)
+    conv.hybridembed.step_failed = told.append
+    sparse, x = torch.randint(0, 25, (4, 3)), torch.randn(4, 2)
+    bad = sparse.clone()
+    bad[1, 2] = 99  # (the vocabulary is 25)
+    with pytest.raises(he.InvalidInputError):
+        conv(bad, x)
+    assert told == [] and len(conv.hybridembed.lookup_queue) == 0
+    torch.testing.assert_close(conv(sparse, x), base(sparse, x))  # (the next forward is served)

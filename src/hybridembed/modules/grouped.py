@@ -379,8 +379,9 @@ class LookupQueue:
                 out = joined(
                     [(r.feature, r.ids) for r in reqs], [(r.shape, r.dtype) for r in reqs], pieces, train, others
                 )
-        except BaseException as e:
-            for r in reqs:
+        except BaseException as e:  # (as a failed flush: every queued output re-raises it)
+            t.pending = []
+            for r in queued:
                 r.out._error, r.out._queue = e, None
             self.flushes += 1
             raise
