@@ -1,6 +1,7 @@
-"""A distributed converted model's ``torch.cat`` of replicated (data-parallel) tables' rows made by the
-replicas' kernel call (the joined layout, :mod:`hybridembed.distributed.joined`), against one process on
-the concatenated batches; a cat that reads a sharded table takes the usual path."""
+"""A distributed converted model's ``torch.cat`` of its tables' rows made by the lookup
+(:mod:`hybridembed.distributed.joined`): replicated tables' by the replicas' kernel call, table-wise
+ones' by the exchange (through shared memory), against one process on the concatenated batches;
+through gloo, or replicated and sharded tables in one cat, the usual path (and the same results)."""
 
 from __future__ import annotations
 
@@ -58,38 +59,54 @@ def _train(model, batch_of, plain: bool = False) -> None:
             opt.step()
 
 
-def _job(rank: int, world: int, sharding: str) -> dict:
+def _job(rank: int, world: int, sharding: str, way: str) -> dict:
+    import os
+
+    from hybridembed.distributed import exchange, runtime, shm
     from hybridembed.modules import joined
 
-    made, real = [], joined.Ready.run
+    os.environ[shm.ENV] = "0" if way == "gloo" else "1"
+    if way == "shared":  # (rows of any size through shared memory: not folded into gloo's all-to-all)
+        runtime.FOLD_ROWS = 0
+    made, real = [], (joined.Ready.run, exchange.SharedRowsJoined.apply)
 
     def counted(self, train):
         made.append(1)
-        return real(self, train)
+        return real[0](self, train)
 
-    joined.Ready.run = counted
+    def joined_rows(*a):
+        made.append(1)
+        return real[1](*a)
+
+    joined.Ready.run, exchange.SharedRowsJoined.apply = counted, joined_rows
     try:
         plain = Joining()
         tables = [he.TableConfig(f"embs__{k}", VOCAB, DIM) for k in range(3)]
-        kinds = ["data_parallel", "data_parallel", sharding]
-        ranks = [tuple(range(world))] * 2 + [tuple(range(world)) if sharding == "data_parallel" else (1,)]
+        every = tuple(range(world))
+        kinds = {"mixed": ["data_parallel", "data_parallel", "table_wise"]}.get(sharding, [sharding] * 3)
+        ranks = [every if kind == "data_parallel" else (k % world,) for k, kind in enumerate(kinds)]
         plan = Plan(world, tuple(shard_table(t, kind, r) for t, kind, r in zip(tables, kinds, ranks)))
         model = he.distribute(plain, plan)
         _train(model, lambda step: _batch(step, rank))
     finally:
-        joined.Ready.run = real
+        joined.Ready.run, exchange.SharedRowsJoined.apply = real
     state = {k: v.detach().clone() for k, v in plain.named_parameters() if not k.startswith("embs")}
     state.update({f"embs.{k}.weight": model.hybridembed.gather_table(f"embs__{k}") for k in range(3)})
     return {"made": len(made), "state": state}
 
 
-@pytest.mark.parametrize("sharding", ["data_parallel", "table_wise"])
-def test_a_cat_of_replicated_tables_is_joined_and_equals_one_process(sharding):
-    got = spawn(_job, 2, sharding, timeout=120)
+@pytest.mark.parametrize(
+    "sharding, way",
+    [("data_parallel", "shared"), ("table_wise", "shared"), ("table_wise", "gloo"), ("mixed", "shared")],
+)
+def test_a_joined_cat_of_a_sharded_job_equals_one_process(sharding, way):
+    got = spawn(_job, 2, sharding, way, timeout=120)
     ref = Joining()
     _train(ref, lambda step: _whole(step, 2), plain=True)
     for r in got:
-        # every step's cat made by the replicas' kernel call; with a sharded table among them, never
-        assert r["made"] == (STEPS if sharding == "data_parallel" else 0)
+        # every step's cat made by the replicas' kernel call, or by the exchange of the owners' rows
+        # through shared memory; through gloo (then the cat after the exchange), or replicated and
+        # sharded tables in one cat, never
+        assert r["made"] == (STEPS if way == "shared" and sharding != "mixed" else 0)
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)

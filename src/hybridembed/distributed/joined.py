@@ -1,43 +1,120 @@
 """A sharded collection's joined lookups: a converted model's ``torch.cat`` of its embedding
-outputs made by the kernel call (:mod:`hybridembed.modules.joined`) when every table it reads is
-replicated (data-parallel): the rows are this rank's own, so the replicas' collection makes the
-joined tensor while the step's header crosses, as it makes their lookups (``runtime._run``).
-Any other cat (a sharded table's rows come from their owners) takes the usual path."""
+outputs made by the lookup (:mod:`hybridembed.modules.joined`).
+
+- Replicated (data-parallel) tables only: the rows are this rank's own, so the replicas'
+  collection makes the joined tensor while the step's header crosses, as it makes their lookups
+  (``runtime._run``).
+- Whole tables (table-wise) only, their rows through shared memory: the exchange writes each
+  owner's rows straight into their columns of the joined tensor (:class:`~.exchange.SharedRowsJoined`:
+  the other ranks' rows read once out of their files, this rank's own copied once from its kernel's
+  output), and the model's ``cat`` copies nothing more. Where the rows cross through gloo (a small
+  step's status folded into them, or no shared memory) the cat is made after the exchange, as usual.
+
+Anything else (row- or column-wise tables, replicated and sharded tables in one cat, per-id
+weights, combiners other than sum, the bf16 wire, ``dedup``, a prefetched step) takes the usual path.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..input import Jagged
 from ..modules import joined
+from .exchange import SharedRowsJoined
+from .routes import Whole
 
 
 class ShardedJoined:
     """The :class:`~hybridembed.distributed.ShardedCollection` side of a joined lookup."""
 
     def _lookup_joined(self, requests, outs, pieces: list[Any], train: bool, others=()) -> tuple | None:
-        """``torch.cat`` of queued lookups of replicated tables and 2-D tensors, made by one kernel
-        call of the replicas' collection, or None (nothing exchanged, nothing looked up)."""
-        if self._ahead is not None or not all(self._routes[self.features[f]].replicated for f, _ in requests):
+        """``torch.cat`` of queued lookups and tensors made by the lookup, or None (nothing
+        exchanged, nothing looked up)."""
+        if self._ahead is not None or not all(self._trusted(j) and j.weights is None for _, j in requests):
             return None  # (a prefetched step's lookups come from its exchange)
+        routes = [self._routes[self.features[f]] for f, _ in requests]
+        if all(r.replicated for r in routes):
+            return self._joined_replicas(requests, outs, pieces, train, others)
+        if all(type(r) is Whole for r in routes) and not others and self.wire is None and not self.dedup:
+            return self._joined_owners(requests, routes, outs, pieces, train)
+        return None
+
+    def _joined_replicas(self, requests, outs, pieces, train: bool, others) -> tuple | None:
         rep = self.replicated
-        if not all(self._trusted(j) and j.weights is None for _, j in requests):
-            return None
         # (one id a bag: the same ids with the replicas' own offsets, which it takes on trust as these)
         mine = [(f, Jagged(j.values, rep._one_per_bag(j.values.shape[0], j.values.device))) for f, j in requests]
         ready = joined.prepare(rep, mine, outs, pieces, others)
         if ready is None:
             return None
-        try:  # (a refusal here reaches every rank: see step_failed)
-            reqs = self._many_requests(requests, checked=True)
-        except Exception as e:
-            self.step_failed(e)
-            raise
+        reqs = self._checked(requests)
         made: list = []
         self._send_ids(reqs, self._main, meanwhile=lambda tabs: made.append(ready.run(train)))
         if not made:  # pragma: no cover - the header raises on every rank when one failed
             raise RuntimeError("a joined lookup of replicated tables was not made")
         return made[0]
+
+    def _joined_owners(self, requests, routes, outs, pieces, train: bool) -> tuple | None:
+        """Whole tables: each request one pair (its table's owner), its rows into its columns."""
+        b = requests[0][1].values.numel()
+        nd = len(outs[0][0])
+        spans, width, dense, dense_cols = {}, 0, [], []
+        for p in pieces:
+            if isinstance(p, int):
+                shape, dtype = outs[p]
+                d = routes[p].table.embedding_dim
+                if tuple(shape) != ((b, d) if nd == 2 else (b, 1, d)) or dtype != routes[p].table.compute_dtype:
+                    return None
+                if routes[p].table.combiner != "sum" or requests[p][1].values.numel() != b:
+                    return None
+                spans[p] = (width, width + d)
+            else:
+                if p.shape[0] != b or p.device != self._device or p.dtype != self._wire:
+                    return None
+                d = p[0].numel()
+                dense_cols.append((width, width + d))
+                dense.append(p)
+            width += d
+        if len({dtype for _, dtype in outs} | {self._wire}) != 1:
+            return None
+        if nd == 3:  # (B, slots, D): every piece as wide as the rows
+            dims = {a[1] - a[0] for a in spans.values()} | {x.shape[-1] for x in dense}
+            if len(dims) != 1 or any(x.shape[-1] != next(iter(dims)) for x in dense):
+                return None
+            shape = (b, width // next(iter(dims)), next(iter(dims)))
+        else:
+            shape = (b, width)
+        reqs = self._checked(requests)
+        sent = self._send_ids(reqs, self._main)  # 1. to 4. (pair i is request i: one owner each)
+        sizes, recv_ids, recv_w, fold = sent.received
+        if fold or self.world_size == 1 or self._shared() is None:  # (rows through gloo: then the usual cat)
+            rows_of = self._rows_for(sent, train)
+            got = self._combine(reqs, sent.tabs, rows_of, sent.back, train)
+            out = torch.cat([got[p].reshape(outs[p][0]) if isinstance(p, int) else p for p in pieces], 1)
+        else:
+            mine = sent.by_rank[self.rank]
+            flat_send, failure = self._owner_rows(sent.step, mine, sent.pairs, sizes, recv_ids, recv_w, train)
+            widths = [sent.pairs[i].width for i in mine]
+            send_splits = [sum(n[k] * w for k, w in enumerate(widths)) for n in sizes[0]]
+            recv_splits = [sum(b * sent.pairs[i].width for i in sent.by_rank[r]) for r in range(self.world_size)]
+            if torch.is_grad_enabled() and not flat_send.requires_grad:  # (every rank joins the backward exchange)
+                flat_send = flat_send + flat_send.new_zeros(()).requires_grad_()
+            cols = [[spans[i] for i in sent.by_rank[r]] for r in range(self.world_size)]
+            status = 0.0 if failure is not None else 1.0
+            got, out = SharedRowsJoined.apply(
+                flat_send, send_splits, recv_splits, self._shm, status, shape, cols, dense_cols, *dense
+            )
+            self._raise_failed(sent.step, failure, got.tolist())
+        n = len(requests)
+        return out, joined.Made(out, [spans[i] for i in range(n)], [tuple(outs[i][0]) for i in range(n)], False)
+
+    def _checked(self, requests) -> list:
+        try:  # (a refusal here reaches every rank: see step_failed)
+            return self._many_requests(requests, checked=True)
+        except Exception as e:
+            self.step_failed(e)
+            raise
 
 
 __all__ = ["ShardedJoined"]

@@ -713,16 +713,20 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined, S
             flat = RowsExchange.apply(flat_send, send_splits, recv_splits, self._group)
             mine_ok = torch.full((world,), status, dtype=torch.float32, device=self._device)
             statuses = exchange(mine_ok, [1] * world, [1] * world, self._group).tolist()
+        self._raise_failed(step, failure, statuses)
+        return [m.to(self._wire) for m in flat] if isinstance(flat, list) else flat.to(self._wire)
+
+    @staticmethod
+    def _raise_failed(step: str, failure: BaseException | None, statuses: list[float]) -> None:
+        """After the rows' exchange: this rank's own lookup failure, or one naming the ranks whose failed."""
         if failure is not None:
             raise failure
-        flat = [m.to(self._wire) for m in flat] if isinstance(flat, list) else flat.to(self._wire)
         bad = [r for r, x in enumerate(statuses) if x != 1.0]
         if bad:
             why = "; ".join(f"rank {r}: {health.told(f'{step}/{r}/lookup') or 'its error names it'}" for r in bad)
             raise HybridEmbedError(
                 f"the lookup failed on rank(s) {', '.join(map(str, bad))} ({why}); no row was changed"
             )
-        return flat
 
     def _shared(self) -> shm.Transport | None:
         """The rows' shared-memory transport (:mod:`~hybridembed.distributed.shm`), opened by the

@@ -171,32 +171,37 @@ class Ready:
             out = _KeptJoined.apply(weight, ids, offsets, storage, rows_of, self.shape, cols, *dense)
         else:
             out = _joined(weight.detach(), ids, offsets, self.shape, cols, dense)
-        return out, Made(out, storage, ids.view(b, nf), [slot_of[i] * d for i in range(nf)], order, grad, self.each)
+        spans = [(slot_of[i] * d, slot_of[i] * d + d) for i in range(nf)]
+        return out, Made(out, spans, [self.each] * nf, grad, storage, ids.view(b, nf), order)
 
 
 class Made:
     """A joined lookup's result, for its outputs' own values when a later op reads one: the
     columns of the joined tensor, copied; where that tensor was changed in place since, the rows
-    looked up again (the table unchanged since: no optimizer step, no write); else an error."""
+    looked up again (a dense table of this process, unchanged since: no optimizer step, no
+    write); else an error. ``spans``/``shapes``: each request's columns and output shape;
+    ``storage``, ``ids`` (B, F) and ``order``: where a request's rows can be looked up again (None:
+    nowhere, a sharded job's rows come from their owners)."""
 
-    def __init__(self, out, storage, ids, starts: list[int], order: list[int], grad: bool, each: tuple):
-        self.out, self.version, self.storage, self.grad, self.each = out, out._version, storage, grad, each
-        self.step, self.wversion = storage.step, storage.weight._version
-        self.ids, self.starts = ids, starts  # (B, F) row slots in the cat's order; each request's first column
+    def __init__(self, out, spans: list, shapes: list, grad: bool, storage=None, ids=None, order=()):
+        self.out, self.version, self.spans, self.shapes, self.grad = out, out._version, spans, shapes, grad
+        self.storage, self.ids = storage, ids  # (B, F) row slots in the cat's order
         self.column = {i: k for k, i in enumerate(order)}  # request -> its column of ids
+        if storage is not None:
+            self.step, self.wversion = storage.step, storage.weight._version
 
     def value(self, i: int) -> torch.Tensor:
-        """Request ``i``'s output ((B, D) or (B, 1, D))."""
-        a, d = self.starts[i], self.storage.dim
+        """Request ``i``'s output."""
+        (a, b), shape = self.spans[i], self.shapes[i]
         if self.out._version == self.version:
-            return self.out.view(self.each[0], -1)[:, a : a + d].clone().view(self.each)
+            return self.out.view(shape[0], -1)[:, a:b].clone().view(shape)
         st = self.storage
-        if st.step == self.step and st.weight._version == self.wversion and not st.keyed:
+        if st is not None and st.step == self.step and st.weight._version == self.wversion and not st.keyed:
             ids = self.ids[:, self.column[i]].contiguous()
             with torch.set_grad_enabled(self.grad):
-                return cpu_fused.pooled_lookup(st, ids, _ones(ids), None, True).view(self.each)
+                return cpu_fused.pooled_lookup(st, ids, _ones(ids), None, True).view(shape)
         raise HybridEmbedError(
             "an embedding output was read after the torch.cat that joined it (made by the lookup itself) was "
-            "changed in place and its table changed too: its rows are gone. Read it before changing the joined "
-            "tensor, or convert the model with he.convert(model, grouped=False)"
+            "changed in place and its rows cannot be looked up again here: they are gone. Read it before changing "
+            "the joined tensor, or convert the model with he.convert(model, grouped=False)"
         )
