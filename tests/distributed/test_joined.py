@@ -41,7 +41,7 @@ def _whole(step: int, world: int):
     return torch.cat([p[0] for p in parts]), [torch.cat([p[1][k] for p in parts]) for k in range(3)]
 
 
-def _train(model, batch_of, plain: bool = False) -> None:
+def _train(model, batch_of, plain: bool = False, steps: int = STEPS) -> None:
     if plain:  # (torch's Adagrad on the tables' dense gradients: untouched rows do not move)
         embs = [p for n, p in model.named_parameters() if n.startswith("embs")]
         dense = [p for n, p in model.named_parameters() if not n.startswith("embs")]
@@ -49,7 +49,7 @@ def _train(model, batch_of, plain: bool = False) -> None:
         both = [opt, torch.optim.Adagrad(embs, lr=0.2)]
     else:
         both = [he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.2), model, sparse=he.optim.Adagrad(lr=0.2))]
-    for step in range(STEPS):
+    for step in range(steps):
         x, ids = batch_of(step)
         loss = (model(x, ids) ** 2).mean()
         for opt in both:
@@ -110,3 +110,52 @@ def test_a_joined_cat_of_a_sharded_job_equals_one_process(sharding, way):
         assert r["made"] == (STEPS if way == "shared" and sharding != "mixed" else 0)
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _faulty_job(rank: int, world: int, sharding: str) -> dict:
+    import os
+
+    from hybridembed.distributed import runtime, shm
+
+    os.environ[shm.ENV] = "1"
+    runtime.FOLD_ROWS = 0
+    plain = Joining()
+    every = tuple(range(world))
+    tables = [he.TableConfig(f"embs__{k}", VOCAB, DIM) for k in range(3)]
+    plan = Plan(
+        world,
+        tuple(
+            shard_table(t, sharding, every if sharding == "data_parallel" else (k % world,))
+            for k, t in enumerate(tables)
+        ),
+    )
+    model = he.distribute(plain, plan)
+    opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.2), model, sparse=he.optim.Adagrad(lr=0.2))
+    skipped = []
+    for step in range(STEPS):
+        x, ids = _batch(step, rank)
+        if step == 1 and rank == 1:
+            ids[2][4, 0] = VOCAB  # (out of range, on one rank)
+        try:
+            loss = (model(x, ids) ** 2).mean()
+        except he.InvalidInputError as e:
+            skipped.append((step, str(e)))
+            continue
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    tables = {f"embs.{k}.weight": model.hybridembed.gather_table(f"embs__{k}") for k in range(3)}
+    return {"skipped": skipped, "tables": tables}
+
+
+@pytest.mark.parametrize("sharding", ["data_parallel", "table_wise"])
+def test_a_bad_id_on_one_rank_fails_the_joined_step_on_every_rank_and_changes_nothing(sharding):
+    got = spawn(_faulty_job, 2, sharding, timeout=120)
+    ref = Joining()
+    _train(ref, lambda step: _whole(2 * step, 2), plain=True, steps=2)  # (steps 0 and 2: 1 skipped)
+    for rank, r in enumerate(got):  # (the victim its own error, the other one naming it)
+        assert [s for s, _ in r["skipped"]] == [1], r["skipped"]
+        text = r["skipped"][0][1]
+        assert text.startswith("feature 'embs__2': id out of range" if rank else "rank(s) 1 got invalid input"), text
+        for k, v in r["tables"].items():
+            torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6, msg=k)
