@@ -19,16 +19,22 @@ STEPS, B, VOCAB, DIM = 3, 6, 40, 4
 
 
 class Joining(nn.Module):
-    def __init__(self):
+    """DLRM's cat of a dense output and the rows; ``three_d``: DeepCTR's, (B, 1, D) pieces along dim 1."""
+
+    def __init__(self, three_d: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.bot = nn.Linear(3, DIM)
-        self.embs = nn.ModuleList(nn.EmbeddingBag(VOCAB, DIM, mode="sum") for _ in range(3))
+        layer = (lambda: nn.Embedding(VOCAB, DIM)) if three_d else (lambda: nn.EmbeddingBag(VOCAB, DIM, mode="sum"))
+        self.embs = nn.ModuleList(layer() for _ in range(3))
         self.top = nn.Linear(4 * DIM, 1)
+        self.three_d = three_d
 
     def forward(self, x, ids):
-        t = torch.cat([self.bot(x), *(e(i) for e, i in zip(self.embs, ids))], 1)
-        return self.top(t).squeeze(1)
+        z = self.bot(x)
+        t = torch.cat([z.unsqueeze(1) if self.three_d else z, *(e(i) for e, i in zip(self.embs, ids))], 1)
+        fm = t.sum(1).pow(2).sum(1) if self.three_d else 0  # (the (B, F + 1, D) layout read as such)
+        return self.top(t.flatten(1)).squeeze(1) + fm
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -59,7 +65,7 @@ def _train(model, batch_of, plain: bool = False, steps: int = STEPS) -> None:
             opt.step()
 
 
-def _job(rank: int, world: int, sharding: str, way: str) -> dict:
+def _job(rank: int, world: int, sharding: str, way: str, three_d: bool = False) -> dict:
     import os
 
     from hybridembed.distributed import exchange, runtime, shm
@@ -80,7 +86,7 @@ def _job(rank: int, world: int, sharding: str, way: str) -> dict:
 
     joined.Ready.run, exchange.SharedRowsJoined.apply = counted, joined_rows
     try:
-        plain = Joining()
+        plain = Joining(three_d)
         tables = [he.TableConfig(f"embs__{k}", VOCAB, DIM) for k in range(3)]
         every = tuple(range(world))
         kinds = {"mixed": ["data_parallel", "data_parallel", "table_wise"]}.get(sharding, [sharding] * 3)
@@ -96,12 +102,18 @@ def _job(rank: int, world: int, sharding: str, way: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "sharding, way",
-    [("data_parallel", "shared"), ("table_wise", "shared"), ("table_wise", "gloo"), ("mixed", "shared")],
+    "sharding, way, three_d",
+    [
+        ("data_parallel", "shared", False),
+        ("table_wise", "shared", False),
+        ("table_wise", "shared", True),
+        ("table_wise", "gloo", False),
+        ("mixed", "shared", False),
+    ],
 )
-def test_a_joined_cat_of_a_sharded_job_equals_one_process(sharding, way):
-    got = spawn(_job, 2, sharding, way, timeout=120)
-    ref = Joining()
+def test_a_joined_cat_of_a_sharded_job_equals_one_process(sharding, way, three_d):
+    got = spawn(_job, 2, sharding, way, three_d, timeout=120)
+    ref = Joining(three_d)
     _train(ref, lambda step: _whole(step, 2), plain=True)
     for r in got:
         # every step's cat made by the replicas' kernel call, or by the exchange of the owners' rows

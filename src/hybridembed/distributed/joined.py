@@ -78,13 +78,13 @@ class ShardedJoined:
             width += d
         if len({dtype for _, dtype in outs} | {self._wire}) != 1:
             return None
-        if nd == 3:  # (B, slots, D): every piece as wide as the rows
-            dims = {a[1] - a[0] for a in spans.values()} | {x.shape[-1] for x in dense}
-            if len(dims) != 1 or any(x.shape[-1] != next(iter(dims)) for x in dense):
+        shape = (b, width)
+        if nd == 3:  # (B, slots, D): every piece's rows as wide
+            dims = {routes[i].table.embedding_dim for i in spans} | {x.shape[-1] for x in dense}
+            if len(dims) != 1:
                 return None
-            shape = (b, width // next(iter(dims)), next(iter(dims)))
-        else:
-            shape = (b, width)
+            d = dims.pop()
+            shape = (b, width // d, d)
         reqs = self._checked(requests)
         sent = self._send_ids(reqs, self._main)  # 1. to 4. (pair i is request i: one owner each)
         sizes, recv_ids, recv_w, fold = sent.received
