@@ -272,3 +272,37 @@ def test_a_refused_joined_cat_fails_every_queued_output_as_a_flush_does():
         conv(bad, x)
     assert told == [] and len(conv.hybridembed.lookup_queue) == 0
     torch.testing.assert_close(conv(sparse, x), base(sparse, x))  # (the next forward is served)
+
+
+def test_dynamic_tables_joined_train_as_the_usual_grouped_path(monkeypatch):
+    made, real = [], joined.lookup_joined
+    conv = ref = None
+
+    def only_conv(collection, *args, **kwargs):  # (the reference's cats take the usual path)
+        if collection is ref.hybridembed:
+            return None
+        out = real(collection, *args, **kwargs)
+        made.append(out is not None)
+        return out
+
+    monkeypatch.setattr("hybridembed.modules.collection.lookup_joined", only_conv)
+    torch.manual_seed(9)
+    base = DeepFm(vocab=1000)
+    conv, ref = (he.convert(copy.deepcopy(base), dynamic=True) for _ in range(2))
+    opts = [he.wrap_optimizer(torch.optim.Adagrad(m.parameters(), lr=0.1), m) for m in (conv, ref)]
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        sparse, x = torch.randint(-(2**40), 2**40, (8, 3), generator=g), torch.randn(8, 2, generator=g)
+        outs = [m(sparse, x) for m in (conv, ref)]
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+        for opt, out in zip(opts, outs):
+            opt.zero_grad()
+            (out**2).mean().backward()
+            opt.step()
+    assert made == [True, True] * 3
+    for k, v in ref.state_dict().items():  # (ids, rows, counters: a dynamic table's whole entry)
+        got = conv.state_dict()[k]
+        if v.is_floating_point():
+            torch.testing.assert_close(got, v, rtol=1e-5, atol=1e-6, msg=k)
+        else:
+            assert torch.equal(got, v), k
