@@ -306,3 +306,19 @@ def test_dynamic_tables_joined_train_as_the_usual_grouped_path(monkeypatch):
             torch.testing.assert_close(got, v, rtol=1e-5, atol=1e-6, msg=k)
         else:
             assert torch.equal(got, v), k
+
+
+def test_a_cat_in_another_grad_mode_than_its_lookups_is_that_mode_s(monkeypatch):
+    made = spy(monkeypatch)
+    conv = he.convert(Joiner(False))
+    queue = conv.hybridembed.lookup_queue
+    ids = [torch.randint(0, 20, (6, 1)) for _ in range(3)]
+    queue.enter()  # (the lookups queued in grad mode, as a forward queues them)
+    try:
+        ly = [e(i) for e, i in zip(conv.embs, ids)]
+        with torch.no_grad():
+            t = torch.cat(ly, 1)
+    finally:
+        queue.exit()
+    assert not t.requires_grad and made == []  # (as torch: a cat under no_grad has no gradient)
+    torch.testing.assert_close(t, torch.cat([e(i) for e, i in zip(conv.embs, ids)], 1).detach())

@@ -371,6 +371,8 @@ class LookupQueue:
         if dim not in ((1, -1) if nd == 2 else (1, -2)) or joined is None or t.mode[1]:
             return None
         grad, _, train = t.mode
+        if torch.is_grad_enabled() != grad or torch.is_inference_mode_enabled():
+            return None  # (a cat in another grad mode than its lookups': the lookups, then the cat in its own)
         queued = t.pending
         t.pending = [r for r in queued if id(r.out) in waiting]  # (other groups' lookups: still queued)
         others = [r.feature for r in t.pending]
