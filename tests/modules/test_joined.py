@@ -42,6 +42,14 @@ def batch(step: int, b: int = 16, fields: int = 4, vocab: int = 30):
     return torch.randn(b, 5, generator=g), [torch.randint(0, vocab, (b, 1), generator=g) for _ in range(fields)]
 
 
+def step_each(opts, outs) -> None:
+    """One training step of each model on its own output (a mean squared loss)."""
+    for opt, out in zip(opts, outs):
+        opt.zero_grad()
+        (out**2).mean().backward()
+        opt.step()
+
+
 def spy(monkeypatch) -> list[bool]:
     """Whether each joined lookup asked for made the cat (True) or left it to the usual path."""
     made, real = [], joined.lookup_joined
@@ -70,12 +78,7 @@ def test_a_joined_cat_trains_as_plain_pytorch(monkeypatch, first, sparse):
         out, ly = conv(x, ids)
         rout, rly = ref(x, ids)
         torch.testing.assert_close(out, rout, rtol=1e-5, atol=1e-6)
-        opt.zero_grad()
-        ropt.zero_grad()
-        (out**2).mean().backward()
-        (rout**2).mean().backward()
-        opt.step()
-        ropt.step()
+        step_each([opt, ropt], [out, rout])
         torch.testing.assert_close(ly[1], rly[1].detach(), rtol=0, atol=1e-6)  # (read after the step: its value then)
     assert made == [True] * 4
     got, want = conv.state_dict(), ref.state_dict()
@@ -248,12 +251,7 @@ def test_three_dim_outputs_of_two_groups_are_joined_each_and_train_as_plain_pyto
         sparse, x = torch.randint(0, 25, (8, 3), generator=g), torch.randn(8, 2, generator=g)
         out, rout = conv(sparse, x), ref(sparse, x)
         torch.testing.assert_close(out, rout, rtol=1e-5, atol=1e-6)
-        opt.zero_grad()
-        ropt.zero_grad()
-        (out**2).mean().backward()
-        (rout**2).mean().backward()
-        opt.step()
-        ropt.step()
+        step_each([opt, ropt], [out, rout])
     assert made == [True, True] * 3
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(conv.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
@@ -295,10 +293,7 @@ def test_dynamic_tables_joined_train_as_the_usual_grouped_path(monkeypatch):
         sparse, x = torch.randint(-(2**40), 2**40, (8, 3), generator=g), torch.randn(8, 2, generator=g)
         outs = [m(sparse, x) for m in (conv, ref)]
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
-        for opt, out in zip(opts, outs):
-            opt.zero_grad()
-            (out**2).mean().backward()
-            opt.step()
+        step_each(opts, outs)
     assert made == [True, True] * 3
     for k, v in ref.state_dict().items():  # (ids, rows, counters: a dynamic table's whole entry)
         got = conv.state_dict()[k]

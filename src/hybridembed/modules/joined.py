@@ -44,8 +44,8 @@ class _KeptJoined(torch.autograd.Function):
     gives each dense input its columns."""
 
     @staticmethod
-    def forward(ctx, weight, ids, offsets, storage, rows_of, shape, cols, *dense):
-        ctx.storage, ctx.rows_of, ctx.cols, ctx.d = storage, rows_of, cols, weight.shape[1]
+    def forward(ctx, weight, ids, offsets, ones, storage, rows_of, shape, cols, *dense):
+        ctx.storage, ctx.rows_of, ctx.cols, ctx.d, ctx.ones = storage, rows_of, cols, weight.shape[1], ones
         ctx.shapes = [x.shape for x in dense]
         ctx.keep = weight.requires_grad
         ctx.save_for_backward(ids)
@@ -57,9 +57,9 @@ class _KeptJoined(torch.autograd.Function):
         if ctx.keep:
             (ids,) = ctx.saved_tensors
             source = g.view(-1, ctx.d)  # (B x slots, D): bag b * slots + s
-            ctx.storage.defer_grad(ids, source, _ones(ids), None, True, ctx.rows_of)
+            ctx.storage.defer_grad(ids, source, ctx.ones, None, True, ctx.rows_of)
         flat = g.view(g.shape[0], -1)
-        return (None,) * 7 + tuple(flat[:, a:b].view(shape) for (a, b), shape in zip(ctx.cols, ctx.shapes))
+        return (None,) * 8 + tuple(flat[:, a:b].view(shape) for (a, b), shape in zip(ctx.cols, ctx.shapes))
 
 
 def _ones(ids: torch.Tensor) -> torch.Tensor:
@@ -152,8 +152,9 @@ class Ready:
         ids, _ = plan.commit()  # (F x B,) row slots, feature after feature
         dev = ids.device
         ids = ids.view(nf, b).t().contiguous().view(-1)  # bag b * F + k: the cat's k-th lookup's bag b
+        ones = collection._one_per_bag(ids.numel(), dev)  # (kept by the collection: no arange a step)
         if slots == nf:
-            offsets, rows_of = _ones(ids), None
+            offsets, rows_of = ones, None
         else:  # the dense inputs' columns are bags with no id; each id's bag is its row of the (B x slots, D) output
             taken = torch.tensor([slot_of[i] for i in order], dtype=torch.int64, device=dev)
             before = torch.zeros(slots + 1, dtype=torch.int64, device=dev)
@@ -168,7 +169,7 @@ class Ready:
         weight, cols, dense = storage.weight, self.cols, self.dense
         grad = torch.is_grad_enabled() and (weight.requires_grad or any(x.requires_grad for x in dense))
         if grad:
-            out = _KeptJoined.apply(weight, ids, offsets, storage, rows_of, self.shape, cols, *dense)
+            out = _KeptJoined.apply(weight, ids, offsets, ones, storage, rows_of, self.shape, cols, *dense)
         else:
             out = _joined(weight.detach(), ids, offsets, self.shape, cols, dense)
         spans = [(slot_of[i] * d, slot_of[i] * d + d) for i in range(nf)]
