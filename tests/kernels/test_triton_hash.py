@@ -101,11 +101,37 @@ def test_find_and_insert_match_the_eager_index_when_nearly_full():
         assert torch.equal(st._find(qk, qt), want)  # the eager reference on the same index
 
 
+def test_the_kernels_hash_is_the_storages():
+    """find/insert without ``home`` hash in the kernel: the same positions as the storage's torch
+    ``_hash`` (any int64 id, several tables), so either side finds what the other inserted. The
+    index is sparse (300 pairs in 2**16 positions): a pair probed from another home meets an empty
+    position and is reported absent."""
+    st = he.EmbeddingCollection([he.TableConfig("a", None, DIM, dynamic=he.Dynamic())], kernels="eager").storage_of("a")
+    g = torch.Generator().manual_seed(5)
+    keys = torch.cat(
+        [torch.tensor([_INT64.min, _INT64.max, -1, 0, 1]), torch.randint(_INT64.min, _INT64.max, (295,), generator=g)]
+    )
+    tabs = torch.randint(0, 7, (300,), generator=g, dtype=torch.int32)
+    keys, tabs = keys.to(DEVICE), tabs.to(DEVICE)
+    h = 1 << 16
+    home = (st._hash(keys.cpu(), tabs.cpu()) & (h - 1)).to(DEVICE)
+    slots = torch.arange(1, 301, device=DEVICE)
+    for given_at_insert in (True, False):
+        hrow = torch.full((h, 2), -1, dtype=torch.int64, device=DEVICE)
+        triton_hash.insert(hrow, h - 1, keys, tabs, slots, home if given_at_insert else None)
+        assert torch.equal(triton_hash.find(hrow, h - 1, keys, tabs, None if given_at_insert else home), slots)
+        if not given_at_insert:  # (no two pairs share a home here: each sits at its own)
+            assert home.unique().numel() == keys.numel()
+            assert torch.equal(hrow[home, 0], keys)
+
+
 def test_find_of_no_keys_and_insert_of_none():
     hrow = torch.full((16, 2), -1, dtype=torch.int64, device=DEVICE)
     e = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     assert triton_hash.find(hrow, 15, e, e.to(torch.int32), e).shape == (0,)
+    assert triton_hash.find(hrow, 15, e, e.to(torch.int32)).shape == (0,)
     triton_hash.insert(hrow, 15, e, e.to(torch.int32), e, e)
+    triton_hash.insert(hrow, 15, e, e.to(torch.int32), e)
     assert bool((hrow == -1).all())
 
 

@@ -4,8 +4,9 @@ Shape legend: ``U`` (table, id) pairs, ``H`` index positions (a power of two), `
 
 The index is HashStorage's: ``hrow`` (H, 2) int64, one row per position holding the key and
 ``table << 32 | slot``; an empty position holds -1 in both words; ``mask`` = H - 1; linear
-probing from a pair's home position (its hash, computed by the caller in torch with the
-storage's ``_hash``, so there is one hash); no tombstones (eviction rebuilds the index).
+probing from a pair's home position: the storage's ``_hash`` of the pair masked to the index,
+computed inside the kernels by :func:`_home` (the same splitmix64 bits; 19 torch launches a call
+otherwise) unless the caller gives it; no tombstones (eviction rebuilds the index).
 
 - :func:`find`: each pair probes from its home until it meets its key (the slot) or an empty
   position (absent: -1). One launch, no host sync: the eager reference reads a window of
@@ -62,12 +63,26 @@ _BLOCK = 128  # pairs per program
 
 
 @triton.jit
-def _find_kernel(hrow_ptr, mask, keys_ptr, tabs_ptr, home_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _home(key, tab, mask):
+    """HashStorage._hash(key, tab) & mask: splitmix64's finaliser of ``key ^ tab * golden``,
+    in uint64 (wrapping multiplies, logical shifts), then kept below 2**62 and masked."""
+    x = key.to(tl.uint64, bitcast=True) ^ (tab.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15)
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    x = x ^ (x >> 31)
+    return (x & ((1 << 62) - 1)).to(tl.int64, bitcast=True) & mask
+
+
+@triton.jit
+def _find_kernel(hrow_ptr, mask, keys_ptr, tabs_ptr, home_ptr, out_ptr, n, BLOCK: tl.constexpr, HOME: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (B,)
     live = offs < n
     key = tl.load(keys_ptr + offs, mask=live, other=0)
     tab = tl.load(tabs_ptr + offs, mask=live, other=0).to(tl.int64)
-    pos = tl.load(home_ptr + offs, mask=live, other=0)
+    if HOME:
+        pos = tl.load(home_ptr + offs, mask=live, other=0)
+    else:
+        pos = _home(key, tab, mask)
     out = tl.full([BLOCK], -1, tl.int64)
     steps = 0  # at most H probes (the index is at most half full: a guard, never reached)
     while (tl.max(live.to(tl.int32), 0) > 0) & (steps <= mask):
@@ -82,13 +97,16 @@ def _find_kernel(hrow_ptr, mask, keys_ptr, tabs_ptr, home_ptr, out_ptr, n, BLOCK
 
 
 @triton.jit
-def _insert_kernel(hrow_ptr, mask, keys_ptr, tabs_ptr, slots_ptr, home_ptr, n, BLOCK: tl.constexpr):
+def _insert_kernel(hrow_ptr, mask, keys_ptr, tabs_ptr, slots_ptr, home_ptr, n, BLOCK: tl.constexpr, HOME: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (B,)
     live = offs < n
     key = tl.load(keys_ptr + offs, mask=live, other=0)
     tab = tl.load(tabs_ptr + offs, mask=live, other=0).to(tl.int64)
     word = (tab << 32) | tl.load(slots_ptr + offs, mask=live, other=0).to(tl.int64)
-    pos = tl.load(home_ptr + offs, mask=live, other=0)
+    if HOME:
+        pos = tl.load(home_ptr + offs, mask=live, other=0)
+    else:
+        pos = _home(key, tab, mask)
     steps = 0
     while (tl.max(live.to(tl.int32), 0) > 0) & (steps <= mask):
         # atomic_cas has no mask: a finished lane compares with -2, which no word holds
@@ -105,23 +123,36 @@ def _grid(n: int):
     return (triton.cdiv(n, _BLOCK),)
 
 
-def find(hrow: torch.Tensor, mask: int, keys: torch.Tensor, tabs: torch.Tensor, home: torch.Tensor) -> torch.Tensor:
-    """(U,) int64 slots of pairs ``keys`` (U,) int64, ``tabs`` (U,) int32 whose home positions are
-    ``home`` (U,) int64 in index ``hrow`` (H, 2) of ``mask`` = H - 1; -1 where absent."""
+def find(
+    hrow: torch.Tensor, mask: int, keys: torch.Tensor, tabs: torch.Tensor, home: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(U,) int64 slots of pairs ``keys`` (U,) int64, ``tabs`` (U,) int32 in index ``hrow`` (H, 2)
+    of ``mask`` = H - 1; -1 where absent. ``home`` (U,) int64: the pairs' home positions (None:
+    the storage's hash, computed in the kernel)."""
     out = torch.empty(keys.shape, dtype=torch.int64, device=keys.device)
     n = keys.numel()
     if n:
-        _find_kernel[_grid(n)](hrow, mask, keys.contiguous(), tabs.contiguous(), home.contiguous(), out, n, _BLOCK)
+        keys = keys.contiguous()
+        at = keys if home is None else home.contiguous()
+        _find_kernel[_grid(n)](hrow, mask, keys, tabs.contiguous(), at, out, n, _BLOCK, home is not None)
     return out
 
 
 def insert(
-    hrow: torch.Tensor, mask: int, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor, home: torch.Tensor
+    hrow: torch.Tensor,
+    mask: int,
+    keys: torch.Tensor,
+    tabs: torch.Tensor,
+    slots: torch.Tensor,
+    home: torch.Tensor | None = None,
 ) -> None:
     """Adds absent, distinct pairs ``keys`` (U,), ``tabs`` (U,) pointing at ``slots`` (U,) to index
-    ``hrow`` (H, 2) in place, each at the first empty position from ``home`` (U,)."""
+    ``hrow`` (H, 2) in place, each at the first empty position from its home (``home`` (U,), or
+    None: the storage's hash, computed in the kernel)."""
     n = keys.numel()
     if n:
+        keys = keys.contiguous()
+        at = keys if home is None else home.contiguous()
         _insert_kernel[_grid(n)](
-            hrow, mask, keys.contiguous(), tabs.contiguous(), slots.contiguous(), home.contiguous(), n, _BLOCK
+            hrow, mask, keys, tabs.contiguous(), slots.contiguous(), at, n, _BLOCK, home is not None
         )

@@ -87,8 +87,8 @@ def sort_pairs(ids: torch.Tensor, tabs: torch.Tensor, num_tables: int):
     s, perm = torch.sort(part, stable=True)
     if exact:
         u, counts = torch.unique_consecutive(s, return_counts=True)
-        u = u.to(torch.int64)
-        return (u & ((1 << bits) - 1)) + lo, (u >> bits).to(torch.int32), perm, counts
+        part = u.to(torch.int64) & ((1 << bits) - 1)
+        return part + lo if lo else part, u >> bits, perm, counts  # (u: int32 keys below 2**31)
     sid = ids.index_select(0, perm)
     same_key = s[1:] == s[:-1]
     new_pair = ~same_key | (sid[1:] != sid[:-1])  # (N-1,): a run of pairs starts at i + 1
@@ -226,7 +226,7 @@ class HashStorage(RowStorage):
         if uses_triton(self.kernels, self.weight) and not where:
             from ..kernels import triton_hash
 
-            return triton_hash.find(self._hrow, self._mask, keys, tabs, self._hash(keys, tabs) & self._mask)
+            return triton_hash.find(self._hrow, self._mask, keys, tabs)  # (the hash in the kernel)
         if cpu_hash.runs_on(self.kernels, self.weight):
             return cpu_hash.find(self._hrow, self._mask, keys, tabs, self._hash(keys, tabs) & self._mask, where)
         tw = tabs.to(torch.int64) << 32  # the table as stored in a row's second word
@@ -260,7 +260,7 @@ class HashStorage(RowStorage):
         if uses_triton(self.kernels, self.weight):
             from ..kernels import triton_hash
 
-            triton_hash.insert(self._hrow, self._mask, keys, tabs, slots, self._hash(keys, tabs) & self._mask)
+            triton_hash.insert(self._hrow, self._mask, keys, tabs, slots)
             return
         if cpu_hash.runs_on(self.kernels, self.weight):
             return cpu_hash.insert(self._hrow, self._mask, keys, tabs, slots, self._hash(keys, tabs) & self._mask)
@@ -462,17 +462,29 @@ class HashStorage(RowStorage):
     def resolve(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> LookupPlan:
         """:meth:`plan_lookup` of ``ids`` (N,), the first ``counts[0]`` of table index ``tables[0]``,
         the next ``counts[1]`` of ``tables[1]``, ... (see :meth:`Storage.resolve`)."""
-        tabs = torch.repeat_interleave(
-            device_tensor(tables, ids.device, torch.int32), device_tensor(counts, ids.device), output_size=ids.numel()
-        )
-        return self.plan_lookup(ids, tabs, train)
+        key = (tuple(tables), tuple(counts))
+        cache = self.__dict__.setdefault("_tabs_cache", {})  # (the same features and counts each step: kept)
+        tabs = cache.get(key)
+        if tabs is None or tabs.device != ids.device:
+            t, c = device_tensor(tables, ids.device, torch.int32), device_tensor(counts, ids.device)
+            tabs = torch.repeat_interleave(t, c, output_size=ids.numel())
+            if len(cache) >= 2:  # (a training and an evaluation batch; (N,) int32 each)
+                cache.clear()
+            cache[key] = tabs
+        looked = [0] * len(self.tables)
+        for t, c in zip(tables, counts):
+            looked[t] += c
+        return self.plan_lookup(ids, tabs, train, looked)
 
-    def plan_lookup(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> LookupPlan:
+    def plan_lookup(
+        self, ids: torch.Tensor, tabs: torch.Tensor, train: bool, looked: Sequence[int] | None = None
+    ) -> LookupPlan:
         """The first half of :meth:`lookup`: finds the ids' rows, draws admission and plans
         evictions, raising :class:`HybridEmbedError` if the batch cannot fit, and changes
         nothing else. ``plan.commit()`` then makes the change and returns what :meth:`lookup`
         does; ``plan.rollback()`` undoes the admission draws instead. Several storages can so
-        accept or refuse one batch together. Nothing else may change the storage between."""
+        accept or refuse one batch together. Nothing else may change the storage between.
+        ``looked``: the ids of each table, when the caller knows them (else counted on the device)."""
         keys, ktabs, perm, counts = sort_pairs(ids, tabs, len(self.tables))
         found = self._find(keys, ktabs)
         if not train:
@@ -486,34 +498,36 @@ class HashStorage(RowStorage):
             new = miss if ok is None else miss[ok]
             try:
                 # (slot 0 for the misses: the default row is never evicted; no boolean mask, no sync)
-                victims = self._plan_evictions(ktabs[new], found.clamp_min(0))
+                victims = found[:0] if self.capacity is None else self._plan_evictions(ktabs[new], found.clamp_min(0))
             except HybridEmbedError:
                 rollback()
                 raise
 
         def commit() -> tuple[torch.Tensor, tuple]:
             rej = None if ok is None else miss[~ok]
-            return self._commit_lookup(keys, ktabs, perm, counts, found, miss, new, rej, victims, commit_admission)
+            lk = self._looked(ktabs, counts, looked)
+            return self._commit_lookup(keys, ktabs, perm, counts, found, miss, new, rej, victims, commit_admission, lk)
 
         return LookupPlan(commit, rollback)
 
+    def _looked(self, ktabs: torch.Tensor, counts: torch.Tensor, looked: Sequence[int] | None) -> torch.Tensor:
+        """(tables,) int64 ids of each table: ``looked`` from the host, or counted from the pairs."""
+        return self._per_table(ktabs, counts) if looked is None else device_tensor(looked, ktabs.device)
+
     @torch.no_grad()
-    def _commit_lookup(self, keys, ktabs, perm, counts, found, miss, new, rej, victims, commit_admission):
-        """The second half of :meth:`lookup` (see :meth:`plan_lookup`): the batch is accepted."""
-        nt = len(self.tables)
+    def _commit_lookup(self, keys, ktabs, perm, counts, found, miss, new, rej, victims, commit_admission, looked):
+        """The second half of :meth:`lookup` (see :meth:`plan_lookup`): the batch is accepted.
+        ``looked`` (tables,): the ids of each table."""
         seg = offsets_from_lengths(counts)  # (U+1,)
-        hit = found >= 0
         self.clock += 1
-        # ids per table: the pairs are sorted by table, so each table's runs are one range
-        bounds = torch.searchsorted(ktabs, torch.arange(nt + 1, dtype=ktabs.dtype, device=ktabs.device))
-        looked = seg.index_select(0, bounds[1:]) - seg.index_select(0, bounds[:-1])
-        self.counters[:, 4] += looked
-        self.counters[:, 3] += looked - self._per_table(ktabs[miss], counts[miss])
+        self.counters[:, 3:5] += looked.unsqueeze(1)  # hits (less the misses, below) and lookups
+        if miss.numel():
+            self.counters[:, 3] -= self._per_table(ktabs[miss], counts[miss])
         if commit_admission is not None:
             commit_admission()
             self.counters[:, 2] += self._per_table(ktabs[rej], counts[rej])
         if victims.numel():
-            self.last_seen[found[hit]] = self.clock  # (this batch's rows, for the index rebuild)
+            self.last_seen[found[found >= 0]] = self.clock  # (this batch's rows, for the index rebuild)
         self._evict(victims)
         if new.numel():
             slots = self._allocate(new.numel())
@@ -533,8 +547,9 @@ class HashStorage(RowStorage):
             expired = (self.slot_table >= 0) & (self.clock - self.last_seen >= self.config.ttl_steps)
             expired &= ~self._protected(s)
             self._evict(expired.nonzero().squeeze(1))  # (nothing when none expired: one sync, not two)
-        slot = found.clamp_min(0)  # (U,)
-        kept = None if new.numel() == miss.numel() else (slot > 0).nonzero().squeeze(1)
+        every = new.numel() == miss.numel()  # (then no pair is left without a row: no -1)
+        slot = found if every else found.clamp_min(0)  # (U,)
+        kept = None if every else (slot > 0).nonzero().squeeze(1)
         return self._per_id(slot, perm, counts), (perm, seg, slot, kept)
 
     @staticmethod

@@ -119,7 +119,9 @@ class TieredHashStorage(HashStorage):
         raise HybridEmbedError("a tiered dynamic table's cache does not grow (a bug: rows were not spilled first)")
 
     # --- the lookup ---------------------------------------------------------------------------
-    def plan_lookup(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> LookupPlan:
+    def plan_lookup(
+        self, ids: torch.Tensor, tabs: torch.Tensor, train: bool, looked: Sequence[int] | None = None
+    ) -> LookupPlan:
         """As :meth:`HashStorage.plan_lookup`; ids with a row on disk are read back into the cache
         (in eval too), making room by spilling. Refused (nothing changed) when the batch's rows
         do not fit the cache or the disk."""
@@ -153,7 +155,10 @@ class TieredHashStorage(HashStorage):
             if not train:
                 return self._per_id(found.clamp_min(0), perm, counts), None
             rej = None if ok is None else absent[~ok]
-            out = self._commit_lookup(keys, ktabs, perm, counts, found, absent, new, rej, victims[:0], commit_admission)
+            lk = self._looked(ktabs, counts, looked)
+            out = self._commit_lookup(
+                keys, ktabs, perm, counts, found, absent, new, rej, victims[:0], commit_admission, lk
+            )
             self.slot_rec[found[new]] = torch.where(dead >= 0, dead, _NONE)  # (new rows: their record known)
             if torch.is_grad_enabled() and self.weight.requires_grad:  # (until the optimizer's step)
                 self.pinned[found[found > 0]] = True
