@@ -295,11 +295,13 @@ class EmbeddingCollection(nn.Module):
         missing = [f for f in self._features if f not in inputs]
         if missing:
             raise InvalidInputError(f"missing feature {missing[0]!r}: every feature needs an input", missing[0])
-        return {f: self._as_input(feat, inputs[f]) for f, feat in self._features.items()}
+        devices = [st.weight.device for st in self.storages]  # (once, not a module lookup a feature)
+        return {f: self._as_input(feat, inputs[f], devices[feat.group]) for f, feat in self._features.items()}
 
-    def _as_input(self, feat: _Feature, x: Any) -> Jagged:
-        """One feature's input -> Jagged, with dtypes, shapes and device checked (no pass over data)."""
-        device = self.storages[feat.group].weight.device
+    def _as_input(self, feat: _Feature, x: Any, device: torch.device | None = None) -> Jagged:
+        """One feature's input -> Jagged, with dtypes, shapes and device checked (no pass over data);
+        ``device``: its table's (None: looked up)."""
+        device = self.storages[feat.group].weight.device if device is None else device
         if device.type == "meta":
             msg = "was built on the meta device and has no rows to look up; he.distribute(model) makes each rank's"
             msg += " shards, or build the collection on cpu or cuda"
