@@ -152,10 +152,11 @@ class Bags:
 
 def _reduce_segments(grad, bags: Bags, psw, segments, weight) -> torch.Tensor:
     """The rows' gradient from ids grouped by the storage: ``segments`` = (perm (N,) putting
-    equal rows side by side, segment offsets (K+1,), row of each segment (K,), kept segments
+    equal rows side by side, segment lengths (K,), row of each segment (K,), kept segments
     (M,) or None). One transposed ``embedding_bag``; the result's row ids are distinct but
     not sorted, so the sparse tensor is left uncoalesced (its consumer is told they are distinct)."""
-    perm, seg, seg_rows, kept = segments
+    perm, lengths, seg_rows, kept = segments
+    seg = offsets_from_lengths(lengths)  # (K+1,)
     w = None if psw is None else psw.index_select(0, perm)
     rows = F.embedding_bag(bags.of(perm), grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True)
     if kept is not None:

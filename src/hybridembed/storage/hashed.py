@@ -30,7 +30,6 @@ from torch import nn
 from .. import init as _init
 from ..config import TableConfig
 from ..errors import HybridEmbedError
-from ..input import offsets_from_lengths
 from ..kernels import cpu_hash
 from ..kernels.backend import uses_triton
 from ..utils import advise_huge_pages, device_tensor, get_logger
@@ -452,7 +451,7 @@ class HashStorage(RowStorage):
 
     def lookup(self, ids: torch.Tensor, tabs: torch.Tensor, train: bool) -> tuple[torch.Tensor, tuple | None]:
         """:meth:`slots`, and the batch's grouping for the gradient (None in eval):
-        ``(perm (N,), segment offsets (K+1,), slot per segment (K,), kept segments or None)``.
+        ``(perm (N,), segment lengths (K,), slot per segment (K,), kept segments or None)``.
 
         Each segment is one distinct (table, id) pair, so the slots of the kept segments are
         distinct: the lookup's backward sums each row's gradient over its segment instead of
@@ -518,7 +517,6 @@ class HashStorage(RowStorage):
     def _commit_lookup(self, keys, ktabs, perm, counts, found, miss, new, rej, victims, commit_admission, looked):
         """The second half of :meth:`lookup` (see :meth:`plan_lookup`): the batch is accepted.
         ``looked`` (tables,): the ids of each table."""
-        seg = offsets_from_lengths(counts)  # (U+1,)
         self.clock += 1
         self.counters[:, 3:5] += looked.unsqueeze(1)  # hits (less the misses, below) and lookups
         if miss.numel():
@@ -550,7 +548,7 @@ class HashStorage(RowStorage):
         every = new.numel() == miss.numel()  # (then no pair is left without a row: no -1)
         slot = found if every else found.clamp_min(0)  # (U,)
         kept = None if every else (slot > 0).nonzero().squeeze(1)
-        return self._per_id(slot, perm, counts), (perm, seg, slot, kept)
+        return self._per_id(slot, perm, counts), (perm, counts, slot, kept)  # (offsets made where used)
 
     @staticmethod
     def _per_id(slot: torch.Tensor, perm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
