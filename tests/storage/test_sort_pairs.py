@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hybridembed as he
-from hybridembed.storage.hashed import _MUL, sort_pairs
+from hybridembed.storage.pairs import _MUL, sort_pairs
 
 CASES = {  # lo, hi, tables: the exact key (ids span < the key's bits) or the hashed one
     "exact key": (0, 1000, 3),

@@ -43,7 +43,8 @@ import torch
 
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
-from .hashed import _EMPTY, HashStorage, sort_pairs
+from .hashed import _EMPTY, HashStorage
+from .pairs import sort_pairs
 from .protocol import LookupPlan, _nothing
 from .records import Homes
 from .tiered import _File, _lock, _Prefetch, add_prefetch, grown, mapped
