@@ -10,7 +10,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -285,13 +285,15 @@ def device_tensor(values: Any, device: torch.device | str, dtype: torch.dtype | 
     return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
 
 
-def kept_tensor(owner: Any, name: str, n: int, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``make()`` for size ``n`` on ``device``, kept in ``owner.__dict__[name]`` for later calls of the
-    same size (at most 16 sizes): read-only tensors a hot path would otherwise rebuild every call."""
+def kept_tensor(
+    owner: Any, name: str, n: Hashable, device: torch.device, make: Callable[[], torch.Tensor], most: int = 16
+) -> torch.Tensor:
+    """``make()`` for size (or key) ``n`` on ``device``, kept in ``owner.__dict__[name]`` for later calls
+    of the same one (at most ``most`` kept): read-only tensors a hot path would otherwise rebuild every call."""
     cache = owner.__dict__.setdefault(name, {})
     cached = cache.get(n)
     if cached is None or cached.device != device:
-        if len(cache) >= 16:
+        if len(cache) >= most:
             cache.clear()
         cached = cache[n] = make()
     return cached

@@ -32,7 +32,7 @@ from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..kernels import cpu_hash
 from ..kernels.backend import uses_triton
-from ..utils import advise_huge_pages, device_tensor, get_logger
+from ..utils import advise_huge_pages, device_tensor, get_logger, kept_tensor
 from .base import RowStorage, add_sparse
 from .pairs import sort_pairs
 from .protocol import LookupPlan, _nothing
@@ -399,29 +399,28 @@ class HashStorage(RowStorage):
     def resolve(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> LookupPlan:
         """:meth:`plan_lookup` of ``ids`` (N,), the first ``counts[0]`` of table index ``tables[0]``,
         the next ``counts[1]`` of ``tables[1]``, ... (see :meth:`Storage.resolve`)."""
-        key = (tuple(tables), tuple(counts))
-        cache = self.__dict__.setdefault("_tabs_cache", {})  # (the same features and counts each step: kept)
-        tabs = cache.get(key)
-        if tabs is None or tabs.device != ids.device:
-            t, c = device_tensor(tables, ids.device, torch.int32), device_tensor(counts, ids.device)
-            tabs = torch.repeat_interleave(t, c, output_size=ids.numel())
-            if len(cache) >= 2:  # (a training and an evaluation batch; (N,) int32 each)
-                cache.clear()
-            cache[key] = tabs
-        looked = [0] * len(self.tables)
-        for t, c in zip(tables, counts):
-            looked[t] += c
-        return self.plan_lookup(ids, tabs, train, looked)
+        nt, dev = len(self.tables), ids.device
+
+        def make() -> torch.Tensor:  # (tables + N,) int32: each table's id count, then each id's table
+            looked = [0] * nt
+            for t, c in zip(tables, counts):
+                looked[t] += c
+            t, c = device_tensor(tables, dev, torch.int32), device_tensor(counts, dev)
+            return torch.cat([device_tensor(looked, dev, torch.int32), t.repeat_interleave(c, output_size=ids.numel())])
+
+        # the same features and counts each step: kept (a training and an evaluation batch at most)
+        both = kept_tensor(self, "_tabs_cache", (tuple(tables), tuple(counts)), dev, make, most=2)
+        return self.plan_lookup(ids, both[nt:], train, both[:nt])
 
     def plan_lookup(
-        self, ids: torch.Tensor, tabs: torch.Tensor, train: bool, looked: Sequence[int] | None = None
+        self, ids: torch.Tensor, tabs: torch.Tensor, train: bool, looked: torch.Tensor | None = None
     ) -> LookupPlan:
         """The first half of :meth:`lookup`: finds the ids' rows, draws admission and plans
         evictions, raising :class:`HybridEmbedError` if the batch cannot fit, and changes
         nothing else. ``plan.commit()`` then makes the change and returns what :meth:`lookup`
         does; ``plan.rollback()`` undoes the admission draws instead. Several storages can so
         accept or refuse one batch together. Nothing else may change the storage between.
-        ``looked``: the ids of each table, when the caller knows them (else counted on the device)."""
+        ``looked`` (tables,): the ids of each table, when the caller knows them (else counted here)."""
         keys, ktabs, perm, counts = sort_pairs(ids, tabs, len(self.tables))
         found = self._find(keys, ktabs)
         if not train:
@@ -447,9 +446,9 @@ class HashStorage(RowStorage):
 
         return LookupPlan(commit, rollback)
 
-    def _looked(self, ktabs: torch.Tensor, counts: torch.Tensor, looked: Sequence[int] | None) -> torch.Tensor:
-        """(tables,) int64 ids of each table: ``looked`` from the host, or counted from the pairs."""
-        return self._per_table(ktabs, counts) if looked is None else device_tensor(looked, ktabs.device)
+    def _looked(self, ktabs: torch.Tensor, counts: torch.Tensor, looked: torch.Tensor | None) -> torch.Tensor:
+        """(tables,) ids of each table: ``looked`` as given, or counted from the pairs."""
+        return self._per_table(ktabs, counts) if looked is None else looked
 
     @torch.no_grad()
     def _commit_lookup(self, keys, ktabs, perm, counts, found, miss, new, rej, victims, commit_admission, looked):

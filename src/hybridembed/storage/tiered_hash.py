@@ -121,7 +121,7 @@ class TieredHashStorage(HashStorage):
 
     # --- the lookup ---------------------------------------------------------------------------
     def plan_lookup(
-        self, ids: torch.Tensor, tabs: torch.Tensor, train: bool, looked: Sequence[int] | None = None
+        self, ids: torch.Tensor, tabs: torch.Tensor, train: bool, looked: torch.Tensor | None = None
     ) -> LookupPlan:
         """As :meth:`HashStorage.plan_lookup`; ids with a row on disk are read back into the cache
         (in eval too), making room by spilling. Refused (nothing changed) when the batch's rows
