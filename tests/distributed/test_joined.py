@@ -71,10 +71,10 @@ def _job(rank: int, world: int, sharding: str, way: str, three_d: bool = False) 
     from hybridembed.distributed import exchange, runtime, shm
     from hybridembed.modules import joined
 
-    os.environ[shm.ENV] = "0" if way == "gloo" else "1"
-    if way == "shared":  # (rows of any size through shared memory: not folded into gloo's all-to-all)
+    os.environ[shm.ENV] = "1" if way == "shared" else "0"
+    if way != "folded":  # (rows of any size through shared memory, or gloo: no status folded in)
         runtime.FOLD_ROWS = 0
-    made, real = [], (joined.Ready.run, exchange.SharedRowsJoined.apply)
+    made, real = [], (joined.Ready.run, exchange.SharedRowsJoined.apply, exchange.RowsJoined.apply)
 
     def counted(self, train):
         made.append(1)
@@ -84,7 +84,11 @@ def _job(rank: int, world: int, sharding: str, way: str, three_d: bool = False) 
         made.append(1)
         return real[1](*a)
 
-    joined.Ready.run, exchange.SharedRowsJoined.apply = counted, joined_rows
+    def folded_rows(*a):
+        made.append(1)
+        return real[2](*a)
+
+    joined.Ready.run, exchange.SharedRowsJoined.apply, exchange.RowsJoined.apply = counted, joined_rows, folded_rows
     try:
         plain = Joining(three_d)
         tables = [he.TableConfig(f"embs__{k}", VOCAB, DIM) for k in range(3)]
@@ -95,7 +99,7 @@ def _job(rank: int, world: int, sharding: str, way: str, three_d: bool = False) 
         model = he.distribute(plain, plan)
         _train(model, lambda step: _batch(step, rank))
     finally:
-        joined.Ready.run, exchange.SharedRowsJoined.apply = real
+        joined.Ready.run, exchange.SharedRowsJoined.apply, exchange.RowsJoined.apply = real
     state = {k: v.detach().clone() for k, v in plain.named_parameters() if not k.startswith("embs")}
     state.update({f"embs.{k}.weight": model.hybridembed.gather_table(f"embs__{k}") for k in range(3)})
     return {"made": len(made), "state": state}
@@ -107,6 +111,8 @@ def _job(rank: int, world: int, sharding: str, way: str, three_d: bool = False) 
         ("data_parallel", "shared", False),
         ("table_wise", "shared", False),
         ("table_wise", "shared", True),
+        ("table_wise", "folded", False),
+        ("table_wise", "folded", True),
         ("table_wise", "gloo", False),
         ("mixed", "shared", False),
     ],
@@ -117,9 +123,9 @@ def test_a_joined_cat_of_a_sharded_job_equals_one_process(sharding, way, three_d
     _train(ref, lambda step: _whole(step, 2), plain=True)
     for r in got:
         # every step's cat made by the replicas' kernel call, or by the exchange of the owners' rows
-        # through shared memory; through gloo (then the cat after the exchange), or replicated and
-        # sharded tables in one cat, never
-        assert r["made"] == (STEPS if way == "shared" and sharding != "mixed" else 0)
+        # (through shared memory, or gloo with the status folded in); unfolded through gloo (then
+        # the cat after the exchange), or replicated and sharded tables in one cat, never
+        assert r["made"] == (STEPS if way != "gloo" and sharding != "mixed" else 0)
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
@@ -171,3 +177,29 @@ def test_a_bad_id_on_one_rank_fails_the_joined_step_on_every_rank_and_changes_no
         assert text.startswith("feature 'embs__2': id out of range" if rank else "rank(s) 1 got invalid input"), text
         for k, v in r["tables"].items():
             torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_column_runs_view_exactly_the_pieces_columns(seed):
+    """The folded exchange's strided views, a run of evenly spaced pieces of one width at a time,
+    hold each piece's columns in order, for shuffled pieces of mixed widths (and a transposed
+    gradient's strides)."""
+    from hybridembed.distributed.exchange import _column_runs
+
+    g = torch.Generator().manual_seed(seed)
+    widths = [int(w) for w in torch.randint(1, 4, (9,), generator=g)] if seed % 2 else [4] * 9
+    starts = [sum(widths[:k]) for k in range(9)]
+    pieces = [(starts[k], starts[k] + widths[k]) for k in torch.randperm(9, generator=g).tolist()]
+    if seed in (0, 2):  # (a block of one width; every other one of them, as tables alternate ranks)
+        pieces = sorted(pieces) if seed == 0 else sorted(pieces)[::2] + sorted(pieces)[1::2]
+    for flat in (torch.randn(5, sum(widths)), torch.randn(sum(widths), 5).t()):
+        got, runs = [], 0
+        for n, w, view in _column_runs(flat, pieces):
+            assert view.shape == (flat.shape[0], n, w)
+            got.extend(view[:, k] for k in range(n))
+            runs += 1
+        assert len(got) == len(pieces)
+        for (lo, hi), x in zip(pieces, got):
+            assert torch.equal(x, flat[:, lo:hi])
+        if seed in (0, 2):  # (one strided copy a run)
+            assert runs == 1 + seed // 2

@@ -30,6 +30,7 @@ __all__ = [
     "PER_PAIR",
     "Pair",
     "RowsExchange",
+    "RowsJoined",
     "SharedRowsExchange",
     "all_to_all",
     "exchange",
@@ -309,6 +310,71 @@ class SharedRowsJoined(torch.autograd.Function):
         out = torch.empty(sum(send_splits), dtype=ctx.like[0], device=ctx.like[1])
         ctx.transport.all_to_all(out, per_rank, send_splits, recv_splits)
         dense = tuple(flat[:, a:b].reshape(shape) for (a, b), shape in zip(ctx.dense_cols, ctx.shapes))
+        return (out, *(None,) * 7, *dense)
+
+
+def _column_runs(flat: torch.Tensor, piece: list[tuple[int, int]]):
+    """(n, width, (B, n, width) view of ``flat``'s columns) of each run of consecutive pieces of
+    one width whose first columns are evenly spaced (every other table of a model's cat on one
+    rank, or a block of them): one strided copy a run, not one a piece."""
+    sb, sc = flat.stride()
+    i = 0
+    while i < len(piece):
+        lo, hi = piece[i]
+        w, j = hi - lo, i + 1
+        step = piece[j][0] - lo if j < len(piece) and piece[j][1] - piece[j][0] == w else 0
+        if step >= w:
+            while j < len(piece) and piece[j] == (lo + (j - i) * step, lo + (j - i) * step + w):
+                j += 1
+        n = j - i
+        yield n, w, flat.as_strided((flat.shape[0], n, w), (sb, max(step, w) * sc, sc), flat.storage_offset() + lo * sc)
+        i = j
+
+
+class RowsJoined(torch.autograd.Function):
+    """:class:`SharedRowsJoined` through gloo, the owners' status folded in (as :func:`fold_status`):
+    the rows received written straight into the columns of the joined (B, W) tensor, the gradient
+    columns sent back from where they lie. Copies a row twice on its way out (into the padded send
+    buffer, then into its columns) and once on its way back; the usual path's views, splits and
+    concatenations (and their backwards) are not made. Same arguments (``group`` for
+    ``transport``) and returns as :class:`SharedRowsJoined`."""
+
+    @staticmethod
+    def forward(ctx, send, send_splits, recv_splits, group, status, shape, cols, dense_cols, *dense):
+        st = send.new_full((1,), status)
+        padded = torch.cat([x for p in send.detach().split(send_splits) for x in (p, st)])
+        recv = send.new_empty(sum(recv_splits) + len(recv_splits))
+        all_to_all(recv, padded, [n + 1 for n in recv_splits], [n + 1 for n in send_splits], group)
+        out = send.new_empty(shape)
+        flat = out.view(shape[0], -1)
+        b, at, ends = shape[0], 0, []
+        for piece in cols:
+            for n, w, cols_of_run in _column_runs(flat, piece):
+                cols_of_run.copy_(recv[at : at + n * b * w].view(n, b, w).transpose(0, 1))
+                at += n * b * w
+            ends.append(at)
+            at += 1
+        for (lo, hi), x in zip(dense_cols, dense):
+            flat[:, lo:hi].copy_(x.reshape(b, -1))
+        statuses = recv[ends].clone()
+        ctx.splits, ctx.group, ctx.cols, ctx.dense_cols = (send_splits, recv_splits), group, cols, dense_cols
+        ctx.shapes = [x.shape for x in dense]
+        ctx.mark_non_differentiable(statuses)
+        return statuses, out
+
+    @staticmethod
+    def backward(ctx, _, grad):
+        send_splits, recv_splits = ctx.splits
+        flat = grad.reshape(grad.shape[0], -1)
+        b, at = flat.shape[0], 0
+        back = flat.new_empty(sum(recv_splits))
+        for piece in ctx.cols:
+            for n, w, cols_of_run in _column_runs(flat, piece):
+                back[at : at + n * b * w].view(n, b, w).transpose(0, 1).copy_(cols_of_run)
+                at += n * b * w
+        out = flat.new_empty(sum(send_splits))
+        all_to_all(out, back, send_splits, recv_splits, ctx.group)
+        dense = tuple(flat[:, lo:hi].reshape(shape) for (lo, hi), shape in zip(ctx.dense_cols, ctx.shapes))
         return (out, *(None,) * 7, *dense)
 
 

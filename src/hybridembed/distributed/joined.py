@@ -7,8 +7,10 @@ outputs made by the lookup (:mod:`hybridembed.modules.joined`).
 - Whole tables (table-wise) only, their rows through shared memory: the exchange writes each
   owner's rows straight into their columns of the joined tensor (:class:`~.exchange.SharedRowsJoined`:
   the other ranks' rows read once out of their files, this rank's own copied once from its kernel's
-  output), and the model's ``cat`` copies nothing more. Where the rows cross through gloo (a small
-  step's status folded into them, or no shared memory) the cat is made after the exchange, as usual.
+  output), and the model's ``cat`` copies nothing more. Where they cross through gloo with the
+  owners' status folded in (a small step's rows, :data:`~.exchange.FOLD_ROWS`), the same, out of the
+  all-to-all's buffer (:class:`~.exchange.RowsJoined`); larger rows through gloo (no shared memory)
+  take the usual cat after the exchange.
 
 Anything else (row- or column-wise tables, replicated and sharded tables in one cat, per-id
 weights, combiners other than sum, the bf16 wire, ``dedup``, a prefetched step) takes the usual path.
@@ -22,7 +24,7 @@ import torch
 
 from ..input import Jagged
 from ..modules import joined
-from .exchange import SharedRowsJoined
+from .exchange import RowsJoined, SharedRowsJoined
 from .routes import Whole
 
 
@@ -88,7 +90,7 @@ class ShardedJoined:
         reqs = self._checked(requests)
         sent = self._send_ids(reqs, self._main)  # 1. to 4. (pair i is request i: one owner each)
         sizes, recv_ids, recv_w, fold = sent.received
-        if fold or self.world_size == 1 or self._shared() is None:  # (rows through gloo: then the usual cat)
+        if self.world_size == 1 or not (fold or self._shared() is not None):  # (then the usual cat)
             rows_of = self._rows_for(sent, train)
             got = self._combine(reqs, sent.tabs, rows_of, sent.back, train)
             out = torch.cat([got[p].reshape(outs[p][0]) if isinstance(p, int) else p for p in pieces], 1)
@@ -102,9 +104,8 @@ class ShardedJoined:
                 flat_send = flat_send + flat_send.new_zeros(()).requires_grad_()
             cols = [[spans[i] for i in sent.by_rank[r]] for r in range(self.world_size)]
             status = 0.0 if failure is not None else 1.0
-            got, out = SharedRowsJoined.apply(
-                flat_send, send_splits, recv_splits, self._shm, status, shape, cols, dense_cols, *dense
-            )
+            way, through = (RowsJoined, self._group) if fold else (SharedRowsJoined, self._shm)
+            got, out = way.apply(flat_send, send_splits, recv_splits, through, status, shape, cols, dense_cols, *dense)
             self._raise_failed(sent.step, failure, got.tolist())
         n = len(requests)
         return out, joined.Made(out, [spans[i] for i in range(n)], [tuple(outs[i][0]) for i in range(n)], False)
