@@ -284,7 +284,8 @@ class SharedRowsExchange(torch.autograd.Function):
 class SharedRowsJoined(torch.autograd.Function):
     """:class:`SharedRowsExchange` whose requests' rows are written straight into the columns of
     one joined (B, W) tensor (a model's ``torch.cat`` of them, :mod:`hybridembed.modules.joined`):
-    ``cols[r]`` the (first, last) columns of each piece source ``r`` sends here, in order; the
+    ``cols[r]`` the (first, last) columns of each piece source ``r`` sends here, in order (copied a
+    run of evenly spaced ones at a time, :func:`_column_runs`); the
     ``dense`` tensors written at ``dense_cols``. Returns (every rank's ``status`` (W,), the joined
     tensor viewed as ``shape``). The backward sends each piece's gradient columns back, as
     :class:`SharedRowsExchange`'s, and gives each dense input its columns."""
@@ -293,7 +294,7 @@ class SharedRowsJoined(torch.autograd.Function):
     def forward(ctx, send, send_splits, recv_splits, transport, status, shape, cols, dense_cols, *dense):
         out = send.new_empty(shape)
         flat = out.view(shape[0], -1)
-        dst = [[flat[:, a:b] for a, b in piece] for piece in cols]
+        dst = [[run.transpose(0, 1) for _, _, run in _column_runs(flat, piece)] for piece in cols]
         statuses = torch.tensor(transport.all_to_all(dst, send, recv_splits, send_splits, status))
         for (a, b), x in zip(dense_cols, dense):
             flat[:, a:b].copy_(x.reshape(shape[0], -1))
@@ -306,7 +307,7 @@ class SharedRowsJoined(torch.autograd.Function):
     def backward(ctx, _, grad):
         send_splits, recv_splits = ctx.splits
         flat = grad.reshape(grad.shape[0], -1)
-        per_rank = [[flat[:, a:b] for a, b in piece] for piece in ctx.cols]
+        per_rank = [[run.transpose(0, 1) for _, _, run in _column_runs(flat, piece)] for piece in ctx.cols]
         out = torch.empty(sum(send_splits), dtype=ctx.like[0], device=ctx.like[1])
         ctx.transport.all_to_all(out, per_rank, send_splits, recv_splits)
         dense = tuple(flat[:, a:b].reshape(shape) for (a, b), shape in zip(ctx.dense_cols, ctx.shapes))
