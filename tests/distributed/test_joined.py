@@ -203,3 +203,60 @@ def test_the_column_runs_view_exactly_the_pieces_columns(seed):
             assert torch.equal(x, flat[:, lo:hi])
         if seed in (0, 2):  # (one strided copy a run)
             assert runs == 1 + seed // 2
+
+
+def _empty_rank_job(rank: int, world: int, way: str) -> dict:
+    """Rank 0 has no samples at step 1 (the other does): the joined cat of table-wise tables, made
+    by the exchange, is (0, W) there; the loss a sum (a mean of nothing has no gradient), and so
+    the tables' reduction."""
+    import os
+
+    from hybridembed.distributed import runtime, shm
+
+    os.environ[shm.ENV] = "1" if way in ("shared", "replicated") else "0"
+    if way != "folded":
+        runtime.FOLD_ROWS = 0
+    plain = Joining()
+    tables = [he.TableConfig(f"embs__{k}", VOCAB, DIM) for k in range(3)]
+    kind, every = ("data_parallel", (0, 1)) if way == "replicated" else ("table_wise", None)
+    plan = Plan(world, tuple(shard_table(t, kind, every or (k % world,)) for k, t in enumerate(tables)))
+    model = he.distribute(plain, plan, reduction="sum")
+    opt = he.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, sparse=he.optim.Adagrad(lr=0.05))
+    shapes = []
+    for step in range(STEPS):
+        x, ids = _empty_batch(step, rank)
+        out = model(x, ids)
+        shapes.append(tuple(out.shape))
+        opt.zero_grad()
+        (out**2).sum().backward()
+        opt.step()
+    tables = {f"embs.{k}.weight": model.hybridembed.gather_table(f"embs__{k}") for k in range(3)}
+    return {"shapes": shapes, "tables": tables}
+
+
+def _empty_batch(step: int, rank: int):
+    x, ids = _batch(step, rank)
+    n = 0 if (step, rank) == (1, 0) else B
+    return x[:n], [i[:n] for i in ids]
+
+
+@pytest.mark.parametrize("way", ["folded", "shared", "gloo", "replicated"])
+def test_a_rank_without_samples_makes_an_empty_joined_cat_and_the_job_equals_one_process(way):
+    got = spawn(_empty_rank_job, 2, way, timeout=120)
+    ref = Joining()
+    embs = [p for n, p in ref.named_parameters() if n.startswith("embs")]
+    dense = [p for n, p in ref.named_parameters() if not n.startswith("embs")]
+    # (the tables' gradients summed over the ranks; the dense layers' averaged, as DDP: half the rate)
+    opts = [torch.optim.SGD(dense, lr=0.025), torch.optim.Adagrad(embs, lr=0.05)]
+    for step in range(STEPS):
+        parts = [_empty_batch(step, r) for r in range(2)]
+        x, ids = torch.cat([p[0] for p in parts]), [torch.cat([p[1][k] for p in parts]) for k in range(3)]
+        for o in opts:
+            o.zero_grad()
+        (ref(x, ids) ** 2).sum().backward()
+        for o in opts:
+            o.step()
+    assert got[0]["shapes"] == [(B,), (0,), (B,)] and got[1]["shapes"] == [(B,)] * STEPS
+    for r in got:
+        for k, v in r["tables"].items():
+            torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6, msg=k)

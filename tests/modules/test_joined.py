@@ -317,3 +317,27 @@ def test_a_cat_in_another_grad_mode_than_its_lookups_is_that_mode_s(monkeypatch)
         queue.exit()
     assert not t.requires_grad and made == []  # (as torch: a cat under no_grad has no gradient)
     torch.testing.assert_close(t, torch.cat([e(i) for e, i in zip(conv.embs, ids)], 1).detach())
+
+
+def test_an_empty_batch_makes_an_empty_cat_and_training_goes_on_as_plain_pytorch(monkeypatch):
+    made = spy(monkeypatch)
+    torch.manual_seed(2)
+    base = Dlrm()
+    ref, conv = copy.deepcopy(base), he.convert(copy.deepcopy(base))
+    opt = he.wrap_optimizer(torch.optim.SGD(conv.parameters(), lr=0.1), conv, sparse=he.optim.Adagrad(lr=0.1))
+    ropt = [torch.optim.SGD([p for n, p in ref.named_parameters() if not n.startswith("embs")], lr=0.1),
+            torch.optim.Adagrad([p for n, p in ref.named_parameters() if n.startswith("embs")], lr=0.1)]  # fmt: skip
+    for b in (16, 0, 16):
+        x, ids = batch(b, b=b)
+        out, ly = conv(x, ids)
+        rout, _ = ref(x, ids)
+        assert out.shape == rout.shape == (b,) and ly[0].shape == (b, 8)
+        for o in (opt, *ropt):
+            o.zero_grad()
+        (out**2).sum().backward()
+        (rout**2).sum().backward()
+        for o in (opt, *ropt):
+            o.step()
+    assert made == [True] * 3
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(conv.state_dict()[k], v, rtol=0, atol=1e-5, msg=k)

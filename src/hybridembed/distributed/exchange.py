@@ -10,6 +10,7 @@ on gloo, on the CPU or a GPU alike.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -293,11 +294,11 @@ class SharedRowsJoined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send, send_splits, recv_splits, transport, status, shape, cols, dense_cols, *dense):
         out = send.new_empty(shape)
-        flat = out.view(shape[0], -1)
+        flat = out.view(shape[0], math.prod(shape[1:]))  # (not -1: a rank's batch may be empty)
         dst = [[run.transpose(0, 1) for _, _, run in _column_runs(flat, piece)] for piece in cols]
         statuses = torch.tensor(transport.all_to_all(dst, send, recv_splits, send_splits, status))
         for (a, b), x in zip(dense_cols, dense):
-            flat[:, a:b].copy_(x.reshape(shape[0], -1))
+            flat[:, a:b].copy_(x.reshape(shape[0], b - a))
         ctx.splits, ctx.transport, ctx.cols, ctx.dense_cols = (send_splits, recv_splits), transport, cols, dense_cols
         ctx.like, ctx.shapes = (send.dtype, send.device), [x.shape for x in dense]
         ctx.mark_non_differentiable(statuses)
@@ -306,7 +307,7 @@ class SharedRowsJoined(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _, grad):
         send_splits, recv_splits = ctx.splits
-        flat = grad.reshape(grad.shape[0], -1)
+        flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))
         per_rank = [[run.transpose(0, 1) for _, _, run in _column_runs(flat, piece)] for piece in ctx.cols]
         out = torch.empty(sum(send_splits), dtype=ctx.like[0], device=ctx.like[1])
         ctx.transport.all_to_all(out, per_rank, send_splits, recv_splits)
@@ -347,7 +348,7 @@ class RowsJoined(torch.autograd.Function):
         recv = send.new_empty(sum(recv_splits) + len(recv_splits))
         all_to_all(recv, padded, [n + 1 for n in recv_splits], [n + 1 for n in send_splits], group)
         out = send.new_empty(shape)
-        flat = out.view(shape[0], -1)
+        flat = out.view(shape[0], math.prod(shape[1:]))  # (not -1: a rank's batch may be empty)
         b, at, ends = shape[0], 0, []
         for piece in cols:
             for n, w, cols_of_run in _column_runs(flat, piece):
@@ -356,7 +357,7 @@ class RowsJoined(torch.autograd.Function):
             ends.append(at)
             at += 1
         for (lo, hi), x in zip(dense_cols, dense):
-            flat[:, lo:hi].copy_(x.reshape(b, -1))
+            flat[:, lo:hi].copy_(x.reshape(b, hi - lo))
         statuses = recv[ends].clone()
         ctx.splits, ctx.group, ctx.cols, ctx.dense_cols = (send_splits, recv_splits), group, cols, dense_cols
         ctx.shapes = [x.shape for x in dense]
@@ -366,7 +367,7 @@ class RowsJoined(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _, grad):
         send_splits, recv_splits = ctx.splits
-        flat = grad.reshape(grad.shape[0], -1)
+        flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))
         b, at = flat.shape[0], 0
         back = flat.new_empty(sum(recv_splits))
         for piece in ctx.cols:

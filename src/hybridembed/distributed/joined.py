@@ -18,6 +18,7 @@ weights, combiners other than sum, the bf16 wire, ``dedup``, a prefetched step) 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ class ShardedJoined:
             else:
                 if p.shape[0] != b or p.device != self._device or p.dtype != self._wire:
                     return None
-                d = p[0].numel()
+                d = math.prod(p.shape[1:])  # (not p[0]: a batch may be empty)
                 dense_cols.append((width, width + d))
                 dense.append(p)
             width += d

@@ -254,7 +254,7 @@ def compiled_forward(ec, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
             shape = None
             keep = torch.ones_like(ids, dtype=torch.bool)
         elif isinstance(x, torch.Tensor) and x.dim() in (1, 2) and not x.is_floating_point():
-            grid = x.reshape(x.shape[0], -1)  # (B, H)
+            grid = x if x.dim() == 2 else x.unsqueeze(1)  # (B, H) (not reshape(B, -1): B may be 0)
             b, h = grid.shape
             ids, weights, shape = grid.reshape(-1), None, (b, h) if seq else None
             step = 1 if seq else h  # (a sequence: bags of one id)

@@ -23,6 +23,7 @@ The joined outputs' own values are the ``cat``'s columns, copied out when a late
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,8 +59,13 @@ class _KeptJoined(torch.autograd.Function):
             (ids,) = ctx.saved_tensors
             source = g.view(-1, ctx.d)  # (B x slots, D): bag b * slots + s
             ctx.storage.defer_grad(ids, source, ctx.ones, None, True, ctx.rows_of)
-        flat = g.view(g.shape[0], -1)
+        flat = _rows(g)
         return (None,) * 8 + tuple(flat[:, a:b].view(shape) for (a, b), shape in zip(ctx.cols, ctx.shapes))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, ...) viewed as (B, W): not ``view(B, -1)``, which an empty batch makes ambiguous."""
+    return t.view(t.shape[0], math.prod(t.shape[1:]))
 
 
 def _ones(ids: torch.Tensor) -> torch.Tensor:
@@ -69,9 +75,9 @@ def _ones(ids: torch.Tensor) -> torch.Tensor:
 def _joined(weight, ids, offsets, shape, cols, dense) -> torch.Tensor:
     out = F.embedding_bag(ids, weight, offsets, mode="sum", include_last_offset=True)
     out = torch.ops.aten._unsafe_view(out, shape)  # (not a view for autograd: the model may change it in place)
-    flat = out.view(shape[0], -1)
+    flat = _rows(out)
     for (a, b), x in zip(cols, dense):
-        flat[:, a:b].copy_(x.reshape(shape[0], -1))
+        flat[:, a:b].copy_(x.reshape(shape[0], b - a))
     return out
 
 
@@ -195,7 +201,7 @@ class Made:
         """Request ``i``'s output."""
         (a, b), shape = self.spans[i], self.shapes[i]
         if self.out._version == self.version:
-            return self.out.view(shape[0], -1)[:, a:b].clone().view(shape)
+            return _rows(self.out)[:, a:b].clone().view(shape)
         st = self.storage
         if st is not None and st.step == self.step and st.weight._version == self.wversion and not st.keyed:
             ids = self.ids[:, self.column[i]].contiguous()
