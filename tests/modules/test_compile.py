@@ -84,6 +84,17 @@ def test_a_compiled_collection_trains_and_serves_as_the_eager_one(optimizer):
         torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-6)
 
 
+def test_an_empty_batch_serves_an_empty_output_under_compile():
+    model = Ranker().eval()
+    compiled = torch.compile(model, fullgraph=True)
+    x, _ = _batch(3)
+    empty = {k: (he.Jagged.from_lengths(v.values[:0], v.lengths()[:0], v.weights[:0]) if k == "c" else v[:0])
+             for k, v in x.items()}  # fmt: skip
+    with torch.no_grad():
+        assert compiled(empty).shape == model(empty).shape == (0,)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+
+
 def test_a_bad_id_fails_the_compiled_call_and_changes_nothing():
     model = Ranker()
     compiled = torch.compile(model, fullgraph=True)

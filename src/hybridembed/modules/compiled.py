@@ -295,4 +295,4 @@ def compiled_forward(ec, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def _shaped(rows: torch.Tensor, keep: torch.Tensor, shape: tuple[int, int] | None) -> torch.Tensor:
     """A pooled feature's (B, D) rows as they are; a sequence's (B*H, D) as (B, H, D), pads zero."""
-    return rows if shape is None else (rows * keep.unsqueeze(1).to(rows.dtype)).reshape(*shape, -1)
+    return rows if shape is None else (rows * keep.unsqueeze(1).to(rows.dtype)).reshape(*shape, rows.shape[-1])
