@@ -358,7 +358,7 @@ class RowsJoined(torch.autograd.Function):
             at += 1
         for (lo, hi), x in zip(dense_cols, dense):
             flat[:, lo:hi].copy_(x.reshape(b, hi - lo))
-        statuses = recv[ends].clone()
+        statuses = recv[ends]  # (indexed by a list: a copy)
         ctx.splits, ctx.group, ctx.cols, ctx.dense_cols = (send_splits, recv_splits), group, cols, dense_cols
         ctx.shapes = [x.shape for x in dense]
         ctx.mark_non_differentiable(statuses)
