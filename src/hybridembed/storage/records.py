@@ -5,7 +5,7 @@ Its arrays are files of the table's directory mapped into memory (:func:`~hybrid
 an index larger than the memory a process may use stays on disk, its pages in the kernel's page
 cache. Probing it is random access, so it is written in the order of its positions, never a
 fault at a time: the records made since it was last written are kept in a small index in memory
-(up to a million, looked up after the big one) and then written all at once, sorted by home
+(up to two million, looked up after the big one) and then written all at once, sorted by home
 position, the index read ahead in one sweep (``MADV_WILLNEED``) a span at a time; a rebuild
 sorts the records by window of positions (a counting sort into a mapped array) and fills a
 window at a time while the next is read ahead. The positions' mappings are read at random
@@ -39,7 +39,9 @@ class Homes:
     _REINDEX = 1 << 20  # records put back in the index a call (a rebuild's temporaries stay small)
     _WINDOW_BYTES = 32 << 20  # a rebuild, or a batch writing much of it, goes this much of the index at a time
     _SWEEP = 16  # (a batch of records at least 1/16 of the index's pages: the reads in one sweep pay)
-    _RECENT = 1 << 20  # records made since the index was last written: kept in memory (~100 MB) up to this many
+    _RECENT = (
+        1 << 21
+    )  # records made since the index was last written: kept in memory up to this many (~104 MiB: 1 << 20 took 92)
     _BYTES = 20  # a position: its pair (16 bytes) and claim (4)
 
     def __init__(self) -> None:
