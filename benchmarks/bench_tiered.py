@@ -287,6 +287,7 @@ t0 = time.perf_counter()
 for c in keys.split(batch):
     h.add(c, torch.zeros(c.numel(), dtype=torch.int32))
 add = time.perf_counter() - t0
+print(json.dumps({"add_s": add, "positions": h._mask + 1}), flush=True)  # (what a run stopped in its rebuild did)
 t0 = time.perf_counter()
 h._reindex(2 * (h._mask + 1))
 rebuild = time.perf_counter() - t0
@@ -313,8 +314,9 @@ def index(args: argparse.Namespace, where: str) -> dict:
                 preexec_fn=None if group is None else functools.partial(_join, group),
             )
             out[name] = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 else run.returncode
-        except subprocess.TimeoutExpired:
-            out[name] = None
+        except subprocess.TimeoutExpired as e:  # (its adds' time, when they ended before the limit)
+            done = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "").strip().splitlines()
+            out[name] = {**json.loads(done[-1]), "rebuild_s": None} if done else None
         finally:
             if group is not None:
                 group.rmdir()
@@ -538,7 +540,9 @@ def main(argv: list[str] | None = None) -> dict:
             r = result["index"] = index(args, root)
             for name, v in r.items():
                 what = (
-                    f"add {v['add_s']:.2f} s, rebuild to {v['positions']:,} positions {v['rebuild_s']:.2f} s, "
+                    f"add {v['add_s']:.2f} s ({v['positions']:,} positions), the rebuild stopped after --index-timeout"
+                    if isinstance(v, dict) and v["rebuild_s"] is None
+                    else f"add {v['add_s']:.2f} s, rebuild to {v['positions']:,} positions {v['rebuild_s']:.2f} s, "
                     f"found: {v['found']}"
                     if isinstance(v, dict)
                     else ("stopped after --index-timeout" if v is None else f"failed (exit {v}; -9: killed)")
