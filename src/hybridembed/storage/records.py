@@ -39,9 +39,9 @@ class Homes:
     _REINDEX = 1 << 20  # records put back in the index a call (a rebuild's temporaries stay small)
     _WINDOW_BYTES = 32 << 20  # a rebuild, or a batch writing much of it, goes this much of the index at a time
     _SWEEP = 16  # (a batch of records at least 1/16 of the index's pages: the reads in one sweep pay)
-    _RECENT = (
-        1 << 21
-    )  # records made since the index was last written: kept in memory up to this many (~104 MiB: 1 << 20 took 92)
+    # records made since the index was last written, kept in memory up to this many (~104 MiB: the
+    # same 4M positions as a million's 92 MiB; docs/benchmarks.md "Two million recent records")
+    _RECENT = 1 << 21
     _BYTES = 20  # a position: its pair (16 bytes) and claim (4)
 
     def __init__(self) -> None:
