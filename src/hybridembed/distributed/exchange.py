@@ -293,26 +293,39 @@ class SharedRowsJoined(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, send, send_splits, recv_splits, transport, status, shape, cols, dense_cols, *dense):
-        out = send.new_empty(shape)
-        flat = out.view(shape[0], math.prod(shape[1:]))  # (not -1: a rank's batch may be empty)
+        out, flat = _joined(ctx, send, send_splits, recv_splits, shape, cols, dense_cols, dense)
         dst = [[run.transpose(0, 1) for _, _, run in _column_runs(flat, piece)] for piece in cols]
         statuses = torch.tensor(transport.all_to_all(dst, send, recv_splits, send_splits, status))
-        for (a, b), x in zip(dense_cols, dense):
-            flat[:, a:b].copy_(x.reshape(shape[0], b - a))
-        ctx.splits, ctx.transport, ctx.cols, ctx.dense_cols = (send_splits, recv_splits), transport, cols, dense_cols
-        ctx.like, ctx.shapes = (send.dtype, send.device), [x.shape for x in dense]
+        ctx.transport, ctx.like = transport, (send.dtype, send.device)
         ctx.mark_non_differentiable(statuses)
         return statuses, out
 
     @staticmethod
     def backward(ctx, _, grad):
         send_splits, recv_splits = ctx.splits
-        flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))
+        flat, dense = _joined_grad(ctx, grad)
         per_rank = [[run.transpose(0, 1) for _, _, run in _column_runs(flat, piece)] for piece in ctx.cols]
         out = torch.empty(sum(send_splits), dtype=ctx.like[0], device=ctx.like[1])
         ctx.transport.all_to_all(out, per_rank, send_splits, recv_splits)
-        dense = tuple(flat[:, a:b].reshape(shape) for (a, b), shape in zip(ctx.dense_cols, ctx.shapes))
         return (out, *(None,) * 7, *dense)
+
+
+def _joined(ctx, send, send_splits, recv_splits, shape, cols, dense_cols, dense) -> tuple[torch.Tensor, torch.Tensor]:
+    """A joined exchange's output (``shape``) and its (B, W) view, the ``dense`` inputs written at
+    their columns; what its backward needs kept on ``ctx``."""
+    out = send.new_empty(shape)
+    flat = out.view(shape[0], math.prod(shape[1:]))  # (not -1: a rank's batch may be empty)
+    for (lo, hi), x in zip(dense_cols, dense):
+        flat[:, lo:hi].copy_(x.reshape(shape[0], hi - lo))
+    ctx.splits, ctx.cols, ctx.dense_cols = (send_splits, recv_splits), cols, dense_cols
+    ctx.shapes = [x.shape for x in dense]
+    return out, flat
+
+
+def _joined_grad(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The joined output's gradient as (B, W), and each dense input's (its columns)."""
+    flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))
+    return flat, tuple(flat[:, lo:hi].reshape(shape) for (lo, hi), shape in zip(ctx.dense_cols, ctx.shapes))
 
 
 def _column_runs(flat: torch.Tensor, piece: list[tuple[int, int]]):
@@ -347,8 +360,7 @@ class RowsJoined(torch.autograd.Function):
         padded = torch.cat([x for p in send.detach().split(send_splits) for x in (p, st)])
         recv = send.new_empty(sum(recv_splits) + len(recv_splits))
         all_to_all(recv, padded, [n + 1 for n in recv_splits], [n + 1 for n in send_splits], group)
-        out = send.new_empty(shape)
-        flat = out.view(shape[0], math.prod(shape[1:]))  # (not -1: a rank's batch may be empty)
+        out, flat = _joined(ctx, send, send_splits, recv_splits, shape, cols, dense_cols, dense)
         b, at, ends = shape[0], 0, []
         for piece in cols:
             for n, w, cols_of_run in _column_runs(flat, piece):
@@ -356,18 +368,15 @@ class RowsJoined(torch.autograd.Function):
                 at += n * b * w
             ends.append(at)
             at += 1
-        for (lo, hi), x in zip(dense_cols, dense):
-            flat[:, lo:hi].copy_(x.reshape(b, hi - lo))
         statuses = recv[ends]  # (indexed by a list: a copy)
-        ctx.splits, ctx.group, ctx.cols, ctx.dense_cols = (send_splits, recv_splits), group, cols, dense_cols
-        ctx.shapes = [x.shape for x in dense]
+        ctx.group = group
         ctx.mark_non_differentiable(statuses)
         return statuses, out
 
     @staticmethod
     def backward(ctx, _, grad):
         send_splits, recv_splits = ctx.splits
-        flat = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))
+        flat, dense = _joined_grad(ctx, grad)
         b, at = flat.shape[0], 0
         back = flat.new_empty(sum(recv_splits))
         for piece in ctx.cols:
@@ -376,7 +385,6 @@ class RowsJoined(torch.autograd.Function):
                 at += n * b * w
         out = flat.new_empty(sum(send_splits))
         all_to_all(out, back, send_splits, recv_splits, ctx.group)
-        dense = tuple(flat[:, lo:hi].reshape(shape) for (lo, hi), shape in zip(ctx.dense_cols, ctx.shapes))
         return (out, *(None,) * 7, *dense)
 
 
