@@ -82,6 +82,69 @@ _SPREAD = -7046029254386353131  # (odd: ids * it spread over int64, as a dynamic
 BLOCK = 5  # prefetch: timed steps per block (the modes alternate block by block)
 
 
+def _step(ec, opt, x: dict, ahead: dict | None) -> None:
+    """One training step on ``x`` (the outputs' gradient ones); ``ahead``: prefetched after the
+    backward, before the optimizer step."""
+    y = ec(x)
+    opt.zero_grad()
+    torch.autograd.backward(list(y.values()), [torch.ones_like(v) for v in y.values()])
+    if ahead is not None:
+        ec.prefetch(ahead)
+    opt.step()
+
+
+def alternate(ec, opt, st, batch, steps: int, ahead: int, cold: bool) -> dict:
+    """Steps without and with ``ec.prefetch`` of the batch ``ahead`` steps on, in blocks of
+    :data:`BLOCK` timed steps, the modes alternating block by block (the disk's and the machine's pace
+    drift over a run), each block after a lead-in step (untimed: it prefetches the block's first
+    batch) and, ``cold``, from a dropped page cache. Returns each mode's median step and the main
+    thread's read time a step (``_File.read``), and the share of that read time the prefetch hid."""
+    import threading
+
+    from hybridembed.storage import tiered as tiered_mod
+
+    read_s = [0.0]
+    real = tiered_mod._File.read
+
+    def timed(self, r):
+        t0 = time.perf_counter()
+        try:
+            return real(self, r)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                read_s[0] += time.perf_counter() - t0
+
+    tiered_mod._File.read = timed
+    times: dict[str, list[float]] = {"plain": [], "prefetch": []}
+    reads = {"plain": 0.0, "prefetch": 0.0}
+    try:
+        for b in range(2 * max(1, steps // BLOCK)):
+            mode = ("plain", "prefetch")[b % 2]
+            xs = [batch() for _ in range(BLOCK + 1 + ahead)]
+            if cold:
+                _cold(st)
+            if mode == "prefetch":
+                for j in range(1, ahead):
+                    ec.prefetch(xs[j])
+            _step(ec, opt, xs[0], xs[ahead] if mode == "prefetch" else None)
+            read_s[0] = 0.0
+            for i in range(1, BLOCK + 1):
+                t0 = time.perf_counter()
+                _step(ec, opt, xs[i], xs[i + ahead] if mode == "prefetch" else None)
+                times[mode].append(time.perf_counter() - t0)
+            st.drop_prefetch()
+            reads[mode] += read_s[0]
+    finally:
+        tiered_mod._File.read = real
+    out: dict = {
+        m: {"step_ms": statistics.median(v) * 1e3, "read_ms": reads[m] / len(v) * 1e3, "steps": len(v)}
+        for m, v in times.items()
+    }
+    plain, pre = out["plain"], out["prefetch"]
+    out["hidden"] = (plain["step_ms"] - pre["step_ms"]) / plain["read_ms"] if plain["read_ms"] else 0.0
+    return out
+
+
 def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
     g = torch.Generator().manual_seed(0)
     steps = args.warmup + args.steps
@@ -144,7 +207,7 @@ _CHILD = """
 import json, os, sys, time, torch
 import hybridembed as he
 from hybridembed.synthetic import powerlaw_ids
-rows, dim, cache, steps, batch, where, checkpoint, dynamic = json.loads(sys.argv[1])
+rows, dim, cache, steps, batch, where, checkpoint, dynamic, pre, ahead, here = json.loads(sys.argv[1])
 def status(key):
     line = next(x for x in open("/proc/self/status") if x.startswith(key))
     return int(line.split()[1]) * 1024
@@ -171,9 +234,15 @@ for _ in range(steps):
     out.sum().backward()
     opt.step()
 train = time.perf_counter() - t0
+if pre:  # steps without and with ec.prefetch alternated: the table is larger than the page cache left to it
+    sys.path.insert(0, here)
+    from bench_tiered import alternate
+    prefetched = alternate(ec, opt, ec.storage_of("big"), lambda: {"big": powerlaw_ids(batch, rows, generator=g)}, pre, ahead, cold=False)
 st = ec.storage_of("big").stats()
 out = {"peak": status("VmHWM:"), "rss": status("VmRSS:"), "base": base, "built_s": built, "train_s": train, "stats": st,
        "anon": status("RssAnon:"), "file": status("RssFile:") + status("RssShmem:")}
+if pre:
+    out["prefetch"] = prefetched
 if checkpoint:  # he.save, then he.load into a fresh tiered table: each one's peak (VmHWM reset before it)
     def reset():
         with open("/proc/self/clear_refs", "w") as f:
@@ -218,7 +287,7 @@ print(json.dumps(out))
 
 def memory(args: argparse.Namespace, where: str) -> dict:
     spec = [args.memory_rows, args.dim, args.memory_cache, args.memory_steps, args.batch, where, args.checkpoint]
-    spec.append(args.memory_dynamic)
+    spec += [args.memory_dynamic, args.memory_prefetch, args.ahead, str(Path(__file__).resolve().parent)]
     cache_bytes = args.memory_cache * args.dim * 4 * 2  # (the rows and row-wise Adagrad's state, generously)
     limit = cache_bytes + (2 << 30)
     group = _cgroup(limit) if args.memory_limit else None
@@ -335,8 +404,6 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
     """Cold-cache steps without and with ``ec.prefetch(next batch)``: the time a step spends in the
     files' reads (main thread) without it, and how much of that the prefetch takes off the step.
     ``dynamic``: dynamic tables (ids spread over int64), their rows written to disk first."""
-    from hybridembed.storage import tiered as tiered_mod
-
     rows, tables = args.prefetch_rows, args.tables
     n = rows // tables
     tier = he.Tiered(where, cache_rows=args.prefetch_cache)
@@ -362,62 +429,13 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
                 st.write_range(t.name, lo, data)
     with torch.no_grad():  # (the last rows written out of the cache)
         ec({t.name: torch.arange(0, min(step // tables, n)) * spread for t in ts})
-    read_s = [0.0]
-    real = tiered_mod._File.read
-
-    def timed(self, r):
-        import threading
-
-        t0 = time.perf_counter()
-        try:
-            return real(self, r)
-        finally:
-            if threading.current_thread() is threading.main_thread():
-                read_s[0] += time.perf_counter() - t0
-
-    tiered_mod._File.read = timed
 
     def batch() -> dict:
         return {t.name: torch.randint(0, n, (args.batch,), generator=g) * spread for t in ts}
 
-    def step(x: dict, ahead: dict | None) -> None:
-        y = ec(x)
-        opt.zero_grad()
-        torch.autograd.backward(list(y.values()), [torch.ones_like(v) for v in y.values()])
-        if ahead is not None:
-            ec.prefetch(ahead)
-        opt.step()
-
     for _ in range(args.warmup):  # (the first steps warm the code, not the cache: uniform ids mostly miss)
-        step(batch(), None)
-    # blocks of BLOCK steps, the modes alternating block by block (the disk's and the machine's pace
-    # drift over a run), each block from a cold page cache and after a lead-in step (untimed: it
-    # prefetches the block's first batch)
-    times: dict[str, list[float]] = {"plain": [], "prefetch": []}
-    reads = {"plain": 0.0, "prefetch": 0.0}
-    k = args.ahead
-    for b in range(2 * max(1, args.steps // BLOCK)):
-        mode = ("plain", "prefetch")[b % 2]
-        xs = [batch() for _ in range(BLOCK + 1 + k)]
-        _cold(st)
-        if mode == "prefetch":
-            for j in range(1, k):
-                ec.prefetch(xs[j])
-        step(xs[0], xs[k] if mode == "prefetch" else None)
-        read_s[0] = 0.0
-        for i in range(1, BLOCK + 1):
-            t0 = time.perf_counter()
-            step(xs[i], xs[i + k] if mode == "prefetch" else None)
-            times[mode].append(time.perf_counter() - t0)
-        ec.storage_of("t0").drop_prefetch()
-        reads[mode] += read_s[0]
-    out = {
-        m: {"step_ms": statistics.median(v) * 1e3, "read_ms": reads[m] / len(v) * 1e3, "steps": len(v)}
-        for m, v in times.items()
-    }
-    tiered_mod._File.read = real
-    plain, pre = out["plain"], out["prefetch"]
-    out["hidden"] = (plain["step_ms"] - pre["step_ms"]) / plain["read_ms"] if plain["read_ms"] else 0.0
+        _step(ec, opt, batch(), None)
+    out = alternate(ec, opt, st, batch, args.steps, args.ahead, cold=True)
     out["stats"] = st.stats()
     return out
 
@@ -501,6 +519,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--memory-dynamic", action="store_true", help="memory part: a dynamic table (ids 0..rows-1 written first)"
     )
+    p.add_argument(
+        "--memory-prefetch",
+        type=int,
+        default=0,
+        help="memory part: then this many steps each without and with ec.prefetch (--ahead), alternated",
+    )
     p.add_argument("--reads-rows", type=int, default=4_000_000, help="reads part: records in the file")
     p.add_argument("--reads-counts", type=int, nargs="+", default=[31_000, 12_000, 8_000, 5_000])
     p.add_argument("--rounds", type=int, default=3, help="reads part: alternations")
@@ -510,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.quick:
         args.tables, args.rows, args.dim, args.batch, args.steps, args.warmup = 2, 5_000, 8, 256, 3, 2
-        args.memory_rows, args.memory_cache, args.memory_steps = 100_000, 400, 3
+        args.memory_rows, args.memory_cache, args.memory_steps, args.memory_prefetch = 100_000, 400, 3, BLOCK
         args.prefetch_rows, args.prefetch_cache = 40_000, 2_000
         args.index_records, args.index_window, args.index_limit = 300_000, 1, 0
         args.reads_rows, args.reads_counts, args.rounds = 20_000, [300], 1
@@ -564,6 +588,15 @@ def main(argv: list[str] | None = None) -> dict:
                 print(
                     f"in a memory cgroup of {cg['limit'] / 2**30:.2f} GiB (page cache counted): trained; its peak "
                     f"{cg['peak'] / 2**30:.2f} GiB, the limit reached {cg['failcnt']:,} times (pages reclaimed)",
+                    flush=True,
+                )
+            if "prefetch" in r:
+                pf = r["prefetch"]
+                print(
+                    f"memory, prefetch {args.ahead} ahead: a step {pf['plain']['step_ms']:.1f} ms of which "
+                    f"{pf['plain']['read_ms']:.1f} ms reading; with ec.prefetch {pf['prefetch']['step_ms']:.1f} ms "
+                    f"({pf['prefetch']['read_ms']:.1f} ms reading): {pf['hidden']:.0%} of the read time hidden "
+                    f"(target >= 70%)",
                     flush=True,
                 )
             if args.checkpoint:
