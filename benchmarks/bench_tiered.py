@@ -288,7 +288,7 @@ print(json.dumps(out))
 def memory(args: argparse.Namespace, where: str) -> dict:
     spec = [args.memory_rows, args.dim, args.memory_cache, args.memory_steps, args.batch, where, args.checkpoint]
     spec += [args.memory_dynamic, args.memory_prefetch, args.ahead, str(Path(__file__).resolve().parent)]
-    cache_bytes = args.memory_cache * args.dim * 4 * 2  # (the rows and row-wise Adagrad's state, generously)
+    cache_bytes = args.memory_cache * (args.dim + 1) * 4  # (the cached rows and their row-wise Adagrad state)
     limit = cache_bytes + (2 << 30)
     group = _cgroup(limit) if args.memory_limit else None
     try:
@@ -307,7 +307,7 @@ def memory(args: argparse.Namespace, where: str) -> dict:
         raise SystemExit(f"the memory run failed (exit {out.returncode}; -9: killed):\n{out.stderr[-3000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     r["table_bytes"] = args.memory_rows * args.dim * 4
-    r["cache_bytes"] = args.memory_cache * args.dim * 4
+    r["cache_bytes"] = cache_bytes
     r["limit"] = limit
     if cg is not None:
         r["cgroup"] = cg
