@@ -85,3 +85,58 @@ def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
         [sys.executable, "-c", _FORKED_READ, str(tmp_path / "f")], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _resident_pages(path) -> int:
+    """Pages of the file at ``path`` in the page cache now (``mincore`` over a mapping of it)."""
+    import ctypes
+    import mmap
+
+    with open(path, "r+b") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        m = mmap.mmap(fh.fileno(), size)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+            address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+            del address
+            return sum(v & 1 for v in vec)
+        finally:
+            m.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_reads_of_rows_far_apart_leave_no_page_in_the_page_cache_and_read_right(tmp_path, monkeypatch):
+    """Rows far apart (a table larger than memory) are read with preadv2's RWF_DONTCACHE where the
+    kernel takes it: the right rows, and none of their pages kept (they would evict the pages a
+    capped process needs, its records index); where it is refused, the usual reads."""
+    from hybridembed.storage import tiered as T
+
+    if T._io() is None:
+        pytest.skip("Numba does not import here")
+    monkeypatch.setattr(T, "_READERS", 3)
+    monkeypatch.setattr(T, "_readers", None)
+    monkeypatch.setattr(T, "_PARALLEL_RUNS", 4)
+    monkeypatch.setattr(T, "_SPARSE_GAP", 32 << 10)
+    width = 1024  # float32: 4 KiB a row, a page each
+    data = torch.randn(1024, width, generator=torch.Generator().manual_seed(0))
+    rows = torch.arange(0, 1024, 16).flip(0)  # (64 runs 64 KiB apart: far apart, sliced)
+    with monkeypatch.context() as m:
+        m.setattr(T, "_DONTCACHE", 1 << 30)  # (a flag no kernel takes: refused, read as usual)
+        g = T._File(tmp_path / "g.rows", 1024, width, torch.float32)
+        g.write(torch.arange(1024), data)
+        assert g.uncached == 0 and torch.equal(g.read(rows), data[rows])
+    f = T._File(tmp_path / "f.rows", 1024, width, torch.float32)
+    f.write(torch.arange(1024), data)
+    os.fsync(f.fd)
+    if not f.uncached:
+        pytest.skip("this kernel or file system has no RWF_DONTCACHE (Linux 6.14+): every read is cached")
+    for uncached in (f.uncached, 0):
+        f.uncached = uncached
+        os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert torch.equal(f.read(rows), data[rows])
+        kept = _resident_pages(f.path)
+        # (measured on Linux 6.18: 3 pages of the 64 kept uncached, one a reading thread; 67 as usual)
+        assert (kept <= rows.numel() // 8) if uncached else (kept >= rows.numel()), (uncached, kept)
+    assert torch.equal(f.read(torch.arange(40, 60)), data[40:60])  # (close together: one run, as usual)

@@ -43,12 +43,37 @@ def _libc(name: str):
 _pread, _pwrite = _libc("pread"), _libc("pwrite")
 
 
+@intrinsic
+def _preadv2(typingctx, fd, iov, offset, flags):
+    """libc's ``preadv2(fd, iov, 1, offset, flags)``: one iovec (``iov``: the address of its base and
+    length, two int64s)."""
+    sig = types.int64(types.int32, types.intp, types.int64, types.int32)
+
+    def codegen(context, builder, signature, args):
+        i32, i64, ptr = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+        fn = builder.module.globals.get("preadv2")
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(i64, [i32, ptr, i32, i64, i32]), "preadv2")
+        one = ir.Constant(i32, 1)
+        return builder.call(fn, [args[0], builder.inttoptr(args[1], ptr), one, args[2], args[3]])
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True)
-def pread_runs(fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray) -> int:
-    base, f = buf.ctypes.data, np.int32(fd)
+def pread_runs(fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, flags: int = 0) -> int:
+    """``flags``: ``preadv2``'s (``RWF_DONTCACHE``: the pages read are not kept in the page cache);
+    0: ``pread``."""
+    base, f, fl = buf.ctypes.data, np.int32(fd), np.int32(flags)
+    iov = np.empty(2, dtype=np.int64)
     for i in range(starts.size):
         want = ends[i] - starts[i]
-        if _pread(f, base + starts[i], want, offsets[i]) != want:
+        if fl == 0:
+            got = _pread(f, base + starts[i], want, offsets[i])
+        else:
+            iov[0], iov[1] = base + starts[i], want
+            got = _preadv2(f, iov.ctypes.data, offsets[i], fl)
+        if got != want:
             return i
     return -1
 

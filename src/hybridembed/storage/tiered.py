@@ -62,6 +62,10 @@ _CALL_BYTES = 1 << 30  # the most one preadv / pwritev call moves
 _READERS = 8
 _PARALLEL_RUNS = 256  # runs from which a read may be cut into slices
 _SPARSE_GAP = 64 << 10  # mean bytes between runs from which it is
+# such reads (records far apart: no neighbour is read again soon) leave no page in the page cache
+# (``preadv2``'s RWF_DONTCACHE, Linux 6.14+: elsewhere refused and read as usual): in a process whose
+# memory is capped, the pages they would fill evict the records index's instead
+_DONTCACHE = 0x80
 _PREFETCH_DEPTH = 2  # prefetches held at once (the next batch's and the one after it)
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched")
 
@@ -87,6 +91,7 @@ class _File:
                 "Tiered(path=...) a writable directory on a disk with room for the table and its optimizer state"
             ) from None
         self._closer = weakref.finalize(self, os.close, self.fd)
+        self.uncached = _DONTCACHE if _reads_uncached(self.fd) else 0  # (preadv2's flag for reads far apart)
 
     def reserve(self, rows: int) -> None:
         """Room on disk for ``rows`` rows (the file grows; a full disk raises here, before a write)."""
@@ -126,7 +131,7 @@ class _File:
         order, starts, ends, offsets = self._runs(rows)
         io = _io()
         buf = torch.empty(rows.numel() * self.row_bytes, dtype=torch.uint8)
-        first = _pread_runs(io, self.fd, buf.numpy(), starts, ends, offsets) if io else 0
+        first = _pread_runs(io, self.fd, buf.numpy(), starts, ends, offsets, self.uncached) if io else 0
         if first >= 0:  # (no Numba, or a run failed: Python's calls from there, which raise the error)
             view = memoryview(buf.numpy())
             for a, b, at in zip(starts[first:].tolist(), ends[first:].tolist(), offsets[first:].tolist()):
@@ -164,9 +169,21 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_readers)
 
 
-def _pread_runs(io, fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray) -> int:
+def _reads_uncached(fd: int) -> bool:
+    """Whether ``fd``'s reads can leave the page cache as it was (``preadv2``'s RWF_DONTCACHE)."""
+    try:
+        os.preadv(fd, [bytearray(1)], 0, _DONTCACHE)
+        return True
+    except (OSError, AttributeError, TypeError):  # (an older kernel, another file system or OS)
+        return False
+
+
+def _pread_runs(
+    io, fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, uncached: int = 0
+) -> int:
     """``io.pread_runs`` over all runs (ascending offsets), in :data:`_READERS` slices read at once
-    where there are many far apart (the loop releases the GIL): the first run that failed, or -1."""
+    where there are many far apart (the loop releases the GIL; with ``uncached``, preadv2's flag,
+    leaving no page in the page cache): the first run that failed, or -1."""
     n = starts.size
     if n < _PARALLEL_RUNS or int(offsets[-1] - offsets[0]) < _SPARSE_GAP * n:
         return io.pread_runs(fd, buf, starts, ends, offsets)
@@ -177,9 +194,11 @@ def _pread_runs(io, fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarr
         pool = _readers
     cuts = np.linspace(0, n, _READERS + 1).astype(np.int64)
     part = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
-    futures = [pool.submit(io.pread_runs, fd, buf, starts[a:b], ends[a:b], offsets[a:b]) for a, b in part[1:]]
+    futures = [
+        pool.submit(io.pread_runs, fd, buf, starts[a:b], ends[a:b], offsets[a:b], uncached) for a, b in part[1:]
+    ]
     a, b = part[0]
-    failed = [a + r if (r := io.pread_runs(fd, buf, starts[a:b], ends[a:b], offsets[a:b])) >= 0 else n]
+    failed = [a + r if (r := io.pread_runs(fd, buf, starts[a:b], ends[a:b], offsets[a:b], uncached)) >= 0 else n]
     failed += [a + r if (r := f.result()) >= 0 else n for (a, _), f in zip(part[1:], futures)]
     first = min(failed)
     return -1 if first == n else first
