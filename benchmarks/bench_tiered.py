@@ -7,6 +7,8 @@ same tables in memory, and the memory of a table larger than the cache.
     python benchmarks/bench_tiered.py --part memory --memory-rows 160000000   # 40 GiB of rows (fp32, dim 64)
     python benchmarks/bench_tiered.py --part memory --memory-rows 20000000 --checkpoint   # he.save / he.load of 5 GiB
     python benchmarks/bench_tiered.py --part memory --memory-dynamic --memory-rows 10000000 --memory-cache 1000000 --checkpoint
+    python benchmarks/bench_tiered.py --part memory --memory-dynamic --memory-rows 30000000 --dim 256 \
+        --memory-cache 1000000 --memory-limit --memory-prefetch 20 --ahead 2   # 28.6 GiB dynamic, cgroup (root)
     python benchmarks/bench_tiered.py --part dynamic-prefetch --steps 20 --warmup 5   # the prefetch, dynamic tables
     python benchmarks/bench_tiered.py --part index --index-records 8000000 --index-limit 800   # the records index (root)
     python benchmarks/bench_tiered.py --quick               # seconds: the smoke test
@@ -43,7 +45,9 @@ cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-la
 resident memory (``VmHWM``, this process's own) against the cache's bytes (issue 26's target:
 peak <= cache + 2 GiB); with ``--checkpoint``, then ``he.save`` of it and ``he.load`` into a
 fresh tiered table, each one's peak (``VmHWM`` reset before it); ``--memory-dynamic``: a dynamic
-table, its rows (ids ``0..rows-1``) written to disk first. The table's files are made in ``--dir`` (default: a temporary directory)
+table, its rows (ids ``0..rows-1``) written to disk first. ``--memory-prefetch N``: then ``N`` steps each
+without and with ``ec.prefetch`` (``--ahead``), alternated in blocks as the prefetch parts' (the page
+cache is not dropped: in ``--memory-limit``'s cgroup the table is far larger than it). The table's files are made in ``--dir`` (default: a temporary directory)
 and removed after.
 """
 
