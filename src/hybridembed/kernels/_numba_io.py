@@ -61,7 +61,9 @@ def _preadv2(typingctx, fd, iov, offset, flags):
 
 
 @njit(nogil=True, cache=True)
-def pread_runs(fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, flags: int = 0) -> int:
+def pread_runs(
+    fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, flags: int = 0
+) -> int:
     """``flags``: ``preadv2``'s (``RWF_DONTCACHE``: the pages read are not kept in the page cache);
     0: ``pread``."""
     base, f, fl = buf.ctypes.data, np.int32(fd), np.int32(flags)

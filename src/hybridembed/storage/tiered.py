@@ -194,9 +194,7 @@ def _pread_runs(
         pool = _readers
     cuts = np.linspace(0, n, _READERS + 1).astype(np.int64)
     part = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
-    futures = [
-        pool.submit(io.pread_runs, fd, buf, starts[a:b], ends[a:b], offsets[a:b], uncached) for a, b in part[1:]
-    ]
+    futures = [pool.submit(io.pread_runs, fd, buf, starts[a:b], ends[a:b], offsets[a:b], uncached) for a, b in part[1:]]
     a, b = part[0]
     failed = [a + r if (r := io.pread_runs(fd, buf, starts[a:b], ends[a:b], offsets[a:b], uncached)) >= 0 else n]
     failed += [a + r if (r := f.result()) >= 0 else n for (a, _), f in zip(part[1:], futures)]
