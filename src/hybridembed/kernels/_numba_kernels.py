@@ -128,10 +128,8 @@ def _adam(weight, s1, s2, row, g, ms, hp):  # pragma: no cover (compiled)
         weight[row, d] -= lr * (m / (np.sqrt(v) + eps))
 
 
-# --- the kernels: runs of sorted ids (reduce, then update) and distinct rows (update) -------------------------
-# reduce_*(weight, s1, s2, sorted_ids, perm, starts, lo, hi, bag_of, psw, grad, hp, maximize, skip_zero):
-# runs lo..hi of equal sorted ids (run u: positions starts[u]..starts[u+1]); bag_of empty: id i is bag i;
-# psw empty: multipliers of 1; skip_zero: slot 0 (a dynamic table's default row) is never updated.
+# --- the kernels: distinct rows (update; their gradients summed before, by embedding_bag over the sorted ids:
+# a kernel that summed each run of sorted ids itself lost to it, measured) and each id in place (SGD) -----------
 # rows_*(weight, s1, s2, ids, grad, row_stat, lo, hi, hp, maximize): rows ids[lo:hi] (distinct) with their summed
 # gradients; row_stat (U,) the rows' mean squared gradients for row-wise Adagrad over column slices (empty: from grad).
 # (written out per optimizer, not made by a factory: Numba caches module-level functions only)
