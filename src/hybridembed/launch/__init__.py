@@ -76,8 +76,10 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta):
-    """The job's ``TCPStore`` at 127.0.0.1:``port``; the master's listens on 127.0.0.1 alone.
+def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta, listening: int | None = None):
+    """The job's ``TCPStore`` at 127.0.0.1:``port``; the master's listens on 127.0.0.1 alone
+    (``listening``: a socket's descriptor already listening there, which the store takes: see
+    :func:`_listener`).
 
     ``TCPStore(host_name="127.0.0.1", is_master=True)`` listens on every interface (``[::]``, both
     of torch's backends: the host name is only where clients connect), so the master's listening
@@ -88,20 +90,54 @@ def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta):
 
     if not is_master:
         return dist.TCPStore(LOOPBACK, port, world, False, timeout=timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((LOOPBACK, port))
-        sock.listen(max(world, 128))
-    except BaseException:
-        sock.close()
-        raise
-    fd = sock.detach()  # (the store owns it now: it closes it)
+    if listening is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((LOOPBACK, port))
+            sock.listen(max(world, 128))
+        except BaseException:
+            sock.close()
+            raise
+        listening = sock.detach()
+    fd = listening  # (the store owns it now: it closes it)
     try:
         return dist.TCPStore(LOOPBACK, port, world, True, timeout=timeout, master_listen_fd=fd, use_libuv=True)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _listener(world: int) -> socket.socket:
+    """The job's rendezvous socket, listening on 127.0.0.1 at a port the OS picks, made before the
+    ranks start and handed to rank 0 (:class:`_Fd`): the port is held from the moment it is chosen,
+    where a port found free and bound later by rank 0 could be taken in between (by another job's
+    connection: "Address already in use")."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(max(world, 128))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class _Fd:
+    """A file descriptor given to a rank: duplicated into it when ``Process.start`` pickles it
+    (``multiprocessing.reduction.DupFd``); ``fd`` there is the rank's own."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_Fd._rebuilt, (reduction.DupFd(self.fd),))
+
+    @staticmethod
+    def _rebuilt(dup) -> _Fd:
+        return _Fd(dup.detach())
 
 
 class _Here:
@@ -186,7 +222,7 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, ifname, here=None):
+def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, ifname, here=None, listening=None):
     if here is not None:  # (forked from the forkserver: this process's output and environment are the caller's)
         here.apply()
     import torch
@@ -202,7 +238,7 @@ def _worker(rank, world, port, backend, pg_timeout, fn, args, results, threads, 
         torch.set_num_threads(threads)
     try:
         timeout = timedelta(seconds=pg_timeout)
-        store = loopback_store(port, world, rank == 0, timeout)
+        store = loopback_store(port, world, rank == 0, timeout, None if listening is None else listening.fd)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         store.add("spawn/joined", 1)  # (see _all_joined)
         out = fn(rank, world, *args)
@@ -303,18 +339,23 @@ def spawn(
         ctx.set_forkserver_preload(["hybridembed.launch._preload"])
         here = _Here()
     results = ctx.Queue()
-    port = free_port()
+    listener = _listener(nprocs)
+    port = listener.getsockname()[1]
     ifname = os.environ.get("GLOO_SOCKET_IFNAME") or loopback_interface()
     procs = [
         ctx.Process(
             target=_worker,
             args=(r, nprocs, port, backend, pg_timeout, fn, args, results, threads, ifname, here),
+            kwargs={"listening": _Fd(listener.fileno())} if r == 0 else {},
             daemon=True,
         )
         for r in range(nprocs)
     ]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        listener.close()  # (rank 0 holds its own copy)
     out: dict[int, Any] = {}
     failure: tuple[int, str, bytes | None] | None = None
     deadline = time.monotonic() + timeout
