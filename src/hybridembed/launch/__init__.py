@@ -79,7 +79,7 @@ def loopback_interface() -> str | None:
 def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta, listening: int | None = None):
     """The job's ``TCPStore`` at 127.0.0.1:``port``; the master's listens on 127.0.0.1 alone
     (``listening``: a socket's descriptor already listening there, which the store takes: see
-    :func:`_listener`).
+    :func:`_listen`).
 
     ``TCPStore(host_name="127.0.0.1", is_master=True)`` listens on every interface (``[::]``, both
     of torch's backends: the host name is only where clients connect), so the master's listening
@@ -90,17 +90,7 @@ def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta, l
 
     if not is_master:
         return dist.TCPStore(LOOPBACK, port, world, False, timeout=timeout)
-    if listening is None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((LOOPBACK, port))
-            sock.listen(max(world, 128))
-        except BaseException:
-            sock.close()
-            raise
-        listening = sock.detach()
-    fd = listening  # (the store owns it now: it closes it)
+    fd = _listen(port, world).detach() if listening is None else listening  # (the store owns it now: it closes it)
     try:
         return dist.TCPStore(LOOPBACK, port, world, True, timeout=timeout, master_listen_fd=fd, use_libuv=True)
     except BaseException:
@@ -108,14 +98,16 @@ def loopback_store(port: int, world: int, is_master: bool, timeout: timedelta, l
         raise
 
 
-def _listener(world: int) -> socket.socket:
-    """The job's rendezvous socket, listening on 127.0.0.1 at a port the OS picks, made before the
-    ranks start and handed to rank 0 (:class:`_Fd`): the port is held from the moment it is chosen,
-    where a port found free and bound later by rank 0 could be taken in between (by another job's
-    connection: "Address already in use")."""
+def _listen(port: int, world: int) -> socket.socket:
+    """A socket listening on 127.0.0.1:``port`` (0: a port the OS picks) for a job of ``world`` ranks.
+
+    ``spawn`` makes the job's before the ranks start and hands it to rank 0 (:class:`_Fd`): the port
+    is held from the moment it is chosen, where a port found free and bound later by rank 0 could be
+    taken in between (by another job's connection: "Address already in use")."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind((LOOPBACK, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, port))
         sock.listen(max(world, 128))
     except BaseException:
         sock.close()
@@ -339,7 +331,7 @@ def spawn(
         ctx.set_forkserver_preload(["hybridembed.launch._preload"])
         here = _Here()
     results = ctx.Queue()
-    listener = _listener(nprocs)
+    listener = _listen(0, nprocs)
     port = listener.getsockname()[1]
     ifname = os.environ.get("GLOO_SOCKET_IFNAME") or loopback_interface()
     procs = [
