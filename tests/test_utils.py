@@ -145,3 +145,47 @@ def test_configure_logging_labels_ranks_only_in_a_job_and_info_comes_from_rank_0
 def test_configure_logging_refuses_a_bad_level():
     with pytest.raises(he.ConfigError, match="level must be one of"):
         he.configure_logging("LOUD")
+
+
+_RELEASE = """
+import ctypes, os, sys, time, torch
+from hybridembed.utils import release_openmp_workers
+try:
+    ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY).omp_pause_resource_all
+except (OSError, AttributeError):
+    print("no libgomp"); sys.exit(0)
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+x = torch.ones(1 << 20)
+x.add_(1)  # (a parallel op: torch's OpenMP worker is made, and idles)
+before = threads()
+released = release_openmp_workers()
+deadline = time.monotonic() + 10
+while released and threads() >= before and time.monotonic() < deadline:
+    time.sleep(0.01)
+after = threads()
+x.add_(1)  # (the next parallel op makes its worker again)
+print(released, before, after, threads(), float(x.sum()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp's pause, Linux only")
+@pytest.mark.parametrize("env", ["", "0"])
+def test_release_openmp_workers_ends_torchs_idle_workers_until_its_next_parallel_op(env):
+    out = subprocess.run(
+        [sys.executable, "-c", _RELEASE],
+        env={**os.environ, "HYBRIDEMBED_RELEASE_OPENMP": env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "no libgomp":
+        pytest.skip("torch's OpenMP is not libgomp here")
+    released, before, after, again, total = out.stdout.split()
+    assert float(total) == 3 * (1 << 20)
+    if env == "0":  # (opted out: nothing released)
+        assert (released, after) == ("False", before)
+    else:
+        assert released == "True" and int(after) == int(before) - 1 and int(again) == int(before)

@@ -8,6 +8,10 @@
 ``HYBRIDEMBED_HUGE_PAGES=0``
     do not ask for 2 MiB pages for embedding rows and optimizer state (on by default where
     the kernel allows it; see :func:`hybridembed.utils.advise_huge_pages`).
+``HYBRIDEMBED_RELEASE_OPENMP=0``
+    the fused CPU step does not end PyTorch's idle OpenMP workers before its own threads run
+    (by default it does, where torch's OpenMP is libgomp; see
+    :func:`hybridembed.utils.release_openmp_workers`).
 ``HYBRIDEMBED_LOG_LEVEL``
     level of the ``hybridembed`` logger: ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR`` or
     ``CRITICAL``, any case; unset or empty, the logger follows the application's logging (and

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import os
@@ -108,6 +109,37 @@ def is_number(v: Any) -> bool:
 def allocator_tuned() -> bool:
     """Whether :func:`tune_cpu_allocator` has succeeded in this process (at import or later)."""
     return _tuned
+
+
+@functools.cache
+def _openmp_pause() -> Callable[[int], int] | None:
+    """libgomp's ``omp_pause_resource_all`` where PyTorch loaded libgomp (its Linux wheels); else None."""
+    if not sys.platform.startswith("linux") or not _env.flag("RELEASE_OPENMP", True):
+        return None
+    try:
+        fn = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY).omp_pause_resource_all
+    except (OSError, AttributeError):  # (not loaded: another OpenMP, or none; or one before OpenMP 5.0)
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def release_openmp_workers() -> bool:
+    """Let PyTorch's idle OpenMP workers of the calling thread go now, before threads of ours run
+    on the cores they hold; the next parallel torch op starts them again (~0.1 ms: measured 0.39
+    ms for a 4M-element op after a release against 0.56 ms without).
+
+    After each parallel op, libgomp (the OpenMP of PyTorch's Linux wheels) keeps its idle workers
+    spinning for ~300,000 pauses (8-10 ms measured here) unless it counts more threads than CPUs.
+    Threads of ours that run meanwhile share a core with a spinner: a two-thread Numba pass right
+    after a torch op took 9.8 ms against 5.0 ms after a release (2 cores; docs/benchmarks.md
+    "OpenMP's spinning workers"). This is OpenMP 5.0's ``omp_pause_resource_all(omp_pause_soft)``
+    (0.05 ms): the calling thread's pool of workers ends; other threads' pools, and the ops that
+    run later, are untouched. Call it outside any parallel region (from Python, between ops).
+    Returns whether it released them: False where PyTorch's OpenMP is not libgomp, off Linux, or
+    with ``HYBRIDEMBED_RELEASE_OPENMP=0``."""
+    fn = _openmp_pause()
+    return fn is not None and fn(1) == 0  # (1: omp_pause_soft)
 
 
 _MADV_HUGEPAGE = 14

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..utils import get_logger
+from ..utils import get_logger, release_openmp_workers
 from .fused import FUSED, step_hparams
 from .lookup import sorted_segments
 
@@ -199,6 +199,7 @@ def _run(fn, slices: list[tuple[int, int]], *args) -> None:
             workers = max(1, (os.cpu_count() or 2) - 1)
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hybridembed-step")
         pool = _pool
+    release_openmp_workers()  # (torch's idle workers would spin on the cores these threads need)
     futures = [pool.submit(fn, *args[0], lo, hi, *args[1]) for lo, hi in slices[1:]]
     fn(*args[0], *slices[0], *args[1])
     for f in futures:

@@ -1,0 +1,77 @@
+"""OpenMP's spinning workers against threads of ours: a two-thread Numba pass (the shape of the
+fused CPU step's row update) timed right after a parallel torch op, with and without
+:func:`hybridembed.utils.release_openmp_workers` between them, and after a gap of 50 ms (the
+workers asleep by then), alternated. Also the cost of the release and of the next torch op.
+
+    python benchmarks/bench_openmp.py [--rounds 15] [--work 2000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from numba import njit
+
+from hybridembed.utils import release_openmp_workers
+
+
+@njit(nogil=True, cache=True)
+def _work(n):  # pragma: no cover (compiled)
+    s = 0.0
+    for i in range(n):
+        s += np.sqrt(i * 1.0)
+    return s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--work", type=int, default=2_000_000, help="loop iterations a thread (~5 ms here)")
+    args = p.parse_args(argv)
+    pool = ThreadPoolExecutor(1)
+    x = torch.randn(1 << 22)
+
+    def two() -> None:
+        f = pool.submit(_work, args.work)
+        _work(args.work)
+        f.result()
+
+    two()
+    modes = ("spinning", "released", "asleep")
+    times = {m: {"op": [], "release": [], "two_threads": []} for m in modes}
+    for _ in range(args.rounds):
+        for m in modes:
+            t = time.perf_counter()
+            x.mul_(1.0001)  # a parallel torch op: its workers idle after it
+            times[m]["op"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            if m == "released":
+                release_openmp_workers()
+            elif m == "asleep":
+                time.sleep(0.05)
+            times[m]["release"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            two()
+            times[m]["two_threads"].append(time.perf_counter() - t)
+    one = []
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        _work(args.work)
+        one.append(time.perf_counter() - t)
+    out = {m: {k: 1e3 * statistics.median(v) for k, v in d.items()} for m, d in times.items()}
+    out["one_thread_alone_ms"] = 1e3 * statistics.median(one)
+    print(f"{torch.get_num_threads()} torch threads; one thread's pass alone {out['one_thread_alone_ms']:.2f} ms")
+    for m in modes:
+        o = out[m]
+        print(f"{m:9s}: two threads' pass {o['two_threads']:6.2f} ms | the torch op before it {o['op']:.3f} ms", end="")
+        print(f" | release {o['release']:.3f} ms" if m == "released" else "")
+    return out
+
+
+if __name__ == "__main__":
+    main()
