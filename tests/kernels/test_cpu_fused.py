@@ -19,6 +19,7 @@ from torch import nn
 import hybridembed as he
 from hybridembed.errors import ConfigError
 from hybridembed.kernels import backend, cpu_fused
+from hybridembed.kernels.lookup import sorted_segments
 from hybridembed.optim import sparse as so
 
 pytest.importorskip("numba")
@@ -409,3 +410,62 @@ def test_merged_row_sets_equal_the_sum_by_index_in_set_order(dtype):
         cpu_fused.merge_rows([ids[0], ids[2]], [rows[0], rows[2][:-1]], 1.0)
     with pytest.raises(ValueError, match="one D"):
         cpu_fused.merge_rows([ids[0], ids[2]], [rows[0], rows[2][:, :3]], 1.0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bags", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ids_grouped_by_counting_equal_the_sorted_ids_and_their_gathers(threads, bags, weighted, monkeypatch):
+    """group_by_row's (distinct rows, each sorted id's gradient row, segments, multipliers) are
+    those of the stable sort and the gathers after it, element for element."""
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 1000)
+    g = torch.Generator().manual_seed(threads + 2 * bags + 4 * weighted)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for nrows, n in ((1000, 70_000), (300_001, 80_000), (1 << 17, 1 << 16)):  # (rows in 1, 5 and 2 buckets)
+            ids = torch.randint(0, nrows, (n,), generator=g)
+            ids[: n // 3] = torch.randint(0, 50, (n // 3,), generator=g)  # (long runs)
+            ids[-7:] = torch.tensor([0, nrows - 1] * 3 + [nrows - 1])
+            ids = ids[torch.randperm(n, generator=g)]
+            bag_of = torch.randint(0, n // 3, (n,), generator=g) if bags else None
+            psw = torch.rand(n, generator=g, dtype=torch.float64) if weighted else None
+            got = cpu_fused.group_by_row(ids, nrows, bag_of, psw, torch.float32)
+            uniq, perm, seg = sorted_segments(ids, nrows)
+            assert got is not None
+            assert torch.equal(got[0], uniq) and torch.equal(got[2].long(), seg)
+            assert torch.equal(got[1].long(), perm if bag_of is None else bag_of.index_select(0, perm))
+            assert got[3] is None if psw is None else torch.equal(got[3], psw.index_select(0, perm).float())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_ids_are_grouped_by_counting_only_when_many_and_in_range():
+    many = torch.arange(1 << 16) % 1000
+    assert cpu_fused.group_by_row(many, 1000, None, None, torch.float32) is not None
+    assert cpu_fused.group_by_row(many, 1000 * (1 << 16), None, None, torch.float32) is None  # (few for the rows)
+    assert cpu_fused.group_by_row(many[:1000], 1000, None, None, torch.float32) is None  # (few ids)
+    for bad in (-1, 1000):
+        ids = many.clone()
+        ids[-1] = bad
+        assert cpu_fused.group_by_row(ids, 1000, None, None, torch.float32) is None  # (the sort's path reports it)
+
+
+@pytest.mark.parametrize("name", ["rowwise", "adagrad_wd", "adam_wd_max"])
+@pytest.mark.parametrize("kind", ["one", "bags", "weighted"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_step_with_ids_grouped_by_counting_equals_the_sorted_one_bit_for_bit(name, kind, dynamic, monkeypatch):
+    """Small batches made to take the counting sort (small buckets, no minimum): the same rows
+    and state as the sort's step, bit for bit (each row's ids summed in batch order either way)."""
+    sorted_state = _state(_train("numba", OPTIMIZERS[name], kind, dynamic=dynamic)[0])
+    calls = []
+    group = cpu_fused.group_by_row
+    monkeypatch.setattr(cpu_fused, "group_by_row", lambda *a: calls.append(r := group(*a)) or r)
+    monkeypatch.setattr(cpu_fused, "_COUNTED_MIN", 0)
+    monkeypatch.setattr(cpu_fused, "_COUNTED_ROWS", 1 << 20)
+    monkeypatch.setattr(cpu_fused, "_BUCKET_SHIFT", 3)
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 16)
+    counted = _state(_train("numba", OPTIMIZERS[name], kind, dynamic=dynamic)[0])
+    assert calls and all(c is not None for c in calls)
+    for k in sorted_state:
+        assert torch.equal(counted[k], sorted_state[k]), k
