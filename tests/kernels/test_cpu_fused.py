@@ -18,6 +18,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.errors import ConfigError
+from hybridembed.input.jagged import bag_index
 from hybridembed.kernels import backend, cpu_fused
 from hybridembed.kernels.lookup import sorted_segments
 from hybridembed.optim import sparse as so
@@ -469,3 +470,24 @@ def test_a_step_with_ids_grouped_by_counting_equals_the_sorted_one_bit_for_bit(n
     assert calls and all(c is not None for c in calls)
     for k in sorted_state:
         assert torch.equal(counted[k], sorted_state[k]), k
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_id_s_gradient_row_is_its_bag_s_row_in_one_pass(threads, monkeypatch):
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 8)
+    g = torch.Generator().manual_seed(threads)
+    lengths = torch.randint(0, 5, (300,), generator=g)
+    lengths[:3] = 0  # (empty bags, at the start and between)
+    lengths[100:110] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n = int(offsets[-1])
+    rows_of = torch.randperm(1000, generator=g)[:300]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bags = bag_index(offsets, n)
+        assert torch.equal(cpu_fused.bag_rows(offsets, n, None), bags)
+        assert torch.equal(cpu_fused.bag_rows(offsets.to(torch.int32), n, rows_of), rows_of.index_select(0, bags))
+        assert cpu_fused.bag_rows(offsets[:1], 0, None).numel() == 0
+    finally:
+        torch.set_num_threads(before)

@@ -213,6 +213,16 @@ def ids_sgd(weight, ids, bag_of, psw, grad, hp, maximize, skip_zero, part, parts
             weight[row, d] += m * grad[b, d]
 
 
+@njit(nogil=True, cache=True)
+def bag_rows(offsets, rows_of, lo, hi, out):  # pragma: no cover (compiled)
+    """Each id of bags ``lo:hi`` (``offsets`` (S+1,)) -> its bag's gradient row ``rows_of[b]`` (empty: b)."""
+    mapped = rows_of.shape[0] > 0
+    for b in range(lo, hi):
+        r = rows_of[b] if mapped else b
+        for i in range(offsets[b], offsets[b + 1]):
+            out[i] = r
+
+
 # --- grouping a batch's ids by row without a comparison sort (cpu_fused.group_by_row) ---------------------------
 # A counting sort in two levels: ids into buckets of 2**shift rows (a slice of the ids per thread, each with
 # its own counts: bucket_counts, then bucket_scatter), then each bucket's ids by row with one array of

@@ -278,6 +278,24 @@ def _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize: bool) -> None:
     _run(K.ids_sgd, [(k, t) for k in range(t)], head, ())
 
 
+def bag_rows(offsets: torch.Tensor, n: int, rows_of: torch.Tensor | None) -> torch.Tensor:
+    """Each of the ``n`` ids of bags ``offsets`` (S+1,) -> its bag's row of the gradient: ``rows_of[b]``
+    (None: b), (N,) int64; :func:`~hybridembed.input.jagged.bag_index` and a gather in one pass
+    (measured 4.9 ms for those two, 2.1M ids of 213k bags)."""
+    from . import _numba_kernels as K
+
+    out = torch.empty(n, dtype=torch.int64)
+    s = offsets.numel() - 1
+    if s <= 0 or n == 0:
+        return out
+    offs = offsets.to(torch.int64).contiguous().numpy()
+    rows = np.zeros(0, np.int64) if rows_of is None else rows_of.to(torch.int64).contiguous().numpy()
+    t = _threads(n)
+    edges = [s * k // t for k in range(t + 1)]
+    _run(K.bag_rows, [(a, b) for a, b in zip(edges, edges[1:]) if b > a], (offs, rows), (out.numpy(),))
+    return out
+
+
 def reduce_kept(ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw, nrows: int) -> tuple:
     """A kept lookup gradient (as :func:`apply_fused` takes it) summed per distinct row: (the rows
     ascending (U,), their gradients (U, D)), by one ``embedding_bag`` over the ids grouped by row

@@ -257,9 +257,13 @@ class RowStorage(nn.Module):
                 # (one id a bag, given as a Jagged: seen here in one pass, instead of each id's bag
                 # made and gathered; on the host, where reading the answer waits for nothing)
                 one = bool(offsets[1:].sub(offsets[:-1]).eq(1).all())
-            bag_of = None if one else bag_index(offsets, ids.numel())
-            if rows_of is not None:  # (each id's row of the model's gradient buffer)
-                bag_of = rows_of if bag_of is None else rows_of.index_select(0, bag_of)
+            if one:
+                bag_of = rows_of  # (each id's row of the model's gradient buffer, or None: id i is row i)
+            elif cpu_fused.runs_on(self.kernels, self.weight):  # (one pass: the bags and the rows)
+                bag_of = cpu_fused.bag_rows(offsets, ids.numel(), rows_of)
+            else:
+                bag_of = bag_index(offsets, ids.numel())
+                bag_of = bag_of if rows_of is None else rows_of.index_select(0, bag_of)
         else:  # several lookups (or backwards) this step: one batch of bags
             entries = [e if e[5] is None else (*e[:1], e[1].index_select(0, e[5]), *e[2:5], None) for e in entries]
             ids, grad = torch.cat([e[0] for e in entries]), torch.cat([e[1] for e in entries])  # (N,), (S, D)
