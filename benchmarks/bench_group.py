@@ -38,14 +38,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ids = torch.cat([powerlaw_ids(int(k), r) + j * r for j, k in enumerate(per)])
         bag_of = torch.repeat_interleave(torch.arange(b * t), lengths)
 
-        def counted():
+        def counted(ids=ids, bag_of=bag_of):
             got = cpu_fused.group_by_row(ids, nrows, bag_of, None, grad.dtype)
             if got is None:  # (below the threshold: what the step does then)
                 return sorted_()
             uniq, at, seg, _ = got
             return F.embedding_bag(at, grad, seg, mode="sum", include_last_offset=True)
 
-        def sorted_():
+        def sorted_(ids=ids, bag_of=bag_of):
             uniq, perm, seg = sorted_segments(ids, nrows)
             return F.embedding_bag(bag_of.index_select(0, perm), grad, seg, mode="sum", include_last_offset=True)
 

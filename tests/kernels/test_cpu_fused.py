@@ -128,12 +128,13 @@ def test_one_id_bags_in_the_model_s_gradient_buffer_equal_the_eager_ops(name):
 
 
 @pytest.mark.parametrize("layout", ["apart", "cat"])
-@pytest.mark.parametrize("kind", ["long", "long_weighted"])
+@pytest.mark.parametrize("kind", ["one", "bags", "long", "long_weighted"])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_sgd_on_long_bags_applies_each_id_in_place_as_the_eager_ops(monkeypatch, layout, kind, dynamic):
-    """Bags of 4 to 12 ids: SGD without weight decay adds each id's gradient to its row where it lies
-    (no sort, no reduction); with weight decay the rows are reduced first. Either way the eager
-    step's rows, on 1 and 2 threads alike, bit for bit."""
+def test_sgd_applies_each_id_in_place_as_the_eager_ops(monkeypatch, layout, kind, dynamic):
+    """One id a bag (each id's gradient row its own, or the model's), bags of 0 to 5 and of 4 to 12
+    ids: SGD without weight decay adds each id's gradient to its row where it lies (no grouping, no
+    reduction); with weight decay the rows are reduced first. Either way the eager step's rows; on
+    1 and 2 threads the same, bit for bit."""
     monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 64)
     dynamic = he.Dynamic(min_count=2) if dynamic else False  # (ids seen once read the default row, never updated)
     real, calls = cpu_fused._sgd_in_place, []

@@ -192,22 +192,23 @@ ROW_KERNELS = (rows_sgd, rows_adagrad, rows_rowwise, rows_adam)
 @njit(nogil=True, cache=True)
 def ids_sgd(weight, ids, bag_of, psw, grad, hp, maximize, skip_zero, part, parts):  # pragma: no cover
     """SGD without weight decay is linear in the gradient, so each id's gradient (its bag's row
-    ``grad[bag_of[i]]`` times ``psw[i]``; psw empty: 1) times ``scale`` is
+    ``grad[bag_of[i]]``, bag_of empty: ``grad[i]``, times ``psw[i]``; psw empty: 1) times ``scale`` is
     applied to its row where it lies, in batch order: no sort, no reduced (U, D) gradient. This
     call takes the rows ``row % parts == part`` (each row on one thread, its ids in batch order
     whatever the threads); ``skip_zero``: slot 0 (a dynamic table's default row) is never updated."""
     n, dim = ids.shape[0], weight.shape[1]
+    bags = bag_of.shape[0] > 0
     step = -hp[0] * hp[9] if not maximize else hp[0] * hp[9]  # (-lr * scale: w += step * g)
     for i in range(n):
         if i + _AHEAD_IDS < n:
             j = i + _AHEAD_IDS
             if ids[j] % parts == part:
-                _prefetch(weight, ids[j])
-                _prefetch(grad, bag_of[j])
+                _prefetch_row(weight, ids[j])
+                _prefetch_row(grad, bag_of[j] if bags else j)
         row = ids[i]
         if row % parts != part or (skip_zero and row == 0):
             continue
-        b = bag_of[i]
+        b = bag_of[i] if bags else i
         m = step * psw[i] if psw.shape[0] > 0 else step
         for d in range(dim):
             weight[row, d] += m * grad[b, d]

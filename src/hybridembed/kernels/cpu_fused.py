@@ -16,9 +16,9 @@ rows are scattered over the table: the pass is bound by memory latency); one sli
 thread, each a GIL-free call. No sparse gradient and no other (U, D) temporary: the eager path
 gathers the state, computes the update in several whole-tensor passes and scatters both back.
 Already-reduced rows (a sharded job's exchanged gradients, a parameter server's pushes) go to
-:func:`apply_rows` directly. SGD without weight decay is linear in the gradient: on bags of many
-ids (at least :data:`_IN_PLACE_IDS` a bag) each id's gradient is added to its row where it lies,
-in batch order, without the sort and the reduction (:func:`_sgd_in_place`).
+:func:`apply_rows` directly. SGD without weight decay is linear in the gradient: each id's
+gradient is added to its row where it lies, in batch order, without the grouping and the
+reduction (:func:`_sgd_in_place`).
 
 Measured side by side (docs/benchmarks.md, "The fused CPU step"): a kernel that also summed
 each row's gradient itself (walking the sorted ids) lost to this split on one-hot batches and
@@ -52,11 +52,6 @@ __all__ = ["available", "runs_on", "pooled_lookup", "pooled_parts", "apply_fused
 _log = get_logger("hybridembed.kernels")
 _DTYPES = (torch.float32, torch.float64)
 _MIN_PER_THREAD = 4096  # ids (or rows) below which a slice is not worth a thread
-# SGD without weight decay applies each id's gradient in place (no sort, no reduction) when the
-# batch has at least this many ids per row of its bags' gradient: measured (26 x 200k x 64, batch
-# 8,192, power-law ids) 20% faster at 10 ids a bag, 13% at 5, but 5% slower at 2.5 and 15% at one
-# (the sorted update walks the table in order; the in-place one at random)
-_IN_PLACE_IDS = 4
 # ids grouped by row with a counting sort (group_by_row) where a batch has at least one id for this many of
 # the table's rows (the counting walks the counts of every row in a bucket's span), and this many ids
 _COUNTED_ROWS = 8
@@ -245,8 +240,8 @@ def apply_fused(
     if ids.numel() == 0:
         return
     hpa, opt, maximize = _hparams(storage, hp, scale)
-    if opt == FUSED["SGD"] and hpa[5] == 0 and bag_of is not None and ids.numel() >= _IN_PLACE_IDS * grad.shape[0]:
-        _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize)  # (no weight decay: linear in the gradient)
+    if opt == FUSED["SGD"] and hpa[5] == 0:  # (no weight decay: linear in the gradient; docs/benchmarks.md
+        _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize)  # "SGD in place at any number of ids a bag")
         return
     uniq, rows = reduce_kept(ids, grad, bag_of, psw, storage.weight.shape[0])
     if storage.keyed:  # slot 0, a dynamic table's default row, is never updated (it sorts first)
@@ -256,9 +251,9 @@ def apply_fused(
 
 
 def _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize: bool) -> None:
-    """SGD without weight decay on long bags (``bag_of``: each id's bag, given): each id's gradient
-    applied to its row where it lies, in batch order (:func:`._numba_kernels.ids_sgd`; the rows
-    split over the threads by residue)."""
+    """SGD without weight decay (``bag_of``: each id's row of ``grad``; None: id i's is row i): each
+    id's gradient applied to its row where it lies, in batch order (:func:`._numba_kernels.ids_sgd`;
+    the rows split over the threads by residue)."""
     from . import _numba_kernels as K
 
     weight = storage.weight.detach()
@@ -267,7 +262,7 @@ def _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize: bool) -> None:
     head = (
         weight.numpy(),
         ids.to(torch.int64).contiguous().numpy(),
-        bag_of.to(torch.int64).contiguous().numpy(),
+        np.zeros(0, np.int64) if bag_of is None else bag_of.to(torch.int64).contiguous().numpy(),
         np.zeros(0, dtype=hpa.dtype) if psw is None else psw.to(weight.dtype).contiguous().numpy(),
         g.numpy(),
         hpa,
