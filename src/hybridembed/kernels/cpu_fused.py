@@ -295,7 +295,7 @@ def reduce_kept(ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | No
     """A kept lookup gradient (as :func:`apply_fused` takes it) summed per distinct row: (the rows
     ascending (U,), their gradients (U, D)), by one ``embedding_bag`` over the ids grouped by row
     (:func:`group_by_row` where the batch has many ids for the table's rows, else a sort)."""
-    grouped = group_by_row(ids, nrows, bag_of, psw, grad.dtype)
+    grouped = group_by_row(ids, nrows, bag_of, psw, grad.dtype) if grad.shape[0] < 2**31 else None
     if grouped is None:
         uniq, perm, seg = sorted_segments(ids, nrows)  # (U,), (N,), (U+1,)
         w = None if psw is None else psw.index_select(0, perm).to(grad.dtype)
@@ -315,11 +315,18 @@ def group_by_row(ids: torch.Tensor, nrows: int, bag_of: torch.Tensor | None, psw
 
     A counting sort in two levels (:mod:`._numba_kernels`, ``bucket_*``), on the step's threads:
     the ids into buckets of ``2**_BUCKET_SHIFT`` rows, then each bucket by row with counts that
-    stay in the core's cache. Measured (26 x 200k x 64, batch 8,192, 10 ids a bag, 2.1M ids, 2
-    threads): 16-19 ms against 33-37 ms for the int32 radix sort, the distinct rows and the gathers
-    (docs/benchmarks.md, "Ids grouped by counting")."""
+    stay in the core's cache. Measured with the reduction after it (26 x 200k x 64, batch 8,192, 10
+    ids a bag, 2.1M ids, 2 threads; ``benchmarks/bench_group.py``): 36-37 ms against 46-47 ms for the
+    int32 radix sort, the distinct rows, the gathers and the reduction (docs/benchmarks.md, "Ids
+    grouped by counting"). Places are int32: batches of 2**31 ids or more take the sort."""
     n = ids.numel()
-    if n < _COUNTED_MIN or n * _COUNTED_ROWS < nrows or nrows >= 2**31 or ids.device.type != "cpu" or not available():
+    if (
+        n < _COUNTED_MIN
+        or n * _COUNTED_ROWS < nrows
+        or max(n, nrows) >= 2**31
+        or ids.device.type != "cpu"
+        or not available()
+    ):
         return None
     from . import _numba_kernels as K
 
