@@ -189,3 +189,37 @@ def test_release_openmp_workers_ends_torchs_idle_workers_until_its_next_parallel
         assert (released, after) == ("False", before)
     else:
         assert released == "True" and int(after) == int(before) - 1 and int(again) == int(before)
+
+
+_RELEASE_BESIDE = """
+import threading, time, torch
+from hybridembed.utils import release_openmp_workers
+torch.set_num_threads(2)
+stop, wrong, ops = threading.Event(), [], [0]
+def other():  # (its own OpenMP team: a release in the main thread must leave it alone)
+    x = torch.ones(1 << 20)
+    while not stop.is_set():
+        if float((x * 2).sum()) != 2 * (1 << 20):
+            wrong.append(1)
+        ops[0] += 1
+threads = [threading.Thread(target=other) for _ in range(2)]
+for t in threads:
+    t.start()
+z, releases, end = torch.ones(1 << 20), 0, time.monotonic() + 2
+while time.monotonic() < end:
+    if float((z * 3).sum()) != 3 * (1 << 20):
+        wrong.append(0)
+    release_openmp_workers()
+    releases += 1
+stop.set()
+for t in threads:
+    t.join()
+print(len(wrong), releases, ops[0])
+"""
+
+
+def test_releases_beside_threads_running_parallel_ops_of_their_own_change_no_result():
+    out = subprocess.run([sys.executable, "-c", _RELEASE_BESIDE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    wrong, releases, ops = (int(v) for v in out.stdout.split())
+    assert wrong == 0 and releases > 10 and ops > 10
