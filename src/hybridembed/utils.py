@@ -126,8 +126,10 @@ def _openmp_pause() -> Callable[[int], int] | None:
 
 def release_openmp_workers() -> bool:
     """Let PyTorch's idle OpenMP workers of the calling thread go now, before threads of ours run
-    on the cores they hold; the next parallel torch op starts them again (~0.1 ms: measured 0.39
-    ms for a 4M-element op after a release against 0.56 ms without).
+    on the cores they hold; the next parallel torch op starts them again (measured: a 4M-element
+    op 1.5 ms after a release against 0.5 ms; the whole sequence of a step, a torch op, a
+    two-thread row update and small ops after it, is still faster with the release from 8,192
+    rows updated: 3.33 against 4.49 ms; ``benchmarks/bench_openmp.py``).
 
     After each parallel op, libgomp (the OpenMP of PyTorch's Linux wheels) keeps its idle workers
     spinning for ~300,000 pauses (8-10 ms measured here) unless it counts more threads than CPUs.

@@ -235,13 +235,16 @@ def apply_fused(
     summed gradient, as the eager path scales its reduced rows). ``storage.step`` must already
     count this step.
 
-    Each distinct row's gradient is summed by PyTorch's ``embedding_bag`` over the sorted ids
-    (one "bag" per row: FBGEMM's SpMDM kernel, on torch's threads), then :func:`apply_rows`."""
+    SGD without weight decay applies each id's gradient in place (:func:`_sgd_in_place`); the other
+    optimizers sum each distinct row's gradient (:func:`reduce_kept`: the ids grouped by row, then
+    PyTorch's ``embedding_bag``, one "bag" per row), then :func:`apply_rows`."""
     if ids.numel() == 0:
         return
     hpa, opt, maximize = _hparams(storage, hp, scale)
-    if opt == FUSED["SGD"] and hpa[5] == 0:  # (no weight decay: linear in the gradient; docs/benchmarks.md
-        _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize)  # "SGD in place at any number of ids a bag")
+    # (SGD without weight decay is linear in the gradient: in place at any number of ids a bag,
+    # docs/benchmarks.md "SGD in place at any number of ids a bag")
+    if opt == FUSED["SGD"] and hpa[5] == 0:
+        _sgd_in_place(storage, ids, grad, bag_of, psw, hpa, maximize)
         return
     uniq, rows = reduce_kept(ids, grad, bag_of, psw, storage.weight.shape[0])
     if storage.keyed:  # slot 0, a dynamic table's default row, is never updated (it sorts first)

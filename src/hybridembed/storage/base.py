@@ -253,13 +253,14 @@ class RowStorage(nn.Module):
         (N,) or None (id i is row i), multipliers (N,) or None)."""
         if len(entries) == 1:
             ids, grad, offsets, psw, one, rows_of = entries[0]
-            if not one and offsets.numel() == ids.numel() + 1 and cpu_fused.runs_on(self.kernels, self.weight):
+            fused_cpu = cpu_fused.runs_on(self.kernels, self.weight)
+            if not one and offsets.numel() == ids.numel() + 1 and fused_cpu:
                 # (one id a bag, given as a Jagged: seen here in one pass, instead of each id's bag
                 # made and gathered; on the host, where reading the answer waits for nothing)
                 one = bool(offsets[1:].sub(offsets[:-1]).eq(1).all())
             if one:
                 bag_of = rows_of  # (each id's row of the model's gradient buffer, or None: id i is row i)
-            elif cpu_fused.runs_on(self.kernels, self.weight):  # (one pass: the bags and the rows)
+            elif fused_cpu:  # (one pass: the bags and the rows)
                 bag_of = cpu_fused.bag_rows(offsets, ids.numel(), rows_of)
             else:
                 bag_of = bag_index(offsets, ids.numel())
