@@ -5,6 +5,9 @@ prefetch: tests/distributed/test_pipeline.py.)"""
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -59,6 +62,33 @@ def test_tiered_tables_read_the_next_batch_ahead_and_train_as_in_memory(tmp_path
             assert stats["disk_reads"] > 0, stats
         for name in ("user", "items"):
             torch.testing.assert_close(ec.weight(getattr(model, name).table), getattr(ref, name).weight.detach())
+
+
+def test_a_failing_prefetch_is_counted_logged_once_and_the_lookups_read_their_rows(tmp_path, monkeypatch, caplog):
+    """A prefetch whose read fails (a disk error in its thread) changes nothing: the lookups read
+    their rows themselves (training equals the model in memory), ``stats()["prefetch_failed"]``
+    counts the failures, and the first one is logged once."""
+    from hybridembed.storage import tiered as T
+
+    read = T._File.read
+
+    def failing(self, rows):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(5, "Input/output error")
+        return read(self, rows)
+
+    monkeypatch.setattr(T._File, "read", failing)
+    ref = _train(Two(), pipelined=False)
+    with caplog.at_level(logging.WARNING, logger="hybridembed"):
+        model = _train(he.convert(Two(), tiered=he.Tiered(tmp_path, cache_rows=120)), pipelined=True)
+    ec = model.user.collection
+    stats = [st.stats() for st in ec.storages]
+    assert sum(s["prefetch_failed"] for s in stats) > 0 and sum(s["prefetched"] for s in stats) == 0, stats
+    assert sum(s["disk_reads"] for s in stats) > 0, stats
+    lines = [r.getMessage() for r in caplog.records if "a prefetch failed" in r.getMessage()]
+    assert 1 <= len(lines) <= len(stats) and all("OSError" in x for x in lines), lines
+    for name in ("user", "items"):
+        torch.testing.assert_close(ec.weight(getattr(model, name).table), getattr(ref, name).weight.detach())
 
 
 def test_in_memory_tables_ignore_it_and_a_queue_keeps_what_it_held():

@@ -5,6 +5,7 @@ incremental, into tiers or memory); refusals that change nothing."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -284,6 +285,45 @@ def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead, 
         ahead == 1 and compact is not True
     ):  # (nothing is written between the prefetch and its lookup: every row read back came from it)
         assert stats["prefetched"] == stats["read_back"], stats
+    _same(_state(runs["tiered"]), _state(runs["memory"]))
+
+
+def test_a_failing_prefetch_of_a_dynamic_table_is_counted_logged_once_and_changes_nothing(
+    tmp_path, monkeypatch, caplog
+):
+    """A prefetch whose thread fails (here its search of the records index) is dropped: the lookups
+    read their rows themselves (equal to the table in memory), ``stats()["prefetch_failed"]``
+    counts every failure, and the first one is logged (once: not a line a step)."""
+    sort = tiered_hash.sort_pairs
+
+    def failing(*args):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(5, "Input/output error")
+        return sort(*args)
+
+    monkeypatch.setattr(tiered_hash, "sort_pairs", failing)
+    g = torch.Generator().manual_seed(3)
+    batches = [_batch(g) for _ in range(12)]
+    runs = {}
+    for kind in ("memory", "tiered"):
+        tiered = he.Tiered(tmp_path / kind, cache_rows=60) if kind == "tiered" else None
+        ec = he.EmbeddingCollection(_tables(tiered, OPTIMIZERS["adagrad"]), seed=3)
+        opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+        with caplog.at_level(logging.WARNING, logger="hybridembed"):
+            for i, b in enumerate(batches):
+                opt.zero_grad()
+                _loss(ec(b)).backward()
+                if i + 1 < len(batches):
+                    ec.prefetch(batches[i + 1])
+                opt.step()
+        runs[kind] = ec
+    st = runs["tiered"].storage_of("a")
+    st.drop_prefetch()
+    stats = st.stats()
+    assert stats["prefetched"] == 0 and stats["read_back"] > 0, stats
+    assert stats["prefetch_failed"] >= 5, stats  # (every prefetch once records were on disk)
+    lines = [r.getMessage() for r in caplog.records if "a prefetch failed" in r.getMessage()]
+    assert len(lines) == 1 and "OSError" in lines[0], lines
     _same(_state(runs["tiered"]), _state(runs["memory"]))
 
 

@@ -46,6 +46,7 @@ from torch import nn
 from .. import init as _init
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
+from ..utils import get_logger
 from .base import RowStorage
 from .dense import DenseStorage
 from .protocol import LookupPlan, _nothing
@@ -67,7 +68,7 @@ _SPARSE_GAP = 64 << 10  # mean bytes between runs from which it is
 # memory is capped, the pages they would fill evict the records index's instead
 _DONTCACHE = 0x80
 _PREFETCH_DEPTH = 2  # prefetches held at once (the next batch's and the one after it)
-_STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched")
+_STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched", "prefetch_failed")
 
 
 class _File:
@@ -219,7 +220,9 @@ class _Prefetch:
     rows ``rows`` (K,) into ``weight`` (K, D), the state of those with state into ``state``.
     ``stale`` (K,) marks rows written since (their read may be torn or old: read again).
     ``find`` (instead of ``rows``): the thread first computes the rows (K,) sorted, none with state,
-    and sets ``indexed``; until then the owner must change nothing ``find`` reads (:meth:`settle`)."""
+    and sets ``indexed``; until then the owner must change nothing ``find`` reads (:meth:`settle`).
+    A failure is counted in ``counters["prefetch_failed"]`` (the owner's stats), the first one of
+    those counters logged: the lookups then read their rows themselves, which only a count shows."""
 
     def __init__(
         self,
@@ -228,6 +231,7 @@ class _Prefetch:
         files: dict[str, _File],
         rows_file: _File,
         find: Callable[[], torch.Tensor] | None = None,
+        counters: dict[str, int] | None = None,
     ):
         self.rows = rows if rows is not None else torch.zeros(0, dtype=torch.int64)  # (K,) int64 ascending
         self.with_state = with_state if with_state is not None else torch.zeros(0, dtype=torch.bool)  # (K,)
@@ -236,6 +240,7 @@ class _Prefetch:
         self.state: dict[str, torch.Tensor] = {}
         self.error: BaseException | None = None
         self.indexed = threading.Event()
+        self._counters = counters if counters is not None else {}
         if find is None:
             self.indexed.set()
         self._thread = threading.Thread(target=self._run, args=(files, rows_file, find), name="hybridembed-prefetch")
@@ -262,6 +267,16 @@ class _Prefetch:
             self.state = {name: f.read(picked) for name, f in files.items()} if picked.numel() else {}
         except BaseException as e:  # noqa: BLE001 - a failed prefetch is dropped: the lookup reads itself
             self.error = e
+            c = self._counters
+            c["prefetch_failed"] = c.get("prefetch_failed", 0) + 1
+            if c["prefetch_failed"] == 1:
+                get_logger(__name__).warning(
+                    "tiered table file %s: a prefetch failed (%s: %s); the lookups read their rows themselves "
+                    "(stats()['prefetch_failed'] counts such failures)",
+                    rows_file.path,
+                    type(e).__name__,
+                    e,
+                )
 
     def positions(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions (K',) in ``rows`` found here and fresh, their positions here (K',))."""
@@ -556,7 +571,8 @@ class TieredStorage(DenseStorage):
         on_disk = (where == ON_DISK) | (where == ON_DISK_NO_STATE)
         if bool(on_disk.any()):
             rows, where = rows[on_disk], where[on_disk]
-            add_prefetch(self._prefetches, _Prefetch(rows, where == ON_DISK, dict(self._state_files), self._rows_file))
+            pf = _Prefetch(rows, where == ON_DISK, dict(self._state_files), self._rows_file, counters=self.counters)
+            add_prefetch(self._prefetches, pf)
 
     def drop_prefetch(self) -> None:
         """Forget the rows prefetched (waits for the reads in progress)."""
@@ -744,7 +760,8 @@ class TieredStorage(DenseStorage):
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """``rows``, ``memory_bytes``, ``disk_bytes``, ``cache_rows``, and the cache's ``hits``,
-        ``misses``, ``hit_rate`` (distinct rows of lookups found cached), evictions, disk reads and writes."""
+        ``misses``, ``hit_rate`` (distinct rows of lookups found cached), evictions, disk reads and writes,
+        rows ``prefetched`` (taken from a prefetch by a lookup) and prefetches that failed (``prefetch_failed``)."""
         c = dict(self.counters)
         seen = c["hits"] + c["misses"]
         disk = sum(os.path.getsize(f.path) for f in (self._rows_file, *self._state_files.values()) if f is not None)

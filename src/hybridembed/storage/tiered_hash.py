@@ -71,7 +71,9 @@ class TieredHashStorage(HashStorage):
             )
         super().__init__(tables, seed, device)
         self.tier = self.tables[0].tiered
-        self.spill_counters = dict.fromkeys(("spilled", "read_back", "disk_writes", "prefetched", "compactions"), 0)
+        self.spill_counters = dict.fromkeys(
+            ("spilled", "read_back", "disk_writes", "prefetched", "prefetch_failed", "compactions"), 0
+        )
         self._homes = Homes()
         self.rec_last = torch.zeros(0, dtype=torch.int64)  # (R,) recency of each record's row
         self.rec_freq = torch.zeros(0, dtype=torch.int64)
@@ -416,7 +418,7 @@ class TieredHashStorage(HashStorage):
             on_disk[on_disk.clone()] = self.rec_live.index_select(0, recs[on_disk])
             return torch.sort(self.rec_at.index_select(0, recs[on_disk]))[0]  # (read by place, whole records)
 
-        add_prefetch(self._prefetches, _Prefetch(None, None, {}, self._file, find=find))
+        add_prefetch(self._prefetches, _Prefetch(None, None, {}, self._file, find=find, counters=self.spill_counters))
 
     def _settle(self) -> None:
         """Before the records index or the records' places change: the prefetches have found their rows."""
@@ -724,7 +726,8 @@ class TieredHashStorage(HashStorage):
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """As :meth:`HashStorage.stats` (``rows``: cached and on disk), with ``disk_rows``,
-        ``cache_rows``, ``disk_bytes``, and rows ``spilled`` / ``read_back`` so far."""
+        ``cache_rows``, ``disk_bytes``, and rows ``spilled`` / ``read_back`` / ``prefetched`` so far (and
+        prefetches that failed: ``prefetch_failed``)."""
         s = super().stats(table)  # (of a table: its size counts its records already, see table_stats)
         disk = self._disk_rows(None if table is None else self.table_index[self._table(table).name])
         if table is None:
