@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridembed.kernels import cpu_hash
 from hybridembed.storage import records, tiered
 
 
@@ -20,7 +21,11 @@ def _pairs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("mapped", [False, True], ids=["memory", "mapped"])
 @pytest.mark.parametrize("spans", [False, True], ids=["one-pass", "spans"])
 @pytest.mark.parametrize("recent", [0, 1000], ids=["merged-at-once", "recent-kept"])
-def test_the_index_finds_every_record_it_was_given_and_no_other(tmp_path, monkeypatch, mapped, spans, recent):
+@pytest.mark.parametrize("kernels", ["auto", "eager"])
+def test_the_index_finds_every_record_it_was_given_and_no_other(tmp_path, monkeypatch, mapped, spans, recent, kernels):
+    """``kernels``: the Numba loops (no claim array beside the positions) or, as without Numba, the
+    torch ops (a claim a position)."""
+    monkeypatch.setattr(records.Homes, "kernels", kernels)
     if spans:  # (writes and rebuilds a span of 64 positions at a time)
         monkeypatch.setattr(records.Homes, "_WINDOW_BYTES", 64 * records.Homes._BYTES)
     # (records made since the last rebuild kept in memory until there are 1,000, or written at once)
@@ -45,6 +50,8 @@ def test_the_index_finds_every_record_it_was_given_and_no_other(tmp_path, monkey
     assert (h.lookup(keys[:100], (tabs[:100] + 1) % 3) == -1).sum() >= 75  # (an id of another table)
     assert bool(ahead) == (mapped and spans)  # (the spans read ahead only in mapped files)
     assert (max(kept) > 0) == (mapped and recent > 0), kept  # (in memory: every record in the index at once)
+    numba = kernels == "auto" and cpu_hash.runs_on("auto", h.weight)
+    assert h._claim.numel() == (0 if numba else h._mask + 1)
 
 
 def test_willneed_takes_any_part_of_a_mapping_and_a_tensor_in_memory(tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels import cpu_hash
 from .hashed import _EMPTY, _FIND_WINDOW, _PROBES, HashStorage
 from .tiered import _PAGE, grown, mapped, willneed
 
@@ -27,11 +28,13 @@ __all__ = ["Homes"]
 
 
 class Homes:
-    """(table, id) -> home record: :class:`HashStorage`'s index (its eager find and insert) over
-    records; insert-only, rebuilt twice as large when half full. Its arrays are :func:`mapped` in
-    ``where`` (the table's directory; None: in memory)."""
+    """(table, id) -> home record: :class:`HashStorage`'s index (its find and insert: the Numba
+    loops where Numba imports, else the torch ops) over records; insert-only, rebuilt twice as
+    large when half full. Its arrays are :func:`mapped` in ``where`` (the table's directory; None:
+    in memory). The torch ops' insert needs a claim (4 bytes) beside each position; the Numba
+    loops insert in order and need none (16 bytes a position instead of 20)."""
 
-    kernels = "eager"
+    kernels = "auto"
     _hash = HashStorage._hash
     _window = HashStorage._window
     find = HashStorage._find
@@ -42,7 +45,7 @@ class Homes:
     # records made since the index was last written, kept in memory up to this many (~104 MiB: the
     # same 4M positions as a million's 92 MiB; docs/benchmarks.md "Two million recent records")
     _RECENT = 1 << 21
-    _BYTES = 20  # a position: its pair (16 bytes) and claim (4)
+    _BYTES = 16  # a position: its pair (and, with the torch ops, a claim of 4 more)
 
     def __init__(self) -> None:
         self.where: Path | None = None
@@ -57,7 +60,8 @@ class Homes:
     def _reset(self, positions: int) -> None:
         self._mask = positions - 1
         self._hrow = mapped(self.where, (positions, 2), torch.int64, _EMPTY, random=True)
-        self._claim = mapped(self.where, (positions,), torch.int32, -1, random=True)
+        eager = not cpu_hash.runs_on(self.kernels, self.weight)
+        self._claim = mapped(self.where, (positions,) if eager else (0,), torch.int32, -1, random=True)
         self._probe_offsets = torch.arange(_PROBES)
         self._find_offsets = torch.arange(_FIND_WINDOW)
 
