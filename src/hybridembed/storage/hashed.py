@@ -141,7 +141,7 @@ class HashStorage(RowStorage):
         # one (key, table << 32 | slot) row per position: a probe reads one 16-byte row, not
         # three arrays (measured 1.5x faster on 560k keys); an empty position holds -1
         self._hrow = torch.full((h, 2), _EMPTY, dtype=torch.int64, device=dev)
-        self._claim = torch.full((h,), -1, dtype=torch.int32, device=dev)
+        self._claim = torch.empty(0, dtype=torch.int32, device=dev)  # (made by the torch ops' first insert)
         self._probe_offsets = torch.arange(_PROBES, device=dev)
         self._find_offsets = torch.arange(_FIND_WINDOW, device=dev)
         live = (self.slot_table >= 0).nonzero().squeeze(1)
@@ -201,6 +201,8 @@ class HashStorage(RowStorage):
             return
         if cpu_hash.runs_on(self.kernels, self.weight):
             return cpu_hash.insert(self._hrow, self._mask, keys, tabs, slots, self._hash(keys, tabs) & self._mask)
+        if self._claim.numel() != self._mask + 1:  # (the Numba and Triton inserts need no claims: 4 bytes a position)
+            self._claim = torch.full((self._mask + 1,), -1, dtype=torch.int32, device=self._hrow.device)
         pending = torch.arange(keys.numel(), device=keys.device, dtype=torch.int32)
         pos = self._hash(keys, tabs) & self._mask
         word = (tabs.to(torch.int64) << 32) | slots.to(torch.int64)
