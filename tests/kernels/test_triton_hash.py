@@ -143,7 +143,16 @@ CONFIGS = {
     "lfu": he.Dynamic(capacity=10, eviction="lfu"),
     "ttl": he.Dynamic(capacity=12, eviction="ttl", ttl_steps=2),
 }
-_BUFFERS = ("slot_key", "slot_table", "last_seen", "freq", "free", "counters", "size", "sketch")  # (not the torch ops' claims: scratch)
+_BUFFERS = (
+    "slot_key",
+    "slot_table",
+    "last_seen",
+    "freq",
+    "free",
+    "counters",
+    "size",
+    "sketch",
+)  # (not the torch ops' claims: scratch)
 
 
 def batches(steps: int, bags: int, per_bag: int, span: int, seed: int = 0):
