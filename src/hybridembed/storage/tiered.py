@@ -68,6 +68,7 @@ _SPARSE_GAP = 64 << 10  # mean bytes between runs from which it is
 # memory is capped, the pages they would fill evict the records index's instead
 _DONTCACHE = 0x80
 _PREFETCH_DEPTH = 2  # prefetches held at once (the next batch's and the one after it)
+_failed_lock = threading.Lock()
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched", "prefetch_failed")
 
 
@@ -268,8 +269,9 @@ class _Prefetch:
         except BaseException as e:  # noqa: BLE001 - a failed prefetch is dropped: the lookup reads itself
             self.error = e
             c = self._counters
-            c["prefetch_failed"] = c.get("prefetch_failed", 0) + 1
-            if c["prefetch_failed"] == 1:
+            with _failed_lock:  # (two prefetches may fail at once: one count each, one line)
+                c["prefetch_failed"] = first = c.get("prefetch_failed", 0) + 1
+            if first == 1:
                 get_logger(__name__).warning(
                     "tiered table file %s: a prefetch failed (%s: %s); the lookups read their rows themselves "
                     "(stats()['prefetch_failed'] counts such failures)",
