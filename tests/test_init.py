@@ -263,6 +263,38 @@ def test_module_dtype_only_rounds_the_value():
     assert torch.equal(w64.to(torch.bfloat16), w16)
 
 
+def test_the_numba_uniforms_are_the_torch_ops_bits(monkeypatch):
+    """On the CPU with Numba the uniforms come from one loop (``kernels/_numba_init.py``); they are
+    the bits of the torch ops (which a CUDA table, and a CPU without Numba, compute): every kind,
+    one key or one a row, negative and extreme ids, a column offset, float32 and float64."""
+    from hybridembed import init as I
+
+    loop = I._numba_init()
+    if loop is None:
+        pytest.skip("Numba does not import here")
+    calls = []
+
+    class Counted:
+        @staticmethod
+        def uniform01(*args):
+            calls.append(args[0].shape[0])
+            return loop.uniform01(*args)
+
+    g = torch.Generator().manual_seed(3)
+    extreme = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 2**40, -(2**40)])
+    rows = torch.cat([extreme, torch.randint(-(2**63), 2**63 - 1, (300,), generator=g)])
+    keys = torch.randint(-(2**63), 2**63 - 1, (rows.numel(),), generator=g)
+    for spec in SPECS:
+        for key in (I.table_key(7, "items"), keys):
+            for col_start, dtype in ((0, torch.float32), (5, torch.float64)):
+                monkeypatch.setattr(I, "_numba_init", lambda: Counted)
+                got = I.generate_keyed(spec, key, rows, 9, dtype, col_start=col_start)
+                monkeypatch.setattr(I, "_numba_init", lambda: None)
+                want = I.generate_keyed(spec, key, rows, 9, dtype, col_start=col_start)
+                assert torch.equal(got, want), (spec, col_start)
+    assert len(calls) >= 2 * 2 * len(SPECS) and set(calls) == {rows.numel()}
+
+
 # --- the same values in a fresh process ------------------------------------------------------
 
 _CHILD = r"""

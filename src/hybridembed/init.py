@@ -17,6 +17,7 @@ process and N processes (and a dense and a dynamic table) start from identical w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -129,9 +130,29 @@ def _mix64_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@functools.cache
+def _numba_init():
+    """:mod:`hybridembed.kernels._numba_init` where Numba imports, else None (the torch ops)."""
+    from .kernels import cpu_fused
+
+    if not cpu_fused.available():
+        return None
+    from .kernels import _numba_init as K
+
+    return K
+
+
 def _uniform01(rows: torch.Tensor, key: int | torch.Tensor, dim: int, col_start: int = 0) -> torch.Tensor:
     """(N,) int64 row ids -> (N, dim) float64 uniforms in (0, 1) of columns ``col_start ..
-    col_start + dim - 1``, keyed by ``key`` (one, or (N,) per row)."""
+    col_start + dim - 1``, keyed by ``key`` (one, or (N,) per row). On the CPU with Numba: one
+    pass (:mod:`hybridembed.kernels._numba_init`, the same bits)."""
+    if rows.device.type == "cpu" and rows.numel() and _numba_init() is not None:
+        out = torch.empty(rows.numel(), dim, dtype=torch.float64)
+        per_row = isinstance(key, torch.Tensor)
+        keys = key.to(torch.int64).contiguous() if per_row else torch.zeros(0, dtype=torch.int64)
+        one = 0 if per_row else int(key)
+        _numba_init().uniform01(rows.to(torch.int64).contiguous().numpy(), keys.numpy(), one, col_start, out.numpy())
+        return out
     h = rows.to(torch.int64).bitwise_xor(key)  # (N,)
     _mix64_(h, torch.empty_like(h))
     cols = torch.arange(col_start, col_start + dim, device=rows.device, dtype=torch.int64)
