@@ -245,6 +245,26 @@ def test_a_converted_layer_made_dynamic_and_tiered_trains_as_the_plain_layer(tmp
     torch.testing.assert_close(rows, plain.user.weight.detach(), rtol=1e-6, atol=1e-7)
 
 
+def _prefetched_runs(tmp_path, steps: int, ahead: int) -> dict:
+    """The same batches trained in memory and tiered (a cache of 60 rows), the tiered one calling
+    ``ec.prefetch(the batch ahead steps on)`` after each backward: {"memory": ec, "tiered": ec}."""
+    g = torch.Generator().manual_seed(3)
+    batches = [_batch(g) for _ in range(steps)]
+    runs = {}
+    for kind in ("memory", "tiered"):
+        tiered = he.Tiered(tmp_path / kind, cache_rows=60) if kind == "tiered" else None
+        ec = he.EmbeddingCollection(_tables(tiered, OPTIMIZERS["adagrad"]), seed=3)
+        opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+        for i, b in enumerate(batches):
+            opt.zero_grad()
+            _loss(ec(b)).backward()
+            if i + ahead < len(batches):
+                ec.prefetch(batches[i + ahead])
+            opt.step()
+        runs[kind] = ec
+    return runs
+
+
 @pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("compact", [False, True, "slow"])
 def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead, compact, monkeypatch):
@@ -263,20 +283,7 @@ def test_prefetched_rows_of_a_dynamic_table_train_as_in_memory(tmp_path, ahead, 
             return sort(*args)
 
         monkeypatch.setattr(tiered_hash, "sort_pairs", slow)
-    g = torch.Generator().manual_seed(3)
-    batches = [_batch(g) for _ in range(30)]
-    runs = {}
-    for kind in ("memory", "tiered"):
-        tiered = he.Tiered(tmp_path / kind, cache_rows=60) if kind == "tiered" else None
-        ec = he.EmbeddingCollection(_tables(tiered, OPTIMIZERS["adagrad"]), seed=3)
-        opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
-        for i, b in enumerate(batches):
-            opt.zero_grad()
-            _loss(ec(b)).backward()
-            if i + ahead < len(batches):
-                ec.prefetch(batches[i + ahead])
-            opt.step()
-        runs[kind] = ec
+    runs = _prefetched_runs(tmp_path, steps=30, ahead=ahead)
     stats = runs["tiered"].storage_of("a").stats()
     assert stats["prefetched"] > 50, stats
     if ahead == 2:  # (two prefetches held at once: the one for the batch after next is not dropped first)
@@ -303,21 +310,8 @@ def test_a_failing_prefetch_of_a_dynamic_table_is_counted_logged_once_and_change
         return sort(*args)
 
     monkeypatch.setattr(tiered_hash, "sort_pairs", failing)
-    g = torch.Generator().manual_seed(3)
-    batches = [_batch(g) for _ in range(12)]
-    runs = {}
-    for kind in ("memory", "tiered"):
-        tiered = he.Tiered(tmp_path / kind, cache_rows=60) if kind == "tiered" else None
-        ec = he.EmbeddingCollection(_tables(tiered, OPTIMIZERS["adagrad"]), seed=3)
-        opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
-        with caplog.at_level(logging.WARNING, logger="hybridembed"):
-            for i, b in enumerate(batches):
-                opt.zero_grad()
-                _loss(ec(b)).backward()
-                if i + 1 < len(batches):
-                    ec.prefetch(batches[i + 1])
-                opt.step()
-        runs[kind] = ec
+    with caplog.at_level(logging.WARNING, logger="hybridembed"):
+        runs = _prefetched_runs(tmp_path, steps=12, ahead=1)
     st = runs["tiered"].storage_of("a")
     st.drop_prefetch()
     stats = st.stats()
