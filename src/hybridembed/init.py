@@ -132,13 +132,12 @@ def _mix64_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _numba_init():
-    """:mod:`hybridembed.kernels._numba_init` where Numba imports, else None (the torch ops)."""
-    from .kernels import cpu_fused
-
-    if not cpu_fused.available():
+    """:mod:`hybridembed.kernels._numba_init` where Numba imports, else None (the torch ops). (That
+    module alone: the kernels' package imports the inputs, which import this module.)"""
+    try:
+        from .kernels import _numba_init as K
+    except Exception:  # (ImportError, or a Numba that does not match this NumPy)
         return None
-    from .kernels import _numba_init as K
-
     return K
 
 
