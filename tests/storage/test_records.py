@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hybridembed.kernels import cpu_hash
-from hybridembed.storage import records, tiered
+from hybridembed.storage import mapped as mapped_files
+from hybridembed.storage import records
 
 
 def _pairs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +32,7 @@ def test_the_index_finds_every_record_it_was_given_and_no_other(tmp_path, monkey
     # (records made since the last rebuild kept in memory until there are 1,000, or written at once)
     monkeypatch.setattr(records.Homes, "_RECENT", recent or 1)
     ahead = []
-    monkeypatch.setattr(records, "willneed", lambda t: ahead.append(t.numel()) or tiered.willneed(t))
+    monkeypatch.setattr(records, "willneed", lambda t: ahead.append(t.numel()) or mapped_files.willneed(t))
     h = records.Homes()
     h.where = tmp_path if mapped else None
     keys, tabs = _pairs(6000, 0)
@@ -55,7 +56,7 @@ def test_the_index_finds_every_record_it_was_given_and_no_other(tmp_path, monkey
 
 
 def test_willneed_takes_any_part_of_a_mapping_and_a_tensor_in_memory(tmp_path):
-    t = tiered.mapped(tmp_path, (10_000, 2), torch.int64, -1, random=True)
+    t = mapped_files.mapped(tmp_path, (10_000, 2), torch.int64, -1, random=True)
     for part in (t, t[1:2], t[5000:], t[:0], torch.zeros(3)):  # (unaligned starts; not a mapping: a lost hint)
-        tiered.willneed(part)
+        mapped_files.willneed(part)
     assert (t == -1).all()

@@ -1,7 +1,7 @@
 """The records index of a dynamic tiered table (:mod:`hybridembed.storage.tiered_hash`): (table,
 id) -> record, for every row that was ever spilled to disk, and each record's pair.
 
-Its arrays are files of the table's directory mapped into memory (:func:`~hybridembed.storage.tiered.mapped`):
+Its arrays are files of the table's directory mapped into memory (:func:`~hybridembed.storage.mapped.mapped`):
 an index larger than the memory a process may use stays on disk, its pages in the kernel's page
 cache. Probing it is random access, so it is written in the order of its positions, never a
 fault at a time: the records made since it was last written are kept in a small index in memory
@@ -22,7 +22,7 @@ import torch
 
 from ..kernels import cpu_hash
 from .hashed import _EMPTY, _FIND_WINDOW, _PROBES, HashStorage
-from .tiered import _PAGE, grown, mapped, willneed
+from .mapped import _PAGE, grown, mapped, willneed
 
 __all__ = ["Homes"]
 

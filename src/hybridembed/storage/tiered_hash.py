@@ -44,10 +44,11 @@ import torch
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
 from .hashed import _EMPTY, HashStorage
+from .mapped import grown, lock_dir, mapped
 from .pairs import sort_pairs
 from .protocol import LookupPlan, _nothing
 from .records import Homes
-from .tiered import _File, _lock, _Prefetch, add_prefetch, grown, mapped
+from .tiered import _File, _Prefetch, add_prefetch
 
 __all__ = ["TieredHashStorage"]
 
@@ -96,7 +97,7 @@ class TieredHashStorage(HashStorage):
         except OSError as e:
             raise ConfigError(f"Tiered(path={self.tier.path!r}): cannot make the directory ({e.strerror})") from None
         self._name = self.tables[0].name if len(self.tables) == 1 else f"{self.tables[0].name}+{len(self.tables) - 1}"
-        weakref.finalize(self, os.close, _lock(self.dir / f"{self._name}.lock"))
+        weakref.finalize(self, os.close, lock_dir(self.dir / f"{self._name}.lock"))
         self._homes.where = self.dir  # (the records' arrays and index: mapped files there, from their first growth)
         self._file = _File(self.dir / f"{self._name}.rows", 0, self._record_bytes(self._parts), torch.uint8)
 
