@@ -9,6 +9,7 @@ same tables in memory, and the memory of a table larger than the cache.
     python benchmarks/bench_tiered.py --part memory --memory-dynamic --memory-rows 10000000 --memory-cache 1000000 --checkpoint
     python benchmarks/bench_tiered.py --part memory --memory-dynamic --memory-rows 30000000 --dim 256 \
         --memory-cache 1000000 --memory-limit --memory-prefetch 20 --ahead 2   # 28.6 GiB dynamic, cgroup (root)
+    python benchmarks/bench_tiered.py --part behind --cache-frac 0.01 --steps 40 --threads 1   # writes behind the step
     python benchmarks/bench_tiered.py --part dynamic-prefetch --steps 20 --warmup 5   # the prefetch, dynamic tables
     python benchmarks/bench_tiered.py --part index --index-records 8000000 --index-limit 800   # the records index (root)
     python benchmarks/bench_tiered.py --quick               # seconds: the smoke test
@@ -25,6 +26,11 @@ cache spilled to disk, :mod:`hybridembed.storage.tiered_hash`); the cache holds 
 of ``--tables`` x ``--rows``; ``--with-prefetch``: the tiered collection calls ``ec.prefetch(next
 batch)`` after each backward, and the contenders run one after the other, not interleaved (the
 prefetch thread would read during the other's step).
+
+**behind**: as dynamic, the tiered tables alone: steps whose spills the writer thread writes
+while the step goes on (the default) against steps that write them in the step
+(``tiered._BEHIND = 0``), alternated in blocks of 5 steps in one process (``--threads``: torch's
+intra-op threads, which the step's own passes use; the writer needs a core they leave free).
 
 **prefetch** / **dynamic-prefetch**: ``--prefetch-rows`` rows of ``--tables`` tables (dense, or
 dynamic with ids spread over int64) written to disk and dropped from the page cache, a cache of
@@ -45,7 +51,8 @@ cache of ``--memory-cache`` rows and trains ``--memory-steps`` steps on power-la
 resident memory (``VmHWM``, this process's own) against the cache's bytes (issue 26's target:
 peak <= cache + 2 GiB); with ``--checkpoint``, then ``he.save`` of it and ``he.load`` into a
 fresh tiered table, each one's peak (``VmHWM`` reset before it); ``--memory-dynamic``: a dynamic
-table, its rows (ids ``0..rows-1``) written to disk first. ``--memory-prefetch N``: then ``N`` steps each
+table, its rows (ids ``0..rows-1``) written to disk first. ``--memory-behind N``: then ``N`` steps each with the evictions written behind the step and in it,
+alternated in blocks of 10. ``--memory-prefetch N``: then ``N`` steps each
 without and with ``ec.prefetch`` (``--ahead``), alternated in blocks as the prefetch parts' (the page
 cache is not dropped: in ``--memory-limit``'s cgroup the table is far larger than it). The table's files are made in ``--dir`` (default: a temporary directory)
 and removed after.
@@ -207,11 +214,48 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
     }
 
 
+def behind(args: argparse.Namespace, where: str) -> dict:
+    """Dynamic tiered tables (as ``--part dynamic``): steps whose spills are written behind them by
+    the writer thread (``_File.write_behind``, the default) and written in the step
+    (``tiered._BEHIND = 0``), alternated in blocks of :data:`BLOCK` steps in one process; medians."""
+    from hybridembed.storage import tiered as tiered_mod
+
+    g = torch.Generator().manual_seed(0)
+    cache = int(args.cache_frac * args.rows * args.tables)
+    ec, opt = _collection(args.tables, args.rows, args.dim, he.Tiered(where, cache_rows=cache), dynamic=True)
+
+    def batch() -> dict:
+        return {f"t{i}": powerlaw_ids(args.batch, args.rows, generator=g) * _SPREAD for i in range(args.tables)}
+
+    for _ in range(args.warmup):
+        _step(ec, opt, batch(), None)
+    times: dict[int, list[float]] = {1: [], 0: []}
+    saved = tiered_mod._BEHIND
+    try:
+        for b in range(2 * max(1, args.steps // BLOCK)):
+            tiered_mod._BEHIND = (1, 0)[b % 2]
+            _step(ec, opt, batch(), None)  # (untimed: the other mode's write settles)
+            for _ in range(BLOCK):
+                t0 = time.perf_counter()
+                _step(ec, opt, batch(), None)
+                times[tiered_mod._BEHIND].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        tiered_mod._BEHIND = saved
+    st = ec.storage_of("t0").stats()
+    return {
+        "behind_ms": statistics.median(times[1]),
+        "in_step_ms": statistics.median(times[0]),
+        "cache_rows": cache,
+        "spilled": st["spilled"],
+        "threads": torch.get_num_threads(),
+    }
+
+
 _CHILD = """
 import json, os, sys, time, torch
 import hybridembed as he
 from hybridembed.synthetic import powerlaw_ids
-rows, dim, cache, steps, batch, where, checkpoint, dynamic, pre, ahead, here = json.loads(sys.argv[1])
+rows, dim, cache, steps, batch, where, checkpoint, dynamic, pre, ahead, here, behind = json.loads(sys.argv[1])
 def status(key):
     line = next(x for x in open("/proc/self/status") if x.startswith(key))
     return int(line.split()[1]) * 1024
@@ -242,11 +286,25 @@ if pre:  # steps without and with ec.prefetch alternated: the table is larger th
     sys.path.insert(0, here)
     from bench_tiered import alternate
     prefetched = alternate(ec, opt, ec.storage_of("big"), lambda: {"big": powerlaw_ids(batch, rows, generator=g)}, pre, ahead, cold=False)
+if behind:  # steps whose evictions are written behind them and in them (tiered._BEHIND 1 / 0), blocks of 10 alternated
+    from hybridembed.storage import tiered as T
+    spent = {1: [], 0: []}
+    for b in range(2 * max(1, behind // 10)):
+        T._BEHIND = (1, 0)[b % 2]
+        for i in range(11):  # (the first untimed: the other mode's write settles)
+            t0 = time.perf_counter()
+            opt.zero_grad(); ec({"big": powerlaw_ids(batch, rows, generator=g)})["big"].sum().backward(); opt.step()
+            if i:
+                spent[T._BEHIND].append((time.perf_counter() - t0) * 1e3)
+    T._BEHIND = 1
+    behind_ms = {"behind_ms": sorted(spent[1])[len(spent[1]) // 2], "in_step_ms": sorted(spent[0])[len(spent[0]) // 2]}
 st = ec.storage_of("big").stats()
 out = {"peak": status("VmHWM:"), "rss": status("VmRSS:"), "base": base, "built_s": built, "train_s": train, "stats": st,
        "anon": status("RssAnon:"), "file": status("RssFile:") + status("RssShmem:")}
 if pre:
     out["prefetch"] = prefetched
+if behind:
+    out["behind"] = behind_ms
 if checkpoint:  # he.save, then he.load into a fresh tiered table: each one's peak (VmHWM reset before it)
     def reset():
         with open("/proc/self/clear_refs", "w") as f:
@@ -292,6 +350,7 @@ print(json.dumps(out))
 def memory(args: argparse.Namespace, where: str) -> dict:
     spec = [args.memory_rows, args.dim, args.memory_cache, args.memory_steps, args.batch, where, args.checkpoint]
     spec += [args.memory_dynamic, args.memory_prefetch, args.ahead, str(Path(__file__).resolve().parent)]
+    spec += [args.memory_behind]
     cache_bytes = args.memory_cache * (args.dim + 1) * 4  # (the cached rows and their row-wise Adagrad state)
     limit = cache_bytes + (2 << 30)
     group = _cgroup(limit) if args.memory_limit else None
@@ -488,7 +547,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--part",
-        choices=["speed", "dynamic", "memory", "prefetch", "dynamic-prefetch", "index", "reads", "both"],
+        choices=["speed", "dynamic", "behind", "memory", "prefetch", "dynamic-prefetch", "index", "reads", "both"],
         default="both",
     )
     p.add_argument("--index-records", type=int, default=8_000_000, help="index part: records")
@@ -509,6 +568,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--with-prefetch", action="store_true", help="dynamic part: the tiered tables prefetch the next batch"
     )
+    p.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--memory-rows", type=int, default=40_000_000, help="rows of the memory part's table (10 GiB)")
@@ -529,6 +589,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=0,
         help="memory part: then this many steps each without and with ec.prefetch (--ahead), alternated",
     )
+    p.add_argument(
+        "--memory-behind",
+        type=int,
+        default=0,
+        help="memory part: then this many steps each with evictions written behind the step and in it, alternated",
+    )
     p.add_argument("--reads-rows", type=int, default=4_000_000, help="reads part: records in the file")
     p.add_argument("--reads-counts", type=int, nargs="+", default=[31_000, 12_000, 8_000, 5_000])
     p.add_argument("--rounds", type=int, default=3, help="reads part: alternations")
@@ -539,9 +605,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.tables, args.rows, args.dim, args.batch, args.steps, args.warmup = 2, 5_000, 8, 256, 3, 2
         args.memory_rows, args.memory_cache, args.memory_steps, args.memory_prefetch = 100_000, 400, 3, BLOCK
+        args.memory_behind = 20
         args.prefetch_rows, args.prefetch_cache = 40_000, 2_000
         args.index_records, args.index_window, args.index_limit = 300_000, 1, 0
         args.reads_rows, args.reads_counts, args.rounds = 20_000, [300], 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
     root = tempfile.mkdtemp(prefix="hybridembed-tiered-", dir=args.dir)
     result: dict = {}
     try:
@@ -562,6 +631,15 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{args.batch}: in memory {r['memory_ms']:.1f} ms, tiered {r['tiered_ms']:.1f} ms ({r['ratio']:.2f}x; "
                 f"target <= 2x){'; with ec.prefetch(next batch)' if r['prefetch'] else ''}; rows read back {r['disk_reads']:,}, spilled {r['disk_writes']:,}; equal to the tables in memory: "
                 f"{r['equal_to_memory']}",
+                flush=True,
+            )
+        if args.part == "behind" or args.quick:
+            r = result["behind"] = behind(args, f"{root}/behind")
+            print(
+                f"behind: {args.tables} dynamic tables, cache {r['cache_rows']:,} rows, batch {args.batch}, "
+                f"{r['threads']} threads: spills written behind the step {r['behind_ms']:.1f} ms a step, written in "
+                f"the step {r['in_step_ms']:.1f} ms ({r['in_step_ms'] / r['behind_ms']:.2f}x); rows spilled "
+                f"{r['spilled']:,}",
                 flush=True,
             )
         if args.part == "index" or args.quick:
@@ -601,6 +679,13 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{pf['plain']['read_ms']:.1f} ms reading; with ec.prefetch {pf['prefetch']['step_ms']:.1f} ms "
                     f"({pf['prefetch']['read_ms']:.1f} ms reading): {pf['hidden']:.0%} of the read time hidden "
                     f"(target >= 70%)",
+                    flush=True,
+                )
+            if "behind" in r:
+                bh = r["behind"]
+                print(
+                    f"memory, evictions written behind the step {bh['behind_ms']:.1f} ms a step, in the step "
+                    f"{bh['in_step_ms']:.1f} ms ({bh['in_step_ms'] / bh['behind_ms']:.2f}x)",
                     flush=True,
                 )
             if args.checkpoint:

@@ -37,6 +37,9 @@ def test_quick(tmp_path):
     assert pf["plain"]["steps"] == pf["prefetch"]["steps"] == 5 and memory["stats"]["prefetched"] > 0, pf
     for name in ("windows", "one pass"):  # (the records index: 300k records, 2^22 positions, 80 windows or one)
         assert res["index"][name]["found"] is True and res["index"][name]["positions"] == 1 << 22, res["index"]
+    assert memory["behind"]["behind_ms"] > 0 and memory["behind"]["in_step_ms"] > 0, memory  # (the memory part's too)
+    b = res["behind"]  # (spills written behind the step, and in it)
+    assert b["behind_ms"] > 0 and b["in_step_ms"] > 0 and b["spilled"] > 0, b
     for part in ("prefetch", "dynamic-prefetch"):  # (cold rows read back: by the step, or by the prefetch)
         r = res[part]
         assert r["plain"]["read_ms"] > 0 and r["prefetch"]["step_ms"] > 0, (part, r)

@@ -13,6 +13,8 @@ import torch
 
 import hybridembed as he
 
+from .writes import HeldWriter
+
 
 @pytest.mark.parametrize("numba", [True, False, "parallel"], ids=["numba", "python", "parallel"])
 def test_a_file_reads_and_writes_scattered_rows_and_runs_and_a_truncated_file_is_a_clear_error(
@@ -140,3 +142,85 @@ def test_reads_of_rows_far_apart_leave_no_page_in_the_page_cache_and_read_right(
         # (measured on Linux 6.18: 3 pages of the 64 kept uncached, one a reading thread; 67 as usual)
         assert (kept <= rows.numel() // 8) if uncached else (kept >= rows.numel()), (uncached, kept)
     assert torch.equal(f.read(torch.arange(40, 60)), data[40:60])  # (close together: one run, as usual)
+
+
+def _in_thread(fn):
+    import threading
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("value", fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_write_behind_is_waited_for_by_reads_of_its_rows_and_by_a_write_and_no_one_else(tmp_path, monkeypatch):
+    """``write_behind`` returns while its write is in flight: a read of other rows does not wait
+    for it, a read of any of its rows does (and gets the rows written), and so does a plain write
+    (which lands after it); ``_BEHIND = 0`` writes at once."""
+    from hybridembed.storage import tiered as T
+
+    if T._io() is None:
+        pytest.skip("Numba does not import here")
+    f = T._File(tmp_path / "f.rows", 64, 5, torch.float32)
+    f.write(torch.arange(64), torch.zeros(64, 5))
+    held = HeldWriter(monkeypatch, T)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    f.write_behind(torch.tensor([3, 4, 5]), x.clone())  # (returns: its write is held)
+    assert len(f._behind) == 1
+    assert torch.equal(f.read(torch.tensor([0, 2, 6, 63])), torch.zeros(4, 5))  # (none of its rows: no wait)
+    reader, got = _in_thread(lambda: f.read(torch.tensor([9, 5])))
+    reader.join(0.3)
+    assert reader.is_alive()  # (waits for the write in flight)
+    held.release()
+    reader.join(30)
+    assert torch.equal(got["value"], torch.stack([torch.zeros(5), x[2]]))
+    assert f._behind == []
+
+    held = HeldWriter(monkeypatch, T)
+    f.write_behind(torch.tensor([20, 21]), torch.ones(2, 5))
+    writer, _ = _in_thread(lambda: f.write(torch.tensor([21]), torch.full((1, 5), 7.0)))
+    writer.join(0.3)
+    assert writer.is_alive()  # (a write waits for every write in flight: it lands after them)
+    held.release()
+    writer.join(30)
+    assert torch.equal(f.read(torch.tensor([20, 21])), torch.tensor([[1.0] * 5, [7.0] * 5]))
+
+    monkeypatch.setattr(T, "_BEHIND", 0)
+    f.write_behind(torch.tensor([30]), torch.full((1, 5), 3.0))
+    assert f._behind == [] and torch.equal(f.read(torch.tensor([30])), torch.full((1, 5), 3.0))
+
+
+def test_a_failed_write_behind_keeps_its_rows_is_written_again_and_raises_while_it_fails(tmp_path, monkeypatch):
+    """A write the writer thread could not make keeps its rows in memory: the next read of them (or
+    the next ``make_room``, which a step calls before it changes anything) writes them again, and
+    raises a clear error, naming the file, while that fails too; once it succeeds, nothing was lost."""
+    import errno
+
+    from hybridembed.storage import tiered as T
+
+    if T._io() is None:
+        pytest.skip("Numba does not import here")
+    f = T._File(tmp_path / "f.rows", 64, 5, torch.float32)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    with monkeypatch.context() as m:
+        HeldWriter(m, T, fail=True).release()
+        f.write_behind(torch.tensor([7, 8, 9]), x.clone())
+        real = os.pwritev
+
+        def full(*a):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        m.setattr(os, "pwritev", full)
+        for call in (lambda: f.read(torch.tensor([8])), f.make_room):
+            with pytest.raises(
+                he.HybridEmbedError, match=r"f\.rows: writing 3 rows failed \(No space left on device\); they are kept"
+            ):
+                call()
+        assert len(f._behind) == 1
+        m.setattr(os, "pwritev", real)
+        assert torch.equal(f.read(torch.tensor([9, 7, 8])), x[[2, 0, 1]])  # (written again: nothing lost)
+    assert f._behind == []
+    with monkeypatch.context() as m:  # (a failed write that the next read writes again at once)
+        HeldWriter(m, T, fail=True).release()
+        f.write_behind(torch.tensor([40]), torch.full((1, 5), 2.0))
+        assert torch.equal(f.read(torch.tensor([40])), torch.full((1, 5), 2.0))

@@ -478,3 +478,25 @@ def test_a_job_killed_in_a_save_resumes_from_the_last_commit_and_trains_as_in_me
             _seeded_step(ec, opt, s)
     assert ec.storage_of("a").stats()["spilled"] > 0  # (rows went to disk after the load)
     _same(_state(ec), _state(ref))
+
+
+def test_spills_written_behind_slowly_train_as_the_table_in_memory(tmp_path, monkeypatch):
+    """Each spill's write made 30 ms slower in the writer thread: the lookups, read-backs,
+    compactions and whole-table reads that follow meet writes in flight (a read of a record in
+    flight waits for it) and the table trains as in memory."""
+    from hybridembed.storage import tiered as T
+
+    from .writes import slow_writes
+
+    if T._io() is None:
+        pytest.skip("Numba does not import here: spills are written at once")
+    monkeypatch.setattr(TieredHashStorage, "COMPACT_AT", 20)
+    seen = slow_writes(monkeypatch, T, 0.03)
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["rowwise"]), seed=5)
+    _train(ref, steps=30, seed=2)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60), OPTIMIZERS["rowwise"]), seed=5)
+    _train(ec, steps=30, seed=2)
+    stats = ec.storage_of("a").stats()
+    assert stats["read_back"] > 20 and stats["compactions"] >= 1 and seen["writes"] > 10, (stats, seen)
+    assert seen["waits"] > 0, seen  # (some read or compaction met a write in flight)
+    _same(_state(ec), _state(ref))

@@ -66,6 +66,7 @@ _SPARSE_GAP = 64 << 10  # mean bytes between runs from which it is
 # memory is capped, the pages they would fill evict the records index's instead
 _DONTCACHE = 0x80
 _PREFETCH_DEPTH = 2  # prefetches held at once (the next batch's and the one after it)
+_BEHIND = 1  # writes a file has in flight at once (write_behind: a step's spill or eviction, written during the step; 0: none, each written now)
 _failed_lock = threading.Lock()
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched", "prefetch_failed")
 
@@ -92,6 +93,9 @@ class _File:
             ) from None
         self._closer = weakref.finalize(self, os.close, self.fd)
         self.uncached = _DONTCACHE if _reads_uncached(self.fd) else 0  # (preadv2's flag for reads far apart)
+        self._behind: list[_Behind] = []  # writes handed to the writer thread, oldest first (write_behind)
+        self._behind_lock = threading.Lock()
+        self._retry_lock = threading.Lock()
 
     def reserve(self, rows: int) -> None:
         """Room on disk for ``rows`` rows (the file grows; a full disk raises here, before a write)."""
@@ -109,12 +113,13 @@ class _File:
             "and load it into a new model"
         )
 
-    def _runs(self, rows: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
-        """``rows`` (K,) -> (their order ascending, then per run of consecutive rows in that order:
+    def _runs(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, np.ndarray, np.ndarray, np.ndarray]:
+        """``rows`` (K,) -> (their order ascending (None: ascending already), then per run of consecutive rows in that order:
         its first byte and end byte in the sorted rows' buffer, its byte offset in the file), each
         run at most :data:`_CALL_BYTES` (Linux moves at most 2 GiB per call)."""
-        order = torch.argsort(rows)
-        r = rows.index_select(0, order).numpy()
+        ascending = rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
+        order = None if ascending else torch.argsort(rows)  # (None: in order already, as a spill's places)
+        r = (rows if order is None else rows.index_select(0, order)).numpy()
         if r.size == 0:
             return order, *(np.zeros(0, dtype=np.int64),) * 3
         cut = np.flatnonzero(np.diff(r) != 1) + 1
@@ -127,7 +132,9 @@ class _File:
         return order, starts * rb, ends * rb, r[starts] * rb
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows`` (K,) -> (K, width)."""
+        """Rows ``rows`` (K,) -> (K, width) (after the writes in flight to any of them)."""
+        if self._behind:
+            self.settle_writes(rows)
         order, starts, ends, offsets = self._runs(rows)
         io = _io()
         buf = torch.empty(rows.numel() * self.row_bytes, dtype=torch.uint8)
@@ -137,18 +144,84 @@ class _File:
             for a, b, at in zip(starts[first:].tolist(), ends[first:].tolist(), offsets[first:].tolist()):
                 if os.preadv(self.fd, [view[a:b]], at) != b - a:
                     raise HybridEmbedError(f"tiered table file {self.path}: a short read (the file was truncated?)")
-        out = torch.empty(rows.numel(), self.width, dtype=self.dtype)
-        return out.index_copy_(0, order, buf.view(self.dtype).view(-1, self.width))
+        got = buf.view(self.dtype).view(-1, self.width)
+        if order is None:  # (asked for in order: as read)
+            return got
+        return torch.empty(rows.numel(), self.width, dtype=self.dtype).index_copy_(0, order, got)
 
     def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
-        """``data`` (K, width) into rows ``rows`` (K,) distinct."""
-        order, starts, ends, offsets = self._runs(rows)
+        """``data`` (K, width) into rows ``rows`` (K,) distinct (after every write in flight)."""
+        if self._behind:
+            self.settle_writes()
+        self._write_now(rows, data)
+
+    def write_behind(self, rows: torch.Tensor, data: torch.Tensor) -> None:
+        """:meth:`write` by the writer thread while the caller goes on (the copy into the kernel's
+        page cache: ~1 ms a MiB here, 2-4 ms of a dynamic tiered step's spill; the thread runs only
+        the Numba loop, which holds no GIL: without Numba this writes now). ``data`` is kept, not
+        copied, until written: the caller hands it over. A read of any of these rows waits for the
+        write, a :meth:`write` for every write in flight, and a write beyond :data:`_BEHIND` in
+        flight for the oldest. A failed write keeps its rows here and is tried again by the next
+        :meth:`settle_writes` that needs it, which raises if it fails again: nothing is lost."""
         io = _io()
-        flat = data.index_select(0, order).contiguous().view(torch.uint8).numpy().reshape(-1)
-        first = io.pwrite_runs(self.fd, flat, starts, ends, offsets) if io else 0
-        if first < 0:
+        if io is None or _BEHIND <= 0:
+            self.write(rows, data)
             return
-        buf = memoryview(flat)  # (no Numba, or a run failed: Python's calls from there, which raise the error)
+        self.make_room()
+        w = _Behind(rows, self._prepared(rows, data))
+        with self._behind_lock:
+            self._behind.append(w)
+        # (through self: this file, and its descriptor, outlive the write)
+        w.done = _writer().submit(lambda: io.pwrite_runs(self.fd, *w.runs))
+
+    def settle_writes(self, rows: torch.Tensor | None = None, keep: int = 0) -> None:
+        """Wait for the writes in flight to any of ``rows`` (None: all but the newest ``keep``); a
+        failed one is written again here from where it failed, and raises if it fails again (its
+        rows kept for the next try)."""
+        with self._behind_lock:
+            waiting = list(self._behind)
+        if rows is None:
+            waiting = waiting[: max(0, len(waiting) - keep)]
+        else:
+            waiting = [w for w in waiting if w.overlaps(rows)]
+        for w in waiting:
+            with self._retry_lock:  # (the prefetch thread may need it too: one try at a time)
+                if w.first is None:
+                    w.first = w.done.result()
+                if w.first >= 0:
+                    try:
+                        self._write_runs(*w.runs, w.first)
+                    except OSError as e:
+                        raise HybridEmbedError(
+                            f"tiered table file {self.path}: writing {w.rows.numel():,} rows failed ({e.strerror}); "
+                            "they are kept in memory and written again at the next step: check that disk"
+                        ) from None
+                    w.first = -1
+            with self._behind_lock:
+                if w in self._behind:
+                    self._behind.remove(w)
+
+    def make_room(self) -> None:
+        """Wait until one more write may go in flight (:data:`_BEHIND`); an earlier failed write is
+        written again here, and raises if it fails again. A step calls it before it changes anything."""
+        self.settle_writes(keep=max(0, _BEHIND - 1))
+
+    def _prepared(self, rows: torch.Tensor, data: torch.Tensor) -> tuple[np.ndarray, ...]:
+        """(``data``'s bytes in the order of ``rows`` ascending, then :meth:`_runs`' bytes and offsets)."""
+        order, starts, ends, offsets = self._runs(rows)
+        data = data if order is None else data.index_select(0, order)
+        return data.contiguous().view(torch.uint8).numpy().reshape(-1), starts, ends, offsets
+
+    def _write_now(self, rows: torch.Tensor, data: torch.Tensor) -> None:
+        runs = self._prepared(rows, data)
+        io = _io()
+        first = io.pwrite_runs(self.fd, *runs) if io else 0
+        if first >= 0:
+            self._write_runs(*runs, first)
+
+    def _write_runs(self, flat, starts, ends, offsets, first: int) -> None:
+        """Runs ``first`` on by Python's calls (no Numba, or a run failed: they raise the error)."""
+        buf = memoryview(flat)
         for a, b, at in zip(starts[first:].tolist(), ends[first:].tolist(), offsets[first:].tolist()):
             view = buf[a:b]
             while len(view):  # (a write may move fewer bytes than asked)
@@ -156,13 +229,40 @@ class _File:
                 view, at = view[n:], at + n
 
 
+class _Behind:
+    """A write in flight (:meth:`_File.write_behind`): its rows (K,), their bytes and runs (as
+    :meth:`_File._prepared` gives them), the writer's future and, once waited for, the first run
+    that failed (-1: none; None: not waited for yet)."""
+
+    def __init__(self, rows: torch.Tensor, runs: tuple):
+        self.rows, self.runs, self.first, self.done = rows, runs, None, None
+        self.lo, self.hi = (int(rows.min()), int(rows.max())) if rows.numel() else (0, -1)
+
+    def overlaps(self, rows: torch.Tensor) -> bool:
+        """Whether any of ``rows`` is one of these (a spill's rows are one run: a range test alone)."""
+        inside = rows[(rows >= self.lo) & (rows <= self.hi)]
+        if inside.numel() == 0:
+            return False
+        return self.hi - self.lo + 1 == self.rows.numel() or bool(torch.isin(inside, self.rows).any())
+
+
 _readers: ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()
+_writers: ThreadPoolExecutor | None = None
 
 
 def _forget_readers() -> None:  # (a forked child has none of its parent's threads)
-    global _readers
-    _readers = None
+    global _readers, _writers
+    _readers = _writers = None
+
+
+def _writer() -> ThreadPoolExecutor:
+    """The thread that writes every tiered file's rows behind the steps (one: the disk is one queue)."""
+    global _writers
+    with _readers_lock:
+        if _writers is None:
+            _writers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridembed-write")
+        return _writers
 
 
 if hasattr(os, "register_at_fork"):
@@ -394,6 +494,8 @@ class TieredStorage(DenseStorage):
                     "frees them); raise Tiered(cache_rows=...) above a step's distinct rows. Nothing was changed"
                 )
             victims = candidates.index_select(0, torch.topk(self.last_used[candidates], short, largest=False).indices)
+            for f in (self._rows_file, *self._state_files.values()):  # (a failed earlier write raises here)
+                f.make_room()
 
         def commit() -> tuple[torch.Tensor, None]:
             with torch.no_grad():
@@ -425,9 +527,9 @@ class TieredStorage(DenseStorage):
         if w_rows.numel():
             for pf in self._prefetches:  # (a prefetched copy of a row written now is old)
                 pf.stale[pf.positions(w_rows)[1]] = True
-            self._rows_file.write(w_rows, self.weight.detach().index_select(0, w_slots))
+            self._rows_file.write_behind(w_rows, self.weight.detach().index_select(0, w_slots))
             for name, f in self._state_files.items():
-                f.write(w_rows, self.state[name].index_select(0, w_slots).view(w_rows.numel(), -1))
+                f.write_behind(w_rows, self.state[name].index_select(0, w_slots).view(w_rows.numel(), -1))
             self.slot_of[w_rows] = ON_DISK if self._state_files else ON_DISK_NO_STATE
         keep = ~changed  # (unchanged: as it was read, on disk already or fresh and computed again when needed)
         self.slot_of[rows[keep]] = self.origin.index_select(0, victims[keep])

@@ -217,6 +217,7 @@ class TieredHashStorage(HashStorage):
         batch); the files compacted first when most of them is dead (rows read back or moved)."""
         if victims.numel() == 0:
             return
+        self._file.make_room()  # (a failed earlier write raises here: nothing changed yet)
         live = self._live
         if self._tail - live > max(live, self.COMPACT_AT):
             self._compact()
@@ -243,6 +244,7 @@ class TieredHashStorage(HashStorage):
         (few calls: rows spilled together sit together), which then replaces the old one. Changes
         no row. ``parts``: a new record layout (an optimizer attached: the rows, with initial state)."""
         self.drop_prefetch()
+        self._file.settle_writes()
         old, new, n, chunk = self._file, None, self._homes.n, self._homes._REINDEX
         width = self._record_bytes(parts or self._parts)
         try:  # (place -> its live record, -1: dead; a mapped file: memory bounded by a chunk of records)
@@ -355,9 +357,9 @@ class TieredHashStorage(HashStorage):
             if at.numel():
                 slots = victims.index_select(0, at)
                 recs[at] = make(self.slot_key.index_select(0, slots), self.slot_table.index_select(0, slots))
-        at = self.rec_at[recs] = self._append(n)  # (appended: one write)
+        at = self.rec_at[recs] = self._append(n)  # (appended: one write, by the writer thread during the step)
         rows = {"weight": self.weight.detach().index_select(0, victims)}
-        self._file.write(at, self._pack(rows | {k: v.index_select(0, victims) for k, v in self.state.items()}))
+        self._file.write_behind(at, self._pack(rows | {k: v.index_select(0, victims) for k, v in self.state.items()}))
         self.rec_last[recs], self.rec_freq[recs] = self.last_seen[victims], self.freq[victims]
         self._set_live(recs, True)
         changed, self._changed = self._changed, None  # (a spilled row is kept: not removed)
