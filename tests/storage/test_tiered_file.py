@@ -224,3 +224,36 @@ def test_a_failed_write_behind_keeps_its_rows_is_written_again_and_raises_while_
         HeldWriter(m, T, fail=True).release()
         f.write_behind(torch.tensor([40]), torch.full((1, 5), 2.0))
         assert torch.equal(f.read(torch.tensor([40])), torch.full((1, 5), 2.0))
+
+
+_FORKED_BEHIND = r"""
+import os, signal, sys, threading, types, torch
+from pathlib import Path
+from hybridembed.storage import tiered as T
+io, gate = T._io(), threading.Event()
+T._io = lambda: types.SimpleNamespace(pread_runs=io.pread_runs, pwrite_runs=lambda *a: gate.wait(30) and io.pwrite_runs(*a))
+f = T._File(Path(sys.argv[1]), 64, 5, torch.float32)
+f.write_behind(torch.tensor([1, 2]), torch.ones(2, 5))  # (held in the parent's writer thread)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)  # (a hung child ends itself)
+    os._exit(0 if torch.equal(f.read(torch.tensor([2])), torch.ones(1, 5)) else 3)
+_, status = os.waitpid(pid, 0)
+gate.set()
+assert torch.equal(f.read(torch.tensor([1, 2])), torch.ones(2, 5))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_writes_a_write_behind_it_inherited_itself(tmp_path):
+    """A process forked while a write is in flight has no writer thread to wait for: its read of
+    those rows writes them itself (it would wait forever otherwise)."""
+    from hybridembed.storage import tiered as T
+
+    if T._io() is None:
+        pytest.skip("Numba does not import here")
+    r = subprocess.run(
+        [sys.executable, "-c", _FORKED_BEHIND, str(tmp_path / "f")], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr[-2000:]

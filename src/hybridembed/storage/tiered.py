@@ -186,8 +186,8 @@ class _File:
             waiting = [w for w in waiting if w.overlaps(rows)]
         for w in waiting:
             with self._retry_lock:  # (the prefetch thread may need it too: one try at a time)
-                if w.first is None:
-                    w.first = w.done.result()
+                if w.first is None:  # (a forked child never sees its parent's writer finish: it writes it all)
+                    w.first = w.done.result() if w.pid == os.getpid() else 0
                 if w.first >= 0:
                     try:
                         self._write_runs(*w.runs, w.first)
@@ -235,7 +235,7 @@ class _Behind:
     that failed (-1: none; None: not waited for yet)."""
 
     def __init__(self, rows: torch.Tensor, runs: tuple):
-        self.rows, self.runs, self.first, self.done = rows, runs, None, None
+        self.rows, self.runs, self.first, self.done, self.pid = rows, runs, None, None, os.getpid()
         self.lo, self.hi = (int(rows.min()), int(rows.max())) if rows.numel() else (0, -1)
 
     def overlaps(self, rows: torch.Tensor) -> bool:
