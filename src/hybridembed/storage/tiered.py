@@ -14,8 +14,8 @@ row was written before an optimizer was attached).
 
 A lookup's misses take free slots, or evict the least recently used rows that no pending gradient
 names (rows looked up since the last optimizer step stay): a changed victim's row and state are
-written to the files (``os.pwritev``, a run of consecutive rows per call: the kernel's page cache
-writes them to the disk off the step, and file pages never count against the process's memory),
+written to the files (``pwrite``, a run of consecutive rows per call, by a writer thread while the
+step goes on: :meth:`_File.write_behind`; file pages never count against the process's memory),
 then the misses are read from the files (or initialised). A batch needs all its distinct rows at
 once: more than the cache holds is refused before anything changes.
 
@@ -66,7 +66,9 @@ _SPARSE_GAP = 64 << 10  # mean bytes between runs from which it is
 # memory is capped, the pages they would fill evict the records index's instead
 _DONTCACHE = 0x80
 _PREFETCH_DEPTH = 2  # prefetches held at once (the next batch's and the one after it)
-_BEHIND = 1  # writes a file has in flight at once (write_behind: a step's spill or eviction, written during the step; 0: none, each written now)
+# writes a file has in flight at once (write_behind: a step's evictions, written while the step goes on;
+# 0: none, each written at once)
+_BEHIND = 1
 _failed_lock = threading.Lock()
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched", "prefetch_failed")
 
@@ -114,9 +116,10 @@ class _File:
         )
 
     def _runs(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, np.ndarray, np.ndarray, np.ndarray]:
-        """``rows`` (K,) -> (their order ascending (None: ascending already), then per run of consecutive rows in that order:
-        its first byte and end byte in the sorted rows' buffer, its byte offset in the file), each
-        run at most :data:`_CALL_BYTES` (Linux moves at most 2 GiB per call)."""
+        """``rows`` (K,) -> (their order ascending (None: ascending already), then per run of
+        consecutive rows in that order: its first byte and end byte in the sorted rows' buffer, its
+        byte offset in the file), each run at most :data:`_CALL_BYTES` (Linux moves at most 2 GiB
+        per call)."""
         ascending = rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
         order = None if ascending else torch.argsort(rows)  # (None: in order already, as a spill's places)
         r = (rows if order is None else rows.index_select(0, order)).numpy()
