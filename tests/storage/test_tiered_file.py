@@ -168,6 +168,7 @@ def test_a_write_behind_is_waited_for_by_reads_of_its_rows_and_by_a_write_and_no
     f.write_behind(torch.tensor([3, 4, 5]), x.clone())  # (returns: its write is held)
     assert len(f._behind) == 1
     assert torch.equal(f.read(torch.tensor([0, 2, 6, 63])), torch.zeros(4, 5))  # (none of its rows: no wait)
+    assert not f._behind[0].done.done()  # (it did not wait: the write is still held)
     reader, got = _in_thread(lambda: f.read(torch.tensor([9, 5])))
     reader.join(0.3)
     assert reader.is_alive()  # (waits for the write in flight)
