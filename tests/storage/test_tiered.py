@@ -728,8 +728,9 @@ def test_compaction_keeps_the_base_files_no_delta_wrote_as_links_and_loads_as_th
 
 
 def test_evictions_written_behind_slowly_train_as_the_table_in_memory(tmp_path, monkeypatch):
-    """Each eviction's writes (rows and state) made 30 ms slower in the writer thread: rows evicted
-    and looked up again right after wait for their write, and the tables train as in memory."""
+    """Each eviction's writes (rows and state) made 30 ms slower in the writer thread: the next
+    lookup that evicts (or reads rows in flight) meets them in flight and waits, and the tables
+    train as in memory."""
     from hybridembed.storage import tiered as T
 
     from .writes import slow_writes

@@ -481,9 +481,9 @@ def test_a_job_killed_in_a_save_resumes_from_the_last_commit_and_trains_as_in_me
 
 
 def test_spills_written_behind_slowly_train_as_the_table_in_memory(tmp_path, monkeypatch):
-    """Each spill's write made 30 ms slower in the writer thread: the lookups, read-backs,
-    compactions and whole-table reads that follow meet writes in flight (a read of a record in
-    flight waits for it) and the table trains as in memory."""
+    """Each spill's write made 30 ms slower in the writer thread: the lookups, compactions and
+    whole-table reads that follow meet writes in flight and wait for them, and the table trains as
+    in memory."""
     from hybridembed.storage import tiered as T
 
     from .writes import slow_writes
