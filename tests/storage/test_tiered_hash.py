@@ -62,6 +62,10 @@ def _state(ec) -> dict:
     for s in {id(ec.storage_of(n)): ec.storage_of(n) for n in ec.tables}.values():
         if hasattr(s, "rec_live"):  # (the count of rows on disk, kept step by step, against the flags)
             assert s._disk_rows() == int(s.rec_live.sum()), (s._disk_rows(), int(s.rec_live.sum()))
+            live = (s.slot_table >= 0).nonzero().squeeze(1)  # (each cached row's kept index position holds it)
+            if live.numel():
+                row = s._hrow.index_select(0, s.slot_pos.index_select(0, live))
+                assert torch.equal(row[:, 0], s.slot_key[live]) and torch.equal(row[:, 1] & ((1 << 32) - 1), live)
     for n in ec.tables:
         ids, rows, state = ec.storage_of(n).read_ids(n)
         out[f"{n}.ids"], out[n] = ids, rows
@@ -499,4 +503,20 @@ def test_spills_written_behind_slowly_train_as_the_table_in_memory(tmp_path, mon
     stats = ec.storage_of("a").stats()
     assert stats["read_back"] > 20 and stats["compactions"] >= 1 and seen["writes"] > 10, (stats, seen)
     assert seen["waits"] > 0, seen  # (some read or compaction met a write in flight)
+    _same(_state(ec), _state(ref))
+
+
+@pytest.mark.parametrize("kernels", ["eager", "auto"])
+def test_a_spill_tombstones_the_positions_its_inserts_kept(tmp_path, kernels, monkeypatch):
+    """The cache index keeps each row's position at insert (the torch ops' insert or Numba's) and
+    a spill makes those positions tombstones without searching: every cached row's kept position
+    holds it (``_state`` checks), and the table trains as in memory."""
+    monkeypatch.setattr(TieredHashStorage, "COMPACT_AT", 50)
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=2, kernels=kernels)
+    _train(ref, steps=20, seed=7)
+    ec = he.EmbeddingCollection(
+        _tables(he.Tiered(tmp_path, cache_rows=60), OPTIMIZERS["adagrad"]), seed=2, kernels=kernels
+    )
+    _train(ec, steps=20, seed=7)
+    assert ec.storage_of("a").stats()["spilled"] > 50
     _same(_state(ec), _state(ref))

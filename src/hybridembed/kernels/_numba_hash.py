@@ -47,11 +47,13 @@ def find_kernel(hrow, mask, keys, tws, home, where, out, lo, hi):  # pragma: no 
 
 
 @njit(nogil=True, cache=True)
-def insert_kernel(hrow, mask, keys, words, home):  # pragma: no cover (compiled)
+def insert_kernel(hrow, mask, keys, words, home, at):  # pragma: no cover (compiled)
     """Absent, distinct pairs ``keys[i]``, ``words[i]`` (``table << 32 | slot``), each at the first
-    empty position probing from ``home[i]``, in order. Returns the number that found none."""
+    empty position probing from ``home[i]``, in order (``at[i]``: that position, unless ``at`` is
+    empty). Returns the number that found none."""
     lost = 0
     n = keys.shape[0]
+    record = at.shape[0] > 0
     for i in range(n):
         if i + _AHEAD < n:
             _prefetch(hrow, home[i + _AHEAD])
@@ -60,6 +62,8 @@ def insert_kernel(hrow, mask, keys, words, home):  # pragma: no cover (compiled)
             if hrow[p, 1] < 0:
                 hrow[p, 0] = keys[i]
                 hrow[p, 1] = words[i]
+                if record:
+                    at[i] = p
                 break
             p = (p + 1) & mask
         else:

@@ -60,13 +60,23 @@ def find(
 
 
 def insert(
-    hrow: torch.Tensor, mask: int, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor, home: torch.Tensor
+    hrow: torch.Tensor,
+    mask: int,
+    keys: torch.Tensor,
+    tabs: torch.Tensor,
+    slots: torch.Tensor,
+    home: torch.Tensor,
+    at: torch.Tensor | None = None,
 ) -> None:
     """Adds absent, distinct pairs ``keys`` (U,), ``tabs`` (U,) pointing at ``slots`` (U,) to index
-    ``hrow`` (H, 2) in place, each at the first empty position from ``home`` (U,)."""
+    ``hrow`` (H, 2) in place, each at the first empty position from ``home`` (U,) (written into
+    ``at`` (U,) int64 where given)."""
     from . import _numba_hash as K
 
     if keys.numel():
         words = (tabs.to(torch.int64) << 32) | slots.to(torch.int64)
-        lost = K.insert_kernel(hrow.numpy(), mask, keys.contiguous().numpy(), words.numpy(), home.contiguous().numpy())
+        out = at.numpy() if at is not None else torch.zeros(0, dtype=torch.int64).numpy()
+        lost = K.insert_kernel(
+            hrow.numpy(), mask, keys.contiguous().numpy(), words.numpy(), home.contiguous().numpy(), out
+        )
         _lost(lost, "not placed")

@@ -189,18 +189,21 @@ class HashStorage(RowStorage):
             active, pos = active.index_select(0, more), pos.index_select(0, more) + _FIND_WINDOW
         return out
 
-    def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
+    def _insert(
+        self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor, at: torch.Tensor | None = None
+    ) -> None:
         """Add absent, distinct (table, id) pairs pointing at ``slots``: each at the first empty
         position of its probe sequence (the torch ops: W positions a round; pairs that chose the
         same position go to the one with the highest index, the others probe on). Numba: in order;
-        Triton: by compare-and-swap. The layout may differ, what :meth:`_find` answers not."""
-        if uses_triton(self.kernels, self.weight):
+        Triton: by compare-and-swap. The layout may differ, what :meth:`_find` answers not.
+        ``at`` (U,) int64: each pair's position written there (not by Triton: the torch ops then)."""
+        if uses_triton(self.kernels, self.weight) and at is None:
             from ..kernels import triton_hash
 
             triton_hash.insert(self._hrow, self._mask, keys, tabs, slots)
             return
         if cpu_hash.runs_on(self.kernels, self.weight):
-            return cpu_hash.insert(self._hrow, self._mask, keys, tabs, slots, self._hash(keys, tabs) & self._mask)
+            return cpu_hash.insert(self._hrow, self._mask, keys, tabs, slots, self._hash(keys, tabs) & self._mask, at)
         if self._claim.numel() != self._mask + 1:  # (the Numba and Triton inserts need no claims: 4 bytes a position)
             self._claim = torch.full((self._mask + 1,), -1, dtype=torch.int32, device=self._hrow.device)
         pending = torch.arange(keys.numel(), device=keys.device, dtype=torch.int32)
@@ -220,6 +223,8 @@ class HashStorage(RowStorage):
             w_i = won.nonzero().squeeze(1)
             wpos, widx = cpos.index_select(0, w_i), cand.index_select(0, w_i).long()
             self._hrow.index_copy_(0, wpos, torch.stack([keys.index_select(0, widx), word.index_select(0, widx)], 1))
+            if at is not None:
+                at.index_copy_(0, widx, wpos)
             # losers probe on from the position they lost; pairs without an empty one, past their window
             nxt = torch.where(has, target + 1, pos + _PROBES) & self._mask
             left = torch.ones_like(has)
@@ -270,9 +275,9 @@ class HashStorage(RowStorage):
             self._replace_grad(
                 g, torch.sparse_coo_tensor(g._indices()[:, keep], g._values()[keep], g.shape, check_invariants=False)
             )
-        self._unindex(keys, tabs)
+        self._unindex(keys, tabs, victims)
 
-    def _unindex(self, keys: torch.Tensor, tabs: torch.Tensor) -> None:
+    def _unindex(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
         self._build_index(self.weight.shape[0] - 1)  # (the pairs whose slots were freed: rebuilt without them)
 
     def _protected(self, batch_slots: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,7 @@ class TieredHashStorage(HashStorage):
     spills = True
     streamed = True  # checkpoints: save_parts and load_parts
     COMPACT_AT = 1 << 16  # dead places (rows read back or written again elsewhere) before compacting, at least
+    slot_pos: torch.Tensor | None = None  # (C,) each cached row's position in the cache's index (see _insert)
 
     def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
         kind = torch.device(device).type if device is not None else "cpu"
@@ -105,14 +106,23 @@ class TieredHashStorage(HashStorage):
         super()._build_index(2 * slots)  # (twice the positions: room for the tombstones of spills)
         self._tombs = 0
 
-    def _unindex(self, keys: torch.Tensor, tabs: torch.Tensor) -> None:
+    def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor, at=None) -> None:
+        """As :meth:`HashStorage._insert`, each slot's index position kept (``slot_pos``): a spill
+        makes its rows' positions tombstones without a search."""
+        at = torch.empty(keys.numel(), dtype=torch.int64) if at is None else at
+        super()._insert(keys, tabs, slots, at)
+        if self.slot_pos is None:  # (the cache's slots are fixed: made at the first insert)
+            self.slot_pos = torch.full((self.weight.shape[0],), -1, dtype=torch.int64)
+        self.slot_pos[slots] = at
+
+    def _unindex(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor) -> None:
         """Spilled (table, id) pairs' index positions made tombstones (they never match and never
         end a probe) instead of rebuilding the index (measured ~3 ms a spill of 4k rows from a
         40k-row cache); rebuilt when rows and tombstones would fill half the index."""
         live = self.weight.shape[0] - 1 - self.free.numel()
         if 2 * (live + self._tombs + keys.numel()) > self._mask + 1:
-            return super()._unindex(keys, tabs)
-        pos = self._find(keys, tabs, where=True)
+            return super()._unindex(keys, tabs, slots)
+        pos = self.slot_pos.index_select(0, slots)
         self._hrow.index_copy_(0, pos, _TOMB.expand(pos.numel(), 2))
         self._tombs += keys.numel()
 
@@ -749,7 +759,14 @@ class TieredHashStorage(HashStorage):
     def memory_bytes(self) -> int:
         """The cache's bytes (rows, state, index); the records' arrays and index are files mapped
         into memory (``stats()["index_bytes"]``), in memory only for a table without a directory."""
-        return super().memory_bytes + self.slot_rec.numel() * 8 + self.pinned.numel() + self._index_bytes(memory=True)
+        pos = 0 if self.slot_pos is None else self.slot_pos.numel() * 8
+        return (
+            super().memory_bytes
+            + self.slot_rec.numel() * 8
+            + pos
+            + self.pinned.numel()
+            + self._index_bytes(memory=True)
+        )
 
     def _index_bytes(self, memory: bool) -> int:
         """Bytes of the per-record arrays and index held in memory (``memory``: with the records made
