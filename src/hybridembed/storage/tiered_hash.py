@@ -320,7 +320,7 @@ class TieredHashStorage(HashStorage):
 
     def _unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
         """Records (K, record bytes) uint8 -> their rows and state (copies, each (K, ...))."""
-        k, width = records.shape[0], records.shape[1] if records.dim() == 2 else 0
+        k, width = records.shape
         out = {}
         for n, dt, shape, a, b in self._parts:  # (typed before the copy where the bytes allow: fewer, wider moves)
             part = records[:, a:b]
