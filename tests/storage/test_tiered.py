@@ -248,7 +248,7 @@ def test_two_live_tables_cannot_share_their_files_and_zero_grad_before_backward_
 
 
 def test_runs_longer_than_one_call_are_split(tmp_path, monkeypatch):
-    from hybridembed.storage import tiered as T
+    from hybridembed.storage import tiered_file as T
 
     monkeypatch.setattr(T, "_CALL_BYTES", 3 * 8 * 4)  # (three rows of 8 float32 per call)
     ref = he.EmbeddingCollection(_tables(None), seed=6)
@@ -731,7 +731,7 @@ def test_evictions_written_behind_slowly_train_as_the_table_in_memory(tmp_path, 
     """Each eviction's writes (rows and state) made 30 ms slower in the writer thread: the next
     lookup that evicts (or reads rows in flight) meets them in flight and waits, and the tables
     train as in memory."""
-    from hybridembed.storage import tiered as T
+    from hybridembed.storage import tiered_file as T
 
     from .writes import slow_writes
 

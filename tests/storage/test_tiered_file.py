@@ -23,7 +23,7 @@ def test_a_file_reads_and_writes_scattered_rows_and_runs_and_a_truncated_file_is
     """``_File``: one call a run of consecutive rows, in Numba's loop or (without Numba) Python's;
     a run longer than one call's bytes is cut; a short read raises, naming the file. ``parallel``:
     every read of 2+ runs cut into slices read by several threads (as runs far apart are)."""
-    from hybridembed.storage import tiered as T
+    from hybridembed.storage import tiered_file as T
 
     if numba and T._io() is None:
         pytest.skip("Numba does not import here")
@@ -60,7 +60,7 @@ def test_a_file_reads_and_writes_scattered_rows_and_runs_and_a_truncated_file_is
 _FORKED_READ = r"""
 import os, signal, sys, torch
 from pathlib import Path
-from hybridembed.storage import tiered as T
+from hybridembed.storage import tiered_file as T
 T._PARALLEL_RUNS, T._SPARSE_GAP = 2, 0
 f = T._File(Path(sys.argv[1]), 64, 5, torch.float32)
 f.write(torch.arange(64), torch.arange(320.0).view(64, 5))
@@ -79,7 +79,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_a_forked_child_reads_on_threads_of_its_own(tmp_path):
     """Sliced reads in a process forked after the readers' pool was made: the child makes its own
     (the parent's has no threads there, and a read sent to it would wait forever)."""
-    from hybridembed.storage import tiered as T
+    from hybridembed.storage import tiered_file as T
 
     if T._io() is None:
         pytest.skip("Numba does not import here")
@@ -113,7 +113,7 @@ def test_reads_of_rows_far_apart_leave_no_page_in_the_page_cache_and_read_right(
     """Rows far apart (a table larger than memory) are read with preadv2's RWF_DONTCACHE where the
     kernel takes it: the right rows, and none of their pages kept (they would evict the pages a
     capped process needs, its records index); where it is refused, the usual reads."""
-    from hybridembed.storage import tiered as T
+    from hybridembed.storage import tiered_file as T
 
     if T._io() is None:
         pytest.skip("Numba does not import here")
@@ -157,7 +157,7 @@ def test_a_write_behind_is_waited_for_by_reads_of_its_rows_and_by_a_write_and_no
     """``write_behind`` returns while its write is in flight: a read of other rows does not wait
     for it, a read of any of its rows does (and gets the rows written), and so does a plain write
     (which lands after it); ``_BEHIND = 0`` writes at once."""
-    from hybridembed.storage import tiered as T
+    from hybridembed.storage import tiered_file as T
 
     if T._io() is None:
         pytest.skip("Numba does not import here")
@@ -197,7 +197,7 @@ def test_a_failed_write_behind_keeps_its_rows_is_written_again_and_raises_while_
     raises a clear error, naming the file, while that fails too; once it succeeds, nothing was lost."""
     import errno
 
-    from hybridembed.storage import tiered as T
+    from hybridembed.storage import tiered_file as T
 
     if T._io() is None:
         pytest.skip("Numba does not import here")
@@ -230,7 +230,7 @@ def test_a_failed_write_behind_keeps_its_rows_is_written_again_and_raises_while_
 _FORKED_BEHIND = r"""
 import os, signal, sys, threading, types, torch
 from pathlib import Path
-from hybridembed.storage import tiered as T
+from hybridembed.storage import tiered_file as T
 io, gate = T._io(), threading.Event()
 T._io = lambda: types.SimpleNamespace(pread_runs=io.pread_runs, pwrite_runs=lambda *a: gate.wait(30) and io.pwrite_runs(*a))
 f = T._File(Path(sys.argv[1]), 64, 5, torch.float32)
@@ -250,7 +250,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_a_forked_child_writes_a_write_behind_it_inherited_itself(tmp_path):
     """A process forked while a write is in flight has no writer thread to wait for: its read of
     those rows writes them itself (it would wait forever otherwise)."""
-    from hybridembed.storage import tiered as T
+    from hybridembed.storage import tiered_file as T
 
     if T._io() is None:
         pytest.skip("Numba does not import here")

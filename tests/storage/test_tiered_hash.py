@@ -15,7 +15,7 @@ import torch
 import hybridembed as he
 from hybridembed.optim import sparse as so
 from hybridembed.storage import records, tiered_hash
-from hybridembed.storage.tiered import _File
+from hybridembed.storage.tiered_file import _File
 from hybridembed.storage.tiered_hash import TieredHashStorage
 
 OPTIMIZERS = {
@@ -488,7 +488,7 @@ def test_spills_written_behind_slowly_train_as_the_table_in_memory(tmp_path, mon
     """Each spill's write made 30 ms slower in the writer thread: the lookups, compactions and
     whole-table reads that follow meet writes in flight and wait for them, and the table trains as
     in memory."""
-    from hybridembed.storage import tiered as T
+    from hybridembed.storage import tiered_file as T
 
     from .writes import slow_writes
 

@@ -1,5 +1,5 @@
 """Numba loops over a tiered table's file: one ``pread`` / ``pwrite`` per run of consecutive rows
-(imported only when Numba is; :class:`hybridembed.storage.tiered._File` falls back to a Python
+(imported only when Numba is; :class:`hybridembed.storage.tiered_file._File` falls back to a Python
 loop of ``os.preadv`` / ``os.pwritev`` otherwise, and for the error of a failed call).
 
 A dynamic tiered table reads back thousands of scattered rows a step, one call each: measured

@@ -48,7 +48,8 @@ from .mapped import grown, lock_dir, mapped
 from .pairs import sort_pairs
 from .protocol import LookupPlan, _nothing
 from .records import Homes
-from .tiered import _File, _Prefetch, add_prefetch
+from .tiered import _Prefetch, add_prefetch
+from .tiered_file import _File
 
 __all__ = ["TieredHashStorage"]
 

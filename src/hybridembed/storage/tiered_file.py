@@ -1,0 +1,295 @@
+"""A tiered table's file (:class:`_File`): a (rows, width) matrix on local disk, read and written a
+run of consecutive rows per system call (Numba's loop of ``pread`` / ``pwrite``, else Python's), the
+writes of evicted rows made by one writer thread behind the step (:meth:`_File.write_behind`), reads
+of many rows far apart cut into slices read at once. Used by :mod:`hybridembed.storage.tiered`
+(dense tables: a file of rows and one per optimizer state) and
+:mod:`hybridembed.storage.tiered_hash` (dynamic tables: one file of records).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, HybridEmbedError
+
+_CALL_BYTES = 1 << 30  # the most one preadv / pwritev call moves
+# a read of many runs far apart (beyond the kernel's read-ahead: a table larger than memory) is
+# cut into this many slices read at once, the disk's queue kept full. On this project's machine
+# (a cold 1 GiB file, 264-byte records): 8,000 / 5,000 records 340-357 / 229-253 ms by one thread,
+# 151-167 / 94-122 ms by 8. Records close together (31,000 there) are read by one thread: its
+# read-ahead streams the file (370-430 ms), which 8 threads reading apart defeat (590-1,030 ms).
+_READERS = 8
+_PARALLEL_RUNS = 256  # runs from which a read may be cut into slices
+_SPARSE_GAP = 64 << 10  # mean bytes between runs from which it is
+# such reads (records far apart: no neighbour is read again soon) leave no page in the page cache
+# (``preadv2``'s RWF_DONTCACHE, Linux 6.14+: elsewhere refused and read as usual): in a process whose
+# memory is capped, the pages they would fill evict the records index's instead
+_DONTCACHE = 0x80
+# writes a file has in flight at once (write_behind: a step's evictions, written while the step goes on;
+# 0: none, each written at once)
+_BEHIND = 1
+
+
+class _File:
+    """One (rows, width) matrix of ``dtype`` in a file, read and written a run of consecutive rows
+    per system call (``os.preadv`` / ``os.pwritev``; measured against a ``numpy.memmap``: 5,000
+    scattered rows of 256 bytes written into a 40 GiB file in 29 ms, against 151 ms through the
+    mapping's page faults, and no file page ever counts against the process's memory)."""
+
+    def __init__(self, path: Path, rows: int, width: int, dtype: torch.dtype):
+        self.item = torch.empty((), dtype=dtype).element_size()
+        self.width, self.dtype, self.path = width, dtype, path
+        self.row_bytes = width * self.item
+        size = rows * self.row_bytes
+        try:
+            with open(path, "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, max(size, 1))  # (reserved now: a full disk fails here)
+            self.fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise ConfigError(
+                f"tiered table file {path}: cannot reserve {size / 2**20:,.1f} MiB ({e.strerror}); give "
+                "Tiered(path=...) a writable directory on a disk with room for the table and its optimizer state"
+            ) from None
+        self._closer = weakref.finalize(self, os.close, self.fd)
+        self.uncached = _DONTCACHE if _reads_uncached(self.fd) else 0  # (preadv2's flag for reads far apart)
+        self._behind: list[_Behind] = []  # writes handed to the writer thread, oldest first (write_behind)
+        self._behind_lock = threading.Lock()
+        self._retry_lock = threading.Lock()
+
+    def reserve(self, rows: int) -> None:
+        """Room on disk for ``rows`` rows (the file grows; a full disk raises here, before a write)."""
+        try:
+            os.posix_fallocate(self.fd, 0, max(rows * self.row_bytes, 1))
+        except OSError as e:
+            raise HybridEmbedError(
+                f"tiered table file {self.path}: cannot grow to {rows * self.row_bytes / 2**20:,.1f} MiB "
+                f"({e.strerror}); nothing was changed: free room on that disk"
+            ) from None
+
+    def __reduce__(self):  # (and deepcopy: two tables must not share one file and its descriptor)
+        raise HybridEmbedError(
+            f"a tiered table's file ({self.path}) cannot be copied or pickled: save a checkpoint (he.save) "
+            "and load it into a new model"
+        )
+
+    def _runs(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, np.ndarray, np.ndarray, np.ndarray]:
+        """``rows`` (K,) -> (their order ascending (None: ascending already), then per run of
+        consecutive rows in that order: its first byte and end byte in the sorted rows' buffer, its
+        byte offset in the file), each run at most :data:`_CALL_BYTES` (Linux moves at most 2 GiB
+        per call)."""
+        ascending = rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
+        order = None if ascending else torch.argsort(rows)  # (None: in order already, as a spill's places)
+        r = (rows if order is None else rows.index_select(0, order)).numpy()
+        if r.size == 0:
+            return order, *(np.zeros(0, dtype=np.int64),) * 3
+        cut = np.flatnonzero(np.diff(r) != 1) + 1
+        starts, ends = np.r_[0, cut], np.r_[cut, r.size]
+        most = max(1, _CALL_BYTES // max(self.row_bytes, 1))
+        if int((ends - starts).max()) > most:  # (rare: a run cut into calls of at most `most` rows)
+            lo = np.concatenate([np.arange(a, b, most) for a, b in zip(starts.tolist(), ends.tolist())])
+            starts, ends = lo, np.minimum(np.r_[lo[1:], r.size], lo + most)
+        rb = self.row_bytes
+        return order, starts * rb, ends * rb, r[starts] * rb
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (K,) -> (K, width) (after the writes in flight to any of them)."""
+        if self._behind:
+            self.settle_writes(rows)
+        order, starts, ends, offsets = self._runs(rows)
+        io = _io()
+        buf = torch.empty(rows.numel() * self.row_bytes, dtype=torch.uint8)
+        first = _pread_runs(io, self.fd, buf.numpy(), starts, ends, offsets, self.uncached) if io else 0
+        if first >= 0:  # (no Numba, or a run failed: Python's calls from there, which raise the error)
+            view = memoryview(buf.numpy())
+            for a, b, at in zip(starts[first:].tolist(), ends[first:].tolist(), offsets[first:].tolist()):
+                if os.preadv(self.fd, [view[a:b]], at) != b - a:
+                    raise HybridEmbedError(f"tiered table file {self.path}: a short read (the file was truncated?)")
+        if order is not None:  # (back into the order asked for, a row as its widest words)
+            out = torch.empty_like(buf)
+            _words(out, self.row_bytes).index_copy_(0, order, _words(buf, self.row_bytes))
+            buf = out
+        return buf.view(self.dtype).view(-1, self.width)
+
+    def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
+        """``data`` (K, width) into rows ``rows`` (K,) distinct (after every write in flight)."""
+        if self._behind:
+            self.settle_writes()
+        self._write_now(rows, data)
+
+    def write_behind(self, rows: torch.Tensor, data: torch.Tensor) -> None:
+        """:meth:`write` by the writer thread while the caller goes on (the copy into the kernel's
+        page cache: ~1 ms a MiB here, 2-4 ms of a dynamic tiered step's spill; the thread runs only
+        the Numba loop, which holds no GIL: without Numba this writes now). ``data`` is kept, not
+        copied, until written: the caller hands it over. A read of any of these rows waits for the
+        write, a :meth:`write` for every write in flight, and a write beyond :data:`_BEHIND` in
+        flight for the oldest. A failed write keeps its rows here and is tried again by the next
+        :meth:`settle_writes` that needs it, which raises if it fails again: nothing is lost."""
+        io = _io()
+        if io is None or _BEHIND <= 0:
+            self.write(rows, data)
+            return
+        self.make_room()
+        w = _Behind(rows, self._prepared(rows, data))
+        with self._behind_lock:
+            self._behind.append(w)
+        # (through self: this file, and its descriptor, outlive the write)
+        w.done = _writer().submit(lambda: io.pwrite_runs(self.fd, *w.runs))
+
+    def settle_writes(self, rows: torch.Tensor | None = None, keep: int = 0) -> None:
+        """Wait for the writes in flight to any of ``rows`` (None: all but the newest ``keep``); a
+        failed one is written again here from where it failed, and raises if it fails again (its
+        rows kept for the next try)."""
+        with self._behind_lock:
+            waiting = list(self._behind)
+        if rows is None:
+            waiting = waiting[: max(0, len(waiting) - keep)]
+        else:
+            waiting = [w for w in waiting if w.overlaps(rows)]
+        for w in waiting:
+            with self._retry_lock:  # (the prefetch thread may need it too: one try at a time)
+                if w.first is None:  # (a forked child never sees its parent's writer finish: it writes it all)
+                    w.first = w.done.result() if w.pid == os.getpid() else 0
+                if w.first >= 0:
+                    try:
+                        self._write_runs(*w.runs, w.first)
+                    except OSError as e:
+                        raise HybridEmbedError(
+                            f"tiered table file {self.path}: writing {w.rows.numel():,} rows failed ({e.strerror}); "
+                            "they are kept in memory and written again at the next step: check that disk"
+                        ) from None
+                    w.first = -1
+            with self._behind_lock:
+                if w in self._behind:
+                    self._behind.remove(w)
+
+    def make_room(self) -> None:
+        """Wait until one more write may go in flight (:data:`_BEHIND`); an earlier failed write is
+        written again here, and raises if it fails again. A step calls it before it changes anything."""
+        self.settle_writes(keep=max(0, _BEHIND - 1))
+
+    def _prepared(self, rows: torch.Tensor, data: torch.Tensor) -> tuple[np.ndarray, ...]:
+        """(``data``'s bytes in the order of ``rows`` ascending, then :meth:`_runs`' bytes and offsets)."""
+        order, starts, ends, offsets = self._runs(rows)
+        flat = data.contiguous().view(torch.uint8).view(-1)
+        if order is not None:  # (in the order of the rows, a row as its widest words)
+            flat = _words(flat, self.row_bytes).index_select(0, order).view(torch.uint8).view(-1)
+        return flat.numpy(), starts, ends, offsets
+
+    def _write_now(self, rows: torch.Tensor, data: torch.Tensor) -> None:
+        runs = self._prepared(rows, data)
+        io = _io()
+        first = io.pwrite_runs(self.fd, *runs) if io else 0
+        if first >= 0:
+            self._write_runs(*runs, first)
+
+    def _write_runs(self, flat, starts, ends, offsets, first: int) -> None:
+        """Runs ``first`` on by Python's calls (no Numba, or a run failed: they raise the error)."""
+        buf = memoryview(flat)
+        for a, b, at in zip(starts[first:].tolist(), ends[first:].tolist(), offsets[first:].tolist()):
+            view = buf[a:b]
+            while len(view):  # (a write may move fewer bytes than asked)
+                n = os.pwritev(self.fd, [view], at)
+                view, at = view[n:], at + n
+
+
+def _words(flat: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """A flat uint8 buffer of rows of ``row_bytes`` as (rows, words) of the widest integer that divides
+    a row: a reorder of rows moves words, not bytes (3,800 records of 260 bytes: 0.80 ms as uint8,
+    0.11 ms as int32 words, measured)."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        if row_bytes % dt.itemsize == 0 and flat.data_ptr() % dt.itemsize == 0:
+            return flat.view(dt).view(-1, row_bytes // dt.itemsize)
+    return flat.view(-1, row_bytes)
+
+
+class _Behind:
+    """A write in flight (:meth:`_File.write_behind`): its rows (K,), their bytes and runs (as
+    :meth:`_File._prepared` gives them), the writer's future and, once waited for, the first run
+    that failed (-1: none; None: not waited for yet)."""
+
+    def __init__(self, rows: torch.Tensor, runs: tuple):
+        self.rows, self.runs, self.first, self.done, self.pid = rows, runs, None, None, os.getpid()
+        self.lo, self.hi = (int(rows.min()), int(rows.max())) if rows.numel() else (0, -1)
+
+    def overlaps(self, rows: torch.Tensor) -> bool:
+        """Whether any of ``rows`` is one of these (a spill's rows are one run: a range test alone)."""
+        inside = rows[(rows >= self.lo) & (rows <= self.hi)]
+        if inside.numel() == 0:
+            return False
+        return self.hi - self.lo + 1 == self.rows.numel() or bool(torch.isin(inside, self.rows).any())
+
+
+_readers: ThreadPoolExecutor | None = None
+_readers_lock = threading.Lock()
+_writers: ThreadPoolExecutor | None = None
+
+
+def _forget_readers() -> None:  # (a forked child has none of its parent's threads)
+    global _readers, _writers
+    _readers = _writers = None
+
+
+def _writer() -> ThreadPoolExecutor:
+    """The thread that writes every tiered file's rows behind the steps (one: the disk is one queue)."""
+    global _writers
+    with _readers_lock:
+        if _writers is None:
+            _writers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridembed-write")
+        return _writers
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_readers)
+
+
+def _reads_uncached(fd: int) -> bool:
+    """Whether ``fd``'s reads can leave the page cache as it was (``preadv2``'s RWF_DONTCACHE)."""
+    try:
+        os.preadv(fd, [bytearray(1)], 0, _DONTCACHE)
+        return True
+    except (OSError, AttributeError, TypeError):  # (an older kernel, another file system or OS)
+        return False
+
+
+def _pread_runs(
+    io, fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, uncached: int = 0
+) -> int:
+    """``io.pread_runs`` over all runs (ascending offsets), in :data:`_READERS` slices read at once
+    where there are many far apart (the loop releases the GIL; with ``uncached``, preadv2's flag,
+    leaving no page in the page cache): the first run that failed, or -1."""
+    n = starts.size
+    if n < _PARALLEL_RUNS or int(offsets[-1] - offsets[0]) < _SPARSE_GAP * n:
+        return io.pread_runs(fd, buf, starts, ends, offsets)
+    global _readers
+    with _readers_lock:
+        if _readers is None:
+            _readers = ThreadPoolExecutor(max_workers=_READERS - 1, thread_name_prefix="hybridembed-read")
+        pool = _readers
+    cuts = np.linspace(0, n, _READERS + 1).astype(np.int64)
+    part = [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+    futures = [pool.submit(io.pread_runs, fd, buf, starts[a:b], ends[a:b], offsets[a:b], uncached) for a, b in part[1:]]
+    a, b = part[0]
+    failed = [a + r if (r := io.pread_runs(fd, buf, starts[a:b], ends[a:b], offsets[a:b], uncached)) >= 0 else n]
+    failed += [a + r if (r := f.result()) >= 0 else n for (a, _), f in zip(part[1:], futures)]
+    first = min(failed)
+    return -1 if first == n else first
+
+
+@functools.cache
+def _io():
+    """The Numba loops of :mod:`hybridembed.kernels._numba_io`, or None (no Numba: Python's loop)."""
+    from ..kernels import cpu_fused
+
+    if not cpu_fused.available():
+        return None
+    from ..kernels import _numba_io
+
+    return _numba_io
