@@ -18,7 +18,9 @@ same tables in memory, and the memory of a table larger than the cache.
 (``powerlaw_ids``, alpha 1.05; each table its own stream), batch ``--batch``, row-wise Adagrad,
 the fused CPU step. The tiered collection's cache holds ``--cache-frac`` of the rows. Both
 collections train in one process, interleaved step by step, on the same batches; medians. The
-first ``--warmup`` steps fill the cache and are not timed (the table in memory gets the same).
+steps until the cache has been full (evicting) for ``--warmup`` steps are not timed (the table in
+memory gets the same): a cache still filling evicts and writes nothing, and steps then cost far
+less than the steady state training spends its time in.
 
 **dynamic**: as speed, with dynamic tables (``he.Dynamic()``: ids made on first sight; the ids
 are the power-law ids spread over int64), in memory unbounded against tiered (rows beyond the
@@ -29,7 +31,7 @@ prefetch thread would read during the other's step).
 
 **behind**: as dynamic, the tiered tables alone: steps whose spills the writer thread writes
 while the step goes on (the default) against steps that write them in the step
-(``tiered._BEHIND = 0``), alternated in blocks of 5 steps in one process (``--threads``: torch's
+(``tiered_file._BEHIND = 0``), alternated in blocks of 5 steps in one process (``--threads``: torch's
 intra-op threads, which the step's own passes use; the writer needs a core they leave free).
 
 **prefetch** / **dynamic-prefetch**: ``--prefetch-rows`` rows of ``--tables`` tables (dense, or
@@ -90,6 +92,8 @@ def _collection(tables: int, rows: int, dim: int, tiered: he.Tiered | None, seed
 
 
 _SPREAD = -7046029254386353131  # (odd: ids * it spread over int64, as a dynamic table's raw ids)
+_COUNTED = ("lookups", "hits", "misses", "disk_reads", "disk_writes", "evictions", "read_back", "spilled")
+_MAX_WARMUP = 2000  # speed: untimed steps at most, waiting for the cache to fill
 BLOCK = 5  # prefetch: timed steps per block (the modes alternate block by block)
 
 
@@ -112,7 +116,7 @@ def alternate(ec, opt, st, batch, steps: int, ahead: int, cold: bool) -> dict:
     thread's read time a step (``_File.read``), and the share of that read time the prefetch hid."""
     import threading
 
-    from hybridembed.storage import tiered as tiered_mod
+    from hybridembed.storage import tiered_file as tiered_mod
 
     read_s = [0.0]
     real = tiered_mod._File.read
@@ -158,19 +162,35 @@ def alternate(ec, opt, st, batch, steps: int, ahead: int, cold: bool) -> dict:
 
 def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
     g = torch.Generator().manual_seed(0)
-    steps = args.warmup + args.steps
     spread = _SPREAD if dynamic else 1
-    batches = [
-        {f"t{i}": powerlaw_ids(args.batch, args.rows, generator=g) * spread for i in range(args.tables)}
-        for _ in range(steps)
-    ]
+
+    def batch() -> dict:
+        return {f"t{i}": powerlaw_ids(args.batch, args.rows, generator=g) * spread for i in range(args.tables)}
+
     cache = int(args.cache_frac * args.rows * args.tables)
     contenders = {
         "memory": _collection(args.tables, args.rows, args.dim, None, dynamic=dynamic),
         "tiered": _collection(args.tables, args.rows, args.dim, he.Tiered(where, cache_rows=cache), dynamic=dynamic),
     }
     ahead = dynamic and args.with_prefetch  # (the tiered one calls ec.prefetch(next batch) after each backward)
+    st = contenders["tiered"][0].storage_of("t0")
+    evicted = (lambda: st.stats()["spilled"]) if dynamic else (lambda: st.stats()["evictions"])
+    # untimed: until the cache has been full (evicting) for --warmup steps (a cache filling evicts
+    # nothing: a step then costs far less than in the steady state that training spends its time in)
+    batches, full, before = [], 0, 0
+    while full < args.warmup and len(batches) < _MAX_WARMUP:
+        batches.append(batch())
+        for ec, opt in contenders.values():
+            _step(ec, opt, batches[-1], None)
+        full, before = full + (evicted() > before), evicted()
+    if full < args.warmup:
+        print(
+            f"note: the cache of {cache:,} rows never filled in {_MAX_WARMUP} steps: the steps timed are a filling cache's"
+        )
+    warm = len(batches)
+    batches += [batch() for _ in range(args.steps + 1)]
     times: dict[str, list[float]] = {k: [] for k in contenders}
+    st0 = st.stats()
     # interleaved step by step; with a prefetch, one contender after the other (its thread would
     # otherwise read during the other contender's step, slowing it: measured 19 -> 35 ms)
     order = (
@@ -179,6 +199,8 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
         else [(s, name) for s in range(len(batches)) for name in contenders]
     )
     for s, name in order:
+        if s < warm or s == len(batches) - 1:  # (the last batch: the prefetch's of the step before)
+            continue
         b, (ec, opt) = batches[s], contenders[name]
         t0 = time.perf_counter()
         out = ec(b)
@@ -187,9 +209,8 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
         if ahead and name == "tiered" and s + 1 < len(batches):
             ec.prefetch(batches[s + 1])
         opt.step()
-        if s >= args.warmup:
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    st = contenders["tiered"][0].storage_of("t0").stats()
+        times[name].append((time.perf_counter() - t0) * 1e3)
+    st = {k: v - st0[k] if k in _COUNTED else v for k, v in st.stats().items()}  # (the timed steps')
     res = {k: statistics.median(v) for k, v in times.items()}
     rows_of = (lambda ec, n: ec.dynamic_rows(n)[1]) if dynamic else (lambda ec, n: ec.weight(n))
     same = all(
@@ -198,7 +219,9 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
     )
     if dynamic:  # (the rows the tables hold: in memory all; tiered, the cache's and those spilled to disk)
         st["disk_reads"], st["disk_writes"] = st["read_back"], st["spilled"]
-        st["hit_rate"] = 1 - st["read_back"] / max(1, st["lookups"])
+    else:
+        st["lookups"] = st["hits"] + st["misses"]  # (distinct rows of each lookup)
+    st["hit_rate"] = 1 - (st["read_back"] if dynamic else st["misses"]) / max(1, st["lookups"])
     return {
         "memory_ms": res["memory"],
         "tiered_ms": res["tiered"],
@@ -208,6 +231,7 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
         "hit_rate": st["hit_rate"],
         "disk_reads": st["disk_reads"],
         "disk_writes": st["disk_writes"],
+        "warmup_steps": warm,
         "equal_to_memory": same,
         **({"table_rows": st["rows"], "disk_rows": st["disk_rows"]} if dynamic else {}),
         "prefetch": bool(ahead),
@@ -217,8 +241,8 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
 def behind(args: argparse.Namespace, where: str) -> dict:
     """Dynamic tiered tables (as ``--part dynamic``): steps whose spills are written behind them by
     the writer thread (``_File.write_behind``, the default) and written in the step
-    (``tiered._BEHIND = 0``), alternated in blocks of :data:`BLOCK` steps in one process; medians."""
-    from hybridembed.storage import tiered as tiered_mod
+    (``tiered_file._BEHIND = 0``), alternated in blocks of :data:`BLOCK` steps in one process; medians."""
+    from hybridembed.storage import tiered_file as tiered_mod
 
     g = torch.Generator().manual_seed(0)
     cache = int(args.cache_frac * args.rows * args.tables)
@@ -286,8 +310,8 @@ if pre:  # steps without and with ec.prefetch alternated: the table is larger th
     sys.path.insert(0, here)
     from bench_tiered import alternate
     prefetched = alternate(ec, opt, ec.storage_of("big"), lambda: {"big": powerlaw_ids(batch, rows, generator=g)}, pre, ahead, cold=False)
-if behind:  # steps whose evictions are written behind them and in them (tiered._BEHIND 1 / 0), blocks of 10 alternated
-    from hybridembed.storage import tiered as T
+if behind:  # steps whose evictions are written behind them and in them (tiered_file._BEHIND 1 / 0), blocks of 10 alternated
+    from hybridembed.storage import tiered_file as T
     spent = {1: [], 0: []}
     for b in range(2 * max(1, behind // 10)):
         T._BEHIND = (1, 0)[b % 2]
@@ -505,10 +529,10 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
 
 def reads(args: argparse.Namespace, where: str) -> list[dict]:
     """A tiered file's scattered reads alone (``_File.read``), from a cold page cache: one thread
-    against :data:`~hybridembed.storage.tiered._READERS` threads each reading a slice, for reads of
+    against :data:`~hybridembed.storage.tiered_file._READERS` threads each reading a slice, for reads of
     ``--reads-counts`` records of a ``--reads-rows`` x 264-byte file (a 64-float row and its
     row-wise state), alternated ``--rounds`` times; medians."""
-    from hybridembed.storage import tiered as tiered_mod
+    from hybridembed.storage import tiered_file as tiered_mod
 
     os.makedirs(where, exist_ok=True)
     rows, width = args.reads_rows, 264
@@ -618,9 +642,10 @@ def main(argv: list[str] | None = None) -> dict:
             r = result["speed"] = speed(args, f"{root}/speed")
             print(
                 f"speed: {args.tables} x {args.rows:,} x {args.dim}, cache {r['cache_rows']:,} rows "
-                f"({args.cache_frac:.0%}), batch {args.batch}: in memory {r['memory_ms']:.1f} ms, tiered "
-                f"{r['tiered_ms']:.1f} ms ({r['ratio']:.2f}x; target <= 2x); hit rate {r['hit_rate']:.3f}, "
-                f"equal to the table in memory: {r['equal_to_memory']}",
+                f"({args.cache_frac:.0%}), batch {args.batch}, timed after {r['warmup_steps']} steps (the cache full): "
+                f"in memory {r['memory_ms']:.1f} ms, tiered {r['tiered_ms']:.1f} ms ({r['ratio']:.2f}x; target <= 2x); "
+                f"hit rate {r['hit_rate']:.3f}, rows read {r['disk_reads'] / args.steps:,.0f} and written "
+                f"{r['disk_writes'] / args.steps:,.0f} a step; equal to the table in memory: {r['equal_to_memory']}",
                 flush=True,
             )
         if args.part == "dynamic" or args.quick:
@@ -629,7 +654,9 @@ def main(argv: list[str] | None = None) -> dict:
                 f"dynamic: {args.tables} dynamic tables, power-law ids over {args.rows:,} ids each spread over int64, "
                 f"{r['table_rows']:,} rows made; cache {r['cache_rows']:,} rows ({r['disk_rows']:,} on disk), batch "
                 f"{args.batch}: in memory {r['memory_ms']:.1f} ms, tiered {r['tiered_ms']:.1f} ms ({r['ratio']:.2f}x; "
-                f"target <= 2x){'; with ec.prefetch(next batch)' if r['prefetch'] else ''}; rows read back {r['disk_reads']:,}, spilled {r['disk_writes']:,}; equal to the tables in memory: "
+                f"target <= 2x){'; with ec.prefetch(next batch)' if r['prefetch'] else ''}; timed after "
+                f"{r['warmup_steps']} steps, rows read back {r['disk_reads'] / args.steps:,.0f} and spilled "
+                f"{r['disk_writes'] / args.steps:,.0f} a step; equal to the tables in memory: "
                 f"{r['equal_to_memory']}",
                 flush=True,
             )
