@@ -17,7 +17,7 @@ same tables in memory, and the memory of a table larger than the cache.
 **speed**: ``--tables`` tables of ``--rows`` rows x ``--dim`` (one group), one-hot power-law ids
 (``powerlaw_ids``, alpha 1.05; each table its own stream), batch ``--batch``, row-wise Adagrad,
 the fused CPU step. The tiered collection's cache holds ``--cache-frac`` of the rows. Both
-collections train in one process, interleaved step by step, on the same batches; medians. The
+collections train in one process on the same batches, in blocks of 10 steps alternated; medians. The
 steps until the cache has been full (evicting) for ``--warmup`` steps are not timed (the table in
 memory gets the same): a cache still filling evicts and writes nothing, and steps then cost far
 less than the steady state training spends its time in.
@@ -26,8 +26,8 @@ less than the steady state training spends its time in.
 are the power-law ids spread over int64), in memory unbounded against tiered (rows beyond the
 cache spilled to disk, :mod:`hybridembed.storage.tiered_hash`); the cache holds ``--cache-frac``
 of ``--tables`` x ``--rows``; ``--with-prefetch``: the tiered collection calls ``ec.prefetch(next
-batch)`` after each backward, and the contenders run one after the other, not interleaved (the
-prefetch thread would read during the other's step).
+batch)`` after each backward (in the same blocks: a block's last prefetch reads while the other
+contender's block begins).
 
 **behind**: as dynamic, the tiered tables alone: steps whose spills the writer thread writes
 while the step goes on (the default) against steps that write them in the step
@@ -94,6 +94,7 @@ def _collection(tables: int, rows: int, dim: int, tiered: he.Tiered | None, seed
 _SPREAD = -7046029254386353131  # (odd: ids * it spread over int64, as a dynamic table's raw ids)
 _COUNTED = ("lookups", "hits", "misses", "disk_reads", "disk_writes", "evictions", "read_back", "spilled")
 _MAX_WARMUP = 2000  # speed: untimed steps at most, waiting for the cache to fill
+SPEED_BLOCK = 10  # speed: steps a contender runs before the other's turn
 BLOCK = 5  # prefetch: timed steps per block (the modes alternate block by block)
 
 
@@ -191,22 +192,22 @@ def speed(args: argparse.Namespace, where: str, dynamic: bool = False) -> dict:
     batches += [batch() for _ in range(args.steps + 1)]
     times: dict[str, list[float]] = {k: [] for k in contenders}
     st0 = st.stats()
-    # interleaved step by step; with a prefetch, one contender after the other (its thread would
-    # otherwise read during the other contender's step, slowing it: measured 19 -> 35 ms)
-    order = (
-        [(s, name) for name in contenders for s in range(len(batches))]
-        if ahead
-        else [(s, name) for s in range(len(batches)) for name in contenders]
-    )
+    # in blocks of SPEED_BLOCK steps, the contenders alternating block by block (first one, then the
+    # other): stepped one after the other, the tiered table's writes behind its step (and the
+    # kernel's write-back, or a prefetch thread's reads) ran into the table in memory's step and
+    # slowed it (measured 5 -> 10-27 ms: a ratio flattered)
+    order = []
+    for lo in range(warm, len(batches) - 1, SPEED_BLOCK):
+        block = range(lo, min(lo + SPEED_BLOCK, len(batches) - 1))  # (the last batch: the prefetch's)
+        names = list(contenders) if (lo - warm) // SPEED_BLOCK % 2 == 0 else list(contenders)[::-1]
+        order += [(s, name) for name in names for s in block]
     for s, name in order:
-        if s < warm or s == len(batches) - 1:  # (the last batch: the prefetch's of the step before)
-            continue
         b, (ec, opt) = batches[s], contenders[name]
         t0 = time.perf_counter()
         out = ec(b)
         opt.zero_grad()
         torch.autograd.backward(list(out.values()), [torch.ones_like(v) for v in out.values()])
-        if ahead and name == "tiered" and s + 1 < len(batches):
+        if ahead and name == "tiered":
             ec.prefetch(batches[s + 1])
         opt.step()
         times[name].append((time.perf_counter() - t0) * 1e3)
