@@ -139,6 +139,13 @@ class Tiered:
             group has a cache of its own); a batch's distinct rows (and those looked up in training
             since the last optimizer step) must fit. Two live models must not share a ``path``
             (refused: the files are locked).
+        mapped: a dense table's files also mapped into memory, rows copied from and into the
+            mapping instead of a system call a row (several times faster while the files stay in
+            the page cache; their pages then count in the process's resident memory, as file
+            pages the kernel reclaims). None (the default): mapped when the group's row file is at
+            most an eighth of the memory this process may use (the machine's, or its cgroup's
+            limit), read and written by system calls beyond (a table larger than memory, whose
+            rows the disk serves). Dynamic tables' files grow, and are never mapped.
 
     >>> import hybridembed as he
     >>> t = he.TableConfig("item", 10_000_000, 64, tiered=he.Tiered("tiers/item", cache_rows=1_000_000))
@@ -146,12 +153,17 @@ class Tiered:
 
     path: str
     cache_rows: int
+    mapped: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
             raise ConfigError(f"Tiered: path must be a directory path, got {self.path!r}")
         if isinstance(self.cache_rows, bool) or not isinstance(self.cache_rows, int) or self.cache_rows <= 0:
             raise ConfigError(f"Tiered: cache_rows must be a positive int, got {self.cache_rows!r}")
+        if self.mapped is not None and not isinstance(self.mapped, bool):
+            raise ConfigError(
+                f"Tiered: mapped must be True, False or None (chosen by the table's size), got {self.mapped!r}"
+            )
         object.__setattr__(self, "path", str(self.path))
 
 

@@ -68,16 +68,21 @@ def _same(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("kernels", ["auto", "eager"])
+@pytest.mark.parametrize(("kernels", "mapped"), [("auto", None), ("eager", None), ("auto", False)])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_tiered_table_trains_as_the_table_in_memory(tmp_path, name, kernels):
+def test_a_tiered_table_trains_as_the_table_in_memory(tmp_path, name, kernels, mapped):
+    """Files mapped (None: these small tables' are) or read and written by system calls."""
     opt = OPTIMIZERS[name]
     ref = he.EmbeddingCollection(_tables(None, opt), seed=3, kernels=kernels)
     _train(ref)
-    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60), opt), seed=3, kernels=kernels)
+    ec = he.EmbeddingCollection(
+        _tables(he.Tiered(tmp_path, cache_rows=60, mapped=mapped), opt), seed=3, kernels=kernels
+    )
     _train(ec)
     st = ec.storage_of("a")
     assert isinstance(st, TieredStorage) and st.weight.shape[0] == 60
+    files = [st._rows_file, *st._state_files.values()]
+    assert all((f.map is not None) == (mapped is None) for f in files) and len(files) == 1 + len(st.state)
     stats = st.stats()
     assert stats["evictions"] > 200 and stats["disk_reads"] > 100 and 0 < stats["hit_rate"] < 1, stats
     _same(_state(ec), _state(ref))
@@ -156,6 +161,8 @@ def test_bad_directories_and_a_full_disk_are_clear_errors(tmp_path, monkeypatch)
 def test_refusals():
     with pytest.raises(he.ConfigError, match="cache_rows must be a positive int"):
         he.Tiered("x", cache_rows=0)
+    with pytest.raises(he.ConfigError, match="mapped must be True, False or None"):
+        he.Tiered("x", cache_rows=5, mapped="yes")
     with pytest.raises(he.ConfigError, match="tiered must be a he.Tiered"):
         he.TableConfig("a", 10, 4, tiered="tiers")
     with pytest.raises(he.ConfigError, match="keeps every row it admits"):  # (tests/storage/test_tiered_hash.py)
@@ -252,7 +259,7 @@ def test_runs_longer_than_one_call_are_split(tmp_path, monkeypatch):
 
     monkeypatch.setattr(T, "_CALL_BYTES", 3 * 8 * 4)  # (three rows of 8 float32 per call)
     ref = he.EmbeddingCollection(_tables(None), seed=6)
-    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60)), seed=6)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60, mapped=False)), seed=6)
     for m in (ref, ec):
         _train(m, steps=10)
     _same(_state(ec), _state(ref))
@@ -401,9 +408,9 @@ def test_convert_puts_dense_layers_on_disk_and_they_train_as_in_memory(tmp_path)
         )
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize(("ahead", "mapped"), [(1, None), (2, None), (1, False), (2, False)])
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])
-def test_prefetched_rows_train_as_the_table_in_memory(tmp_path, name, ahead):
+def test_prefetched_rows_train_as_the_table_in_memory(tmp_path, name, ahead, mapped):
     """ec.prefetch(a later batch) reads its rows on disk in a background thread; the lookup takes
     them from memory. Two batches ahead (two prefetches held), some prefetched rows are loaded,
     changed and written back before their batch comes: they are read again (equal to the table in
@@ -413,7 +420,7 @@ def test_prefetched_rows_train_as_the_table_in_memory(tmp_path, name, ahead):
     batches = [_batch(g) for _ in range(30)]
     runs = {}
     for kind in ("memory", "tiered"):
-        tiered = he.Tiered(tmp_path / kind, cache_rows=60) if kind == "tiered" else None
+        tiered = he.Tiered(tmp_path / kind, cache_rows=60, mapped=mapped) if kind == "tiered" else None
         ec = he.EmbeddingCollection(_tables(tiered, opt_cfg), seed=3)
         opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
         for i, b in enumerate(batches):
@@ -741,8 +748,62 @@ def test_evictions_written_behind_slowly_train_as_the_table_in_memory(tmp_path, 
     opt = OPTIMIZERS["adam"]
     ref = he.EmbeddingCollection(_tables(None, opt), seed=3)
     _train(ref, steps=15)
-    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60), opt), seed=3)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60, mapped=False), opt), seed=3)
     _train(ec, steps=15)
     stats = ec.storage_of("a").stats()
     assert stats["disk_reads"] > 50 and seen["writes"] > 10 and seen["waits"] > 0, (stats, seen)
     _same(_state(ec), _state(ref))
+
+
+def test_files_are_mapped_where_the_rows_take_an_eighth_of_the_memory_and_a_truncated_one_is_a_clear_error(
+    tmp_path, monkeypatch
+):
+    """Tiered(mapped=None) maps a group's files where its rows take at most 1/8 of the memory this
+    process may use (its cgroup's limit where lower); a mapped file cut short under the table
+    raises at its next read or write (not SIGBUS), and the table's rows are as they were."""
+    from hybridembed.storage import tiered as tiered_mod
+
+    rows_bytes = (300 + 200) * 8 * 4  # (the two tables of _tables: 500 rows x 8 float32)
+    monkeypatch.setattr(tiered_mod, "memory_limit", lambda: 8 * rows_bytes - 1)
+    small = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=60)), seed=1)
+    assert small.storage_of("a")._rows_file.map is None
+    monkeypatch.setattr(tiered_mod, "memory_limit", lambda: 8 * rows_bytes)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "b", cache_rows=60), OPTIMIZERS["adagrad"]), seed=1)
+    st = ec.storage_of("a")
+    assert st._rows_file.map is not None
+    _train(ec, steps=6)
+    assert st.stats()["evictions"] > 0
+    os.truncate(st._rows_file.path, 100)
+    with pytest.raises(he.HybridEmbedError, match="shorter than its rows"):
+        ec.state_dict()
+    with pytest.raises(he.HybridEmbedError, match="shorter than its rows"):
+        _train(ec, steps=6)
+
+
+def test_memory_limit_reads_the_cgroups_limit(tmp_path, monkeypatch):
+    """The machine's memory, or a v2 / v1 cgroup's limit where lower ("max": none)."""
+    from hybridembed.storage import mapped
+
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    root = tmp_path / "cg"
+    (root / "job").mkdir(parents=True)
+    (root / "memory" / "job").mkdir(parents=True)
+    proc = tmp_path / "proc-cgroup"
+    real = Path.read_text
+
+    def read_text(self, *a, **k):
+        if str(self) == "/proc/self/cgroup":
+            return real(proc, *a, **k)
+        if str(self).startswith("/sys/fs/cgroup"):
+            return real(root / str(self)[len("/sys/fs/cgroup/") :], *a, **k)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    proc.write_text("0::/job\n")
+    (root / "job" / "memory.max").write_text("max\n")
+    assert mapped.memory_limit() == machine
+    (root / "job" / "memory.max").write_text(f"{1 << 30}\n")
+    assert mapped.memory_limit() == min(machine, 1 << 30)
+    proc.write_text("4:cpu,cpuacct:/job\n3:memory:/job\n")
+    (root / "memory" / "job" / "memory.limit_in_bytes").write_text(f"{1 << 29}\n")
+    assert mapped.memory_limit() == min(machine, 1 << 29)

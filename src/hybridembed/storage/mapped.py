@@ -15,7 +15,33 @@ import torch
 
 from ..errors import ConfigError, HybridEmbedError
 
-__all__ = ["mapped", "grown", "willneed", "lock_dir"]
+__all__ = ["mapped", "grown", "willneed", "lock_dir", "memory_limit"]
+
+
+def memory_limit() -> int:
+    """Bytes of memory this process may use: the machine's, or less where its cgroup (v2's
+    ``memory.max``, v1's ``memory.limit_in_bytes``) is limited."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return limit
+    for line in lines:  # ("0::/path" for v2, "N:memory:/path" for v1)
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":
+            files = [Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.max"]
+        elif "memory" in controllers.split(","):
+            files = [Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / "memory.limit_in_bytes"]
+        else:
+            continue
+        for f in files:
+            try:
+                text = f.read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limit = min(limit, int(text))
+    return limit
 
 
 def lock_dir(path: Path) -> int:

@@ -43,13 +43,14 @@ from ..errors import ConfigError, HybridEmbedError
 from ..utils import get_logger
 from .base import RowStorage
 from .dense import DenseStorage
-from .mapped import lock_dir
+from .mapped import lock_dir, memory_limit
 from .protocol import LookupPlan, _nothing
 from .tiered_file import _File
 
 __all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE", "prefetch_rows"]
 
 FRESH, ON_DISK, ON_DISK_NO_STATE = -1, -2, -3  # slot_of of a row not in the cache
+_MAP_SHARE = 8  # Tiered(mapped=None): a group's files mapped where its rows take at most 1 / this of the memory
 _PREFETCH_DEPTH = 2  # prefetches held at once (the next batch's and the one after it)
 _failed_lock = threading.Lock()
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched", "prefetch_failed")
@@ -203,7 +204,10 @@ class TieredStorage(DenseStorage):
         self._name = self.tables[0].name if len(self.tables) == 1 else f"{self.tables[0].name}+{len(self.tables) - 1}"
         lock = lock_dir(self.dir / f"{self._name}.lock")  # (held while this storage lives)
         weakref.finalize(self, os.close, lock)
-        self._rows_file = _File(self.dir / f"{self._name}.rows", total, self.dim, self.dtype)
+        item = torch.empty((), dtype=self.dtype).element_size()
+        mapped = self.config.mapped  # (None: mapped where the rows take at most an eighth of the memory)
+        self._mapped = total * self.dim * item <= memory_limit() // _MAP_SHARE if mapped is None else mapped
+        self._rows_file = _File(self.dir / f"{self._name}.rows", total, self.dim, self.dtype, self._mapped)
         self.slot_of = torch.full((total,), FRESH, dtype=torch.int32)  # (R,) see the module docstring
         self.row_of_slot = torch.full((cache,), -1, dtype=torch.int64)  # (C,) -1: free
         self.last_used = torch.zeros(cache, dtype=torch.int64)
@@ -406,7 +410,9 @@ class TieredStorage(DenseStorage):
             return
         self.drop_prefetch()  # (its state files are made afresh below)
         self._state_files = {
-            name: _File(self.dir / f"{self._name}.{name}", self.num_rows, self.dim if t.dim() > 1 else 1, t.dtype)
+            name: _File(
+                self.dir / f"{self._name}.{name}", self.num_rows, self.dim if t.dim() > 1 else 1, t.dtype, self._mapped
+            )
             for name, t in self.state.items()
         }
         self.slot_of[self.slot_of == ON_DISK] = ON_DISK_NO_STATE

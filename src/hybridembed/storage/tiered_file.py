@@ -42,9 +42,16 @@ class _File:
     """One (rows, width) matrix of ``dtype`` in a file, read and written a run of consecutive rows
     per system call (``os.preadv`` / ``os.pwritev``; measured against a ``numpy.memmap``: 5,000
     scattered rows of 256 bytes written into a 40 GiB file in 29 ms, against 151 ms through the
-    mapping's page faults, and no file page ever counts against the process's memory)."""
+    mapping's page faults, and no file page ever counts against the process's memory).
 
-    def __init__(self, path: Path, rows: int, width: int, dtype: torch.dtype):
+    ``mapped``: the file also mapped into memory (``MAP_SHARED``; a file of fixed size), its rows
+    read and written by copies from and into the mapping, no system call a row: where the file
+    stays in the page cache (a table smaller than the machine's memory), 6,000 scattered rows of
+    256 bytes of a 1 GiB file read in 0.4 ms against 5.2 ms by ``pread`` and written in 4.2
+    against 9.0 ms by ``pwrite`` (measured here); the mapped pages count in the process's resident
+    memory (file pages, which the kernel reclaims as it needs)."""
+
+    def __init__(self, path: Path, rows: int, width: int, dtype: torch.dtype, mapped: bool = False):
         self.item = torch.empty((), dtype=dtype).element_size()
         self.width, self.dtype, self.path = width, dtype, path
         self.row_bytes = width * self.item
@@ -63,9 +70,14 @@ class _File:
         self._behind: list[_Behind] = []  # writes handed to the writer thread, oldest first (write_behind)
         self._behind_lock = threading.Lock()
         self._retry_lock = threading.Lock()
+        self.map, self.size = None, size  # (rows, width) over the file's pages (mapped)
+        if mapped and size:
+            self.map = torch.from_file(str(path), shared=True, size=rows * width, dtype=dtype).view(rows, width)
 
     def reserve(self, rows: int) -> None:
         """Room on disk for ``rows`` rows (the file grows; a full disk raises here, before a write)."""
+        if self.map is not None:
+            raise HybridEmbedError(f"tiered table file {self.path}: a mapped file does not grow")
         try:
             os.posix_fallocate(self.fd, 0, max(rows * self.row_bytes, 1))
         except OSError as e:
@@ -101,6 +113,8 @@ class _File:
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (K,) -> (K, width) (after the writes in flight to any of them)."""
+        if self.map is not None:
+            return self._whole().index_select(0, rows)
         if self._behind:
             self.settle_writes(rows)
         order, starts, ends, offsets = self._runs(rows)
@@ -120,9 +134,19 @@ class _File:
 
     def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """``data`` (K, width) into rows ``rows`` (K,) distinct (after every write in flight)."""
+        if self.map is not None:
+            self._whole().index_copy_(0, rows, data.reshape(-1, self.width))
+            return
         if self._behind:
             self.settle_writes()
         self._write_now(rows, data)
+
+    def _whole(self) -> torch.Tensor:
+        """The mapping, after a check that the file still holds it (a page beyond a file truncated
+        under the table would kill the process with SIGBUS, not raise)."""
+        if os.fstat(self.fd).st_size < self.size:
+            raise HybridEmbedError(f"tiered table file {self.path}: shorter than its rows (the file was truncated?)")
+        return self.map
 
     def write_behind(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """:meth:`write` by the writer thread while the caller goes on (the copy into the kernel's
@@ -133,7 +157,7 @@ class _File:
         flight for the oldest. A failed write keeps its rows here and is tried again by the next
         :meth:`settle_writes` that needs it, which raises if it fails again: nothing is lost."""
         io = _io()
-        if io is None or _BEHIND <= 0:
+        if io is None or _BEHIND <= 0 or self.map is not None:
             self.write(rows, data)
             return
         self.make_room()
