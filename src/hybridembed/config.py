@@ -145,7 +145,9 @@ class Tiered:
             pages the kernel reclaims). None (the default): mapped when the group's row file is at
             most an eighth of the memory this process may use (the machine's, or its cgroup's
             limit), read and written by system calls beyond (a table larger than memory, whose
-            rows the disk serves). Dynamic tables' files grow, and are never mapped.
+            rows the disk serves). A dynamic table's file of records, which grows, is read
+            through a mapping by the same rule (checked as it grows), its writes (a spill's
+            records appended in one call) staying system calls.
 
     >>> import hybridembed as he
     >>> t = he.TableConfig("item", 10_000_000, 64, tiered=he.Tiered("tiers/item", cache_rows=1_000_000))

@@ -6,6 +6,7 @@ incremental, into tiers or memory); refusals that change nothing."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -81,17 +82,20 @@ def _same(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
+@pytest.mark.parametrize("mapped", [None, False])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_tiered_dynamic_table_trains_as_the_table_in_memory(tmp_path, name, monkeypatch):
-    """(Each spill appends its rows to the files; they are compacted when mostly dead: often here.)"""
+def test_a_tiered_dynamic_table_trains_as_the_table_in_memory(tmp_path, name, mapped, monkeypatch):
+    """(Each spill appends its rows to the files; they are compacted when mostly dead: often here.)
+    Records read through a mapping (None: this small file is) or by system calls."""
     monkeypatch.setattr(TieredHashStorage, "COMPACT_AT", 50)
     opt = OPTIMIZERS[name]
     ref = he.EmbeddingCollection(_tables(None, opt), seed=3)
     _train(ref)
-    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60), opt), seed=3)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60, mapped=mapped), opt), seed=3)
     _train(ec)
     st = ec.storage_of("a")
     assert isinstance(st, TieredHashStorage) and st.weight.shape[0] == 61  # (the cache never grows)
+    assert (st._file.map is not None) == (mapped is None) and not st._file.map_writes
     stats = st.stats()
     assert stats["spilled"] > 100 and stats["read_back"] > 50 and stats["disk_rows"] > stats["cache_rows"], stats
     assert stats["compactions"] >= 1, stats
@@ -188,8 +192,10 @@ def test_the_records_index_lives_in_mapped_files_and_a_full_disk_growing_it_chan
     st = ec.storage_of("a").stats()
     positions = ec.storage_of("a")._homes._mask + 1  # (records' arrays: 1,024 at least; 16 bytes a position)
     assert st["disk_rows"] > 0 and st["index_bytes"] >= 1024 * (8 + 8 + 8 + 2) + 16 * positions, st
-    maps = [x for x in open("/proc/self/maps").read().splitlines() if str(tmp_path / "t") in x]
-    assert maps and all(x.endswith("(deleted)") for x in maps), maps  # (mapped, unlinked)
+    maps = [x for x in open("/proc/self/maps").read().splitlines() if str(tmp_path / "t" / ".mapped-") in x]
+    assert maps and all(x.endswith("(deleted)") for x in maps), (
+        maps
+    )  # (mapped, unlinked; the records' file, mapped too, stays)
     assert not list((tmp_path / "t").glob(".mapped-*"))
     real = tiered_hash.os.posix_fallocate
 
@@ -520,3 +526,28 @@ def test_a_spill_tombstones_the_positions_its_inserts_kept(tmp_path, kernels, mo
     _train(ec, steps=20, seed=7)
     assert ec.storage_of("a").stats()["spilled"] > 50
     _same(_state(ec), _state(ref))
+
+
+def test_records_are_read_through_a_mapping_while_the_file_takes_an_eighth_of_the_memory(tmp_path, monkeypatch):
+    """Tiered(mapped=None): the file of records, which grows, is mapped for reads while it takes at
+    most 1/8 of the memory this process may use (checked as it grows), its writes staying system
+    calls; the table trains as in memory, mapped and then not."""
+    limit = 1500 * 64  # (bytes: 1,024 records of a row and Adagrad's state, 8 + 8 float32, but not 2,048)
+    monkeypatch.setattr(tiered_hash, "memory_limit", lambda: 8 * limit)
+    models = [
+        he.EmbeddingCollection(_tables(t, OPTIMIZERS["adagrad"]), seed=4) for t in (None, he.Tiered(tmp_path, 60))
+    ]
+    opts = [he.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m) for m in models]
+    g, seen = torch.Generator().manual_seed(2), []
+    for _ in range(60):
+        b = _batch(g)
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            _loss(m(b)).backward()
+            opt.step()
+        f = models[1].storage_of("a")._file
+        size = os.fstat(f.fd).st_size
+        seen.append((f.map.shape[0] * f.row_bytes if f.map is not None else 0, size, f.row_bytes))
+    assert all(m == (size // rb * rb if size <= limit else 0) for m, size, rb in seen), seen
+    assert {m > 0 for m, _, _ in seen} == {True, False} and seen[-1][2] == 64, seen
+    _same(_state(models[1]), _state(models[0]))

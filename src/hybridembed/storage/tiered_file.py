@@ -71,12 +71,28 @@ class _File:
         self._behind_lock = threading.Lock()
         self._retry_lock = threading.Lock()
         self.map, self.size = None, size  # (rows, width) over the file's pages (mapped)
+        self.map_writes, self._map_limit = mapped, -1  # (map_reads: a file that grows, read through a mapping)
         if mapped and size:
-            self.map = torch.from_file(str(path), shared=True, size=rows * width, dtype=dtype).view(rows, width)
+            self._map(rows)
+
+    def _map(self, rows: int) -> None:
+        self.map = torch.from_file(str(self.path), shared=True, size=rows * self.width, dtype=self.dtype)
+        self.map, self.size = self.map.view(rows, self.width), rows * self.row_bytes
+
+    def map_reads(self, limit: int) -> None:
+        """Read rows through a mapping of the file while it takes at most ``limit`` bytes (checked
+        again as :meth:`reserve` grows it), writes staying system calls (a file of records that
+        grows, appended a run at a time: one call a spill); -1: never."""
+        self._map_limit = limit
+        rows = os.fstat(self.fd).st_size // max(self.row_bytes, 1)
+        if 0 < rows * self.row_bytes <= limit:
+            self._map(rows)
+        else:
+            self.map = None
 
     def reserve(self, rows: int) -> None:
         """Room on disk for ``rows`` rows (the file grows; a full disk raises here, before a write)."""
-        if self.map is not None:
+        if self.map_writes:
             raise HybridEmbedError(f"tiered table file {self.path}: a mapped file does not grow")
         try:
             os.posix_fallocate(self.fd, 0, max(rows * self.row_bytes, 1))
@@ -85,6 +101,8 @@ class _File:
                 f"tiered table file {self.path}: cannot grow to {rows * self.row_bytes / 2**20:,.1f} MiB "
                 f"({e.strerror}); nothing was changed: free room on that disk"
             ) from None
+        if self._map_limit >= 0:
+            self.map_reads(self._map_limit)
 
     def __reduce__(self):  # (and deepcopy: two tables must not share one file and its descriptor)
         raise HybridEmbedError(
@@ -113,10 +131,10 @@ class _File:
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (K,) -> (K, width) (after the writes in flight to any of them)."""
-        if self.map is not None:
-            return self._whole().index_select(0, rows)
         if self._behind:
             self.settle_writes(rows)
+        if self.map is not None:
+            return self._whole().index_select(0, rows)
         order, starts, ends, offsets = self._runs(rows)
         io = _io()
         buf = torch.empty(rows.numel() * self.row_bytes, dtype=torch.uint8)
@@ -134,7 +152,7 @@ class _File:
 
     def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """``data`` (K, width) into rows ``rows`` (K,) distinct (after every write in flight)."""
-        if self.map is not None:
+        if self.map_writes and self.map is not None:
             self._whole().index_copy_(0, rows, data.reshape(-1, self.width))
             return
         if self._behind:
@@ -157,7 +175,7 @@ class _File:
         flight for the oldest. A failed write keeps its rows here and is tried again by the next
         :meth:`settle_writes` that needs it, which raises if it fails again: nothing is lost."""
         io = _io()
-        if io is None or _BEHIND <= 0 or self.map is not None:
+        if io is None or _BEHIND <= 0 or self.map_writes:
             self.write(rows, data)
             return
         self.make_room()

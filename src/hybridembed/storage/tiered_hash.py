@@ -44,11 +44,11 @@ import torch
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
 from .hashed import _EMPTY, HashStorage
-from .mapped import grown, lock_dir, mapped
+from .mapped import grown, lock_dir, mapped, memory_limit
 from .pairs import sort_pairs
 from .protocol import LookupPlan, _nothing
 from .records import Homes
-from .tiered import _Prefetch, add_prefetch
+from .tiered import _MAP_SHARE, _Prefetch, add_prefetch
 from .tiered_file import _File
 
 __all__ = ["TieredHashStorage"]
@@ -102,6 +102,9 @@ class TieredHashStorage(HashStorage):
         weakref.finalize(self, os.close, lock_dir(self.dir / f"{self._name}.lock"))
         self._homes.where = self.dir  # (the records' arrays and index: mapped files there, from their first growth)
         self._file = _File(self.dir / f"{self._name}.rows", 0, self._record_bytes(self._parts), torch.uint8)
+        mapped = self.tier.mapped  # (records read through a mapping while the file is small: Tiered(mapped=...))
+        self._map_limit = -1 if mapped is False else 1 << 62 if mapped else memory_limit() // _MAP_SHARE
+        self._file.map_reads(self._map_limit)
 
     def _build_index(self, slots: int) -> None:
         super()._build_index(2 * slots)  # (twice the positions: room for the tombstones of spills)
@@ -283,6 +286,7 @@ class TieredHashStorage(HashStorage):
             ) from None
         os.replace(new.path, old.path)
         new.path, self._file = old.path, new
+        new.map_reads(self._map_limit)
         self._parts = parts or self._parts
         self.rec_at.fill_(-1)
         at = 0
