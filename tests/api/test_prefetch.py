@@ -52,7 +52,7 @@ def _train(model: nn.Module, pipelined: bool) -> nn.Module:
 def test_tiered_tables_read_the_next_batch_ahead_and_train_as_in_memory(tmp_path):
     ref = _train(Two(), pipelined=False)
     for pipelined in (False, True):
-        tiered = he.Tiered(tmp_path / str(pipelined), cache_rows=120)
+        tiered = he.Tiered(tmp_path / str(pipelined), cache_rows=120, mapped=False)  # (mapped: no prefetch)
         model = _train(he.convert(Two(), tiered=tiered), pipelined)
         ec = model.user.collection
         stats = ec.storage_of(model.user.table).stats()
@@ -80,7 +80,7 @@ def test_a_failing_prefetch_is_counted_logged_once_and_the_lookups_read_their_ro
     monkeypatch.setattr(T._File, "read", failing)
     ref = _train(Two(), pipelined=False)
     with caplog.at_level(logging.WARNING, logger="hybridembed"):
-        model = _train(he.convert(Two(), tiered=he.Tiered(tmp_path, cache_rows=120)), pipelined=True)
+        model = _train(he.convert(Two(), tiered=he.Tiered(tmp_path, cache_rows=120, mapped=False)), pipelined=True)
     ec = model.user.collection
     stats = [st.stats() for st in ec.storages]
     assert sum(s["prefetch_failed"] for s in stats) > 0 and sum(s["prefetched"] for s in stats) == 0, stats

@@ -262,7 +262,7 @@ def _prefetched_runs(tmp_path, steps: int, ahead: int) -> dict:
     batches = [_batch(g) for _ in range(steps)]
     runs = {}
     for kind in ("memory", "tiered"):
-        tiered = he.Tiered(tmp_path / kind, cache_rows=60) if kind == "tiered" else None
+        tiered = he.Tiered(tmp_path / kind, cache_rows=60, mapped=False) if kind == "tiered" else None
         ec = he.EmbeddingCollection(_tables(tiered, OPTIMIZERS["adagrad"]), seed=3)
         opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
         for i, b in enumerate(batches):
@@ -335,7 +335,7 @@ def test_a_failing_prefetch_of_a_dynamic_table_is_counted_logged_once_and_change
 def _one(tmp_path, tiered: bool, cache: int = 4):
     t = he.TableConfig(
         "a", None, 4, optimizer=OPTIMIZERS["adagrad"], dynamic=he.Dynamic(),
-        tiered=he.Tiered(tmp_path, cache_rows=cache) if tiered else None,
+        tiered=he.Tiered(tmp_path, cache_rows=cache, mapped=False) if tiered else None,
     )  # fmt: skip
     ec = he.EmbeddingCollection([t], seed=1)
     return ec, he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
@@ -546,6 +546,10 @@ def test_records_are_read_through_a_mapping_while_the_file_takes_an_eighth_of_th
             _loss(m(b)).backward()
             opt.step()
         f = models[1].storage_of("a")._file
+        held = models[1].storage_of("a")._prefetches
+        was = held[-1] if held else None
+        models[1].prefetch(b)  # (read ahead only while the file is not mapped)
+        assert ((held[-1] if held else None) is not was) == (f.map is None), (f.map is None, held)
         size = os.fstat(f.fd).st_size
         seen.append((f.map.shape[0] * f.row_bytes if f.map is not None else 0, size, f.row_bytes))
     assert all(m == (size // rb * rb if size <= limit else 0) for m, size, rb in seen), seen

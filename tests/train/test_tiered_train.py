@@ -28,8 +28,9 @@ def _epoch(out: str, n: int) -> str:
 
 def test_tiered_tables_train_checkpoint_resume_like_one_run_and_export(generated, tmp_path, capsys):
     base = ["--data", str(generated), "--no-progress", "--threads", "1", *SMALL, "--tiered-cache", "9000"]
-    straight = _run(  # (--prefetch: the next batch's rows on disk read in a thread during the step)
-        [*base, "--workdir", str(tmp_path / "a"), "--tiered", str(tmp_path / "a/tiers"), "--epochs", "2", "--prefetch"],
+    straight = _run(  # (--prefetch: the next batch's rows on disk read in a thread during the step; not mapped)
+        [*base, "--workdir", str(tmp_path / "a"), "--tiered", str(tmp_path / "a/tiers"), "--epochs", "2", "--prefetch"]
+        + ["--tiered-mapped", "no"],
         capsys,
     )
     assert "26 tiered tables (dim 4, 5,000 rows each, ids hashed into them" in straight
@@ -40,7 +41,7 @@ def test_tiered_tables_train_checkpoint_resume_like_one_run_and_export(generated
     assert int(hit.group(3).replace(",", "")) > 0, straight  # (evicted rows read back, the next batch's ahead of it)
     b = ["--workdir", str(tmp_path / "b"), "--tiered", str(tmp_path / "b/tiers")]
     first = _run([*base, *b, "--epochs", "1"], capsys)
-    assert _epoch(first, 1) == _epoch(straight, 1)  # (without --prefetch: the same)
+    assert _epoch(first, 1) == _epoch(straight, 1)  # (without --prefetch, the files mapped: the same)
     assert re.search(r"rows read from disk in the step, 0 ahead of it", first), first
     assert not (tmp_path / "a/model.pt2").exists()  # (no export unless asked: it holds every table in memory)
     resumed = _run(
@@ -70,6 +71,8 @@ def test_tiered_cache_alone_and_a_tiered_checkpoint_without_tiered_are_refused(g
     argv = ["--data", str(generated), "--no-progress", "--workdir", str(tmp_path), *SMALL, "--epochs", "1"]
     assert cli.main([*argv, "--tiered-cache", "9000"]) == 2
     assert "--tiered-cache applies to --tiered DIR only" in capsys.readouterr().err
+    assert cli.main([*argv, "--tiered-mapped", "yes"]) == 2
+    assert "--tiered-mapped applies to --tiered DIR only" in capsys.readouterr().err
     _run([*argv, "--tiered", str(tmp_path / "tiers"), "--tiered-cache", "9000"], capsys)
     assert cli.main([*argv, "--resume", str(tmp_path / "checkpoint"), "--epochs", "2"]) == 2
     assert "give --tiered DIR to resume" in capsys.readouterr().err
@@ -89,7 +92,9 @@ def test_dynamic_tables_on_disk_train_as_in_memory_and_resume_from_either(genera
     base = ["--data", str(generated), "--no-progress", "--threads", "1", *small, "--no-export"]
     memory = _run([*base, "--workdir", str(tmp_path / "m"), "--epochs", "2"], capsys)
     disk = ["--tiered", str(tmp_path / "tiers"), "--tiered-cache", "9000"]
-    tiered = _run([*base, "--workdir", str(tmp_path / "t"), *disk, "--epochs", "2", "--prefetch"], capsys)
+    tiered = _run(
+        [*base, "--workdir", str(tmp_path / "t"), *disk, "--epochs", "2", "--prefetch", "--tiered-mapped", "no"], capsys
+    )
     assert "dynamic tables (26 features, dim 4, unbounded; rows beyond 9,000 in memory spilled" in tiered
     on_disk = re.search(
         r"table rows ([\d,]+) \(([\d,]+) on disk, ([\d,]+) read back so far, ([\d,]+) of them ahead", tiered

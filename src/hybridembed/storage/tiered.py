@@ -316,8 +316,13 @@ class TieredStorage(DenseStorage):
         allowed) that are on disk and not cached now, with their optimizer state; a later lookup
         takes them from memory instead of the files. A hint: rows cached or never written are
         skipped, a row written back meanwhile is read again, a failed read is dropped. Two at a
-        time (the next batch's and the one after it: a third call drops the first one's rows)."""
+        time (the next batch's and the one after it: a third call drops the first one's rows).
+        Nothing where the files are mapped (:class:`~hybridembed.Tiered`'s ``mapped``): the page
+        cache serves their rows at memory speed, and a thread would only take a core from the step
+        (measured: a dynamic step 18-20 -> 29 ms with it)."""
         add_prefetch(self._prefetches, None)
+        if self._rows_file is None or self._rows_file.map is not None:
+            return
         rows = torch.unique(rows.reshape(-1).to(torch.int64))
         rows = rows[(rows >= 0) & (rows < self.num_rows)]
         where = self.slot_of.index_select(0, rows)

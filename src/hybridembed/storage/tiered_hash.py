@@ -428,9 +428,10 @@ class TieredHashStorage(HashStorage):
         ``ids``) pairs (a later batch's), with their optimizer state; a lookup that reads them
         back takes them from memory. A hint: rows cached or never seen are skipped, a record
         written meanwhile is read again, a failed read is dropped. Two at a time (the next batch's
-        and the one after it: a third call drops the first one's rows)."""
+        and the one after it: a third call drops the first one's rows). Nothing while the file is
+        read through a mapping (as :meth:`TieredStorage.prefetch`)."""
         add_prefetch(self._prefetches, None)
-        if self._file is None or ids.numel() == 0:
+        if self._file is None or self._file.map is not None or ids.numel() == 0:
             return
         ids, tabs = ids.to(torch.int64), tabs.to(torch.int32)
 

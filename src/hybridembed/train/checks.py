@@ -181,8 +181,9 @@ def _resolve_tiered(args: argparse.Namespace) -> None:
     if args.hashed_tables and not args.tiered:
         raise UsageError("the checkpoint's tables are tiered (hashed into files on disk): give --tiered DIR to resume")
     if not args.tiered:
-        if args.tiered_cache is not None:
-            raise UsageError("--tiered-cache applies to --tiered DIR only")
+        for flag in ("tiered_cache", "tiered_mapped"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} applies to --tiered DIR only")
         return
     args.tiered_cache = args.tiered_cache or 262_144
     for bad, why in (

@@ -323,6 +323,7 @@ def _run(args: argparse.Namespace, state: dict[str, Any] | None, job: Job = ONE)
         kernels=args.kernels,
         tiered=args.tiered,
         tiered_cache=args.tiered_cache or 0,
+        tiered_mapped={"yes": True, "no": False}.get(args.tiered_mapped),
         sharded=job.parallel,
     )
     if job.parallel:

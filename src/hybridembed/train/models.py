@@ -99,11 +99,12 @@ class TieredEmbeddings(nn.Module):
         seed: int = 0,
         init: he_init.Init | None = None,
         device: torch.device | str | None = None,
+        mapped: bool | None = None,
     ):
         super().__init__()
         self.features, self.rows = list(features), int(rows)
         self.names = [f"{prefix}{f}".replace(".", "_") for f in self.features]
-        tiered = Tiered(where, cache_rows=cache_rows)
+        tiered = Tiered(where, cache_rows=cache_rows, mapped=mapped)
         init = init or he_init.uniform(-0.05, 0.05)
         tables = [TableConfig(n, self.rows, dim, init=init, tiered=tiered) for n in self.names]
         self.collection = EmbeddingCollection(tables, seed=seed, device=device)
@@ -281,6 +282,7 @@ def build(
     tiered: str | None = None,
     tiered_cache: int = 0,
     sharded: bool = False,
+    tiered_mapped: bool | None = None,
 ) -> nn.Module:
     """A model by name (``dlrm``, ``wdl``, ``deepfm``, ``dcnv2``).
 
@@ -293,7 +295,8 @@ def build(
     tables are made there, not moved); ``kernels``: their backend (``"auto"``, ``"eager"``,
     ``"triton"``; see :mod:`hybridembed.kernels.backend`). ``tiered``: a directory: the tables
     are :class:`TieredEmbeddings` there (``capacity`` rows each, ``tiered_cache`` rows in memory),
-    or without a ``capacity`` dynamic tables whose rows beyond ``tiered_cache`` go to files there.
+    or without a ``capacity`` dynamic tables whose rows beyond ``tiered_cache`` go to files there
+    (``tiered_mapped``: :class:`~hybridembed.Tiered`'s ``mapped``).
     ``sharded``: the model is for :func:`hybridembed.distribute`, which makes each rank's shards:
     tiered tables are described on ``meta`` (no files: each rank's shards open their own).
     """
@@ -306,7 +309,9 @@ def build(
         if vocab_sizes is not None:
             return TorchEmbeddings(vocab_sizes, d)
         if tiered is not None and capacity is not None:
-            return TieredEmbeddings(features, d, capacity, tiered, tiered_cache, prefix=prefix, seed=seed, device=on)
+            return TieredEmbeddings(
+                features, d, capacity, tiered, tiered_cache, prefix=prefix, seed=seed, device=on, mapped=tiered_mapped
+            )
         return DynamicEmbeddings(
             features,
             d,
@@ -316,7 +321,7 @@ def build(
             min_count=min_count,
             device=on if tiered is not None else device,
             kernels=kernels,
-            tiered=Tiered(tiered, cache_rows=tiered_cache) if tiered is not None else None,
+            tiered=Tiered(tiered, cache_rows=tiered_cache, mapped=tiered_mapped) if tiered is not None else None,
         )
 
     f = len(features)

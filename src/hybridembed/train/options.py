@@ -212,6 +212,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "process's shards with --nproc N; default 262144; a step's distinct rows must fit)",
     )
     m.add_argument(
+        "--tiered-mapped",
+        choices=["auto", "yes", "no"],
+        help="--tiered: the files also mapped into memory, rows copied from and into the mapping instead of a "
+        "system call a row (he.Tiered's mapped; auto, the default: where the tables take at most an eighth of "
+        "the memory; --prefetch reads ahead only files that are not mapped)",
+    )
+    m.add_argument(
         "--optimizer",
         choices=["adagrad", "adam"],
         help="torch.optim.Adagrad or Adam, wrapped with he.wrap_optimizer: tables get the sparse (row-wise, lazy) "
