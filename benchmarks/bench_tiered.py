@@ -36,7 +36,8 @@ intra-op threads, which the step's own passes use; the writer needs a core they 
 
 **prefetch** / **dynamic-prefetch**: ``--prefetch-rows`` rows of ``--tables`` tables (dense, or
 dynamic with ids spread over int64) written to disk and dropped from the page cache, a cache of
-``--prefetch-cache`` rows, uniform ids (nearly every row a miss): a step without and with
+``--prefetch-cache`` rows, uniform ids (nearly every row a miss), the files not mapped
+(``Tiered(mapped=False)``: a mapping's pages are not dropped, and it is not read ahead): a step without and with
 ``ec.prefetch(next batch)`` after the backward, and the main thread's read time; the two modes
 alternate in blocks of 5 steps (``--steps`` of each), each block from a cold page cache; medians.
 ``--ahead 2``: the batch two steps ahead is prefetched instead (two prefetches held at once).
@@ -494,7 +495,7 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
     ``dynamic``: dynamic tables (ids spread over int64), their rows written to disk first."""
     rows, tables = args.prefetch_rows, args.tables
     n = rows // tables
-    tier = he.Tiered(where, cache_rows=args.prefetch_cache)
+    tier = he.Tiered(where, cache_rows=args.prefetch_cache, mapped=False)  # (the disk serves it: no mapping)
     spread = _SPREAD if dynamic else 1
     ts = [
         he.TableConfig(f"t{i}", None, args.dim, dynamic=he.Dynamic(), tiered=tier)

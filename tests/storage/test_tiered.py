@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -740,25 +741,54 @@ def test_compaction_keeps_the_base_files_no_delta_wrote_as_links_and_loads_as_th
         _same(_state(m), _state(ref))
 
 
-def test_evictions_written_behind_slowly_train_as_the_table_in_memory(tmp_path, monkeypatch):
-    """Each eviction's writes (rows and state) made 30 ms slower in the writer thread: the next
-    lookup that evicts (or reads rows in flight) meets them in flight and waits, and the tables
-    train as in memory."""
+def test_evictions_are_written_in_the_step_and_a_failed_write_is_a_clear_error_that_changes_nothing(
+    tmp_path, monkeypatch
+):
+    """A dense table's evictions are written in the lookup, not by the writer thread (whose reads of
+    the pages written would share the disk with a prefetch's); a write that fails raises a clear
+    error before the lookup changes anything, and the batch goes through once the disk writes."""
     from hybridembed.storage import tiered_file as T
 
-    from .writes import slow_writes
+    monkeypatch.setattr(T, "_writers", None)  # (the writer thread, made at its first write)
+    opt_cfg = OPTIMIZERS["adagrad"]
+    models = [
+        he.EmbeddingCollection(_tables(t, opt_cfg), seed=3) for t in (None, he.Tiered(tmp_path, 60, mapped=False))
+    ]
+    opts = [he.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m) for m in models]
+    g = torch.Generator().manual_seed(5)
+    batches = [_batch(g) for _ in range(16)]
 
-    if T._io() is None:
-        pytest.skip("Numba does not import here: evictions are written at once")
-    seen = slow_writes(monkeypatch, T, 0.03)
-    opt = OPTIMIZERS["adam"]
-    ref = he.EmbeddingCollection(_tables(None, opt), seed=3)
-    _train(ref, steps=15)
-    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60, mapped=False), opt), seed=3)
-    _train(ec, steps=15)
-    stats = ec.storage_of("a").stats()
-    assert stats["disk_reads"] > 50 and seen["writes"] > 10 and seen["waits"] > 0, (stats, seen)
-    _same(_state(ec), _state(ref))
+    def step(i: int, b: dict) -> None:
+        opts[i].zero_grad()
+        sum((v * torch.linspace(-1, 2, v.shape[1])).sum() for v in models[i](b).values()).backward()
+        opts[i].step()
+
+    for b in batches[:6]:
+        step(0, b), step(1, b)
+    st = models[1].storage_of("a")
+    assert st.stats()["disk_writes"] > 0 and T._writers is None, st.stats()
+    monkeypatch.setattr(T, "_io", lambda: None)  # (Python's calls, which raise the error)
+
+    def failing(fd, bufs, at):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(T.os, "pwritev", failing)
+    failed = None
+    for i, b in enumerate(batches[6:], 6):
+        before = _state(models[1])
+        try:
+            step(1, b)
+        except he.HybridEmbedError as e:
+            assert re.search(r"writing [\d,]+ rows failed \(Input/output error\)", str(e)), e
+            failed = i
+            break
+        step(0, b)
+    assert failed is not None
+    _same(_state(models[1]), before)
+    monkeypatch.undo()
+    for b in batches[failed:]:
+        step(0, b), step(1, b)
+    _same(_state(models[1]), _state(models[0]))
 
 
 def test_files_are_mapped_where_the_rows_take_an_eighth_of_the_memory_and_a_truncated_one_is_a_clear_error(

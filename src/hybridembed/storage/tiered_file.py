@@ -157,7 +157,12 @@ class _File:
             return
         if self._behind:
             self.settle_writes()
-        self._write_now(rows, data)
+        try:
+            self._write_now(rows, data)
+        except OSError as e:
+            raise HybridEmbedError(
+                f"tiered table file {self.path}: writing {rows.numel():,} rows failed ({e.strerror}): check that disk"
+            ) from None
 
     def _whole(self) -> torch.Tensor:
         """The mapping, after a check that the file still holds it (a page beyond a file truncated
