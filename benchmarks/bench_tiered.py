@@ -324,8 +324,10 @@ if behind:  # steps whose evictions are written behind them and in them (tiered_
                 spent[T._BEHIND].append((time.perf_counter() - t0) * 1e3)
     T._BEHIND = 1
     behind_ms = {"behind_ms": sorted(spent[1])[len(spent[1]) // 2], "in_step_ms": sorted(spent[0])[len(spent[0]) // 2]}
-st = ec.storage_of("big").stats()
-out = {"peak": status("VmHWM:"), "rss": status("VmRSS:"), "base": base, "built_s": built, "train_s": train, "stats": st,
+storage = ec.storage_of("big")
+st = storage.stats()
+mapped = (storage._file if dynamic else storage._rows_file).map is not None  # (Tiered(mapped=None): by size)
+out = {"peak": status("VmHWM:"), "rss": status("VmRSS:"), "base": base, "built_s": built, "train_s": train, "stats": st, "mapped": mapped,
        "anon": status("RssAnon:"), "file": status("RssFile:") + status("RssShmem:")}
 if pre:
     out["prefetch"] = prefetched
