@@ -46,6 +46,7 @@ from .dense import DenseStorage
 from .mapped import lock_dir, memory_limit
 from .protocol import LookupPlan, _nothing
 from .tiered_file import _File
+from .victims import least_recent
 
 __all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE", "prefetch_rows"]
 
@@ -230,15 +231,14 @@ class TieredStorage(DenseStorage):
         if short > 0:
             keep = self.pending.clone()  # (rows a gradient kept for the next step may name)
             keep[slots[slots >= 0]] = True
-            candidates = ((self.row_of_slot >= 0) & ~keep).nonzero().squeeze(1)
-            if candidates.numel() < short:
+            victims, _ = least_recent(self.last_used, self.row_of_slot, keep, short, self.clock)
+            if victims is None:
                 raise HybridEmbedError(
                     f"tiered tables {', '.join(t.name for t in self.tables)}: this lookup needs {uniq.numel()} "
                     f"distinct rows, the cache holds {self.weight.shape[0]} of which {int(keep.sum())} are this "
                     "batch's or looked up in training since the last optimizer step (he.wrap_optimizer's step "
                     "frees them); raise Tiered(cache_rows=...) above a step's distinct rows. Nothing was changed"
                 )
-            victims = candidates.index_select(0, torch.topk(self.last_used[candidates], short, largest=False).indices)
 
         def commit() -> tuple[torch.Tensor, None]:
             with torch.no_grad():
