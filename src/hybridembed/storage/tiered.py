@@ -8,7 +8,8 @@ To the collection it is a dense storage (ids in ``[0, num_embeddings)``, shifted
 ``row_offset``); :meth:`TieredStorage.resolve` turns those rows into cache slots, so the kernels,
 the fused step and the optimizers work on ``weight`` (C, D) and ``state`` (C, ...) exactly as on a
 table in memory. Per row (``slot_of``, (R,) int32): ``>= 0`` its cache slot; :data:`FRESH` never
-written (its value is the row-keyed initializer's, computed again when next needed); :data:`ON_DISK`
+written (its value is the row-keyed initializer's, computed again when next needed; a mapped file
+gets every row's initial value when it is built, as the table in memory does); :data:`ON_DISK`
 on disk with its optimizer state; :data:`ON_DISK_NO_STATE` on disk, state at its initial value (the
 row was written before an optimizer was attached).
 
@@ -218,6 +219,12 @@ class TieredStorage(DenseStorage):
         self.free = torch.arange(cache - 1, -1, -1)  # a stack
         self.clock = 0  # lookups so far (the time of LRU)
         self._prefetches: list[_Prefetch] = []  # the rows prefetch() is reading, or read (oldest first)
+        if self._rows_file.map is not None:  # (mapped: every row's initial value written now, as in memory)
+            step = max(1, (64 << 20) // (self.dim * item))
+            for lo in range(0, total, step):
+                rows = torch.arange(lo, min(total, lo + step))
+                self._initial(rows, torch.arange(rows.numel()), self._rows_file.map, rows)
+            self.slot_of.fill_(ON_DISK_NO_STATE)
 
     # --- the cache ---------------------------------------------------------------------------
     def resolve(self, ids: torch.Tensor, tables: Sequence[int], counts: Sequence[int], train: bool) -> LookupPlan:
