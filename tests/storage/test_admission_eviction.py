@@ -225,6 +225,30 @@ def test_lru_for_comparison_evicts_the_least_recent_where_lfu_would_not():
     assert ids_of(ec) == [2, 3]
 
 
+def test_lrfu_keeps_often_seen_rows_until_they_age_out():
+    """eviction="lrfu": a row's score is its last lookup plus 8 lookups a doubling of its count
+    (1 + count): an id seen 7 times (3 doublings: 24 lookups) outlives ids seen once since, until
+    it has gone unseen for longer than that."""
+    from hybridembed.storage.hashed import LRFU_DOUBLING, eviction_score
+
+    assert LRFU_DOUBLING == 8
+    last, freq = torch.tensor([5, 9, 30]), torch.tensor([7, 1, 0])
+    assert eviction_score("lrfu", last, freq, 40).tolist() == [5 + 24, 9 + 8, 30]
+    assert eviction_score("lfu", last, freq, 40).tolist() == [7 * 42 + 5, 42 + 9, 30]
+    assert eviction_score("lru", last, freq, 40).tolist() == [5, 9, 30]
+    ec = make(he.Dynamic(capacity=2, eviction="lrfu", evict_fraction=0.5))
+    lookup(ec, [1] * 7)  # step 1: 1 seen 7 times (score 1 + 24 = 25)
+    for new in range(2, 18):  # step n: the last new id (seen once at n - 1: n + 7) goes, not 1 (25)
+        lookup(ec, [new])
+        assert ids_of(ec) == [1, new], new
+    lookup(ec, [18])  # step 18: 17 (17 + 8 = 25) ties 1 (25), the smaller id goes: 1 has aged out
+    assert ids_of(ec) == [17, 18]
+    lru = make(he.Dynamic(capacity=2, eviction="lru", evict_fraction=0.5))
+    lookup(lru, [1] * 7), lookup(lru, [2]), lookup(lru, [3])  # (LRU: 1 goes at once)
+    assert ids_of(lru) == [2, 3]
+    assert make(he.Dynamic(capacity=2)).storage_of("a").config.eviction is None  # (None: lru in memory)
+
+
 def test_ttl_rows_unseen_for_ttl_steps_go_at_the_end_of_that_step_even_when_not_full():
     ec = make(he.Dynamic(capacity=100, eviction="ttl", ttl_steps=2))
     lookup(ec, [1, 2])  # step 1

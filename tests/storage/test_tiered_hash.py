@@ -110,7 +110,9 @@ def test_a_tiered_dynamic_table_trains_as_the_table_in_memory(tmp_path, name, ma
     assert ec.storage_of("a").stats()["rows"] == ref.storage_of("a").stats()["rows"]
 
 
-@pytest.mark.parametrize("dynamic", [{"eviction": "lfu"}, {"min_count": 2}, {"admit_probability": 0.5}])
+@pytest.mark.parametrize(
+    "dynamic", [{"eviction": "lfu"}, {"eviction": "lru"}, {"min_count": 2}, {"admit_probability": 0.5}]
+)
 def test_which_rows_stay_in_memory_and_admission_do_not_change_the_result(tmp_path, dynamic):
     ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"], **dynamic), seed=1)
     ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path, cache_rows=60), OPTIMIZERS["adagrad"], **dynamic), seed=1)
@@ -555,3 +557,19 @@ def test_records_are_read_through_a_mapping_while_the_file_takes_an_eighth_of_th
     assert all(m == (size // rb * rb if size <= limit else 0) for m, size, rb in seen), seen
     assert {m > 0 for m, _, _ in seen} == {True, False} and seen[-1][2] == 64, seen
     _same(_state(models[1]), _state(models[0]))
+
+
+def test_the_cache_keeps_often_seen_rows_by_default(tmp_path):
+    """Dynamic(eviction=None) on a tiered table: the cache spills by lrfu (recency, each doubling of
+    a row's count worth 8 lookups), which reads back fewer rows of a power-law stream than lru;
+    either trains as in memory."""
+    ref = he.EmbeddingCollection(_tables(None, OPTIMIZERS["adagrad"]), seed=1)
+    _train(ref, steps=40)
+    read_back = {}
+    for eviction in (None, "lru"):
+        tiered = he.Tiered(tmp_path / str(eviction), cache_rows=60)
+        ec = he.EmbeddingCollection(_tables(tiered, OPTIMIZERS["adagrad"], eviction=eviction), seed=1)
+        _train(ec, steps=40)
+        read_back[eviction] = ec.storage_of("a").stats()["read_back"]
+        _same(_state(ec), _state(ref))
+    assert 0 < read_back[None] < read_back["lru"], read_back

@@ -52,6 +52,19 @@ _STATS = ("inserted", "evicted", "rejected", "hits", "lookups")
 _MARK = "_hybridembed_distinct_rows"  # on a sparse gradient whose row ids are distinct: its nnz
 
 
+LRFU_DOUBLING = 8  # eviction="lrfu": lookups of recency a doubling of a row's count is worth
+
+
+def eviction_score(policy: str, last_seen: torch.Tensor, freq: torch.Tensor, clock: int) -> torch.Tensor:
+    """Rows' int64 scores under ``policy`` (the lowest go first): ``lfu`` by count, then recency;
+    ``lrfu`` recency plus :data:`LRFU_DOUBLING` lookups a doubling of the count; else recency."""
+    if policy == "lfu":
+        return freq * (clock + 2) + last_seen
+    if policy == "lrfu":
+        return last_seen + (LRFU_DOUBLING * torch.log2(1 + freq.to(torch.float64))).to(torch.int64)
+    return last_seen
+
+
 def _marked(grad: torch.Tensor, distinct: bool) -> torch.Tensor:
     """Marks ``grad`` as holding distinct rows (the optimizer then skips the reduction). The
     mark is the row count at marking, so an in-place change that adds rows voids it."""
@@ -311,10 +324,7 @@ class HashStorage(RowStorage):
                     "the optimizer more often."
                 )
             k = min(max(excess, math.ceil(self.config.evict_fraction * cap)), cand.numel())
-            if self.config.eviction == "lfu":  # least often, then least recently
-                score = self.freq[cand] * (self.clock + 2) + self.last_seen[cand]
-            else:
-                score = self.last_seen[cand]
+            score = eviction_score(self.config.eviction or "lru", self.last_seen[cand], self.freq[cand], self.clock)
             # ties broken by id, so the victims do not depend on where rows happen to sit
             victims.append(cand.index_select(0, lowest(score, self.slot_key.index_select(0, cand), k)))
         return torch.cat(victims) if victims else torch.zeros(0, dtype=torch.int64, device=self.weight.device)

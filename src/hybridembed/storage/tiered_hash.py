@@ -5,7 +5,8 @@ Shape legend: ``C`` cache slots, ``R`` records on disk, ``N`` ids of a batch, ``
 
 The cache is a :class:`~hybridembed.storage.HashStorage` of ``cache_rows`` slots (its index of the
 ids it holds, rows, optimizer state, recency, frequency, admission and counters). When a batch
-needs room, the least recently used rows (``eviction="lfu"``: least often) that no pending
+needs room, the rows of lowest score (``Dynamic(eviction=None)``: ``lrfu``, recency with each
+doubling of a row's count worth 8 lookups; ``lru``, ``lfu`` as chosen) that no pending
 gradient names are *spilled*: each written with its optimizer state to its home record on disk.
 A row looked up again is read back from there (it was admitted once: no admission again). So the
 table keeps every row it admitted, in memory or on disk, and trains exactly as the same dynamic
@@ -43,7 +44,7 @@ import torch
 
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
-from .hashed import _EMPTY, HashStorage
+from .hashed import _EMPTY, HashStorage, eviction_score
 from .mapped import grown, lock_dir, mapped, memory_limit
 from .pairs import sort_pairs
 from .protocol import LookupPlan, _nothing
@@ -213,10 +214,7 @@ class TieredHashStorage(HashStorage):
                 "above a step's distinct rows. Nothing was changed"
             )
         k = min(max(short, math.ceil(self.config.evict_fraction * (self.weight.shape[0] - 1))), cand.numel())
-        if self.config.eviction == "lfu":
-            score = self.freq[cand] * (self.clock + 2) + self.last_seen[cand]
-        else:
-            score = self.last_seen[cand]
+        score = eviction_score(self.config.eviction or "lrfu", self.last_seen[cand], self.freq[cand], self.clock)
         if k == cand.numel():
             return cand
         # the k lowest by (score, id) without sorting every candidate: those below the k-th score,
