@@ -1,9 +1,9 @@
 """A tiered table's file (:class:`_File`): a (rows, width) matrix on local disk, read and written a
-run of consecutive rows per system call (Numba's loop of ``pread`` / ``pwrite``, else Python's), the
-writes of evicted rows made by one writer thread behind the step (:meth:`_File.write_behind`), reads
-of many rows far apart cut into slices read at once. Used by :mod:`hybridembed.storage.tiered`
-(dense tables: a file of rows and one per optimizer state) and
-:mod:`hybridembed.storage.tiered_hash` (dynamic tables: one file of records).
+run of consecutive rows per system call (Numba's loop of ``pread`` / ``pwrite``, else Python's) or,
+where it is small, through a mapping; a dynamic table's spilled rows written by one writer thread
+behind the step (:meth:`_File.write_behind`); reads of many rows far apart cut into slices read at
+once. Used by :mod:`hybridembed.storage.tiered` (dense tables: a file of rows and one per optimizer
+state) and :mod:`hybridembed.storage.tiered_hash` (dynamic tables: one file of records).
 """
 
 from __future__ import annotations
