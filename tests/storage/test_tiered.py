@@ -797,13 +797,13 @@ def test_files_are_mapped_where_the_rows_take_an_eighth_of_the_memory_and_a_trun
     """Tiered(mapped=None) maps a group's files where its rows take at most 1/8 of the memory this
     process may use (its cgroup's limit where lower); a mapped file cut short under the table
     raises at its next read or write (not SIGBUS), and the table's rows are as they were."""
-    from hybridembed.storage import tiered as tiered_mod
+    from hybridembed.storage import mapped
 
     rows_bytes = (300 + 200) * 8 * 4  # (the two tables of _tables: 500 rows x 8 float32)
-    monkeypatch.setattr(tiered_mod, "memory_limit", lambda: 8 * rows_bytes - 1)
+    monkeypatch.setattr(mapped, "memory_limit", lambda: 8 * rows_bytes - 1)
     small = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=60)), seed=1)
     assert small.storage_of("a")._rows_file.map is None
-    monkeypatch.setattr(tiered_mod, "memory_limit", lambda: 8 * rows_bytes)
+    monkeypatch.setattr(mapped, "memory_limit", lambda: 8 * rows_bytes)
     ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "b", cache_rows=60), OPTIMIZERS["adagrad"]), seed=1)
     st = ec.storage_of("a")
     assert st._rows_file.map is not None
@@ -843,3 +843,9 @@ def test_memory_limit_reads_the_cgroups_limit(tmp_path, monkeypatch):
     proc.write_text("4:cpu,cpuacct:/job\n3:memory:/job\n")
     (root / "memory" / "job" / "memory.limit_in_bytes").write_text(f"{1 << 29}\n")
     assert mapped.memory_limit() == min(machine, 1 << 29)
+    (root / "job" / "sub").mkdir()  # (a limit on a cgroup above the process's)
+    (root / "job" / "sub" / "memory.max").write_text("max\n")
+    (root / "job" / "memory.max").write_text(f"{1 << 28}\n")
+    proc.write_text("0::/job/sub\n")
+    assert mapped.memory_limit() == min(machine, 1 << 28)
+    assert mapped.map_limit(None) == mapped.memory_limit() // 8 and mapped.map_limit(False) == -1

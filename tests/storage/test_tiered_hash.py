@@ -15,6 +15,7 @@ import torch
 
 import hybridembed as he
 from hybridembed.optim import sparse as so
+from hybridembed.storage import mapped as mapped_mod
 from hybridembed.storage import records, tiered_hash
 from hybridembed.storage.tiered_file import _File
 from hybridembed.storage.tiered_hash import TieredHashStorage
@@ -535,7 +536,7 @@ def test_records_are_read_through_a_mapping_while_the_file_takes_an_eighth_of_th
     most 1/8 of the memory this process may use (checked as it grows), its writes staying system
     calls; the table trains as in memory, mapped and then not."""
     limit = 1500 * 64  # (bytes: 1,024 records of a row and Adagrad's state, 8 + 8 float32, but not 2,048)
-    monkeypatch.setattr(tiered_hash, "memory_limit", lambda: 8 * limit)
+    monkeypatch.setattr(mapped_mod, "memory_limit", lambda: 8 * limit)
     models = [
         he.EmbeddingCollection(_tables(t, OPTIMIZERS["adagrad"]), seed=4) for t in (None, he.Tiered(tmp_path, 60))
     ]

@@ -15,25 +15,32 @@ import torch
 
 from ..errors import ConfigError, HybridEmbedError
 
-__all__ = ["mapped", "grown", "willneed", "lock_dir", "memory_limit"]
+__all__ = ["mapped", "grown", "willneed", "lock_dir", "memory_limit", "map_limit"]
+
+MAP_SHARE = 8  # Tiered(mapped=None): a tiered table's files mapped while they take at most 1 / this of the memory
 
 
 def memory_limit() -> int:
-    """Bytes of memory this process may use: the machine's, or less where its cgroup (v2's
-    ``memory.max``, v1's ``memory.limit_in_bytes``) is limited."""
+    """Bytes of memory this process may use: the machine's, or less where its cgroup or one above
+    it (v2's ``memory.max``, v1's ``memory.limit_in_bytes``) is limited."""
     limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return limit
     for line in lines:  # ("0::/path" for v2, "N:memory:/path" for v1)
-        _, controllers, rel = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
         if controllers == "":
-            files = [Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.max"]
+            root, name = Path("/sys/fs/cgroup"), "memory.max"
         elif "memory" in controllers.split(","):
-            files = [Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / "memory.limit_in_bytes"]
+            root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
         else:
             continue
+        group = Path(rel.lstrip("/"))
+        files = [root / g / name for g in (group, *group.parents)]  # (the process's cgroup, then those above)
         for f in files:
             try:
                 text = f.read_text().strip()
@@ -42,6 +49,12 @@ def memory_limit() -> int:
             if text.isdigit():
                 limit = min(limit, int(text))
     return limit
+
+
+def map_limit(choice: bool | None) -> int:
+    """The most bytes of a tiered table's files mapped into memory under ``Tiered(mapped=choice)``:
+    -1 (False: none), no bound (True), or :data:`MAP_SHARE`'s share of :func:`memory_limit` (None)."""
+    return -1 if choice is False else 1 << 62 if choice else memory_limit() // MAP_SHARE
 
 
 def lock_dir(path: Path) -> int:

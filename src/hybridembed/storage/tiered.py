@@ -44,7 +44,7 @@ from ..errors import ConfigError, HybridEmbedError
 from ..utils import get_logger
 from .base import RowStorage
 from .dense import DenseStorage
-from .mapped import lock_dir, memory_limit
+from .mapped import lock_dir, map_limit
 from .protocol import LookupPlan, _nothing
 from .tiered_file import _File
 from .victims import least_recent
@@ -52,7 +52,6 @@ from .victims import least_recent
 __all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE", "prefetch_rows"]
 
 FRESH, ON_DISK, ON_DISK_NO_STATE = -1, -2, -3  # slot_of of a row not in the cache
-_MAP_SHARE = 8  # Tiered(mapped=None): a group's files mapped where its rows take at most 1 / this of the memory
 _PREFETCH_DEPTH = 2  # prefetches held at once (the next batch's and the one after it)
 _failed_lock = threading.Lock()
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched", "prefetch_failed")
@@ -207,8 +206,8 @@ class TieredStorage(DenseStorage):
         lock = lock_dir(self.dir / f"{self._name}.lock")  # (held while this storage lives)
         weakref.finalize(self, os.close, lock)
         item = torch.empty((), dtype=self.dtype).element_size()
-        mapped = self.config.mapped  # (None: mapped where the rows take at most an eighth of the memory)
-        self._mapped = total * self.dim * item <= memory_limit() // _MAP_SHARE if mapped is None else mapped
+        # (Tiered(mapped=None): mapped where the rows take at most an eighth of the memory)
+        self._mapped = total * self.dim * item <= map_limit(self.config.mapped)
         self._rows_file = _File(self.dir / f"{self._name}.rows", total, self.dim, self.dtype, self._mapped)
         self.slot_of = torch.full((total,), FRESH, dtype=torch.int32)  # (R,) see the module docstring
         self.row_of_slot = torch.full((cache,), -1, dtype=torch.int64)  # (C,) -1: free

@@ -45,11 +45,11 @@ import torch
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
 from .hashed import _EMPTY, HashStorage, eviction_score
-from .mapped import grown, lock_dir, mapped, memory_limit
+from .mapped import grown, lock_dir, map_limit, mapped
 from .pairs import sort_pairs
 from .protocol import LookupPlan, _nothing
 from .records import Homes
-from .tiered import _MAP_SHARE, _Prefetch, add_prefetch
+from .tiered import _Prefetch, add_prefetch
 from .tiered_file import _File
 
 __all__ = ["TieredHashStorage"]
@@ -103,15 +103,16 @@ class TieredHashStorage(HashStorage):
         weakref.finalize(self, os.close, lock_dir(self.dir / f"{self._name}.lock"))
         self._homes.where = self.dir  # (the records' arrays and index: mapped files there, from their first growth)
         self._file = _File(self.dir / f"{self._name}.rows", 0, self._record_bytes(self._parts), torch.uint8)
-        mapped = self.tier.mapped  # (records read through a mapping while the file is small: Tiered(mapped=...))
-        self._map_limit = -1 if mapped is False else 1 << 62 if mapped else memory_limit() // _MAP_SHARE
+        self._map_limit = map_limit(self.tier.mapped)  # (records read through a mapping while the file is small)
         self._file.map_reads(self._map_limit)
 
     def _build_index(self, slots: int) -> None:
         super()._build_index(2 * slots)  # (twice the positions: room for the tombstones of spills)
         self._tombs = 0
 
-    def _insert(self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor, at=None) -> None:
+    def _insert(
+        self, keys: torch.Tensor, tabs: torch.Tensor, slots: torch.Tensor, at: torch.Tensor | None = None
+    ) -> None:
         """As :meth:`HashStorage._insert`, each slot's index position kept (``slot_pos``): a spill
         makes its rows' positions tombstones without a search."""
         at = torch.empty(keys.numel(), dtype=torch.int64) if at is None else at
