@@ -849,3 +849,14 @@ def test_memory_limit_reads_the_cgroups_limit(tmp_path, monkeypatch):
     proc.write_text("0::/job/sub\n")
     assert mapped.memory_limit() == min(machine, 1 << 28)
     assert mapped.map_limit(None) == mapped.memory_limit() // 8 and mapped.map_limit(False) == -1
+
+
+def test_a_tiered_tables_memory_counts_its_cache_and_bookkeeping(tmp_path):
+    """``memory_bytes`` of a dense tiered table: its cached rows and state, the (R,) map, the
+    cache's bookkeeping and the recency queue; not its rows on disk."""
+    t = he.TableConfig("t", 10_000, 8, tiered=he.Tiered(str(tmp_path), cache_rows=500))
+    ec = he.EmbeddingCollection([t])
+    st = ec.storage_of("t")
+    want = 500 * 8 * 4 + 10_000 * 4 + 500 * (8 + 8 + 4 + 1 + 1) + (2 * 500 + 1024) * 4 + 2 * 1024 * 8
+    assert st.memory_bytes == want
+    assert st.memory_bytes < 10_000 * 8 * 4  # (less than the rows it holds)

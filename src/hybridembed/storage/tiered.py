@@ -47,7 +47,7 @@ from .dense import DenseStorage
 from .mapped import lock_dir, map_limit
 from .protocol import LookupPlan, _nothing
 from .tiered_file import _File
-from .victims import least_recent
+from .victims import RecencyQueue
 
 __all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE", "prefetch_rows"]
 
@@ -217,6 +217,7 @@ class TieredStorage(DenseStorage):
         self.pending = torch.zeros(cache, dtype=torch.bool)  # a gradient kept for the next step may name it
         self.free = torch.arange(cache - 1, -1, -1)  # a stack
         self.clock = 0  # lookups so far (the time of LRU)
+        self._recency = RecencyQueue(cache)  # (the cached slots, least recently used first)
         self._prefetches: list[_Prefetch] = []  # the rows prefetch() is reading, or read (oldest first)
         if self._rows_file.map is not None:  # (mapped: every row's initial value written now, as in memory)
             step = max(1, (64 << 20) // (self.dim * item))
@@ -233,11 +234,11 @@ class TieredStorage(DenseStorage):
         slots = self.slot_of.index_select(0, uniq).to(torch.int64)  # (U,)
         miss = (slots < 0).nonzero().squeeze(1)
         short = miss.numel() - self.free.numel()
-        victims = torch.zeros(0, dtype=torch.int64)
+        victims, head = torch.zeros(0, dtype=torch.int64), None
         if short > 0:
             keep = self.pending.clone()  # (rows a gradient kept for the next step may name)
             keep[slots[slots >= 0]] = True
-            victims, _ = least_recent(self.last_used, self.row_of_slot, keep, short, self.clock)
+            victims, head = self._recency.victims(short, self.last_used, self.row_of_slot, keep)
             if victims is None:
                 raise HybridEmbedError(
                     f"tiered tables {', '.join(t.name for t in self.tables)}: this lookup needs {uniq.numel()} "
@@ -249,6 +250,8 @@ class TieredStorage(DenseStorage):
         def commit() -> tuple[torch.Tensor, None]:
             with torch.no_grad():
                 self._evict(victims)
+                if head is not None:
+                    self._recency.advance(head)
                 if miss.numel():
                     new = self.free[-miss.numel() :].flip(0)
                     self.free = self.free[: -miss.numel()]
@@ -256,6 +259,7 @@ class TieredStorage(DenseStorage):
                     slots[miss] = new
             self.clock += 1
             self.last_used[slots] = self.clock
+            self._recency.push(slots, self.clock, self.last_used, self.row_of_slot)
             if train and torch.is_grad_enabled() and self.weight.requires_grad:
                 self.pending[slots] = True  # (until the optimizer's step: zero_grad may come before a backward)
             c = self.counters
@@ -523,10 +527,12 @@ class TieredStorage(DenseStorage):
     # --- accounting ---------------------------------------------------------------------------
     @property
     def memory_bytes(self) -> int:
-        """Bytes in memory: the cached rows and state, and the (R,) map of where each row is."""
-        cached = self.weight.numel() * self.weight.element_size()
-        cached += sum(t.numel() * t.element_size() for t in self.state.values())
-        return cached + self.slot_of.numel() * 4 + self.row_of_slot.numel() * 8 * 2
+        """Bytes in memory: the cached rows and state, the (R,) map of where each row is, and the
+        cache's bookkeeping (a slot's row, use, origin and flags; the recency queue)."""
+        held = [self.weight, *self.state.values(), self.slot_of, self.row_of_slot]
+        if self.row_of_slot.numel():
+            held += [self.last_used, self.origin, self.dirty, self.pending, *self._recency.tensors()]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def stats(self, table: str | None = None) -> dict[str, Any]:
         """``rows``, ``memory_bytes``, ``disk_bytes``, ``cache_rows``, and the cache's ``hits``,
