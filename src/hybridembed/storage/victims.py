@@ -36,7 +36,8 @@ class RecencyQueue:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.entries = torch.empty(2 * capacity + 1024, dtype=torch.int32)  # (slots: a cache is < 2**31)
+        self.dtype = torch.int32 if capacity < 2**31 else torch.int64  # (an entry is a slot)
+        self.entries = torch.empty(2 * capacity + 1024, dtype=self.dtype)
         self.seg_end = torch.empty(1024, dtype=torch.int64)  # each segment's end in entries
         self.seg_clock = torch.empty(1024, dtype=torch.int64)
         self.n = self.nseg = 0  # entries and segments held
@@ -54,7 +55,7 @@ class RecencyQueue:
         if self.n + u > self.entries.numel() or self.nseg == self.seg_end.numel():
             self._compact(last_used, taken)  # (leaves at most one live entry a cached slot)
             if self.n + u > self.entries.numel():
-                grown = torch.empty(max(2 * self.entries.numel(), self.n + u), dtype=torch.int32)
+                grown = torch.empty(max(2 * self.entries.numel(), self.n + u), dtype=self.dtype)
                 grown[: self.n] = self.entries[: self.n]
                 self.entries = grown
             if self.nseg == self.seg_end.numel():
@@ -114,7 +115,7 @@ class RecencyQueue:
             per_seg = torch.bincount(seg_of[live], minlength=counts.numel())
             nonempty = per_seg > 0
             n, nseg = int(live.sum()), int(nonempty.sum())
-            self.entries[:n] = e[live].to(torch.int32)
+            self.entries[:n] = e[live].to(self.dtype)
             self.seg_clock[:nseg] = self.seg_clock[self.g : self.nseg][nonempty].clone()
             self.seg_end[:nseg] = torch.cumsum(per_seg[nonempty], 0)
         self.n, self.nseg, self.head, self.g = int(n), int(nseg), 0, 0
