@@ -163,7 +163,7 @@ class Tiered:
     mapped: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path):
+        if not isinstance(self.path, (str, os.PathLike)) or not str(self.path) or "\x00" in str(self.path):
             raise ConfigError(f"Tiered: path must be a directory path, got {self.path!r}")
         if isinstance(self.cache_rows, bool) or not isinstance(self.cache_rows, int) or self.cache_rows <= 0:
             raise ConfigError(f"Tiered: cache_rows must be a positive int, got {self.cache_rows!r}")
@@ -240,10 +240,22 @@ class TableConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "." in self.name:
             raise ConfigError(f"table name must be a non-empty string without '.', got {self.name!r}")
+        if self.dynamic is not None and not isinstance(self.dynamic, Dynamic):
+            raise ConfigError(f"table {self.name!r}: dynamic must be a he.Dynamic(...), got {self.dynamic!r}")
         if self.tiered is not None:
             if not isinstance(self.tiered, Tiered):
                 raise ConfigError(
                     f"table {self.name!r}: tiered must be a he.Tiered(path, cache_rows), got {self.tiered!r}"
+                )
+            if any(c in self.name for c in ("/", "\\", "\x00")):
+                raise ConfigError(
+                    f"table {self.name!r}: a tiered table's name names its files in Tiered(path=...): "
+                    "no '/', '\\' or NUL in it"
+                )
+            if self.dynamic is not None and self.tiered.cache_rows > MAX_SLOTS:
+                raise ConfigError(
+                    f"table {self.name!r}: Tiered(cache_rows={self.tiered.cache_rows}) is more than a dynamic "
+                    f"table's cache can hold: at most {MAX_SLOTS} (row slots are int32)"
                 )
             if self.dynamic is not None and (self.dynamic.capacity is not None or self.dynamic.eviction == "ttl"):
                 raise ConfigError(
@@ -252,8 +264,6 @@ class TableConfig:
                     "(which rows stay in memory), not a capacity or 'ttl' (which drop rows)"
                 )
         if self.dynamic is not None:
-            if not isinstance(self.dynamic, Dynamic):
-                raise ConfigError(f"table {self.name!r}: dynamic must be a he.Dynamic(...), got {self.dynamic!r}")
             if self.num_embeddings is not None:
                 raise ConfigError(
                     f"table {self.name!r}: a dynamic table has no fixed size; pass num_embeddings=None "

@@ -814,6 +814,16 @@ def test_files_are_mapped_where_the_rows_take_an_eighth_of_the_memory_and_a_trun
         ec.state_dict()
     with pytest.raises(he.HybridEmbedError, match="shorter than its rows"):
         _train(ec, steps=6)
+    # not mapped (read and written by system calls): the same error, not rows read back as zeros
+    # after an eviction's write grew the file again
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "c", cache_rows=60, mapped=False)), seed=1)
+    st = ec.storage_of("a")
+    _train(ec, steps=6)
+    assert st._rows_file.map is None and st.stats()["disk_writes"] > 0
+    os.truncate(st._rows_file.path, 0)
+    with pytest.raises(he.HybridEmbedError, match="shorter than its rows"):
+        _train(ec, steps=6)
+    assert os.path.getsize(st._rows_file.path) == 0
 
 
 def test_memory_limit_reads_the_cgroups_limit(tmp_path, monkeypatch):
@@ -857,6 +867,36 @@ def test_a_tiered_tables_memory_counts_its_cache_and_bookkeeping(tmp_path):
     t = he.TableConfig("t", 10_000, 8, tiered=he.Tiered(str(tmp_path), cache_rows=500))
     ec = he.EmbeddingCollection([t])
     st = ec.storage_of("t")
-    want = 500 * 8 * 4 + 10_000 * 4 + 500 * (8 + 8 + 4 + 1 + 1) + (2 * 500 + 1024) * 4 + 2 * 1024 * 8
+    free = st.free.numel() * 8  # (the free slots' stack: all of them before a lookup)
+    want = 500 * 8 * 4 + 10_000 * 4 + 500 * (8 + 8 + 4 + 1 + 1) + free + (2 * 500 + 1024) * 4 + 2 * 1024 * 8
     assert st.memory_bytes == want
     assert st.memory_bytes < 10_000 * 8 * 4  # (less than the rows it holds)
+
+
+def test_tiered_names_paths_and_files_that_are_not_the_tables_own_are_refused(tmp_path):
+    """A name that would put files outside Tiered(path) or a NUL in the path; a dynamic cache beyond
+    int32 slots; a `dynamic` that is not a Dynamic; a lock file that is a directory and a rows file
+    that is a symbolic link (to a file the table would overwrite): clear errors, nothing written."""
+    from hybridembed.config import MAX_SLOTS
+
+    t = he.Tiered(tmp_path / "t", cache_rows=5)
+    for name in ("sub/a", "/tmp/a", "a\\b", "a\x00b"):
+        with pytest.raises(he.ConfigError, match="names its files"):
+            he.TableConfig(name, 10, 4, tiered=t)
+    with pytest.raises(he.ConfigError, match="path must be a directory path"):
+        he.Tiered(str(tmp_path) + "/a\x00b", cache_rows=5)
+    with pytest.raises(he.ConfigError, match="at most 2147483646"):
+        he.TableConfig("a", None, 4, dynamic=he.Dynamic(), tiered=he.Tiered(tmp_path, MAX_SLOTS + 1))
+    for dyn in ("x", True):
+        with pytest.raises(he.ConfigError, match="dynamic must be a he.Dynamic"):
+            he.TableConfig("a", None, 4, dynamic=dyn, tiered=t)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.lock").mkdir()
+    with pytest.raises(he.ConfigError, match="a.lock: cannot make this table group's lock file"):
+        he.EmbeddingCollection([he.TableConfig("a", 10, 4, tiered=t)])
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"mine")
+    (tmp_path / "t" / "b.rows").symlink_to(victim)
+    with pytest.raises(he.ConfigError, match="b.rows: cannot make it"):
+        he.EmbeddingCollection([he.TableConfig("b", 10, 4, tiered=t)])
+    assert victim.read_bytes() == b"mine"

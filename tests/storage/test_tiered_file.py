@@ -51,6 +51,11 @@ def test_a_file_reads_and_writes_scattered_rows_and_runs_and_a_truncated_file_is
     if numba == "parallel":
         assert len(calls) > 3 and max(calls) < 20, calls  # (sliced: no call read every run)
     os.truncate(f.path, 40 * 5 * 4)
+    for call in (lambda: f.read(torch.tensor([2])), lambda: f.write(torch.tensor([2]), torch.ones(1, 5))):
+        with pytest.raises(he.HybridEmbedError, match=r"f\.rows: shorter than its rows \(the file was truncated\?\)"):
+            call()  # (checked first: a write must not grow it again, nor a read give zeros)
+    assert os.path.getsize(f.path) == 40 * 5 * 4
+    f.size = 40 * 5 * 4  # (cut between the check and the read: the read itself comes short)
     with pytest.raises(he.HybridEmbedError, match=r"f\.rows: a short read \(the file was truncated\?\)"):
         f.read(torch.tensor([2, 39, 41]))
     with pytest.raises(he.HybridEmbedError, match="a short read"):  # (the failing run in a later slice)

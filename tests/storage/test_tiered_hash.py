@@ -184,6 +184,21 @@ def test_refusals_change_nothing(tmp_path, monkeypatch):
     _train(ec, steps=3, opt=opt)  # (it goes on once there is room)
 
 
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_records_file_cut_short_under_the_table_is_a_clear_error_not_rows_of_zeros(tmp_path, mapped, monkeypatch):
+    """The file of spilled records truncated while the table lives: the next lookup that reads or
+    spills raises, naming the file (read by system calls, its missing records read as zeros, and a
+    spill's write grew the file again before the read)."""
+    monkeypatch.setattr(mapped_mod, "memory_limit", lambda: (1 << 40) if mapped else 1)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "t", cache_rows=40)), seed=1)
+    _train(ec, steps=8)
+    st = ec.storage_of("a")
+    assert st.stats()["spilled"] > 0 and (st._file.map is not None) == mapped
+    os.truncate(st._file.path, 0)
+    with pytest.raises(he.HybridEmbedError, match="shorter than its rows"):
+        _train(ec, steps=8)
+
+
 def test_the_records_index_lives_in_mapped_files_and_a_full_disk_growing_it_changes_nothing(tmp_path, monkeypatch):
     """The per-record arrays and index are files of the table's directory mapped into memory (not
     the process's memory), unlinked at once; when the disk cannot hold them grown, the batch is

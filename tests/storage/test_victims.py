@@ -84,3 +84,21 @@ def test_a_cache_that_only_hits_keeps_one_entry_a_slot(numba, monkeypatch):
     protect = torch.rand(c, generator=g) < 0.3
     got, _ = q.victims(c // 2, last_used, taken, protect)
     assert got.tolist() == _reference(order, taken, protect, c // 2)[0]
+
+
+def test_a_queue_of_one_segment_a_cached_slot_compacts_rarely(monkeypatch):
+    """Lookups of one row each over a 1,023-slot cache (its live segments fill the segment arrays
+    after every compaction unless they grow): the queue compacts a few times, not at every lookup."""
+    c = 1023
+    q = V.RecencyQueue(c)
+    calls = []
+    real = q._compact
+    monkeypatch.setattr(q, "_compact", lambda *a: calls.append(1) or real(*a))
+    last_used, taken = torch.zeros(c, dtype=torch.int64), torch.arange(c, dtype=torch.int64)
+    for clock in range(1, 3001):
+        slot = torch.tensor([clock % c])
+        last_used[slot] = clock
+        q.push(slot, clock, last_used, taken)
+    assert len(calls) <= 10, len(calls)
+    got, _ = q.victims(3, last_used, taken, torch.zeros(c, dtype=torch.bool))
+    assert got.tolist() == [3001 % c, 3002 % c, 3003 % c]  # (the least recently used)

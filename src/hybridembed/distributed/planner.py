@@ -104,10 +104,11 @@ class _Table:
 
     def _mem(self, rows: int, per_row: int) -> int:
         """Memory of ``rows`` rows of ``per_row`` bytes: a tiered table holds its cache's rows (at most),
-        one int32 per row (where the row is) and ~30 bytes of bookkeeping a cached row (its row,
-        last use, origin and flags, its recency queue's entries: ``TieredStorage.memory_bytes``)."""
+        one int32 per row (where the row is) and ~40 bytes of bookkeeping a cached row (its row,
+        last use, origin and flags, the free slots, its recency queue's entries:
+        ``TieredStorage.memory_bytes``)."""
         tiered = self.config.tiered
-        return rows * per_row if tiered is None else min(rows, tiered.cache_rows) * (per_row + 30) + 4 * rows
+        return rows * per_row if tiered is None else min(rows, tiered.cache_rows) * (per_row + 40) + 4 * rows
 
     @property
     def nbytes(self) -> int:

@@ -60,7 +60,13 @@ def map_limit(choice: bool | None) -> int:
 def lock_dir(path: Path) -> int:
     """An exclusive ``flock`` on ``path`` (made if missing): its descriptor. Two live tables never
     share one set of files (the lock goes with the descriptor, or when the process ends)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        raise ConfigError(
+            f"{path}: cannot make this table group's lock file ({e.strerror}); give Tiered(path=...) a writable "
+            "directory whose files are the table's own"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -528,10 +528,10 @@ class TieredStorage(DenseStorage):
     @property
     def memory_bytes(self) -> int:
         """Bytes in memory: the cached rows and state, the (R,) map of where each row is, and the
-        cache's bookkeeping (a slot's row, use, origin and flags; the recency queue)."""
+        cache's bookkeeping (a slot's row, use, origin and flags; the free slots; the recency queue)."""
         held = [self.weight, *self.state.values(), self.slot_of, self.row_of_slot]
         if self.row_of_slot.numel():
-            held += [self.last_used, self.origin, self.dirty, self.pending, *self._recency.tensors()]
+            held += [self.last_used, self.origin, self.dirty, self.pending, self.free, *self._recency.tensors()]
         return sum(t.numel() * t.element_size() for t in held)
 
     def stats(self, table: str | None = None) -> dict[str, Any]:

@@ -56,11 +56,17 @@ class _File:
         self.width, self.dtype, self.path = width, dtype, path
         self.row_bytes = width * self.item
         size = rows * self.row_bytes
-        try:
-            with open(path, "wb") as f:
-                os.posix_fallocate(f.fileno(), 0, max(size, 1))  # (reserved now: a full disk fails here)
-            self.fd = os.open(path, os.O_RDWR)
+        try:  # (not through a symbolic link: the table writes its own files only)
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as e:
+            raise ConfigError(
+                f"tiered table file {path}: cannot make it ({e.strerror}); give Tiered(path=...) a writable "
+                "directory whose files are the table's own"
+            ) from None
+        try:
+            os.posix_fallocate(self.fd, 0, max(size, 1))  # (reserved now: a full disk fails here)
+        except OSError as e:
+            os.close(self.fd)
             raise ConfigError(
                 f"tiered table file {path}: cannot reserve {size / 2**20:,.1f} MiB ({e.strerror}); give "
                 "Tiered(path=...) a writable directory on a disk with room for the table and its optimizer state"
@@ -101,6 +107,7 @@ class _File:
                 f"tiered table file {self.path}: cannot grow to {rows * self.row_bytes / 2**20:,.1f} MiB "
                 f"({e.strerror}); nothing was changed: free room on that disk"
             ) from None
+        self.size = max(self.size, rows * self.row_bytes)
         if self._map_limit >= 0:
             self.map_reads(self._map_limit)
 
@@ -135,6 +142,7 @@ class _File:
             self.settle_writes(rows)
         if self.map is not None:
             return self._whole().index_select(0, rows)
+        self._check_size()
         order, starts, ends, offsets = self._runs(rows)
         io = _io()
         buf = torch.empty(rows.numel() * self.row_bytes, dtype=torch.uint8)
@@ -167,9 +175,14 @@ class _File:
     def _whole(self) -> torch.Tensor:
         """The mapping, after a check that the file still holds it (a page beyond a file truncated
         under the table would kill the process with SIGBUS, not raise)."""
+        self._check_size()
+        return self.map
+
+    def _check_size(self) -> None:
+        """Raise where the file is shorter than the rows it holds: cut under the table. (Read by
+        system calls, its missing rows would read as zeros, and a write would grow it again.)"""
         if os.fstat(self.fd).st_size < self.size:
             raise HybridEmbedError(f"tiered table file {self.path}: shorter than its rows (the file was truncated?)")
-        return self.map
 
     def write_behind(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """:meth:`write` by the writer thread while the caller goes on (the copy into the kernel's
@@ -184,6 +197,7 @@ class _File:
             self.write(rows, data)
             return
         self.make_room()
+        self._check_size()
         w = _Behind(rows, self._prepared(rows, data))
         with self._behind_lock:
             self._behind.append(w)
@@ -231,6 +245,7 @@ class _File:
         return flat.numpy(), starts, ends, offsets
 
     def _write_now(self, rows: torch.Tensor, data: torch.Tensor) -> None:
+        self._check_size()
         runs = self._prepared(rows, data)
         io = _io()
         first = io.pwrite_runs(self.fd, *runs) if io else 0

@@ -1,5 +1,6 @@
 """A tiered cache's least recently used victims (:class:`~hybridembed.storage.tiered.TieredStorage`):
-a recency queue, so that choosing k victims costs about k entries, not a pass over the cache.
+a recency queue, so that choosing k victims costs about k entries (amortised, with Numba), not a
+pass over the cache.
 
 Each lookup appends its distinct slots to the queue as one segment stamped with the lookup's
 clock; a slot's entry is *live* while the slot holds a row last used at that clock (a later
@@ -54,11 +55,11 @@ class RecencyQueue:
             return
         if self.n + u > self.entries.numel() or self.nseg == self.seg_end.numel():
             self._compact(last_used, taken)  # (leaves at most one live entry a cached slot)
-            if self.n + u > self.entries.numel():
+            if self.n + u > self.entries.numel():  # (n <= C and u <= C after it: only a buffer made smaller)
                 grown = torch.empty(max(2 * self.entries.numel(), self.n + u), dtype=self.dtype)
                 grown[: self.n] = self.entries[: self.n]
                 self.entries = grown
-            if self.nseg == self.seg_end.numel():
+            if 2 * self.nseg >= self.seg_end.numel():  # (half full still: doubled, or it compacts every few lookups)
                 self.seg_end = torch.cat([self.seg_end, torch.empty_like(self.seg_end)])
                 self.seg_clock = torch.cat([self.seg_clock, torch.empty_like(self.seg_clock)])
         self.entries[self.n : self.n + u] = slots
@@ -80,7 +81,7 @@ class RecencyQueue:
                 self.entries.numpy(), self.seg_end.numpy(), self.seg_clock.numpy(), self.head, self.g, self.n,
                 last_used.numpy(), taken.numpy(), protect.numpy(), k, out.numpy(),
             )  # fmt: skip
-            return (out if found == k else None), int(head)
+            return (out, int(head)) if found == k else (None, self.head)
         e, live = self._live(last_used, taken)
         elig = (live & ~protect.index_select(0, e)).nonzero().squeeze(1)
         if elig.numel() < k:
