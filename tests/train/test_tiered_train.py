@@ -73,6 +73,8 @@ def test_tiered_cache_alone_and_a_tiered_checkpoint_without_tiered_are_refused(g
     assert "--tiered-cache applies to --tiered DIR only" in capsys.readouterr().err
     assert cli.main([*argv, "--tiered-mapped", "yes"]) == 2
     assert "--tiered-mapped applies to --tiered DIR only" in capsys.readouterr().err
+    assert cli.main([*argv, "--tiered", " ", "--tiered-cache", "9000"]) == 2
+    assert "--tiered needs a directory (DIR), got an empty one" in capsys.readouterr().err
     _run([*argv, "--tiered", str(tmp_path / "tiers"), "--tiered-cache", "9000"], capsys)
     assert cli.main([*argv, "--resume", str(tmp_path / "checkpoint"), "--epochs", "2"]) == 2
     assert "give --tiered DIR to resume" in capsys.readouterr().err

@@ -178,6 +178,8 @@ def _resolve_tiered(args: argparse.Namespace) -> None:
     0 the job's dynamic tables with rows beyond the cache on disk (their checkpoints are dynamic
     tables', in memory or not); on the CPU, in one process, each process's shards on its disk, or
     the parameter servers' on theirs."""
+    if args.tiered is not None and not args.tiered.strip():
+        raise UsageError("--tiered needs a directory (DIR), got an empty one")
     if args.hashed_tables and not args.tiered:
         raise UsageError("the checkpoint's tables are tiered (hashed into files on disk): give --tiered DIR to resume")
     if not args.tiered:
