@@ -900,3 +900,9 @@ def test_tiered_names_paths_and_files_that_are_not_the_tables_own_are_refused(tm
     with pytest.raises(he.ConfigError, match="b.rows: cannot make it"):
         he.EmbeddingCollection([he.TableConfig("b", 10, 4, tiered=t)])
     assert victim.read_bytes() == b"mine"
+    # a group's files are named by its first table and how many follow, after a '.' (no table's name
+    # has one): a table named as the old '+' form of a group is its own group's, not refused
+    t = he.Tiered(tmp_path / "u", cache_rows=5)
+    ec = he.EmbeddingCollection([he.TableConfig(n, 10, d, tiered=t) for n, d in (("a", 4), ("b", 4), ("a+1", 8))])
+    assert sorted(p.name for p in (tmp_path / "u").glob("*.rows")) == ["a+1.rows", "a.1.rows"]
+    ec({"a": torch.tensor([1]), "b": torch.tensor([2]), "a+1": torch.tensor([3])})

@@ -140,12 +140,12 @@ def test_a_job_of_2_processes_keeps_each_shard_on_its_disk_and_trains_as_in_memo
     assert on_disk and int(on_disk.group(2).replace(",", "")) > 0, tiered  # (both ranks' shards counted)
     assert re.search(r"table rows ([\d,]+)", memory).group(1) == on_disk.group(1)
     assert _epoch(tiered, 1) == _epoch(memory, 1)
-    assert sorted(p.name for p in (tmp_path / "tiers").glob("*.rows")) == ["C1@0+25.rows", "C1@1+25.rows"]
+    assert sorted(p.name for p in (tmp_path / "tiers").glob("*.rows")) == ["C1@0.25.rows", "C1@1.25.rows"]
     servers = ["--nproc", "3", "--servers", "1", "--tiered", str(tmp_path / "ps"), "--tiered-cache", "5000"]
     served = run(*servers, "--workdir", str(tmp_path / "s"), "--epochs", "1", "--no-checkpoint")
     assert "rows beyond 5,000 a server in memory spilled to files under" in served
     assert _epoch(served, 1) == _epoch(memory, 1)  # (sync servers: as the collective job)
-    assert [p.name for p in (tmp_path / "ps").glob("*.rows")] == ["C1@0+25.rows"]  # (on the server's disk)
+    assert [p.name for p in (tmp_path / "ps").glob("*.rows")] == ["C1@0.25.rows"]  # (on the server's disk)
     ck = str(tmp_path / "t/checkpoint")
     one = [a for a in base if a not in ("--capacity", "0")] + ["--tiered", str(tmp_path / "t1"), "--resume", ck]
     code = cli.main([*one, "--workdir", str(tmp_path / "t"), "--epochs", "2"])
@@ -181,4 +181,4 @@ def test_a_job_of_2_processes_keeps_each_shard_on_its_disk_and_trains_as_in_memo
         "26 tiered tables (dim 4, 5,000 rows each, ids hashed into them" in served and "on 1 parameter server" in served
     )
     assert _epoch(served, 1) == _epoch(two, 1) and re.search(r"cache hit rate 0\.\d+ so far", served), served
-    assert [p.name for p in where.glob("*.rows")] == ["C1+25.rows"]
+    assert [p.name for p in where.glob("*.rows")] == ["C1.25.rows"]

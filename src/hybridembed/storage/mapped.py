@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError, HybridEmbedError
 
-__all__ = ["mapped", "grown", "willneed", "lock_dir", "memory_limit", "map_limit"]
+__all__ = ["mapped", "grown", "willneed", "group_stem", "lock_dir", "memory_limit", "map_limit"]
 
 MAP_SHARE = 8  # Tiered(mapped=None): a tiered table's files mapped while they take at most 1 / this of the memory
 
@@ -55,6 +55,12 @@ def map_limit(choice: bool | None) -> int:
     """The most bytes of a tiered table's files mapped into memory under ``Tiered(mapped=choice)``:
     -1 (False: none), no bound (True), or :data:`MAP_SHARE`'s share of :func:`memory_limit` (None)."""
     return -1 if choice is False else 1 << 62 if choice else memory_limit() // MAP_SHARE
+
+
+def group_stem(tables) -> str:
+    """The stem of a tiered group's files in its directory: its one table's name, or the first's and
+    how many more follow it after a '.' (which no table name holds: no group's stem is a table's)."""
+    return tables[0].name if len(tables) == 1 else f"{tables[0].name}.{len(tables) - 1}"
 
 
 def lock_dir(path: Path) -> int:

@@ -44,7 +44,7 @@ from ..errors import ConfigError, HybridEmbedError
 from ..utils import get_logger
 from .base import RowStorage
 from .dense import DenseStorage
-from .mapped import lock_dir, map_limit
+from .mapped import group_stem, lock_dir, map_limit
 from .protocol import LookupPlan, _nothing
 from .tiered_file import _File
 from .victims import RecencyQueue
@@ -202,7 +202,7 @@ class TieredStorage(DenseStorage):
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"Tiered(path={self.config.path!r}): cannot make the directory ({e.strerror})") from None
-        self._name = self.tables[0].name if len(self.tables) == 1 else f"{self.tables[0].name}+{len(self.tables) - 1}"
+        self._name = group_stem(self.tables)
         lock = lock_dir(self.dir / f"{self._name}.lock")  # (held while this storage lives)
         weakref.finalize(self, os.close, lock)
         item = torch.empty((), dtype=self.dtype).element_size()

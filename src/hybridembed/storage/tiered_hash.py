@@ -45,7 +45,7 @@ import torch
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
 from .hashed import _EMPTY, HashStorage, eviction_score
-from .mapped import grown, lock_dir, map_limit, mapped
+from .mapped import group_stem, grown, lock_dir, map_limit, mapped
 from .pairs import sort_pairs
 from .protocol import LookupPlan, _nothing
 from .records import Homes
@@ -99,7 +99,7 @@ class TieredHashStorage(HashStorage):
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"Tiered(path={self.tier.path!r}): cannot make the directory ({e.strerror})") from None
-        self._name = self.tables[0].name if len(self.tables) == 1 else f"{self.tables[0].name}+{len(self.tables) - 1}"
+        self._name = group_stem(self.tables)
         weakref.finalize(self, os.close, lock_dir(self.dir / f"{self._name}.lock"))
         self._homes.where = self.dir  # (the records' arrays and index: mapped files there, from their first growth)
         self._file = _File(self.dir / f"{self._name}.rows", 0, self._record_bytes(self._parts), torch.uint8)
