@@ -219,6 +219,7 @@ class _File:
                 if w.first is None:  # (a forked child never sees its parent's writer finish: it writes it all)
                     w.first = w.done.result() if w.pid == os.getpid() else 0
                 if w.first >= 0:
+                    self._check_size()  # (its rows stay kept: a cut file is not grown again by the retry)
                     try:
                         self._write_runs(*w.runs, w.first)
                     except OSError as e:

@@ -36,7 +36,6 @@ class RecencyQueue:
     cache's own, passed to each call; the queue only reads them."""
 
     def __init__(self, capacity: int):
-        self.capacity = capacity
         self.dtype = torch.int32 if capacity < 2**31 else torch.int64  # (an entry is a slot)
         self.entries = torch.empty(2 * capacity + 1024, dtype=self.dtype)
         self.seg_end = torch.empty(1024, dtype=torch.int64)  # each segment's end in entries
