@@ -16,6 +16,7 @@ import torch
 import hybridembed as he
 from hybridembed.optim import sparse as so
 from hybridembed.storage import TieredStorage
+from hybridembed.storage import tiered as tiered_mod
 
 OPTIMIZERS = {
     "sgd": so.SGD(lr=0.1),
@@ -69,10 +70,18 @@ def _same(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize(("kernels", "mapped"), [("auto", None), ("eager", None), ("auto", False)])
+@pytest.mark.parametrize(
+    ("kernels", "mapped", "loops"),
+    [("auto", None, True), ("auto", None, False), ("eager", None, True), ("auto", False, True)],
+)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_tiered_table_trains_as_the_table_in_memory(tmp_path, name, kernels, mapped):
-    """Files mapped (None: these small tables' are) or read and written by system calls."""
+def test_a_tiered_table_trains_as_the_table_in_memory(tmp_path, name, kernels, mapped, loops, monkeypatch):
+    """Files mapped (None: these small tables' are) or read and written by system calls; mapped,
+    the misses moved by the Numba loops (``loops``) or by torch's ops."""
+    if not loops:
+        monkeypatch.setattr(tiered_mod, "_kernel", lambda: None)
+    elif mapped is None and tiered_mod._kernel() is None:
+        pytest.skip("Numba is not installed")
     opt = OPTIMIZERS[name]
     ref = he.EmbeddingCollection(_tables(None, opt), seed=3, kernels=kernels)
     _train(ref)
@@ -84,6 +93,7 @@ def test_a_tiered_table_trains_as_the_table_in_memory(tmp_path, name, kernels, m
     assert isinstance(st, TieredStorage) and st.weight.shape[0] == 60
     files = [st._rows_file, *st._state_files.values()]
     assert all((f.map is not None) == (mapped is None) for f in files) and len(files) == 1 + len(st.state)
+    assert (st._loops() is not None) == (loops and mapped is None)
     stats = st.stats()
     assert stats["evictions"] > 200 and stats["disk_reads"] > 100 and 0 < stats["hit_rate"] < 1, stats
     _same(_state(ec), _state(ref))

@@ -28,6 +28,7 @@ through :meth:`read_range`: what keeps a table is a checkpoint.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -54,6 +55,7 @@ __all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE", "prefetch_ro
 FRESH, ON_DISK, ON_DISK_NO_STATE = -1, -2, -3  # slot_of of a row not in the cache
 _PREFETCH_DEPTH = 2  # prefetches held at once (the next batch's and the one after it)
 _failed_lock = threading.Lock()
+_LOOP_DTYPES = (torch.float32, torch.float64)  # (rows and state the Numba loops copy: arrays NumPy holds)
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched", "prefetch_failed")
 
 
@@ -172,6 +174,16 @@ def prefetch_rows(features, storages, jagged: dict) -> None:
         storages[g].prefetch_ids(ids, tabs)
 
 
+@functools.cache
+def _kernel():
+    """The Numba loops of :mod:`hybridembed.kernels._numba_cache`, or None (no Numba: torch's ops)."""
+    try:
+        from ..kernels import _numba_cache as K
+    except Exception:  # (ImportError, or a Numba that does not match this NumPy)
+        return None
+    return K
+
+
 class TieredStorage(DenseStorage):
     """Rows of several dense tables of one dim and dtype on disk, ``cache_rows`` of them in memory."""
 
@@ -237,7 +249,7 @@ class TieredStorage(DenseStorage):
         victims, head = torch.zeros(0, dtype=torch.int64), None
         if short > 0:
             keep = self.pending.clone()  # (rows a gradient kept for the next step may name)
-            keep[slots[slots >= 0]] = True
+            keep.index_fill_(0, slots[slots >= 0], True)
             victims, head = self._recency.victims(short, self.last_used, self.row_of_slot, keep)
             if victims is None:
                 raise HybridEmbedError(
@@ -258,10 +270,12 @@ class TieredStorage(DenseStorage):
                     self._load(uniq.index_select(0, miss), new)
                     slots[miss] = new
             self.clock += 1
-            self.last_used[slots] = self.clock
+            self.last_used.index_fill_(0, slots, self.clock)
             self._recency.push(slots, self.clock, self.last_used, self.row_of_slot)
             if train and torch.is_grad_enabled() and self.weight.requires_grad:
-                self.pending[slots] = True  # (until the optimizer's step: zero_grad may come before a backward)
+                self.pending.index_fill_(
+                    0, slots, True
+                )  # (until the optimizer's step: zero_grad may come before a backward)
             c = self.counters
             c["lookups"] += 1
             c["hits"] += uniq.numel() - miss.numel()
@@ -270,9 +284,27 @@ class TieredStorage(DenseStorage):
 
         return LookupPlan(commit, _nothing)
 
+    def _loops(self):
+        """The Numba loops of :mod:`hybridembed.kernels._numba_cache` where every file is mapped and
+        the rows and state are contiguous float32 / float64 (arrays NumPy holds), else None: torch's ops."""
+        K = _kernel()
+        files = [self._rows_file, *self._state_files.values()]
+        if K is None or any(f is None or f.map is None or not f.map_writes for f in files):
+            return None
+        held = [self.weight, *self.state.values()]
+        if set(self._state_files) != set(self.state) or any(
+            t.dtype not in _LOOP_DTYPES or not t.is_contiguous() for t in held
+        ):
+            return None
+        return K
+
     def _evict(self, victims: torch.Tensor) -> None:
         """Free ``victims`` (slots): a changed row and its state written to the files first."""
         if victims.numel() == 0:
+            return
+        K = self._loops()
+        if K is not None:
+            self._evict_mapped(K, victims)
             return
         rows = self.row_of_slot.index_select(0, victims)
         changed = self.dirty.index_select(0, victims)
@@ -298,8 +330,40 @@ class TieredStorage(DenseStorage):
         self.counters["evictions"] += victims.numel()
         self.counters["disk_writes"] += w_rows.numel()
 
+    def _evict_mapped(self, K, victims: torch.Tensor) -> None:
+        """:meth:`_evict` by the Numba loops (``K``), every file mapped: each changed row and its
+        state copied once, from the cache into the files' pages."""
+        maps = self._mappings()
+        v, w_slots, w_rows = victims.numpy(), torch.empty_like(victims), torch.empty_like(victims)
+        k = K.changed_of(v, self.row_of_slot.numpy(), self.dirty.numpy(), w_slots.numpy(), w_rows.numpy())
+        if k:
+            for pf in self._prefetches:  # (none where the files are mapped; as _evict, should one be held)
+                pf.stale[pf.positions(w_rows[:k])[1]] = True
+            for name, m in maps.items():
+                K.write_rows(m, w_rows.numpy(), self._held2d(name).numpy(), w_slots.numpy(), k)
+        written = ON_DISK if self._state_files else ON_DISK_NO_STATE
+        K.evicted(v, self.row_of_slot.numpy(), self.dirty.numpy(), self.origin.numpy(), self.slot_of.numpy(), written)
+        self.free = torch.cat([self.free, victims.flip(0)])
+        self.counters["evictions"] += victims.numel()
+        self.counters["disk_writes"] += k
+
+    def _mappings(self) -> dict[str, Any]:
+        """``{"weight", state...}``: each file's mapping as a NumPy array (every file's size checked
+        first: a file cut short raises here, before anything changes)."""
+        maps = {"weight": self._rows_file.mapping()} | {n: f.mapping() for n, f in self._state_files.items()}
+        return {n: m.numpy() for n, m in maps.items()}
+
+    def _held2d(self, name: str) -> torch.Tensor:
+        """The cache's rows (``"weight"``) or optimizer state ``name`` as (C, width), as the files hold them."""
+        t = self.weight.detach() if name == "weight" else self.state[name]
+        return t.view(t.shape[0], -1)
+
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Rows ``rows`` (U,) into free ``slots``: read from the files, or initialised."""
+        K = self._loops()
+        if K is not None and not self._prefetches:
+            self._load_mapped(K, rows, slots)
+            return
         where = self.slot_of.index_select(0, rows)
         disk = where != FRESH
         taken = self._from_prefetch(rows, slots, where, disk)  # (U,) bool: rows (and state) given by it
@@ -323,6 +387,22 @@ class TieredStorage(DenseStorage):
         self.origin[slots] = where
         self.slot_of[rows] = slots.to(torch.int32)
         self.dirty[slots] = False
+
+    def _load_mapped(self, K, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """:meth:`_load` by the Numba loops (``K``), every file mapped and no prefetch held: each row
+        and its state copied once, from the files' pages into the cache."""
+        maps = self._mappings()
+        r, s, where = rows.numpy(), slots.numpy(), torch.empty(rows.numel(), dtype=torch.int32)
+        K.loaded(
+            r, s, self.slot_of.numpy(), self.row_of_slot.numpy(), self.origin.numpy(), self.dirty.numpy(), where.numpy()
+        )
+        K.read_rows(self._held2d("weight").numpy(), s, maps["weight"], r, where.numpy(), FRESH)
+        fresh = (where == FRESH).nonzero().squeeze(1)
+        self._initial(rows, fresh, self.weight.detach(), slots.index_select(0, fresh))
+        if self.optimizer is not None:
+            for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
+                K.read_state(self._held2d(name).numpy(), s, maps[name], r, where.numpy(), ON_DISK, float(fill))
+        self.counters["disk_reads"] += rows.numel() - fresh.numel()
 
     # --- prefetch -------------------------------------------------------------------------------
     def prefetch(self, rows: torch.Tensor) -> None:

@@ -141,7 +141,7 @@ class _File:
         if self._behind:
             self.settle_writes(rows)
         if self.map is not None:
-            return self._whole().index_select(0, rows)
+            return self.mapping().index_select(0, rows)
         self._check_size()
         order, starts, ends, offsets = self._runs(rows)
         io = _io()
@@ -161,7 +161,7 @@ class _File:
     def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """``data`` (K, width) into rows ``rows`` (K,) distinct (after every write in flight)."""
         if self.map_writes and self.map is not None:
-            self._whole().index_copy_(0, rows, data.reshape(-1, self.width))
+            self.mapping().index_copy_(0, rows, data.reshape(-1, self.width))
             return
         if self._behind:
             self.settle_writes()
@@ -172,7 +172,7 @@ class _File:
                 f"tiered table file {self.path}: writing {rows.numel():,} rows failed ({e.strerror}): check that disk"
             ) from None
 
-    def _whole(self) -> torch.Tensor:
+    def mapping(self) -> torch.Tensor:
         """The mapping, after a check that the file still holds it (a page beyond a file truncated
         under the table would kill the process with SIGBUS, not raise)."""
         self._check_size()
