@@ -836,6 +836,26 @@ def test_files_are_mapped_where_the_rows_take_an_eighth_of_the_memory_and_a_trun
     assert os.path.getsize(st._rows_file.path) == 0
 
 
+def test_mapped_files_the_page_cache_holds_and_the_cache_ask_for_huge_pages(tmp_path, monkeypatch):
+    """A mapped file is advised into 2 MiB pages where it takes at most the share of memory that
+    Tiered(mapped=None) maps (one fault a huge page after a write-back); a file mapped beyond it
+    (mapped=True) is not (a fault would read 2 MiB for a row). The cache's rows are, and start at 0."""
+    from hybridembed.storage import mapped, tiered_file
+
+    advised: list[int] = []
+    monkeypatch.setattr(tiered_file, "advise_huge_pages", lambda t: advised.append(t.numel()) or True)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=60), OPTIMIZERS["adam"]), seed=1)
+    he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    st = ec.storage_of("a")
+    files = [st._rows_file, *st._state_files.values()]
+    assert sorted(advised) == sorted(f.map.numel() for f in files) and len(files) == 3
+    assert torch.equal(st.weight, torch.zeros_like(st.weight))
+    advised.clear()
+    monkeypatch.setattr(mapped, "memory_limit", lambda: 8 * 100)  # (less than the rows: mapped only when asked)
+    big = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "b", cache_rows=60, mapped=True)), seed=1)
+    assert big.storage_of("a")._rows_file.map is not None and advised == []
+
+
 def test_memory_limit_reads_the_cgroups_limit(tmp_path, monkeypatch):
     """The machine's memory, or a v2 / v1 cgroup's limit where lower ("max": none)."""
     from hybridembed.storage import mapped

@@ -42,7 +42,7 @@ from torch import nn
 from .. import init as _init
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
-from ..utils import get_logger
+from ..utils import advise_huge_pages, get_logger
 from .base import RowStorage
 from .dense import DenseStorage
 from .mapped import group_stem, lock_dir, map_limit
@@ -203,7 +203,9 @@ class TieredStorage(DenseStorage):
             )
         self._starts = torch.tensor([offsets[t.name] for t in self.tables])
         cache = min(self.config.cache_rows, total)
-        self.weight = nn.Parameter(torch.zeros(cache, self.dim, dtype=self.dtype, device=kind))
+        weight = torch.empty(cache, self.dim, dtype=self.dtype, device=kind)
+        advise_huge_pages(weight)  # (before the first write: rows of the cache are read and written at random)
+        self.weight = nn.Parameter(weight.zero_() if kind != "meta" else weight)
         self._state_files: dict[str, _File] = {}
         self.dir, self._rows_file, self.counters = Path(self.config.path), None, dict.fromkeys(_STATS, 0)
         self.slot_of = torch.zeros(0, dtype=torch.int32)
