@@ -24,7 +24,44 @@ from ..kernels import cpu_hash
 from .hashed import _EMPTY, _FIND_WINDOW, _PROBES, HashStorage
 from .mapped import _PAGE, grown, mapped, willneed
 
-__all__ = ["Homes"]
+__all__ = ["Homes", "record_parts", "record_bytes", "pack", "unpack"]
+
+
+# --- a record: a row and its optimizer state, as bytes ------------------------------------------
+def record_parts(held: dict[str, torch.Tensor]) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+    """A record's parts for the cache's ``{"weight": rows, state...}`` ((C, ...) each): (name, dtype,
+    one row's shape, first byte, end byte), the row, then each optimizer state (one file, one read
+    a record: measured 2.3x -> 2.0x the step in memory against a file each)."""
+    parts, at = [], 0
+    for name, t in held.items():
+        n = t.dtype.itemsize * math.prod(t.shape[1:])
+        parts.append((name, t.dtype, tuple(t.shape[1:]), at, at + n))
+        at += n
+    return parts
+
+
+def record_bytes(parts: list) -> int:
+    return parts[-1][4]
+
+
+def pack(data: dict[str, torch.Tensor], parts: list) -> torch.Tensor:
+    """Rows and their state (each (K, ...)) -> records (K, record bytes) uint8."""
+    k = data["weight"].shape[0]
+    cols = [
+        data[n].to(dt).reshape(k, (b - a) // dt.itemsize).contiguous().view(torch.uint8) for n, dt, _, a, b in parts
+    ]
+    return torch.cat(cols, 1)
+
+
+def unpack(records: torch.Tensor, parts: list) -> dict[str, torch.Tensor]:
+    """Records (K, record bytes) uint8 -> their rows and state (copies, each (K, ...))."""
+    k, width = records.shape
+    out = {}
+    for n, dt, shape, a, b in parts:  # (typed before the copy where the bytes allow: fewer, wider moves)
+        part = records[:, a:b]
+        typed = width % dt.itemsize == 0 and a % dt.itemsize == 0 and records.data_ptr() % dt.itemsize == 0
+        out[n] = (part.view(dt).contiguous() if typed else part.contiguous().view(dt)).view(k, *shape)
+    return out
 
 
 class Homes:

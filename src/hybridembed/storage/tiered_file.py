@@ -182,6 +182,18 @@ class _File:
                 f"tiered table file {self.path}: writing {rows.numel():,} rows failed ({e.strerror}): check that disk"
             ) from None
 
+    def write_mapped(self, rows: torch.Tensor, data: torch.Tensor) -> bool:
+        """``data`` (K, width) into rows ``rows`` (K,) distinct through the mapping of a file read
+        through one (:meth:`map_reads`), after the writes in flight to any of them: True, or False
+        where the file is not mapped (or not all of these rows are: the caller writes them by
+        system calls)."""
+        if self.map is None or (rows.numel() and int(rows.max()) >= self.map.shape[0]):
+            return False
+        if self._behind:
+            self.settle_writes(rows)
+        self.mapping().index_copy_(0, rows, data.reshape(-1, self.width))
+        return True
+
     def mapping(self) -> torch.Tensor:
         """The mapping, after a check that the file still holds it (a page beyond a file truncated
         under the table would kill the process with SIGBUS, not raise)."""

@@ -14,11 +14,14 @@ table in memory without a capacity (DeepRec's multi-tier EmbeddingVariable: hot 
 rest on SSD).
 
 On disk: one file of records, each a row and its optimizer state (one read brings a row back
-whole). A spill appends its records at the end of the file (one write; measured 4.09x -> 2.8x
-the step in memory against a write per row in place), so a row's place moves; the file is
-compacted when most of it is dead, and grown before anything changes (a full disk refuses the
-batch). Scattered reads and writes go through a Numba loop of ``pread`` / ``pwrite``
-(:mod:`hybridembed.kernels._numba_io`). A spilled row leaves a tombstone in the cache's index.
+whole). While the file fits the page cache (:class:`~hybridembed.Tiered`'s ``mapped``), it is
+read, and rows read back are written again, through a mapping, each in its record's place; a row
+never spilled before is appended. A larger file is read and written by system calls (a Numba
+loop of ``pread`` / ``pwrite``, :mod:`hybridembed.kernels._numba_io`), and every spill appends
+its records at the end (one write; measured 4.09x -> 2.8x the step in memory against a write per
+row in place), so a row's place moves. The file is compacted when most of it is dead, and grown
+before anything changes (a full disk refuses the batch). A spilled row leaves a tombstone in the
+cache's index.
 
 Per record (one per row ever spilled): its (table, id), place, recency, frequency, whether it
 holds the row now (``live``: the row is not cached), and HashStorage's open-addressing index
@@ -48,7 +51,7 @@ from .hashed import _EMPTY, HashStorage, eviction_score
 from .mapped import group_stem, grown, lock_dir, map_limit, mapped
 from .pairs import sort_pairs
 from .protocol import LookupPlan, _nothing
-from .records import Homes
+from .records import Homes, pack, record_bytes, record_parts, unpack
 from .tiered import _Prefetch, add_prefetch
 from .tiered_file import _File
 
@@ -89,6 +92,7 @@ class TieredHashStorage(HashStorage):
         self._parts = self._parts_of()  # where in a record each of them is
         self._reserved = 0  # places the files have room for
         self._tail = 0  # the next free place: each spill appends (one write a file), compaction reclaims
+        self._placed = 0  # records with a place (``rec_at >= 0``)
         self._prefetches: list[_Prefetch] = []  # records prefetch() is reading, or read (oldest first)
         self.pinned = torch.zeros(self.weight.shape[0], dtype=torch.bool)  # a pending gradient may name it
         self.slot_rec = torch.full((self.weight.shape[0],), -1, dtype=torch.int64)  # a cached row's record (below)
@@ -102,7 +106,7 @@ class TieredHashStorage(HashStorage):
         self._name = group_stem(self.tables)
         weakref.finalize(self, os.close, lock_dir(self.dir / f"{self._name}.lock"))
         self._homes.where = self.dir  # (the records' arrays and index: mapped files there, from their first growth)
-        self._file = _File(self.dir / f"{self._name}.rows", 0, self._record_bytes(self._parts), torch.uint8)
+        self._file = _File(self.dir / f"{self._name}.rows", 0, record_bytes(self._parts), torch.uint8)
         self._map_limit = map_limit(self.tier.mapped)  # (records read through a mapping while the file is small)
         self._file.map_reads(self._map_limit)
 
@@ -232,11 +236,17 @@ class TieredHashStorage(HashStorage):
             return
         self._file.make_room()  # (a failed earlier write raises here: nothing changed yet)
         live = self._live
-        if self._tail - live > max(live, self.COMPACT_AT):
+        if self._dead() > max(live, self.COMPACT_AT):
             self._compact()
         self._room(self._tail + victims.numel())
         self._records(self._homes.n + victims.numel())  # (and the records' arrays and index: mapped files)
         self._homes.reserve(self._homes.n + victims.numel(), ahead=4)
+
+    def _dead(self) -> int:
+        """Places no record will use again: where the file is mapped, those no record holds (a row
+        read back is written again in its place); otherwise every place but the live records'
+        (a row read back is appended when it next goes to disk)."""
+        return self._tail - (self._placed if self._file.map is not None else self._live)
 
     def _room(self, places: int) -> None:
         if places <= self._reserved:
@@ -259,7 +269,7 @@ class TieredHashStorage(HashStorage):
         self.drop_prefetch()
         self._file.settle_writes()
         old, new, n, chunk = self._file, None, self._homes.n, self._homes._REINDEX
-        width = self._record_bytes(parts or self._parts)
+        width = record_bytes(parts or self._parts)
         try:  # (place -> its live record, -1: dead; a mapped file: memory bounded by a chunk of records)
             owner = mapped(self._homes.where, (self._tail,), torch.int64, -1)
             for lo in range(0, n, chunk):
@@ -272,8 +282,8 @@ class TieredHashStorage(HashStorage):
                 part = part.index_select(0, (part >= 0).nonzero().squeeze(1))
                 records = old.read(self.rec_at.index_select(0, part))
                 if parts is not None:
-                    fresh = self._initial(part.numel(), parts) | {"weight": self._unpack(records)["weight"]}
-                    records = self._pack(fresh, parts)
+                    fresh = self._initial(part.numel(), parts) | {"weight": unpack(records, self._parts)["weight"]}
+                    records = pack(fresh, parts)
                 new.write(torch.arange(at, at + part.numel()), records)
                 at += part.numel()
         except (OSError, HybridEmbedError, ConfigError) as e:
@@ -294,43 +304,12 @@ class TieredHashStorage(HashStorage):
             part = part.index_select(0, (part >= 0).nonzero().squeeze(1))
             self.rec_at.index_copy_(0, part, torch.arange(at, at + part.numel()))
             at += part.numel()
-        self._tail = self._reserved = at
+        self._tail = self._reserved = self._placed = at
         self.spill_counters["compactions"] += parts is None
 
-    # --- records: a row and its optimizer state, as bytes -----------------------------------
+    # --- records: a row and its optimizer state, as bytes (storage.records' layout) ------------
     def _parts_of(self) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
-        """A record's parts: (name, dtype, one row's shape, first byte, end byte): the row, then
-        each optimizer state (one file, one read a record: measured 2.3x -> 2.0x the step in memory
-        against a file each)."""
-        parts, at = [], 0
-        for name, t in (("weight", self.weight), *self.state.items()):
-            n = t.dtype.itemsize * math.prod(t.shape[1:])
-            parts.append((name, t.dtype, tuple(t.shape[1:]), at, at + n))
-            at += n
-        return parts
-
-    @staticmethod
-    def _record_bytes(parts: list) -> int:
-        return parts[-1][4]
-
-    def _pack(self, data: dict[str, torch.Tensor], parts: list | None = None) -> torch.Tensor:
-        """Rows and their state (each (K, ...)) -> records (K, record bytes) uint8."""
-        parts = parts or self._parts
-        k = data["weight"].shape[0]
-        cols = [
-            data[n].to(dt).reshape(k, (b - a) // dt.itemsize).contiguous().view(torch.uint8) for n, dt, _, a, b in parts
-        ]
-        return torch.cat(cols, 1)
-
-    def _unpack(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Records (K, record bytes) uint8 -> their rows and state (copies, each (K, ...))."""
-        k, width = records.shape
-        out = {}
-        for n, dt, shape, a, b in self._parts:  # (typed before the copy where the bytes allow: fewer, wider moves)
-            part = records[:, a:b]
-            typed = width % dt.itemsize == 0 and a % dt.itemsize == 0 and records.data_ptr() % dt.itemsize == 0
-            out[n] = (part.view(dt).contiguous() if typed else part.contiguous().view(dt)).view(k, *shape)
-        return out
+        return record_parts({"weight": self.weight, **self.state})
 
     def _initial(self, k: int, parts: list | None = None) -> dict[str, torch.Tensor]:
         """Initial optimizer state of ``k`` rows, by name (no weight)."""
@@ -339,7 +318,7 @@ class TieredHashStorage(HashStorage):
 
     def _read_records(self, recs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows and state of records ``recs`` (K,) on disk, by name."""
-        return self._unpack(self._file.read(self.rec_at.index_select(0, recs)))
+        return unpack(self._file.read(self.rec_at.index_select(0, recs)), self._parts)
 
     def _records(self, total: int) -> None:
         """Room in the per-record arrays for ``total`` records, made before the index holds them
@@ -376,9 +355,9 @@ class TieredHashStorage(HashStorage):
             if at.numel():
                 slots = victims.index_select(0, at)
                 recs[at] = make(self.slot_key.index_select(0, slots), self.slot_table.index_select(0, slots))
-        at = self.rec_at[recs] = self._append(n)  # (appended: one write, by the writer thread during the step)
         rows = {"weight": self.weight.detach().index_select(0, victims)}
-        self._file.write_behind(at, self._pack(rows | {k: v.index_select(0, victims) for k, v in self.state.items()}))
+        records = pack(rows | {k: v.index_select(0, victims) for k, v in self.state.items()}, self._parts)
+        self._write_spill(recs, records)
         self.rec_last[recs], self.rec_freq[recs] = self.last_seen[victims], self.freq[victims]
         self._set_live(recs, True)
         changed, self._changed = self._changed, None  # (a spilled row is kept: not removed)
@@ -391,6 +370,29 @@ class TieredHashStorage(HashStorage):
             self._changed = changed
         self.spill_counters["spilled"] += n
         self.spill_counters["disk_writes"] += n
+
+    def _write_spill(self, recs: torch.Tensor, records: torch.Tensor) -> None:
+        """``records`` (K, record bytes) of ``recs`` (K,) written. Where the file is read through a
+        mapping (it fits the page cache), a record with a place writes its row there again, through
+        the mapping, and only records without one are appended: no place dies as rows go back and
+        forth, so the file is rarely compacted. Measured on ``bench_tiered.py --part dynamic --steps
+        2500 --cache-frac 0.01``, appending every spill compacted ~1 GB every ~8 s, 12.5 s of a 60 s
+        run in steps of 0.7-1.1 s (docs/benchmarks.md). Otherwise (a file larger than memory: a
+        row written in place would make the kernel read its page first) every record is appended,
+        one write by the writer thread during the step."""
+        had = self.rec_at.index_select(0, recs)
+        at = had.clone() if self._file.map is not None else torch.full_like(recs, -1)
+        new = (at < 0).nonzero().squeeze(1)
+        if new.numel():
+            self._placed += int((had.index_select(0, new) < 0).sum())  # (a record given a new place leaves its old one)
+            at[new] = self._append(new.numel())  # (may grow the file past what is mapped: checked below)
+            self.rec_at[recs.index_select(0, new)] = at.index_select(0, new)
+        if new.numel() == recs.numel():
+            self._file.write_behind(at, records)  # (consecutive places: one write)
+            return
+        self._written(at)
+        if not self._file.write_mapped(at, records):  # (the file outgrew its mapping: by system calls)
+            self._file.write(at, records)
 
     def _read_back(self, keys: torch.Tensor, tabs: torch.Tensor, recs: torch.Tensor) -> torch.Tensor:
         """Rows of records ``recs`` (K,) into free slots (with their state, recency, frequency): the slots."""
@@ -469,7 +471,7 @@ class TieredHashStorage(HashStorage):
             found, at = found[want], at[want]
             if found.numel() == 0 or not pf.worth_waiting(found.numel()) or not pf.ready():
                 continue
-            got = self._unpack(pf.weight.index_select(0, at))
+            got = unpack(pf.weight.index_select(0, at), self._parts)
             if out is None:
                 out = {k: v.new_empty((recs.numel(), *v.shape[1:])) for k, v in got.items()}
             for k, v in got.items():
@@ -624,7 +626,7 @@ class TieredHashStorage(HashStorage):
             cur = self._read_records(dr)
             cur |= {k: v.index_select(0, d).to(cur[k].dtype).view_as(cur[k]) for k, v in state.items() if k in cur}
             self._written(at)
-            self._file.write(at, self._pack(cur))
+            self._file.write(at, pack(cur, self._parts))
             self.rec_changed[dr] = True
 
     @torch.no_grad()
@@ -666,12 +668,13 @@ class TieredHashStorage(HashStorage):
                     cur[n].index_copy_(0, kept, v)
         cur |= {n: v.to(dt).reshape(k, *shape) for n, dt, shape, _, _ in self._parts if (v := data.get(n)) is not None}
         if fresh.numel():
+            self._placed += int((at.index_select(0, fresh) < 0).sum())  # (others leave a place for a new one)
             at[fresh] = self._append(fresh.numel())
             self.rec_at[recs.index_select(0, fresh)] = at.index_select(0, fresh)
             self.rec_last[recs.index_select(0, fresh)] = self.clock
             self.rec_freq[recs.index_select(0, fresh)] = 0
         self._written(at)
-        self._file.write(at, self._pack(cur))
+        self._file.write(at, pack(cur, self._parts))
         if last is not None:
             self.rec_last[recs], self.rec_freq[recs] = last, freq
         self._set_live(recs, True)
