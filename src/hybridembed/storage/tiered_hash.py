@@ -373,28 +373,32 @@ class TieredHashStorage(HashStorage):
 
     def _write_spill(self, recs: torch.Tensor, records: torch.Tensor) -> None:
         """``records`` (K, record bytes) of ``recs`` (K,) written. Where the file is read through a
-        mapping (it fits the page cache), a record with a place writes its row there again, through
-        the mapping, and only records without one are appended: no place dies as rows go back and
-        forth, so the file is rarely compacted. Measured on ``bench_tiered.py --part dynamic --steps
-        2500 --cache-frac 0.01``, appending every spill compacted ~1 GB every ~8 s, 12.5 s of a 60 s
-        run in steps of 0.7-1.1 s (docs/benchmarks.md). Otherwise (a file larger than memory: a
-        row written in place would make the kernel read its page first) every record is appended,
-        one write by the writer thread during the step (as are the records appended beside those
-        written in place)."""
+        mapping (it fits the page cache), a record with a place writes its row there again and the
+        others are appended, all through the mapping (in 2 MiB pages: the pages a first write there
+        makes are huge ones): no place dies as rows go back and forth, so the file is rarely
+        compacted. Measured on ``bench_tiered.py --part dynamic --steps 2500 --cache-frac 0.01``,
+        appending every spill compacted ~1 GB every ~8 s, 12.5 s of a 60 s run in steps of 0.7-1.1 s
+        (docs/benchmarks.md). Otherwise (a file larger than memory: a row written in place would
+        make the kernel read its page first) every record is appended, one write by the writer
+        thread during the step."""
         had = self.rec_at.index_select(0, recs)
-        placed = (had >= 0) if self._file.map is not None else torch.zeros_like(recs, dtype=torch.bool)
-        old, new = placed.nonzero().squeeze(1), (~placed).nonzero().squeeze(1)
-        if old.numel():
-            at = had.index_select(0, old)
-            data = records.index_select(0, old)
-            self._written(at)
-            if not self._file.write_mapped(at, data):  # (not mapped now: by system calls)
-                self._file.write(at, data)
+        at = had.clone() if self._file.map is not None else torch.full_like(recs, -1)
+        new = (at < 0).nonzero().squeeze(1)
         if new.numel():
             self._placed += int((had.index_select(0, new) < 0).sum())  # (a record given a new place leaves its old one)
-            at = self._append(new.numel())
-            self.rec_at[recs.index_select(0, new)] = at
-            self._file.write_behind(at, records if old.numel() == 0 else records.index_select(0, new))  # (one write)
+            at[new] = self._append(new.numel())  # (may grow the file past what is mapped)
+            self.rec_at[recs.index_select(0, new)] = at.index_select(0, new)
+        if new.numel() < recs.numel():
+            self._written(at)
+        if self._file.write_mapped(at, records):
+            return
+        if new.numel() == recs.numel():
+            self._file.write_behind(at, records)  # (consecutive places: one write)
+            return
+        kept = torch.ones(recs.numel(), dtype=torch.bool)  # (the file outgrew its mapping in this spill)
+        kept[new] = False
+        self._file.write(at[kept], records[kept])
+        self._file.write_behind(at.index_select(0, new), records.index_select(0, new))
 
     def _read_back(self, keys: torch.Tensor, tabs: torch.Tensor, recs: torch.Tensor) -> torch.Tensor:
         """Rows of records ``recs`` (K,) into free slots (with their state, recency, frequency): the slots."""
