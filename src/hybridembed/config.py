@@ -150,9 +150,10 @@ class Tiered:
             pages the kernel reclaims). None (the default): mapped when the group's row file is at
             most an eighth of the memory this process may use (the machine's, or its cgroup's
             limit), read and written by system calls beyond (a table larger than memory, whose
-            rows the disk serves). A dynamic table's file of records, which grows, is read
-            through a mapping by the same rule (checked as it grows), its writes (a spill's
-            records appended in one call) staying system calls.
+            rows the disk serves). A dynamic table's file of records, which grows, is mapped by
+            the same rule (checked as it grows): while it is, a spilled row is written back into
+            its record's place through the mapping; beyond, a spill's records are appended by one
+            system call. Files mapped under None are in 2 MiB pages (``MADV_HUGEPAGE``).
 
     >>> import hybridembed as he
     >>> t = he.TableConfig("item", 10_000_000, 64, tiered=he.Tiered("tiers/item", cache_rows=1_000_000))
