@@ -153,7 +153,7 @@ class Tiered:
             rows the disk serves). A dynamic table's file of records, which grows, is mapped by
             the same rule (checked as it grows): while it is, a spilled row is written back into
             its record's place through the mapping; beyond, a spill's records are appended by one
-            system call. Files mapped under None are in 2 MiB pages (``MADV_HUGEPAGE``).
+            system call. A mapped file the page cache holds (None's rule) is in 2 MiB pages.
 
     >>> import hybridembed as he
     >>> t = he.TableConfig("item", 10_000_000, 64, tiered=he.Tiered("tiers/item", cache_rows=1_000_000))

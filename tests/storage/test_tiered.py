@@ -936,3 +936,26 @@ def test_tiered_names_paths_and_files_that_are_not_the_tables_own_are_refused(tm
     ec = he.EmbeddingCollection([he.TableConfig(n, 10, d, tiered=t) for n, d in (("a", 4), ("b", 4), ("a+1", 8))])
     assert sorted(p.name for p in (tmp_path / "u").glob("*.rows")) == ["a+1.rows", "a.1.rows"]
     ec({"a": torch.tensor([1]), "b": torch.tensor([2]), "a+1": torch.tensor([3])})
+
+
+@pytest.mark.parametrize("loops", [True, False])
+def test_a_lookup_that_cannot_read_its_rows_keeps_the_free_slots_and_the_rows(tmp_path, monkeypatch, loops):
+    """A rows file cut short under a mapped table with free cache slots left: the lookup raises and
+    takes no slot (the Numba loops or torch's ops); the file made whole again, it reads the rows."""
+    if not loops:
+        monkeypatch.setattr(tiered_mod, "_kernel", lambda: None)
+    ref = he.EmbeddingCollection([he.TableConfig("a", 1000, 8)], seed=1).eval()
+    ec = he.EmbeddingCollection([he.TableConfig("a", 1000, 8, tiered=he.Tiered(tmp_path, cache_rows=100))], seed=1)
+    ec.eval()
+    st = ec.storage_of("a")
+    ec({"a": torch.arange(10)})
+    free, slot_of, size = st.free.clone(), st.slot_of.clone(), os.path.getsize(st._rows_file.path)
+    os.truncate(st._rows_file.path, size // 2)
+    with pytest.raises(he.HybridEmbedError, match="shorter than its rows"):
+        ec({"a": torch.arange(10, 30)})
+    assert torch.equal(st.free, free) and torch.equal(st.slot_of, slot_of)
+    os.truncate(st._rows_file.path, size)
+    torch.testing.assert_close(
+        ec({"a": torch.arange(10, 30)})["a"], ref({"a": torch.arange(10, 30)})["a"], rtol=0, atol=0
+    )
+    assert st.free.numel() == free.numel() - 20

@@ -554,8 +554,8 @@ def test_a_spill_tombstones_the_positions_its_inserts_kept(tmp_path, kernels, mo
 
 def test_records_are_read_through_a_mapping_while_the_file_takes_an_eighth_of_the_memory(tmp_path, monkeypatch):
     """Tiered(mapped=None): the file of records, which grows, is mapped for reads while it takes at
-    most 1/8 of the memory this process may use (checked as it grows), its writes staying system
-    calls; the table trains as in memory, mapped and then not."""
+    most 1/8 of the memory this process may use (checked as it grows); the table trains as in
+    memory, mapped and then not."""
     limit = 1500 * 64  # (bytes: 1,024 records of a row and Adagrad's state, 8 + 8 float32, but not 2,048)
     monkeypatch.setattr(mapped_mod, "memory_limit", lambda: 8 * limit)
     models = [
@@ -595,3 +595,47 @@ def test_the_cache_keeps_often_seen_rows_by_default(tmp_path):
         read_back[eviction] = ec.storage_of("a").stats()["read_back"]
         _same(_state(ec), _state(ref))
     assert 0 < read_back[None] < read_back["lru"], read_back
+
+
+def test_a_reload_leaves_the_dropped_rows_places_dead_and_a_forced_mapping_beyond_memory_appends(tmp_path, monkeypatch):
+    """Written in place (mapped, the page cache holding the file), the rows a reload drops give up
+    their places (counted dead: compacted), and the table trains as in memory after it. Mapped by
+    ``Tiered(mapped=True)`` beyond what the page cache holds, spills are appended behind the step as
+    for a file not mapped (a row written in place might make the kernel read its page first)."""
+    monkeypatch.setattr(TieredHashStorage, "COMPACT_AT", 20)
+    opt = OPTIMIZERS["adagrad"]
+    ref = he.EmbeddingCollection(_tables(None, opt), seed=6)
+    ec = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "a", cache_rows=60), opt), seed=6)
+    opts = [_train(m, steps=25, seed=1) for m in (ref, ec)]
+    st = ec.storage_of("a")
+    assert st._in_place() and st.stats()["compactions"] == 0 and st._dead() == 0
+    small = he.EmbeddingCollection(_tables(None, opt), seed=7)
+    _train(small, steps=1, seed=2)
+    for m in (ref, ec):
+        m.load_state_dict(small.state_dict())
+    assert st._placed == int((st.rec_at >= 0).sum()) and st._dead() == st._tail - st._placed > 20
+    g = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        b = _batch(g)
+        for m, o in zip((ref, ec), opts):
+            o.zero_grad()
+            _loss(m(b)).backward()
+            o.step()
+    assert st.stats()["compactions"] >= 1 and st._placed == int((st.rec_at >= 0).sum())
+    _same(_state(ec), _state(ref))
+
+    writes = {"mapped": 0, "behind": 0}
+    for name, key in (("write_mapped", "mapped"), ("write_behind", "behind")):
+        real = getattr(_File, name)
+        monkeypatch.setattr(
+            _File, name, lambda f, *a, _r=real, _k=key: writes.__setitem__(_k, writes[_k] + 1) or _r(f, *a)
+        )
+    monkeypatch.setattr(mapped_mod, "memory_limit", lambda: 8 * 1024)  # (the page cache "holds" 1 KiB)
+    forced = he.EmbeddingCollection(_tables(he.Tiered(tmp_path / "b", cache_rows=60, mapped=True), opt), seed=6)
+    _train(forced, steps=25, seed=1)
+    fs = forced.storage_of("a")
+    assert fs._file.map is not None and not fs._file.fits and not fs._in_place()
+    assert writes["behind"] > 5 and writes["mapped"] == 0, writes
+    ref2 = he.EmbeddingCollection(_tables(None, opt), seed=6)
+    _train(ref2, steps=25, seed=1)
+    _same(_state(forced), _state(ref2))

@@ -54,15 +54,13 @@ def evicted(victims, row_of_slot, dirty, origin, slot_of, written):  # pragma: n
 
 
 @njit(nogil=True, cache=True)
-def loaded(rows, slots, slot_of, row_of_slot, origin, dirty, where):  # pragma: no cover
-    """Rows ``rows`` now held in free ``slots``: each one's place before (its ``slot_of``) into
-    ``where``, then the bookkeeping of a row read in unchanged."""
+def loaded(rows, slots, slot_of, row_of_slot, origin, dirty):  # pragma: no cover
+    """Rows ``rows`` now held in free ``slots`` (copied there already): the bookkeeping of a row
+    read in unchanged (its place before, ``slot_of``, is what it goes back to)."""
     for i in range(rows.size):
         r, s = rows[i], slots[i]
-        w = slot_of[r]
-        where[i] = w
         row_of_slot[s] = r
-        origin[s] = w
+        origin[s] = slot_of[r]
         slot_of[r] = s
         dirty[s] = False
 

@@ -1,5 +1,7 @@
-"""The records index of a dynamic tiered table (:mod:`hybridembed.storage.tiered_hash`): (table,
-id) -> record, for every row that was ever spilled to disk, and each record's pair.
+"""The records of a dynamic tiered table (:mod:`hybridembed.storage.tiered_hash`): their layout (a
+row and its optimizer state as bytes: :func:`record_parts`, :func:`pack`, :func:`unpack`) and
+their index (:class:`Homes`): (table, id) -> record, for every row that was ever spilled to disk,
+and each record's pair.
 
 Its arrays are files of the table's directory mapped into memory (:func:`~hybridembed.storage.mapped.mapped`):
 an index larger than the memory a process may use stays on disk, its pages in the kernel's page

@@ -28,7 +28,6 @@ through :meth:`read_range`: what keeps a table is a checkpoint.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import weakref
@@ -42,6 +41,7 @@ from torch import nn
 from .. import init as _init
 from ..config import TableConfig
 from ..errors import ConfigError, HybridEmbedError
+from ..kernels import numba_loops
 from ..utils import advise_huge_pages, get_logger
 from .base import RowStorage
 from .dense import DenseStorage
@@ -55,7 +55,7 @@ __all__ = ["TieredStorage", "FRESH", "ON_DISK", "ON_DISK_NO_STATE", "prefetch_ro
 FRESH, ON_DISK, ON_DISK_NO_STATE = -1, -2, -3  # slot_of of a row not in the cache
 _PREFETCH_DEPTH = 2  # prefetches held at once (the next batch's and the one after it)
 _failed_lock = threading.Lock()
-_LOOP_DTYPES = (torch.float32, torch.float64)  # (rows and state the Numba loops copy: arrays NumPy holds)
+_LOOP_DTYPES = (torch.float32, torch.float64)  # (rows and state the Numba loops copy)
 _STATS = ("lookups", "hits", "misses", "disk_reads", "evictions", "disk_writes", "prefetched", "prefetch_failed")
 
 
@@ -174,14 +174,9 @@ def prefetch_rows(features, storages, jagged: dict) -> None:
         storages[g].prefetch_ids(ids, tabs)
 
 
-@functools.cache
 def _kernel():
     """The Numba loops of :mod:`hybridembed.kernels._numba_cache`, or None (no Numba: torch's ops)."""
-    try:
-        from ..kernels import _numba_cache as K
-    except Exception:  # (ImportError, or a Numba that does not match this NumPy)
-        return None
-    return K
+    return numba_loops("_numba_cache")
 
 
 class TieredStorage(DenseStorage):
@@ -268,8 +263,8 @@ class TieredStorage(DenseStorage):
                     self._recency.advance(head)
                 if miss.numel():
                     new = self.free[-miss.numel() :].flip(0)
+                    self._load(uniq.index_select(0, miss), new)  # (may raise: the slots stay free)
                     self.free = self.free[: -miss.numel()]
-                    self._load(uniq.index_select(0, miss), new)
                     slots[miss] = new
             self.clock += 1
             self.last_used.index_fill_(0, slots, self.clock)
@@ -394,16 +389,15 @@ class TieredStorage(DenseStorage):
         """:meth:`_load` by the Numba loops (``K``), every file mapped and no prefetch held: each row
         and its state copied once, from the files' pages into the cache."""
         maps = self._mappings()
-        r, s, where = rows.numpy(), slots.numpy(), torch.empty(rows.numel(), dtype=torch.int32)
-        K.loaded(
-            r, s, self.slot_of.numpy(), self.row_of_slot.numpy(), self.origin.numpy(), self.dirty.numpy(), where.numpy()
-        )
+        r, s, where = rows.numpy(), slots.numpy(), self.slot_of.index_select(0, rows)
         K.read_rows(self._held2d("weight").numpy(), s, maps["weight"], r, where.numpy(), FRESH)
         fresh = (where == FRESH).nonzero().squeeze(1)
         self._initial(rows, fresh, self.weight.detach(), slots.index_select(0, fresh))
         if self.optimizer is not None:
             for name, (_, fill) in self.optimizer.state_spec(self.hparams).items():
                 K.read_state(self._held2d(name).numpy(), s, maps[name], r, where.numpy(), ON_DISK, float(fill))
+        # (the bookkeeping last: a copy that fails leaves only free slots written)
+        K.loaded(r, s, self.slot_of.numpy(), self.row_of_slot.numpy(), self.origin.numpy(), self.dirty.numpy())
         self.counters["disk_reads"] += rows.numel() - fresh.numel()
 
     # --- prefetch -------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """A tiered table's file (:class:`_File`): a (rows, width) matrix on local disk, read and written a
 run of consecutive rows per system call (Numba's loop of ``pread`` / ``pwrite``, else Python's) or,
-where it is small, through a mapping; a dynamic table's spilled rows written by one writer thread
-behind the step (:meth:`_File.write_behind`); reads of many rows far apart cut into slices read at
-once. Used by :mod:`hybridembed.storage.tiered` (dense tables: a file of rows and one per optimizer
+where it is small, through a mapping (in 2 MiB pages where the page cache holds it); a dynamic
+table's spills appended by one writer thread behind the step where its file is not mapped
+(:meth:`_File.write_behind`); reads of many rows far apart cut into slices read at once. Used by :mod:`hybridembed.storage.tiered` (dense tables: a file of rows and one per optimizer
 state) and :mod:`hybridembed.storage.tiered_hash` (dynamic tables: one file of records).
 """
 
@@ -79,13 +79,15 @@ class _File:
         self._behind_lock = threading.Lock()
         self._retry_lock = threading.Lock()
         self.map, self.size = None, size  # (rows, width) over the file's pages (mapped)
+        self.fits = False  # (mapped and at most map_limit(None) bytes: in huge pages, the page cache's)
         self.map_writes, self._map_limit = mapped, -1  # (map_reads: a file that grows, read through a mapping)
         if mapped and size:
             self._map(rows)
 
     def _map(self, rows: int) -> None:
         self.map = torch.from_file(str(self.path), shared=True, size=rows * self.width, dtype=self.dtype)
-        if rows * self.row_bytes <= map_limit(None):
+        self.fits = rows * self.row_bytes <= map_limit(None)  # (the page cache holds it: Tiered(mapped=None)'s rule)
+        if self.fits:
             # in 2 MiB pages where the page cache holds the whole file (before a page is touched): rows
             # copied at random miss the TLB far less, and once the kernel has written the file back,
             # the next writes fault once a huge page, not once a 4 KiB page. Measured on the dense
@@ -97,14 +99,14 @@ class _File:
 
     def map_reads(self, limit: int) -> None:
         """Read rows through a mapping of the file while it takes at most ``limit`` bytes (checked
-        again as :meth:`reserve` grows it), writes staying system calls (a file of records that
-        grows, appended a run at a time: one call a spill); -1: never."""
+        again as :meth:`reserve` grows it: a file of records that grows); -1: never. Its writes
+        are system calls, or :meth:`write_mapped` (the caller's choice)."""
         self._map_limit = limit
         rows = os.fstat(self.fd).st_size // max(self.row_bytes, 1)
         if 0 < rows * self.row_bytes <= limit:
             self._map(rows)
         else:
-            self.map = None
+            self.map, self.fits = None, False
 
     def reserve(self, rows: int) -> None:
         """Room on disk for ``rows`` rows (the file grows; a full disk raises here, before a write)."""
@@ -174,8 +176,7 @@ class _File:
 
     def write(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """``data`` (K, width) into rows ``rows`` (K,) distinct (after every write in flight)."""
-        if self.map_writes and self.map is not None:
-            self.mapping().index_copy_(0, rows, data.reshape(-1, self.width))
+        if self.map_writes and self.write_mapped(rows, data):
             return
         if self._behind:
             self.settle_writes()
@@ -187,10 +188,9 @@ class _File:
             ) from None
 
     def write_mapped(self, rows: torch.Tensor, data: torch.Tensor) -> bool:
-        """``data`` (K, width) into rows ``rows`` (K,) distinct through the mapping of a file read
-        through one (:meth:`map_reads`), after the writes in flight to any of them: True, or False
-        where the file is not mapped (or not all of these rows are: the caller writes them by
-        system calls)."""
+        """``data`` (K, width) into rows ``rows`` (K,) distinct through the file's mapping, after
+        the writes in flight to any of them: True, or False where the file is not mapped (or not
+        all of these rows are: the caller writes them by system calls)."""
         if self.map is None or (rows.numel() and int(rows.max()) >= self.map.shape[0]):
             return False
         if self._behind:

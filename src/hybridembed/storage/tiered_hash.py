@@ -66,7 +66,7 @@ class TieredHashStorage(HashStorage):
 
     spills = True
     streamed = True  # checkpoints: save_parts and load_parts
-    COMPACT_AT = 1 << 16  # dead places (rows read back or written again elsewhere) before compacting, at least
+    COMPACT_AT = 1 << 16  # dead places (held by no record, or to be left: _dead) before compacting, at least
     slot_pos: torch.Tensor | None = None  # (C,) each cached row's position in the cache's index (see _insert)
 
     def __init__(self, tables: Sequence[TableConfig], seed: int = 0, device: torch.device | str | None = None):
@@ -91,7 +91,7 @@ class TieredHashStorage(HashStorage):
         self._file: _File | None = None  # (places, record bytes) uint8: each record a row and its optimizer state
         self._parts = self._parts_of()  # where in a record each of them is
         self._reserved = 0  # places the files have room for
-        self._tail = 0  # the next free place: each spill appends (one write a file), compaction reclaims
+        self._tail = 0  # the next free place: new records (and, unmapped, every spill) append; compaction reclaims
         self._placed = 0  # records with a place (``rec_at >= 0``)
         self._prefetches: list[_Prefetch] = []  # records prefetch() is reading, or read (oldest first)
         self.pinned = torch.zeros(self.weight.shape[0], dtype=torch.bool)  # a pending gradient may name it
@@ -242,11 +242,15 @@ class TieredHashStorage(HashStorage):
         self._records(self._homes.n + victims.numel())  # (and the records' arrays and index: mapped files)
         self._homes.reserve(self._homes.n + victims.numel(), ahead=4)
 
+    def _in_place(self) -> bool:
+        """A spilled row goes back into its record's place: the file mapped, the page cache holding it."""
+        return self._file.map is not None and self._file.fits
+
     def _dead(self) -> int:
-        """Places no record will use again: where the file is mapped, those no record holds (a row
-        read back is written again in its place); otherwise every place but the live records'
-        (a row read back is appended when it next goes to disk)."""
-        return self._tail - (self._placed if self._file.map is not None else self._live)
+        """Places no record will use again: written in place, those no record holds (a row read
+        back goes to disk again in its place); otherwise every place but the live records' (a row
+        read back is appended when it next goes to disk)."""
+        return self._tail - (self._placed if self._in_place() else self._live)
 
     def _room(self, places: int) -> None:
         if places <= self._reserved:
@@ -372,17 +376,15 @@ class TieredHashStorage(HashStorage):
         self.spill_counters["disk_writes"] += n
 
     def _write_spill(self, recs: torch.Tensor, records: torch.Tensor) -> None:
-        """``records`` (K, record bytes) of ``recs`` (K,) written. Where the file is read through a
-        mapping (it fits the page cache), a record with a place writes its row there again and the
-        others are appended, all through the mapping (in 2 MiB pages: the pages a first write there
-        makes are huge ones): no place dies as rows go back and forth, so the file is rarely
-        compacted. Measured on ``bench_tiered.py --part dynamic --steps 2500 --cache-frac 0.01``,
-        appending every spill compacted ~1 GB every ~8 s, 12.5 s of a 60 s run in steps of 0.7-1.1 s
-        (docs/benchmarks.md). Otherwise (a file larger than memory: a row written in place would
-        make the kernel read its page first) every record is appended, one write by the writer
-        thread during the step."""
+        """``records`` (K, record bytes) of ``recs`` (K,) written. :meth:`_in_place`: a record with a
+        place is written there again, the others appended, all through the mapping (its pages then
+        made huge by its faults): no place dies as rows go back and forth (appending every spill,
+        ``bench_tiered.py --part dynamic --steps 2500 --cache-frac 0.01`` compacted ~1 GB every ~8
+        s, 12.5 s of a 60 s run: docs/benchmarks.md). Otherwise (in place, a row's page might be
+        read from disk first) every record is appended, one write by the writer thread."""
         had = self.rec_at.index_select(0, recs)
-        at = had.clone() if self._file.map is not None else torch.full_like(recs, -1)
+        in_place = self._in_place()
+        at = had.clone() if in_place else torch.full_like(recs, -1)
         new = (at < 0).nonzero().squeeze(1)
         if new.numel():
             self._placed += int((had.index_select(0, new) < 0).sum())  # (a record given a new place leaves its old one)
@@ -390,15 +392,12 @@ class TieredHashStorage(HashStorage):
             self.rec_at[recs.index_select(0, new)] = at.index_select(0, new)
         if new.numel() < recs.numel():
             self._written(at)
-        if self._file.write_mapped(at, records):
+        if in_place and self._file.write_mapped(at, records):
             return
         if new.numel() == recs.numel():
             self._file.write_behind(at, records)  # (consecutive places: one write)
-            return
-        kept = torch.ones(recs.numel(), dtype=torch.bool)  # (the file outgrew its mapping in this spill)
-        kept[new] = False
-        self._file.write(at[kept], records[kept])
-        self._file.write_behind(at.index_select(0, new), records.index_select(0, new))
+        else:  # (in place, the mapping not holding them all: by system calls now)
+            self._file.write(at, records)
 
     def _read_back(self, keys: torch.Tensor, tabs: torch.Tensor, recs: torch.Tensor) -> torch.Tensor:
         """Rows of records ``recs`` (K,) into free slots (with their state, recency, frequency): the slots."""
@@ -733,10 +732,14 @@ class TieredHashStorage(HashStorage):
         old = torch.isin(self.slot_table, which.to(self.slot_table.device)).nonzero().squeeze(1)
         self._evict(old, count=False)  # (a reload is not an eviction)
         n = self._homes.n
-        mine = (torch.isin(self._homes.tab[:n], which) & self.rec_live[:n]).nonzero().squeeze(1)
+        theirs = torch.isin(self._homes.tab[:n], which)
+        mine = (theirs & self.rec_live[:n]).nonzero().squeeze(1)
         if self._changed is not None and mine.numel():  # (their rows on disk dropped too: an incremental save says so)
             self._removed.append(torch.stack([self._homes.key[mine], self._homes.tab[mine].long()]))
         self._set_live(mine, False)
+        placed = (theirs & (self.rec_at[:n] >= 0)).nonzero().squeeze(1)  # (their places dead: none is kept)
+        self.rec_at[placed] = -1
+        self._placed -= placed.numel()
 
     # --- accounting ---------------------------------------------------------------------------
     def _set_live(self, recs: torch.Tensor, value: bool) -> None:

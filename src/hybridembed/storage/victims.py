@@ -14,20 +14,15 @@ count of the whole cache by ``last_used`` took ~1 ms of a ~11 ms dense tiered st
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from ..kernels import numba_loops
 
 __all__ = ["RecencyQueue"]
 
 
-@functools.cache
 def _kernel():
-    try:
-        from ..kernels import _numba_victims as K
-    except Exception:  # (ImportError, or a Numba that does not match this NumPy)
-        return None
-    return K
+    return numba_loops("_numba_victims")
 
 
 class RecencyQueue:
