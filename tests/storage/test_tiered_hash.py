@@ -639,3 +639,24 @@ def test_a_reload_leaves_the_dropped_rows_places_dead_and_a_forced_mapping_beyon
     ref2 = he.EmbeddingCollection(_tables(None, opt), seed=6)
     _train(ref2, steps=25, seed=1)
     _same(_state(forced), _state(ref2))
+
+
+def test_rows_looked_up_before_the_optimizer_is_attached_may_be_spilled_by_its_first_steps(tmp_path):
+    """Training-mode lookups without a gradient before ``he.wrap_optimizer``: the first steps spill
+    those rows (they were refused: every row seen since the table was built stayed), and the table
+    trains as in memory."""
+    models = []
+    for tiered in (None, he.Tiered(tmp_path, cache_rows=40)):
+        t = he.TableConfig("a", None, 8, optimizer=OPTIMIZERS["adagrad"], dynamic=he.Dynamic(), tiered=tiered)
+        ec = he.EmbeddingCollection([t], seed=1)
+        for i in range(5):
+            with torch.no_grad():
+                ec({"a": torch.arange(30 * i, 30 * i + 30)})
+        opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+        for i in range(5):
+            opt.zero_grad()
+            ec({"a": torch.arange(1000 + 30 * i, 1030 + 30 * i)})["a"].sum().backward()
+            opt.step()
+        models.append(ec)
+    assert models[1].storage_of("a").stats()["spilled"] > 150
+    _same(_state(models[1]), _state(models[0]))

@@ -489,6 +489,7 @@ class TieredHashStorage(HashStorage):
         """The optimizer's state beside the cached rows, and its files beside the rows' file (every
         row's state starts afresh: rows on disk keep their values, not their old state)."""
         super().attach_optimizer(optimizer, hparams)
+        self._applied_clock = self.clock  # (rows looked up so far may go: ``pinned`` keeps those a gradient may name)
         if self._file is None:
             self._parts = self._parts_of()
             return
