@@ -270,9 +270,8 @@ class TieredStorage(DenseStorage):
             self.last_used.index_fill_(0, slots, self.clock)
             self._recency.push(slots, self.clock, self.last_used, self.row_of_slot)
             if train and torch.is_grad_enabled() and self.weight.requires_grad:
-                self.pending.index_fill_(
-                    0, slots, True
-                )  # (until the optimizer's step: zero_grad may come before a backward)
+                # (until the optimizer's step: zero_grad may come before a backward)
+                self.pending.index_fill_(0, slots, True)
             c = self.counters
             c["lookups"] += 1
             c["hits"] += uniq.numel() - miss.numel()
@@ -282,11 +281,12 @@ class TieredStorage(DenseStorage):
         return LookupPlan(commit, _nothing)
 
     def _loops(self):
-        """The Numba loops of :mod:`hybridembed.kernels._numba_cache` where every file is mapped and
-        the rows and state are contiguous float32 / float64 (arrays NumPy holds), else None: torch's ops."""
+        """The Numba loops of :mod:`hybridembed.kernels._numba_cache` where every file is mapped, no
+        prefetch is held (none is, then) and the rows and state are contiguous float32 / float64,
+        else None: torch's ops."""
         K = _kernel()
         files = [self._rows_file, *self._state_files.values()]
-        if K is None or any(f is None or f.map is None or not f.map_writes for f in files):
+        if K is None or self._prefetches or any(f is None or f.map is None or not f.map_writes for f in files):
             return None
         held = [self.weight, *self.state.values()]
         if set(self._state_files) != set(self.state) or any(
@@ -333,11 +333,8 @@ class TieredStorage(DenseStorage):
         maps = self._mappings()
         v, w_slots, w_rows = victims.numpy(), torch.empty_like(victims), torch.empty_like(victims)
         k = K.changed_of(v, self.row_of_slot.numpy(), self.dirty.numpy(), w_slots.numpy(), w_rows.numpy())
-        if k:
-            for pf in self._prefetches:  # (none where the files are mapped; as _evict, should one be held)
-                pf.stale[pf.positions(w_rows[:k])[1]] = True
-            for name, m in maps.items():
-                K.write_rows(m, w_rows.numpy(), self._held2d(name).numpy(), w_slots.numpy(), k)
+        for name, m in maps.items():
+            K.write_rows(m, w_rows.numpy(), self._held2d(name).numpy(), w_slots.numpy(), k)
         written = ON_DISK if self._state_files else ON_DISK_NO_STATE
         K.evicted(v, self.row_of_slot.numpy(), self.dirty.numpy(), self.origin.numpy(), self.slot_of.numpy(), written)
         self.free = torch.cat([self.free, victims.flip(0)])
@@ -358,7 +355,7 @@ class TieredStorage(DenseStorage):
     def _load(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Rows ``rows`` (U,) into free ``slots``: read from the files, or initialised."""
         K = self._loops()
-        if K is not None and not self._prefetches:
+        if K is not None:
             self._load_mapped(K, rows, slots)
             return
         where = self.slot_of.index_select(0, rows)
@@ -386,8 +383,8 @@ class TieredStorage(DenseStorage):
         self.dirty[slots] = False
 
     def _load_mapped(self, K, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """:meth:`_load` by the Numba loops (``K``), every file mapped and no prefetch held: each row
-        and its state copied once, from the files' pages into the cache."""
+        """:meth:`_load` by the Numba loops (``K``), every file mapped: each row and its state copied
+        once, from the files' pages into the cache."""
         maps = self._mappings()
         r, s, where = rows.numpy(), slots.numpy(), self.slot_of.index_select(0, rows)
         K.read_rows(self._held2d("weight").numpy(), s, maps["weight"], r, where.numpy(), FRESH)

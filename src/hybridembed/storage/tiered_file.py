@@ -2,8 +2,9 @@
 run of consecutive rows per system call (Numba's loop of ``pread`` / ``pwrite``, else Python's) or,
 where it is small, through a mapping (in 2 MiB pages where the page cache holds it); a dynamic
 table's spills appended by one writer thread behind the step where its file is not mapped
-(:meth:`_File.write_behind`); reads of many rows far apart cut into slices read at once. Used by :mod:`hybridembed.storage.tiered` (dense tables: a file of rows and one per optimizer
-state) and :mod:`hybridembed.storage.tiered_hash` (dynamic tables: one file of records).
+(:meth:`_File.write_behind`); reads of many rows far apart cut into slices read at once. Used by
+:mod:`hybridembed.storage.tiered` (dense tables: a file of rows and one per optimizer state) and
+:mod:`hybridembed.storage.tiered_hash` (dynamic tables: one file of records).
 """
 
 from __future__ import annotations
