@@ -102,3 +102,12 @@ def test_a_queue_of_one_segment_a_cached_slot_compacts_rarely(monkeypatch):
     assert len(calls) <= 10, len(calls)
     got, _ = q.victims(3, last_used, taken, torch.zeros(c, dtype=torch.bool))
     assert got.tolist() == [3001 % c, 3002 % c, 3003 % c]  # (the least recently used)
+
+
+def test_the_numba_modules_load_by_name_and_an_unknown_name_raises():
+    """``kernels.numba_loops``: a module of Numba loops (None without Numba), never None for a typo."""
+    from hybridembed.kernels import numba_loops
+
+    assert numba_loops("_numba_victims") is V._kernel()
+    with pytest.raises(ValueError, match="no module"):
+        numba_loops("_numba_nope")
