@@ -535,10 +535,13 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
 
 
 def reads(args: argparse.Namespace, where: str) -> list[dict]:
-    """A tiered file's scattered reads alone (``_File.read``), from a cold page cache: one thread
-    against :data:`~hybridembed.storage.tiered_file._READERS` threads each reading a slice, for reads of
-    ``--reads-counts`` records of a ``--reads-rows`` x 264-byte file (a 64-float row and its
-    row-wise state), alternated ``--rounds`` times; medians."""
+    """A tiered file's scattered reads and writes alone (``_File.read`` / ``_File.write``), from a cold
+    page cache, for ``--reads-counts`` records of a ``--reads-rows`` x 264-byte file (a 64-float row
+    and its row-wise state), each way alternated ``--rounds`` times; medians. Reads: one thread's
+    ``pread``s, :data:`~hybridembed.storage.tiered_file._READERS` threads each reading a slice, and
+    as shipped (the records' pages asked for at once, ``posix_fadvise(WILLNEED)``, then read);
+    writes: one thread's ``pwrite``s (each page written in part read first, one at a time) and as
+    shipped (the pages asked for first)."""
     from hybridembed.storage import tiered_file as tiered_mod
 
     os.makedirs(where, exist_ok=True)
@@ -549,28 +552,40 @@ def reads(args: argparse.Namespace, where: str) -> list[dict]:
         k = min(1 << 19, rows - lo)
         f.write(torch.arange(lo, lo + k), torch.randint(0, 255, (k, width), dtype=torch.uint8, generator=g))
     os.fsync(f.fd)
-    out, saved = [], (tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP)
+    saved = (tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP, tiered_mod._CAN_ASK)
+    ways = {  # (_PARALLEL_RUNS, _SPARSE_GAP, _CAN_ASK) of each way
+        "one thread": (10**12, saved[1], False),
+        "slices": (*saved[:2], False),
+        "asked": saved,
+        "write, one thread": (*saved[:2], False),
+        "write, asked": saved,
+    }
+    out = []
     try:
         for n in args.reads_counts:
-            ms: dict[str, list[float]] = {"one thread": [], "slices": []}
+            ms: dict[str, list[float]] = {way: [] for way in ways}
             for i in range(args.rounds):
-                for mode in list(ms)[:: 1 if i % 2 == 0 else -1]:  # (which goes first alternates)
-                    tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP = (10**12, 0) if mode == "one thread" else saved
+                for way in list(ms)[:: 1 if i % 2 == 0 else -1]:  # (which goes first alternates)
+                    tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP, tiered_mod._CAN_ASK = ways[way]
                     r = torch.randperm(rows, generator=g)[:n]
+                    data = torch.randint(0, 255, (n, width), dtype=torch.uint8, generator=g)
+                    os.fsync(f.fd)  # (the last writes on disk: the page cache dropped whole)
                     os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     t0 = time.perf_counter()
-                    f.read(r)
-                    ms[mode].append((time.perf_counter() - t0) * 1e3)
+                    f.write(r, data) if way.startswith("write") else f.read(r)
+                    ms[way].append((time.perf_counter() - t0) * 1e3)
             row = {"records": n, "gap_kib": rows * width / n / 1024, **{k: statistics.median(v) for k, v in ms.items()}}
             out.append(row)
             print(
                 f"reads: {n:,} records of {rows * width / 2**30:.1f} GiB (one per {row['gap_kib']:.0f} KiB), cold: "
-                f"one thread {row['one thread']:.1f} ms, as shipped {row['slices']:.1f} ms "
-                f"({row['one thread'] / row['slices']:.2f}x)",
+                f"one thread {row['one thread']:.1f} ms, {tiered_mod._READERS} slices {row['slices']:.1f} ms, as shipped "
+                f"{row['asked']:.1f} ms ({row['one thread'] / row['asked']:.2f}x / {row['slices'] / row['asked']:.2f}x); "
+                f"writes: one thread {row['write, one thread']:.1f} ms, as shipped {row['write, asked']:.1f} ms "
+                f"({row['write, one thread'] / row['write, asked']:.2f}x)",
                 flush=True,
             )
     finally:
-        tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP = saved
+        tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP, tiered_mod._CAN_ASK = saved
     return out
 
 

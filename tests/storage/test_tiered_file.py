@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,6 +151,62 @@ def test_reads_of_rows_far_apart_leave_no_page_in_the_page_cache_and_read_right(
     assert torch.equal(f.read(torch.arange(40, 60)), data[40:60])  # (close together: one run, as usual)
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_many_rows_far_apart_have_their_pages_asked_for_at_once_before_they_are_read_or_written(tmp_path, monkeypatch):
+    """A read of 16+ runs far apart asks the kernel for all their pages first (WILLNEED: one queue
+    of reads, not one read at a time; then, where reads far apart leave no page cached, their
+    pages dropped), and so does a write of runs a page or more apart, each shorter than a page (the
+    kernel reads a page before writing part of it); not reads of rows closer together (the
+    kernel's read-ahead streams the file), not few runs, not writes of whole pages; a refused
+    advice (a bad descriptor) reads as usual."""
+    from hybridembed.storage import tiered_file as T
+
+    io = T._io()
+    if io is None:
+        pytest.skip("Numba does not import here")
+    asked = []
+
+    def advise_runs(fd, starts, ends, offsets, advice):
+        asked.append((advice, offsets.tolist(), (ends - starts).tolist()))
+        return io.advise_runs(fd, starts, ends, offsets, advice)
+
+    fake = types.SimpleNamespace(advise_runs=advise_runs, pread_runs=io.pread_runs, pwrite_runs=io.pwrite_runs)
+    monkeypatch.setattr(T, "_io", lambda: fake)
+    g = torch.Generator().manual_seed(0)
+    f = T._File(tmp_path / "f.rows", 4096, 66, torch.float32)  # (264-byte rows, 15.5 a page)
+    data = torch.randn(4096, 66, generator=g)
+    f.write(torch.arange(4096), data)  # (one run: nothing asked)
+    assert asked == []
+    far = torch.randperm(256, generator=g)[:40] * 16  # (40 rows 4 KiB or more apart, out of order)
+    new = torch.randn(40, 66, generator=g)
+    f.write(far, new)
+    data[far] = new
+    want = sorted(far.tolist())
+    assert asked == [(os.POSIX_FADV_WILLNEED, [r * 264 for r in want], [264] * 40)]
+    asked.clear()
+    assert torch.equal(f.read(far), data[far]) and asked == []  # (4 KiB apart: read ahead, not asked for)
+    wide = T._File(tmp_path / "wide.rows", 256, 1024, torch.float32)  # (a row a page)
+    wide.write(torch.arange(0, 256, 4), torch.ones(64, 1024))
+    assert asked == []  # (whole pages written: none read first)
+    monkeypatch.setattr(T, "_SPARSE_GAP", 4096)  # (now far apart for reads too)
+    for rows in (far[:15], torch.arange(100, 140)):  # (15 runs; 40 rows in one run)
+        assert torch.equal(f.read(rows), data[rows])
+    assert asked == []
+    assert torch.equal(wide.read(torch.arange(0, 256, 4)), torch.ones(64, 1024))
+    assert [a for a, *_ in asked] == [os.POSIX_FADV_WILLNEED] + [os.POSIX_FADV_DONTNEED] * bool(wide.uncached)
+    asked.clear()
+    for uncached in (1, 0):
+        f.uncached = uncached
+        assert torch.equal(f.read(far), data[far])
+        assert [a for a, *_ in asked] == [os.POSIX_FADV_WILLNEED] + [os.POSIX_FADV_DONTNEED] * uncached
+        asked.clear()
+    bad = np.array([0, 264]), np.array([264, 528]), np.array([0, 8192])
+    assert io.advise_runs(-1, *bad, os.POSIX_FADV_WILLNEED) == 2  # (a bad descriptor: both refused)
+    assert io.advise_runs(f.fd, *bad, os.POSIX_FADV_WILLNEED) == 0
+    monkeypatch.setattr(T, "_CAN_ASK", False)  # (no posix_fadvise: read as before)
+    assert torch.equal(f.read(far), data[far]) and asked == []
+
+
 def _in_thread(fn):
     import threading
 
@@ -237,7 +295,7 @@ import os, signal, sys, threading, types, torch
 from pathlib import Path
 from hybridembed.storage import tiered_file as T
 io, gate = T._io(), threading.Event()
-T._io = lambda: types.SimpleNamespace(pread_runs=io.pread_runs, pwrite_runs=lambda *a: gate.wait(30) and io.pwrite_runs(*a))
+T._io = lambda: types.SimpleNamespace(advise_runs=io.advise_runs, pread_runs=io.pread_runs, pwrite_runs=lambda *a: gate.wait(30) and io.pwrite_runs(*a))
 f = T._File(Path(sys.argv[1]), 64, 5, torch.float32)
 f.write_behind(torch.tensor([1, 2]), torch.ones(2, 5))  # (held in the parent's writer thread)
 pid = os.fork()

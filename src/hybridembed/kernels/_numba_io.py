@@ -20,7 +20,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["pread_runs", "pwrite_runs"]
+__all__ = ["advise_runs", "pread_runs", "pwrite_runs"]
 
 
 def _libc(name: str):
@@ -58,6 +58,34 @@ def _preadv2(typingctx, fd, iov, offset, flags):
         return builder.call(fn, [args[0], builder.inttoptr(args[1], ptr), one, args[2], args[3]])
 
     return sig, codegen
+
+
+@intrinsic
+def _fadvise(typingctx, fd, offset, size, advice):
+    """libc's ``posix_fadvise(fd, offset, size, advice)``: 0, or the error's number."""
+    sig = types.int32(types.int32, types.int64, types.int64, types.int32)
+
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        fn = builder.module.globals.get("posix_fadvise")
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(i32, [i32, i64, i64, i32]), "posix_fadvise")
+        return builder.call(fn, list(args))
+
+    return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def advise_runs(fd: int, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, advice: int) -> int:
+    """``posix_fadvise(advice)`` over each run's bytes in the file (``POSIX_FADV_WILLNEED``: the
+    kernel starts reading all their pages at once, the disk's queue full, and returns;
+    ``POSIX_FADV_DONTNEED``: their clean pages leave the page cache): the runs it refused."""
+    f, a = np.int32(fd), np.int32(advice)
+    refused = 0
+    for i in range(starts.size):
+        if _fadvise(f, offsets[i], ends[i] - starts[i], a) != 0:
+            refused += 1
+    return refused
 
 
 @njit(nogil=True, cache=True)

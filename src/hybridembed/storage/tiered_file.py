@@ -2,7 +2,8 @@
 run of consecutive rows per system call (Numba's loop of ``pread`` / ``pwrite``, else Python's) or,
 where it is small, through a mapping (in 2 MiB pages where the page cache holds it); a dynamic
 table's spills appended by one writer thread behind the step where its file is not mapped
-(:meth:`_File.write_behind`); reads of many rows far apart cut into slices read at once. Used by
+(:meth:`_File.write_behind`); for reads and writes of many rows far apart, the kernel asked for
+all their pages at once (``posix_fadvise``) before the calls that need them. Used by
 :mod:`hybridembed.storage.tiered` (dense tables: a file of rows and one per optimizer state) and
 :mod:`hybridembed.storage.tiered_hash` (dynamic tables: one file of records).
 """
@@ -10,6 +11,7 @@ table's spills appended by one writer thread behind the step where its file is n
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import threading
 import weakref
@@ -30,12 +32,22 @@ _CALL_BYTES = 1 << 30  # the most one preadv / pwritev call moves
 # 151-167 / 94-122 ms by 8. Records close together (31,000 there) are read by one thread: its
 # read-ahead streams the file (370-430 ms), which 8 threads reading apart defeat (590-1,030 ms).
 _READERS = 8
-_PARALLEL_RUNS = 256  # runs from which a read may be cut into slices
+_PARALLEL_RUNS = 256  # runs from which a read may be cut into slices (where pages cannot be asked for, below)
 _SPARSE_GAP = 64 << 10  # mean bytes between runs from which it is
 # such reads (records far apart: no neighbour is read again soon) leave no page in the page cache
 # (``preadv2``'s RWF_DONTCACHE, Linux 6.14+: elsewhere refused and read as usual): in a process whose
 # memory is capped, the pages they would fill evict the records index's instead
 _DONTCACHE = 0x80
+# a read or write of this many runs or more, a page or more apart, first asks the kernel for all their
+# pages (``posix_fadvise(WILLNEED)``: it queues the reads at once and returns; a write of part of a
+# page must read the page first), then reads or writes them one call a run: measured here on a cold
+# 1 GiB file of 264-byte records, 31,000 scattered records read in 120-138 ms against 238-338 ms by
+# one thread's ``pread``s (the kernel's read-ahead, its queue one deep) and 8,000 in 106 against 169 ms
+# by 8 threads; 31,000 / 8,000 scattered records written in 245 / 76 ms against 745 / 379 ms.
+# Pages already in the page cache cost a call each (~0.3 us).
+_ASK_RUNS = 16
+_PAGE = mmap.PAGESIZE
+_CAN_ASK = hasattr(os, "posix_fadvise")
 # writes a file has in flight at once (write_behind: a step's evictions, written while the step goes on;
 # 0: none, each written at once)
 _BEHIND = 1
@@ -232,7 +244,7 @@ class _File:
         with self._behind_lock:
             self._behind.append(w)
         # (through self: this file, and its descriptor, outlive the write)
-        w.done = _writer().submit(lambda: io.pwrite_runs(self.fd, *w.runs))
+        w.done = _writer().submit(lambda: _pwrite_runs(io, self.fd, *w.runs))
 
     def settle_writes(self, rows: torch.Tensor | None = None, keep: int = 0) -> None:
         """Wait for the writes in flight to any of ``rows`` (None: all but the newest ``keep``); a
@@ -279,7 +291,7 @@ class _File:
         self._check_size()
         runs = self._prepared(rows, data)
         io = _io()
-        first = io.pwrite_runs(self.fd, *runs) if io else 0
+        first = _pwrite_runs(io, self.fd, *runs) if io else 0
         if first >= 0:
             self._write_runs(*runs, first)
 
@@ -361,11 +373,20 @@ def _reads_uncached(fd: int) -> bool:
 def _pread_runs(
     io, fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, uncached: int = 0
 ) -> int:
-    """``io.pread_runs`` over all runs (ascending offsets), in :data:`_READERS` slices read at once
-    where there are many far apart (the loop releases the GIL; with ``uncached``, preadv2's flag,
-    leaving no page in the page cache): the first run that failed, or -1."""
+    """``io.pread_runs`` over all runs (ascending offsets): the first run that failed, or -1. Runs
+    far apart (:data:`_SPARSE_GAP`) have their pages asked for first (:func:`_ask_pages`), then read
+    by one loop as they arrive and, with ``uncached``, dropped from the page cache after
+    (``POSIX_FADV_DONTNEED``); where they cannot be asked for, many are read in :data:`_READERS`
+    slices at once (the loop releases the GIL; ``uncached``: preadv2's flag, leaving no page in the
+    page cache). Runs closer together are read by one loop, the kernel's read-ahead streaming the file."""
     n = starts.size
-    if n < _PARALLEL_RUNS or int(offsets[-1] - offsets[0]) < _SPARSE_GAP * n:
+    sparse = n > 0 and int(offsets[-1] - offsets[0]) >= _SPARSE_GAP * n
+    if sparse and _ask_pages(io, fd, starts, ends, offsets, writes=False):
+        first = io.pread_runs(fd, buf, starts, ends, offsets)
+        if uncached:
+            io.advise_runs(fd, starts, ends, offsets, os.POSIX_FADV_DONTNEED)
+        return first
+    if n < _PARALLEL_RUNS or not sparse:
         return io.pread_runs(fd, buf, starts, ends, offsets)
     global _readers
     with _readers_lock:
@@ -380,6 +401,25 @@ def _pread_runs(
     failed += [a + r if (r := f.result()) >= 0 else n for (a, _), f in zip(part[1:], futures)]
     first = min(failed)
     return -1 if first == n else first
+
+
+def _pwrite_runs(io, fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray) -> int:
+    """``io.pwrite_runs``, the pages of runs far apart asked for first (:func:`_ask_pages`)."""
+    _ask_pages(io, fd, starts, ends, offsets, writes=True)
+    return io.pwrite_runs(fd, buf, starts, ends, offsets)
+
+
+def _ask_pages(io, fd: int, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, writes: bool) -> bool:
+    """Ask the kernel for the pages of :data:`_ASK_RUNS` or more runs a page or more apart (on
+    average) at once (``POSIX_FADV_WILLNEED``), before the calls that read them (``writes``: that
+    write them, where a run is shorter than a page on average: a page written only in part is read
+    first; whole pages are not). Whether it asked."""
+    n = starts.size
+    if not _CAN_ASK or n < _ASK_RUNS or int(offsets[-1] - offsets[0]) < _PAGE * n:
+        return False
+    if writes and int(ends[-1] - starts[0]) >= _PAGE * n:
+        return False
+    return io.advise_runs(fd, starts, ends, offsets, os.POSIX_FADV_WILLNEED) < n
 
 
 @functools.cache
