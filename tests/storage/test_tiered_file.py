@@ -157,8 +157,8 @@ def test_many_rows_far_apart_have_their_pages_asked_for_at_once_before_they_are_
     of reads, not one read at a time; then, where reads far apart leave no page cached, their
     pages dropped), and so does a write of runs a page or more apart, each shorter than a page (the
     kernel reads a page before writing part of it); not reads of rows closer together (the
-    kernel's read-ahead streams the file), not few runs, not writes of whole pages; a refused
-    advice (a bad descriptor) reads as usual."""
+    kernel's read-ahead streams the file), not few runs, not writes of whole pages, not more than
+    ``_ASK_BYTES`` at once; a refused advice (a bad descriptor) reads as usual."""
     from hybridembed.storage import tiered_file as T
 
     io = T._io()
@@ -203,6 +203,11 @@ def test_many_rows_far_apart_have_their_pages_asked_for_at_once_before_they_are_
     bad = np.array([0, 264]), np.array([264, 528]), np.array([0, 8192])
     assert io.advise_runs(-1, *bad, os.POSIX_FADV_WILLNEED) == 2  # (a bad descriptor: both refused)
     assert io.advise_runs(f.fd, *bad, os.POSIX_FADV_WILLNEED) == 0
+    monkeypatch.setattr(T, "_ASK_BYTES", 40 * 264 - 1)  # (more bytes than asked for at once: read as before)
+    assert torch.equal(f.read(far), data[far]) and asked == []
+    monkeypatch.setattr(T, "_ASK_BYTES", 40 * 264)
+    assert torch.equal(f.read(far), data[far]) and asked
+    asked.clear()
     monkeypatch.setattr(T, "_CAN_ASK", False)  # (no posix_fadvise: read as before)
     assert torch.equal(f.read(far), data[far]) and asked == []
 

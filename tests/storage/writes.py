@@ -20,7 +20,13 @@ class HeldWriter:
             self.gate.wait(30)
             return 0 if fail else io.pwrite_runs(*a)
 
-        monkeypatch.setattr(T, "_io", lambda: types.SimpleNamespace(advise_runs=io.advise_runs, pread_runs=io.pread_runs, pwrite_runs=pwrite_runs))
+        monkeypatch.setattr(
+            T,
+            "_io",
+            lambda: types.SimpleNamespace(
+                advise_runs=io.advise_runs, pread_runs=io.pread_runs, pwrite_runs=pwrite_runs
+            ),
+        )
 
     def release(self) -> None:
         self.gate.set()
@@ -43,6 +49,10 @@ def slow_writes(monkeypatch, T, seconds: float) -> dict:
         seen["waits"] += any(not w.done.done() for w in self._behind)
         return real(self, *a, **k)
 
-    monkeypatch.setattr(T, "_io", lambda: types.SimpleNamespace(advise_runs=io.advise_runs, pread_runs=io.pread_runs, pwrite_runs=pwrite_runs))
+    monkeypatch.setattr(
+        T,
+        "_io",
+        lambda: types.SimpleNamespace(advise_runs=io.advise_runs, pread_runs=io.pread_runs, pwrite_runs=pwrite_runs),
+    )
     monkeypatch.setattr(T._File, "settle_writes", settle_writes)
     return seen

@@ -46,6 +46,7 @@ _DONTCACHE = 0x80
 # by 8 threads; 31,000 / 8,000 scattered records written in 245 / 76 ms against 745 / 379 ms.
 # Pages already in the page cache cost a call each (~0.3 us).
 _ASK_RUNS = 16
+_ASK_BYTES = 256 << 20  # at most this many bytes a call (the pages asked for are read into the page cache at once)
 _PAGE = mmap.PAGESIZE
 _CAN_ASK = hasattr(os, "posix_fadvise")
 # writes a file has in flight at once (write_behind: a step's evictions, written while the step goes on;
@@ -411,13 +412,14 @@ def _pwrite_runs(io, fd: int, buf: np.ndarray, starts: np.ndarray, ends: np.ndar
 
 def _ask_pages(io, fd: int, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, writes: bool) -> bool:
     """Ask the kernel for the pages of :data:`_ASK_RUNS` or more runs a page or more apart (on
-    average) at once (``POSIX_FADV_WILLNEED``), before the calls that read them (``writes``: that
-    write them, where a run is shorter than a page on average: a page written only in part is read
-    first; whole pages are not). Whether it asked."""
+    average), :data:`_ASK_BYTES` at most, at once (``POSIX_FADV_WILLNEED``), before the calls that
+    read them (``writes``: that write them, where a run is shorter than a page on average: a page
+    written only in part is read first; whole pages are not). Whether it asked."""
     n = starts.size
     if not _CAN_ASK or n < _ASK_RUNS or int(offsets[-1] - offsets[0]) < _PAGE * n:
         return False
-    if writes and int(ends[-1] - starts[0]) >= _PAGE * n:
+    size = int(ends[-1] - starts[0])
+    if size > _ASK_BYTES or (writes and size >= _PAGE * n):
         return False
     return io.advise_runs(fd, starts, ends, offsets, os.POSIX_FADV_WILLNEED) < n
 
