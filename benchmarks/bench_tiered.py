@@ -55,7 +55,8 @@ resident memory (``VmHWM``, this process's own) against the cache's bytes (issue
 peak <= cache + 2 GiB); with ``--checkpoint``, then ``he.save`` of it and ``he.load`` into a
 fresh tiered table, each one's peak (``VmHWM`` reset before it); ``--memory-dynamic``: a dynamic
 table, its rows (ids ``0..rows-1``) written to disk first. ``--memory-behind N``: then ``N`` steps each with the evictions written behind the step and in it,
-alternated in blocks of 10. ``--memory-prefetch N``: then ``N`` steps each
+alternated in blocks of 10; ``--memory-asked N``: then ``N`` steps each with and without the pages of
+reads far apart asked for first (``tiered_file._CAN_ASK``), alternated the same way. ``--memory-prefetch N``: then ``N`` steps each
 without and with ``ec.prefetch`` (``--ahead``), alternated in blocks as the prefetch parts' (the page
 cache is not dropped: in ``--memory-limit``'s cgroup the table is far larger than it). The table's files are made in ``--dir`` (default: a temporary directory)
 and removed after.
@@ -284,7 +285,7 @@ _CHILD = """
 import json, os, sys, time, torch
 import hybridembed as he
 from hybridembed.synthetic import powerlaw_ids
-rows, dim, cache, steps, batch, where, checkpoint, dynamic, pre, ahead, here, behind = json.loads(sys.argv[1])
+rows, dim, cache, steps, batch, where, checkpoint, dynamic, pre, ahead, here, behind, asked = json.loads(sys.argv[1])
 def status(key):
     line = next(x for x in open("/proc/self/status") if x.startswith(key))
     return int(line.split()[1]) * 1024
@@ -315,18 +316,25 @@ if pre:  # steps without and with ec.prefetch alternated: the table is larger th
     sys.path.insert(0, here)
     from bench_tiered import alternate
     prefetched = alternate(ec, opt, ec.storage_of("big"), lambda: {"big": powerlaw_ids(batch, rows, generator=g)}, pre, ahead, cold=False)
-if behind:  # steps whose evictions are written behind them and in them (tiered_file._BEHIND 1 / 0), blocks of 10 alternated
+def alternated(name, n):  # n steps each with tiered_file.<name> on and off, blocks of 10 alternated: medians (ms)
     from hybridembed.storage import tiered_file as T
-    spent = {1: [], 0: []}
-    for b in range(2 * max(1, behind // 10)):
-        T._BEHIND = (1, 0)[b % 2]
+    saved, spent = getattr(T, name), {1: [], 0: []}
+    for b in range(2 * max(1, n // 10)):
+        on = (1, 0)[b % 2]
+        setattr(T, name, type(saved)(on))
         for i in range(11):  # (the first untimed: the other mode's write settles)
             t0 = time.perf_counter()
             opt.zero_grad(); ec({"big": powerlaw_ids(batch, rows, generator=g)})["big"].sum().backward(); opt.step()
             if i:
-                spent[T._BEHIND].append((time.perf_counter() - t0) * 1e3)
-    T._BEHIND = 1
-    behind_ms = {"behind_ms": sorted(spent[1])[len(spent[1]) // 2], "in_step_ms": sorted(spent[0])[len(spent[0]) // 2]}
+                spent[on].append((time.perf_counter() - t0) * 1e3)
+    setattr(T, name, saved)
+    return {k: sorted(v)[len(v) // 2] for k, v in spent.items()}
+if behind:  # steps whose evictions are written behind them and in them (tiered_file._BEHIND 1 / 0)
+    ms = alternated("_BEHIND", behind)
+    behind_ms = {"behind_ms": ms[1], "in_step_ms": ms[0]}
+if asked:  # steps whose reads of records far apart ask for their pages first and do not (tiered_file._CAN_ASK)
+    ms = alternated("_CAN_ASK", asked)
+    asked_ms = {"asked_ms": ms[1], "not_asked_ms": ms[0]}
 storage = ec.storage_of("big")
 st = storage.stats()
 mapped = (storage._file if dynamic else storage._rows_file).map is not None  # (Tiered(mapped=None): by size)
@@ -336,6 +344,8 @@ if pre:
     out["prefetch"] = prefetched
 if behind:
     out["behind"] = behind_ms
+if asked:
+    out["asked"] = asked_ms
 if checkpoint:  # he.save, then he.load into a fresh tiered table: each one's peak (VmHWM reset before it)
     def reset():
         with open("/proc/self/clear_refs", "w") as f:
@@ -381,7 +391,7 @@ print(json.dumps(out))
 def memory(args: argparse.Namespace, where: str) -> dict:
     spec = [args.memory_rows, args.dim, args.memory_cache, args.memory_steps, args.batch, where, args.checkpoint]
     spec += [args.memory_dynamic, args.memory_prefetch, args.ahead, str(Path(__file__).resolve().parent)]
-    spec += [args.memory_behind]
+    spec += [args.memory_behind, args.memory_asked]
     cache_bytes = args.memory_cache * (args.dim + 1) * 4  # (the cached rows and their row-wise Adagrad state)
     limit = cache_bytes + (2 << 30)
     group = _cgroup(limit) if args.memory_limit else None
@@ -641,6 +651,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=0,
         help="memory part: then this many steps each with evictions written behind the step and in it, alternated",
     )
+    p.add_argument(
+        "--memory-asked",
+        type=int,
+        default=0,
+        help="memory part: then this many steps each with and without the pages of reads far apart asked for first",
+    )
     p.add_argument("--reads-rows", type=int, default=4_000_000, help="reads part: records in the file")
     p.add_argument("--reads-counts", type=int, nargs="+", default=[31_000, 12_000, 8_000, 5_000])
     p.add_argument("--rounds", type=int, default=3, help="reads part: alternations")
@@ -651,7 +667,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.tables, args.rows, args.dim, args.batch, args.steps, args.warmup = 2, 5_000, 8, 256, 3, 2
         args.memory_rows, args.memory_cache, args.memory_steps, args.memory_prefetch = 100_000, 400, 3, BLOCK
-        args.memory_behind = 20
+        args.memory_behind = args.memory_asked = 20
         args.prefetch_rows, args.prefetch_cache = 40_000, 2_000
         args.index_records, args.index_window, args.index_limit = 300_000, 1, 0
         args.reads_rows, args.reads_counts, args.rounds = 20_000, [300], 1
@@ -735,6 +751,13 @@ def main(argv: list[str] | None = None) -> dict:
                 print(
                     f"memory, evictions written behind the step {bh['behind_ms']:.1f} ms a step, in the step "
                     f"{bh['in_step_ms']:.1f} ms ({bh['in_step_ms'] / bh['behind_ms']:.2f}x)",
+                    flush=True,
+                )
+            if "asked" in r:
+                ak = r["asked"]
+                print(
+                    f"memory, the pages of reads far apart asked for first: {ak['asked_ms']:.1f} ms a step, not asked "
+                    f"for {ak['not_asked_ms']:.1f} ms ({ak['not_asked_ms'] / ak['asked_ms']:.2f}x)",
                     flush=True,
                 )
             if args.checkpoint:
