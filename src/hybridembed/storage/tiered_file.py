@@ -38,13 +38,15 @@ _SPARSE_GAP = 64 << 10  # mean bytes between runs from which it is
 # (``preadv2``'s RWF_DONTCACHE, Linux 6.14+: elsewhere refused and read as usual): in a process whose
 # memory is capped, the pages they would fill evict the records index's instead
 _DONTCACHE = 0x80
-# a read or write of this many runs or more, a page or more apart, first asks the kernel for all their
-# pages (``posix_fadvise(WILLNEED)``: it queues the reads at once and returns; a write of part of a
-# page must read the page first), then reads or writes them one call a run: measured here on a cold
-# 1 GiB file of 264-byte records, 31,000 scattered records read in 120-138 ms against 238-338 ms by
-# one thread's ``pread``s (the kernel's read-ahead, its queue one deep) and 8,000 in 106 against 169 ms
-# by 8 threads; 31,000 / 8,000 scattered records written in 245 / 76 ms against 745 / 379 ms.
-# Pages already in the page cache cost a call each (~0.3 us).
+# a read of this many runs or more far apart (_SPARSE_GAP), or a write of runs a page or more apart
+# each shorter than a page (the kernel reads a page before writing part of it), first asks the kernel
+# for all their pages (``posix_fadvise(WILLNEED)``: it queues the reads at once and returns), then
+# reads or writes them one call a run. Measured here on a cold 1 GiB file of 264-byte records
+# (``bench_tiered.py --part reads``): 5,000-12,000 records far apart read 1.56-1.67x faster than by
+# 8 threads' slices, 5.0-5.6x faster than by one thread; scattered writes 4.8-5.4x faster. Not reads
+# of records closer together: there the kernel's read-ahead streams the file into the page cache,
+# which a file the page cache holds gains from in the next steps (asked for, a cold dynamic step of
+# 31,000 records 33 KiB apart took 281 ms against 120). A page already cached costs a call (~0.3 us).
 _ASK_RUNS = 16
 _ASK_BYTES = 256 << 20  # at most this many bytes a call (the pages asked for are read into the page cache at once)
 _PAGE = mmap.PAGESIZE
