@@ -158,7 +158,8 @@ def test_many_rows_far_apart_have_their_pages_asked_for_at_once_before_they_are_
     pages dropped), and so does a write of runs a page or more apart, each shorter than a page (the
     kernel reads a page before writing part of it); not reads of rows closer together (the
     kernel's read-ahead streams the file), not few runs, not writes of whole pages, not more than
-    ``_ASK_BYTES`` at once; a refused advice (a bad descriptor) reads as usual."""
+    ``_ASK_BYTES`` at once, not where the file's pages are in the page cache already (probed); a
+    refused advice (a bad descriptor) reads as usual."""
     from hybridembed.storage import tiered_file as T
 
     io = T._io()
@@ -170,6 +171,13 @@ def test_many_rows_far_apart_have_their_pages_asked_for_at_once_before_they_are_
         asked.append((advice, offsets.tolist(), (ends - starts).tolist()))
         return io.advise_runs(fd, starts, ends, offsets, advice)
 
+    def cold(*files):  # (the files' pages out of the page cache)
+        for x in files:
+            os.fsync(x.fd)
+            os.posix_fadvise(x.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if _resident_pages(x.path):
+                pytest.skip("this file system keeps its files' pages (tmpfs?)")
+
     fake = types.SimpleNamespace(advise_runs=advise_runs, pread_runs=io.pread_runs, pwrite_runs=io.pwrite_runs)
     monkeypatch.setattr(T, "_io", lambda: fake)
     g = torch.Generator().manual_seed(0)
@@ -179,16 +187,22 @@ def test_many_rows_far_apart_have_their_pages_asked_for_at_once_before_they_are_
     assert asked == []
     far = torch.randperm(256, generator=g)[:40] * 16  # (40 rows 4 KiB or more apart, out of order)
     new = torch.randn(40, 66, generator=g)
+    f.write(far, new)  # (their pages cached: not asked for)
+    assert asked == []
+    cold(f)
     f.write(far, new)
     data[far] = new
     want = sorted(far.tolist())
     assert asked == [(os.POSIX_FADV_WILLNEED, [r * 264 for r in want], [264] * 40)]
     asked.clear()
+    cold(f)
     assert torch.equal(f.read(far), data[far]) and asked == []  # (4 KiB apart: read ahead, not asked for)
     wide = T._File(tmp_path / "wide.rows", 256, 1024, torch.float32)  # (a row a page)
+    cold(wide)
     wide.write(torch.arange(0, 256, 4), torch.ones(64, 1024))
     assert asked == []  # (whole pages written: none read first)
     monkeypatch.setattr(T, "_SPARSE_GAP", 4096)  # (now far apart for reads too)
+    cold(f, wide)
     for rows in (far[:15], torch.arange(100, 140)):  # (15 runs; 40 rows in one run)
         assert torch.equal(f.read(rows), data[rows])
     assert asked == []
@@ -197,18 +211,23 @@ def test_many_rows_far_apart_have_their_pages_asked_for_at_once_before_they_are_
     asked.clear()
     for uncached in (1, 0):
         f.uncached = uncached
+        cold(f)
         assert torch.equal(f.read(far), data[far])
         assert [a for a, *_ in asked] == [os.POSIX_FADV_WILLNEED] + [os.POSIX_FADV_DONTNEED] * uncached
         asked.clear()
+    assert torch.equal(f.read(far), data[far]) and asked == []  # (kept in the page cache: not asked again)
     bad = np.array([0, 264]), np.array([264, 528]), np.array([0, 8192])
     assert io.advise_runs(-1, *bad, os.POSIX_FADV_WILLNEED) == 2  # (a bad descriptor: both refused)
     assert io.advise_runs(f.fd, *bad, os.POSIX_FADV_WILLNEED) == 0
     monkeypatch.setattr(T, "_ASK_BYTES", 40 * 264 - 1)  # (more bytes than asked for at once: read as before)
+    cold(f)
     assert torch.equal(f.read(far), data[far]) and asked == []
     monkeypatch.setattr(T, "_ASK_BYTES", 40 * 264)
+    cold(f)
     assert torch.equal(f.read(far), data[far]) and asked
     asked.clear()
     monkeypatch.setattr(T, "_CAN_ASK", False)  # (no posix_fadvise: read as before)
+    cold(f)
     assert torch.equal(f.read(far), data[far]) and asked == []
 
 

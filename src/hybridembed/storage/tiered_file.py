@@ -51,6 +51,8 @@ _ASK_RUNS = 16
 _ASK_BYTES = 256 << 20  # at most this many bytes a call (the pages asked for are read into the page cache at once)
 _PAGE = mmap.PAGESIZE
 _CAN_ASK = hasattr(os, "posix_fadvise")
+_PROBES = 8  # runs probed for their pages in the page cache before any is asked for (_cached)
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 # writes a file has in flight at once (write_behind: a step's evictions, written while the step goes on;
 # 0: none, each written at once)
 _BEHIND = 1
@@ -421,9 +423,25 @@ def _ask_pages(io, fd: int, starts: np.ndarray, ends: np.ndarray, offsets: np.nd
     if not _CAN_ASK or n < _ASK_RUNS or int(offsets[-1] - offsets[0]) < _PAGE * n:
         return False
     size = int(ends[-1] - starts[0])
-    if size > _ASK_BYTES or (writes and size >= _PAGE * n):
+    if size > _ASK_BYTES or (writes and size >= _PAGE * n) or _cached(fd, offsets):
         return False
     return io.advise_runs(fd, starts, ends, offsets, os.POSIX_FADV_WILLNEED) < n
+
+
+def _cached(fd: int, offsets: np.ndarray) -> bool:
+    """Whether most of :data:`_PROBES` runs spread over ``offsets`` have their first page in the page
+    cache (a read with ``RWF_NOWAIT`` of a byte each: refused where it would wait for the disk). A
+    file the page cache holds is not asked for (a call a run: 4.5 ms for 8,000 runs, measured here)
+    nor dropped after."""
+    if _NOWAIT == 0:
+        return False
+    one, hits = bytearray(1), 0
+    for at in offsets[np.linspace(0, offsets.size - 1, _PROBES).astype(np.int64)].tolist():
+        try:
+            hits += os.preadv(fd, [one], at, _NOWAIT) == 1
+        except OSError:  # (BlockingIOError: not cached; another: a file system without it)
+            pass
+    return 2 * hits > _PROBES
 
 
 @functools.cache
