@@ -545,13 +545,15 @@ def prefetch(args: argparse.Namespace, where: str, dynamic: bool = False) -> dic
 
 
 def reads(args: argparse.Namespace, where: str) -> list[dict]:
-    """A tiered file's scattered reads and writes alone (``_File.read`` / ``_File.write``), from a cold
-    page cache, for ``--reads-counts`` records of a ``--reads-rows`` x 264-byte file (a 64-float row
-    and its row-wise state), each way alternated ``--rounds`` times; medians. Reads: one thread's
-    ``pread``s, :data:`~hybridembed.storage.tiered_file._READERS` threads each reading a slice, and
-    as shipped (the records' pages asked for at once, ``posix_fadvise(WILLNEED)``, then read);
-    writes: one thread's ``pwrite``s (each page written in part read first, one at a time) and as
-    shipped (the pages asked for first)."""
+    """A tiered file's scattered reads and writes alone (``_File.read`` / ``_File.write``) of
+    ``--reads-counts`` records of a ``--reads-rows`` x 264-byte file (a 64-float row and its row-wise
+    state), each way alternated ``--rounds`` times; medians. From a cold page cache, reads: one
+    thread's ``pread``s, :data:`~hybridembed.storage.tiered_file._READERS` threads each reading a
+    slice, and as shipped (the records' pages asked for at once, ``posix_fadvise(WILLNEED)``, then
+    read); writes: one thread's ``pwrite``s (each page written in part read first, one at a time)
+    and as shipped. With the records' pages cached (read and written just before): as shipped (a
+    probe finds them cached: nothing asked for) and without the probe (asked for, and far apart,
+    dropped after)."""
     from hybridembed.storage import tiered_file as tiered_mod
 
     os.makedirs(where, exist_ok=True)
@@ -562,13 +564,18 @@ def reads(args: argparse.Namespace, where: str) -> list[dict]:
         k = min(1 << 19, rows - lo)
         f.write(torch.arange(lo, lo + k), torch.randint(0, 255, (k, width), dtype=torch.uint8, generator=g))
     os.fsync(f.fd)
-    saved = (tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP, tiered_mod._CAN_ASK)
-    ways = {  # (_PARALLEL_RUNS, _SPARSE_GAP, _CAN_ASK) of each way
-        "one thread": (10**12, saved[1], False),
-        "slices": (*saved[:2], False),
-        "asked": saved,
-        "write, one thread": (*saved[:2], False),
-        "write, asked": saved,
+    names = ("_PARALLEL_RUNS", "_CAN_ASK", "_NOWAIT")
+    saved = {k: getattr(tiered_mod, k) for k in names}
+    ways = {  # each way's settings of tiered_file (the rest as shipped)
+        "one thread": {"_PARALLEL_RUNS": 10**12, "_CAN_ASK": False},
+        "slices": {"_CAN_ASK": False},
+        "asked": {},
+        "write, one thread": {"_CAN_ASK": False},
+        "write, asked": {},
+        "warm": {},
+        "warm, not probed": {"_NOWAIT": 0},
+        "warm write": {},
+        "warm write, not probed": {"_NOWAIT": 0},
     }
     out = []
     try:
@@ -576,13 +583,17 @@ def reads(args: argparse.Namespace, where: str) -> list[dict]:
             ms: dict[str, list[float]] = {way: [] for way in ways}
             for i in range(args.rounds):
                 for way in list(ms)[:: 1 if i % 2 == 0 else -1]:  # (which goes first alternates)
-                    tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP, tiered_mod._CAN_ASK = ways[way]
+                    for k in names:
+                        setattr(tiered_mod, k, ways[way].get(k, saved[k]))
                     r = torch.randperm(rows, generator=g)[:n]
                     data = torch.randint(0, 255, (n, width), dtype=torch.uint8, generator=g)
                     os.fsync(f.fd)  # (the last writes on disk: the page cache dropped whole)
                     os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    if way.startswith("warm"):  # (their pages read and written: in the page cache)
+                        f.read(r)
+                        f.write(r, data)
                     t0 = time.perf_counter()
-                    f.write(r, data) if way.startswith("write") else f.read(r)
+                    f.write(r, data) if "write" in way else f.read(r)
                     ms[way].append((time.perf_counter() - t0) * 1e3)
             row = {"records": n, "gap_kib": rows * width / n / 1024, **{k: statistics.median(v) for k, v in ms.items()}}
             out.append(row)
@@ -591,11 +602,14 @@ def reads(args: argparse.Namespace, where: str) -> list[dict]:
                 f"one thread {row['one thread']:.1f} ms, {tiered_mod._READERS} slices {row['slices']:.1f} ms, as shipped "
                 f"{row['asked']:.1f} ms ({row['one thread'] / row['asked']:.2f}x / {row['slices'] / row['asked']:.2f}x); "
                 f"writes: one thread {row['write, one thread']:.1f} ms, as shipped {row['write, asked']:.1f} ms "
-                f"({row['write, one thread'] / row['write, asked']:.2f}x)",
+                f"({row['write, one thread'] / row['write, asked']:.2f}x); warm: reads {row['warm']:.1f} ms "
+                f"({row['warm, not probed']:.1f} not probed), writes {row['warm write']:.1f} ms "
+                f"({row['warm write, not probed']:.1f} not probed)",
                 flush=True,
             )
     finally:
-        tiered_mod._PARALLEL_RUNS, tiered_mod._SPARSE_GAP, tiered_mod._CAN_ASK = saved
+        for k in names:
+            setattr(tiered_mod, k, saved[k])
     return out
 
 

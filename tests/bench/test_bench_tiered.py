@@ -41,7 +41,8 @@ def test_quick(tmp_path):
     assert memory["behind"]["behind_ms"] > 0 and memory["behind"]["in_step_ms"] > 0, memory  # (the memory part's too)
     assert memory["asked"]["asked_ms"] > 0 and memory["asked"]["not_asked_ms"] > 0, memory
     rd = res["reads"][0]  # (the reads part: each way's cold reads and writes)
-    assert all(rd[k] > 0 for k in ("one thread", "slices", "asked", "write, one thread", "write, asked")), rd
+    ways = ("one thread", "slices", "asked", "write, one thread", "write, asked", "warm", "warm, not probed")
+    assert all(rd[k] > 0 for k in (*ways, "warm write", "warm write, not probed")), rd
     b = res["behind"]  # (spills written behind the step, and in it)
     assert b["behind_ms"] > 0 and b["in_step_ms"] > 0 and b["spilled"] > 0, b
     for part in ("prefetch", "dynamic-prefetch"):  # (cold rows read back: by the step, or by the prefetch)
