@@ -76,14 +76,19 @@ def _fadvise(typingctx, fd, offset, size, advice):
 
 
 @njit(nogil=True, cache=True)
-def advise_runs(fd: int, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, advice: int) -> int:
-    """``posix_fadvise(advice)`` over each run's bytes in the file (``POSIX_FADV_WILLNEED``: the
-    kernel starts reading all their pages at once, the disk's queue full, and returns;
-    ``POSIX_FADV_DONTNEED``: their clean pages leave the page cache): the runs it refused."""
+def advise_runs(
+    fd: int, starts: np.ndarray, ends: np.ndarray, offsets: np.ndarray, advice: int, page: int = 4096
+) -> int:
+    """``posix_fadvise(advice)`` over each run's pages in the file, the run rounded out to whole
+    pages of ``page`` bytes (``POSIX_FADV_WILLNEED``: the kernel starts reading them all at once,
+    the disk's queue full, and returns; ``POSIX_FADV_DONTNEED``: those clean leave the page cache,
+    and it drops only pages wholly inside the range it is given): the runs it refused."""
     f, a = np.int32(fd), np.int32(advice)
     refused = 0
     for i in range(starts.size):
-        if _fadvise(f, offsets[i], ends[i] - starts[i], a) != 0:
+        lo = offsets[i] - offsets[i] % page
+        hi = offsets[i] + ends[i] - starts[i] + page - 1
+        if _fadvise(f, lo, hi - hi % page - lo, a) != 0:
             refused += 1
     return refused
 

@@ -233,8 +233,9 @@ class _File:
 
     def write_behind(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """:meth:`write` by the writer thread while the caller goes on (the copy into the kernel's
-        page cache: ~1 ms a MiB here, 2-4 ms of a dynamic tiered step's spill; the thread runs only
-        the Numba loop, which holds no GIL: without Numba this writes now). ``data`` is kept, not
+        page cache: ~1 ms a MiB here, 2-4 ms of a dynamic tiered step's spill; the thread runs the
+        Numba loops, which hold no GIL, and for rows far apart the eight calls of :func:`_cached`:
+        without Numba this writes now). ``data`` is kept, not
         copied, until written: the caller hands it over. A read of any of these rows waits for the
         write, a :meth:`write` for every write in flight, and a write beyond :data:`_BEHIND` in
         flight for the oldest. A failed write keeps its rows here and is tried again by the next
@@ -389,7 +390,7 @@ def _pread_runs(
     if sparse and _ask_pages(io, fd, starts, ends, offsets, writes=False):
         first = io.pread_runs(fd, buf, starts, ends, offsets)
         if uncached:
-            io.advise_runs(fd, starts, ends, offsets, os.POSIX_FADV_DONTNEED)
+            io.advise_runs(fd, starts, ends, offsets, os.POSIX_FADV_DONTNEED, _PAGE)
         return first
     if n < _PARALLEL_RUNS or not sparse:
         return io.pread_runs(fd, buf, starts, ends, offsets)
@@ -425,14 +426,15 @@ def _ask_pages(io, fd: int, starts: np.ndarray, ends: np.ndarray, offsets: np.nd
     size = int(ends[-1] - starts[0])
     if size > _ASK_BYTES or (writes and size >= _PAGE * n) or _cached(fd, offsets):
         return False
-    return io.advise_runs(fd, starts, ends, offsets, os.POSIX_FADV_WILLNEED) < n
+    return io.advise_runs(fd, starts, ends, offsets, os.POSIX_FADV_WILLNEED, _PAGE) < n
 
 
 def _cached(fd: int, offsets: np.ndarray) -> bool:
     """Whether most of :data:`_PROBES` runs spread over ``offsets`` have their first page in the page
-    cache (a read with ``RWF_NOWAIT`` of a byte each: refused where it would wait for the disk). A
-    file the page cache holds is not asked for (a call a run: 4.5 ms for 8,000 runs, measured here)
-    nor dropped after."""
+    cache (a read with ``RWF_NOWAIT`` of a byte each: refused where it would wait for the disk, whose
+    read of that page it starts). A file the page cache holds is not asked for (a call a run: 4.5 ms
+    for 8,000 runs, measured here) nor dropped after. (Python's calls: on the writer thread, a write
+    far apart holds the GIL for these eight.)"""
     if _NOWAIT == 0:
         return False
     one, hits = bytearray(1), 0
