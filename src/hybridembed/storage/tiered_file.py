@@ -42,8 +42,8 @@ _DONTCACHE = 0x80
 # each shorter than a page (the kernel reads a page before writing part of it), first asks the kernel
 # for all their pages (``posix_fadvise(WILLNEED)``: it queues the reads at once and returns), then
 # reads or writes them one call a run. Measured here on a cold 1 GiB file of 264-byte records
-# (``bench_tiered.py --part reads``): 5,000-12,000 records far apart read 1.51-1.68x faster than by
-# 8 threads' slices, 4.4-5.6x faster than by one thread; scattered writes 4.8-5.5x faster. Not reads
+# (``bench_tiered.py --part reads``): 5,000-12,000 records far apart read 1.31-1.48x faster than by
+# 8 threads' slices, 3.9-4.7x faster than by one thread; scattered writes 4.9-5.3x faster. Not reads
 # of records closer together: there the kernel's read-ahead streams the file into the page cache,
 # which a file the page cache holds gains from in the next steps (asked for, a cold dynamic step of
 # 31,000 records 33 KiB apart took 281 ms against 120). A page already cached costs a call (~0.3 us).
