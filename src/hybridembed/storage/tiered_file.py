@@ -32,7 +32,7 @@ _CALL_BYTES = 1 << 30  # the most one preadv / pwritev call moves
 # 151-167 / 94-122 ms by 8. Records close together (31,000 there) are read by one thread: its
 # read-ahead streams the file (370-430 ms), which 8 threads reading apart defeat (590-1,030 ms).
 _READERS = 8
-_PARALLEL_RUNS = 256  # runs from which a read may be cut into slices (where pages cannot be asked for, below)
+_PARALLEL_RUNS = 256  # runs from which a read may be cut into slices (where its pages are not asked for, below)
 _SPARSE_GAP = 64 << 10  # mean bytes between runs from which it is
 # such reads (records far apart: no neighbour is read again soon) leave no page in the page cache
 # (``preadv2``'s RWF_DONTCACHE, Linux 6.14+: elsewhere refused and read as usual): in a process whose
@@ -382,7 +382,8 @@ def _pread_runs(
     """``io.pread_runs`` over all runs (ascending offsets): the first run that failed, or -1. Runs
     far apart (:data:`_SPARSE_GAP`) have their pages asked for first (:func:`_ask_pages`), then read
     by one loop as they arrive and, with ``uncached``, dropped from the page cache after
-    (``POSIX_FADV_DONTNEED``); where they cannot be asked for, many are read in :data:`_READERS`
+    (``POSIX_FADV_DONTNEED``); where they are not asked for (mostly cached already, or no
+    ``posix_fadvise``), many are read in :data:`_READERS`
     slices at once (the loop releases the GIL; ``uncached``: preadv2's flag, leaving no page in the
     page cache). Runs closer together are read by one loop, the kernel's read-ahead streaming the file."""
     n = starts.size
