@@ -318,10 +318,11 @@ def group_by_row(ids: torch.Tensor, nrows: int, bag_of: torch.Tensor | None, psw
 
     A counting sort in two levels (:mod:`._numba_kernels`, ``bucket_*``), on the step's threads:
     the ids into buckets of ``2**_BUCKET_SHIFT`` rows, then each bucket by row with counts that
-    stay in the core's cache. Measured with the reduction after it (26 x 200k x 64, batch 8,192, 10
-    ids a bag, 2.1M ids, 2 threads; ``benchmarks/bench_group.py``): 36-37 ms against 46-47 ms for the
-    int32 radix sort, the distinct rows, the gathers and the reduction (docs/benchmarks.md, "Ids
-    grouped by counting"). Places are int32: batches of 2**31 ids or more take the sort."""
+    stay in the core's cache, its rows with ids found from a bit a row. Measured with the reduction
+    after it (26 x 200k x 64, batch 8,192, 10 ids a bag, 2.1M ids, 2 threads;
+    ``benchmarks/bench_group.py``): 25.7-26.5 ms against 38-40 ms for the int32 radix sort, the
+    distinct rows, the gathers and the reduction (docs/benchmarks.md, "Ids grouped by counting",
+    "A bit a row"). Places are int32: batches of 2**31 ids or more take the sort."""
     n = ids.numel()
     if (
         n < _COUNTED_MIN
@@ -362,8 +363,8 @@ def group_by_row(ids: torch.Tensor, nrows: int, bag_of: torch.Tensor | None, psw
     rows, first, distinct = np.empty(n, np.int64), np.empty(n, np.int32), np.zeros(nb, np.int64)
     tail = (src.numpy(), b_w if w is None else w.numpy(), rows, first, distinct)
     parts = [(edges[j], edges[j + 1]) for j in range(t) if edges[j] < edges[j + 1]]
-    zeros = [np.zeros(1 << shift, np.int32) for _ in parts]
-    _each([(K.bucket_rows, b_ids, b_src, b_w, starts, shift, lo, hi, c, *tail) for (lo, hi), c in zip(parts, zeros)])
+    zeros = [(np.zeros(1 << shift, np.int32), np.zeros(((1 << shift) + 63) >> 6, np.uint64)) for _ in parts]
+    _each([(K.bucket_rows, b_ids, b_src, b_w, starts, shift, lo, hi, *z, *tail) for (lo, hi), z in zip(parts, zeros)])
     u = int(distinct.sum())
     uniq, seg = torch.empty(u, dtype=torch.int64), torch.empty(u + 1, dtype=torch.int32)
     out = (uniq.numpy(), seg.numpy())
