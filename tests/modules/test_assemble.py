@@ -1,4 +1,5 @@
-"""The two ways a group's batch is assembled (per feature, or per group for small batches) agree."""
+"""The ways a group's batch is assembled (one Numba pass on the CPU; per feature, or per group for small
+batches) agree."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 import hybridembed as he
-from hybridembed.modules import collection
+from hybridembed.kernels import cpu_assemble, cpu_fused
+from hybridembed.modules import assemble
 
 
 def make(seed: int):
@@ -38,8 +40,12 @@ def inputs(seed: int, hotness: int | None = None):
 @pytest.mark.parametrize("seed", range(3))
 def test_small_and_large_assembly_give_the_same_outputs_gradients_and_errors(monkeypatch, seed, hotness):
     results = []
-    for threshold in (0, 1 << 30):  # every group per feature / every group per group
-        monkeypatch.setattr(collection, "_SMALL_PER_FEATURE", threshold)
+    numba = cpu_assemble.assemble
+    calls = []
+    for threshold in (None, 0, 1 << 30):  # one Numba pass / every group per feature / every group per group
+        way = (lambda *a: calls.append(r := numba(*a)) or r) if threshold is None else (lambda *a: None)
+        monkeypatch.setattr(cpu_assemble, "assemble", way)
+        monkeypatch.setattr(assemble, "SMALL_PER_FEATURE", threshold or 0)
         ec = make(seed)
         out = ec(inputs(seed, hotness))
         sum(v.sum() for v in out.values()).backward()
@@ -49,12 +55,14 @@ def test_small_and_large_assembly_give_the_same_outputs_gradients_and_errors(mon
         with pytest.raises(he.InvalidInputError) as err:
             ec(bad)
         results.append((out, grads, str(err.value)))
-    (o1, g1, e1), (o2, g2, e2) = results
-    for k in o1:
-        torch.testing.assert_close(o1[k], o2[k], rtol=0, atol=0)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert e1 == e2 and "b2" in e1
+    assert calls and all(c is not None for c in calls) == cpu_fused.available()  # (the Numba pass ran)
+    (o1, g1, e1), *others = results
+    for o2, g2, e2 in others:
+        for k in o1:
+            torch.testing.assert_close(o1[k], o2[k], rtol=0, atol=0)
+        for a, b in zip(g1, g2):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert e1 == e2 and "b2" in e1
 
 
 @pytest.mark.parametrize("hotness", [None, 1, 3])

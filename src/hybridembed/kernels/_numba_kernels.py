@@ -258,7 +258,9 @@ def bucket_scatter(ids, bag_of, psw, shift, lo, hi, at, b_ids, b_src, b_w):  # p
 
 
 @njit(nogil=True, cache=True)
-def bucket_rows(b_ids, b_src, b_w, starts, shift, lo, hi, counts, seen, src, w, rows, first, distinct):  # pragma: no cover
+def bucket_rows(
+    b_ids, b_src, b_w, starts, shift, lo, hi, counts, seen, src, w, rows, first, distinct
+):  # pragma: no cover
     """Buckets ``lo:hi`` (their ids at ``starts[b]:starts[b + 1]``) sorted by row, stably: each id's
     gradient row into ``src`` (and multiplier into ``w``) at its sorted place; bucket b's distinct
     rows ascending into ``rows[starts[b]:]``, each one's first sorted place into ``first[starts[b]:]``,
