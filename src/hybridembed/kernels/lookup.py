@@ -49,8 +49,10 @@ class _PooledLookup(torch.autograd.Function):
     def forward(
         ctx, weight, ids, offsets, psw, compute_dtype, grad_sink, segments, one_per_bag
     ):  # (R, D), (N,), (S+1,), (N,)|None
-        if weight.dtype == compute_dtype:
-            pooled = F.embedding_bag(ids, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
+        if weight.dtype == compute_dtype:  # (detached: PyTorch's forward-only kernel; the backward is ours)
+            pooled = F.embedding_bag(
+                ids, weight.detach(), offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+            )
         else:  # half-precision storage: accumulate in compute_dtype
             rows = weight.index_select(0, ids).to(compute_dtype)  # (N, D)
             pos = torch.arange(ids.numel(), device=ids.device)
