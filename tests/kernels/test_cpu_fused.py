@@ -77,10 +77,11 @@ def _train(
     steps=4,
     twice=False,
     layout="apart",
+    dim=8,
 ):
     tables = [
         he.TableConfig(
-            n, None if dynamic else 200, 8, dtype=dtype, optimizer=opt, combiner="mean" if n == "t1" else "sum",
+            n, None if dynamic else 200, dim, dtype=dtype, optimizer=opt, combiner="mean" if n == "t1" else "sum",
             dynamic=dynamic if isinstance(dynamic, he.Dynamic) else he.Dynamic() if dynamic else None,
         )
         for n in ("t0", "t1")
@@ -113,6 +114,17 @@ def test_fused_step_equals_the_eager_ops(name, kind):
     want, got = _state(eager), _state(fused)
     assert want.keys() == got.keys()
     for k in want:  # the rows and every optimizer state tensor
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("dim", [1, 13, 24])
+@pytest.mark.parametrize("name", ["rowwise", "adagrad_wd"])
+def test_fused_step_equals_the_eager_ops_at_widths_that_are_not_eight_elements(name, dim):
+    """Row-wise Adagrad sums a row's squares eight elements abreast, then the rest one by one."""
+    want, _ = _train("eager", OPTIMIZERS[name], "bags", dim=dim)
+    got, _ = _train("numba", OPTIMIZERS[name], "bags", dim=dim)
+    want, got = _state(want), _state(got)
+    for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 

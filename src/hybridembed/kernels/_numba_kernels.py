@@ -111,13 +111,26 @@ def _adagrad(weight, s1, s2, row, g, ms, hp):  # pragma: no cover (compiled)
 
 @njit(nogil=True, cache=True, inline="always")
 def _rowwise(weight, s1, s2, row, g, ms, hp):  # pragma: no cover (compiled)
-    """``ms`` < 0: the row's mean squared gradient is taken from ``g`` (else given: column slices)."""
+    """``ms`` < 0: the row's mean squared gradient is taken from ``g`` (else given: column slices),
+    summed in eight running sums kept in registers (one sum was a chain of dependent adds, each
+    waiting for the last: the update of 562k scattered rows 33.5 -> 20.8 ms on 2 threads)."""
     lr, eps = hp[0], hp[1]
     if ms < 0:
-        ms = hp[8]
-        for d in range(g.shape[0]):
-            ms += g[d] * g[d]
-        ms = ms / hp[6]
+        dim = g.shape[0]
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = hp[8]
+        d8 = dim - dim % 8
+        for d in range(0, d8, 8):
+            a0 += g[d] * g[d]
+            a1 += g[d + 1] * g[d + 1]
+            a2 += g[d + 2] * g[d + 2]
+            a3 += g[d + 3] * g[d + 3]
+            a4 += g[d + 4] * g[d + 4]
+            a5 += g[d + 5] * g[d + 5]
+            a6 += g[d + 6] * g[d + 6]
+            a7 += g[d + 7] * g[d + 7]
+        for d in range(d8, dim):
+            a0 += g[d] * g[d]
+        ms = (((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))) / hp[6]
     s = s1[row, 0] + ms
     s1[row, 0] = s
     r = hp[7] / (np.sqrt(s) + eps)
