@@ -242,15 +242,32 @@ def bag_rows(offsets, rows_of, lo, hi, out):  # pragma: no cover (compiled)
 # A counting sort in two levels: ids into buckets of 2**shift rows (a slice of the ids per thread, each with
 # its own counts: bucket_counts, then bucket_scatter), then each bucket's ids by row with one array of
 # 2**shift counts that stays in the core's cache (bucket_rows). Stable: a row's ids keep batch order.
+# bucket_counts cuts a thread's slice into a few consecutive pieces, each with its own counts, walked
+# abreast: an id's count waits for the last store to the same count, and ids of one bucket follow each
+# other (power-law ids, few buckets), so one piece at a time is a chain of dependent increments (2.1M
+# ids on one thread: 3.2 ms counted one by one, 1.6 ms four abreast). (The scatter, walked so, was slower:
+# four times the places written at once.)
 @njit(nogil=True, cache=True)
-def bucket_counts(ids, rows, shift, lo, hi, counts):  # pragma: no cover (compiled)
-    """``counts[b]`` += the ids ``ids[lo:hi]`` in bucket b (rows ``b << shift`` ..); returns the first
-    id not in ``0 .. rows - 1`` (counting stops there), or -1."""
-    for i in range(lo, hi):
-        r = ids[i]
-        if r < 0 or r >= rows:
-            return i
-        counts[r >> shift] += 1
+def bucket_counts(ids, rows, shift, los, his, counts):  # pragma: no cover (compiled)
+    """``counts[k, b]`` += the ids of piece k (``ids[los[k]:his[k]]``) in bucket b (rows ``b << shift``
+    ..); returns an id not in ``0 .. rows - 1`` (counting stops there), or -1."""
+    pieces = los.shape[0]
+    m = his[0] - los[0]
+    for k in range(pieces):
+        m = min(m, his[k] - los[k])
+    for j in range(m):
+        for k in range(pieces):
+            i = los[k] + j
+            r = ids[i]
+            if r < 0 or r >= rows:
+                return i
+            counts[k, r >> shift] += 1
+    for k in range(pieces):
+        for i in range(los[k] + m, his[k]):
+            r = ids[i]
+            if r < 0 or r >= rows:
+                return i
+            counts[k, r >> shift] += 1
     return -1
 
 

@@ -57,6 +57,7 @@ _MIN_PER_THREAD = 4096  # ids (or rows) below which a slice is not worth a threa
 _COUNTED_ROWS = 8
 _COUNTED_MIN = 1 << 16
 _BUCKET_SHIFT = 16  # rows a bucket of the counting sort: 2**16 int32 counts, 256 KiB, in a core's cache
+_PIECES = 4  # pieces of a thread's ids counted and placed abreast (see _numba_kernels.bucket_counts)
 
 
 @functools.cache
@@ -346,14 +347,21 @@ def group_by_row(ids: torch.Tensor, nrows: int, bag_of: torch.Tensor | None, psw
     keys = ids.to(torch.int64).contiguous().numpy()
     bags = np.zeros(0, np.int64) if bag_of is None else bag_of.to(torch.int64).contiguous().numpy()
     wts = torch.zeros(0, dtype=dtype) if psw is None else psw.to(dtype).contiguous()
-    t = _threads(n)
-    cuts = [n * j // t for j in range(t + 1)]
-    counts = np.zeros((t, nb), np.int64)
+    t, k = _threads(n), _PIECES
+    cuts = np.array([n * j // (t * k) for j in range(t * k + 1)], np.int64)  # (each thread's slice in k pieces)
+    pieces = [(cuts[j * k : (j + 1) * k], cuts[j * k + 1 : (j + 1) * k + 1]) for j in range(t)]
+    counts = np.zeros((t * k, nb), np.int64)
     if any(
         r >= 0
-        for r in _each([(K.bucket_counts, keys, nrows, shift, cuts[j], cuts[j + 1], counts[j]) for j in range(t)])
+        for r in _each(
+            [
+                (K.bucket_counts, keys, nrows, shift, lo, hi, counts[j * k : (j + 1) * k])
+                for j, (lo, hi) in enumerate(pieces)
+            ]
+        )
     ):
         return None
+    counts = counts.reshape(t, k, nb).sum(1)  # (t, nb): each thread's
     starts = np.zeros(nb + 1, np.int64)
     np.cumsum(counts.sum(0), out=starts[1:])
     at = np.ascontiguousarray(starts[:-1] + np.cumsum(counts, 0) - counts)  # (t, nb): each slice's first places
@@ -361,7 +369,10 @@ def group_by_row(ids: torch.Tensor, nrows: int, bag_of: torch.Tensor | None, psw
     b_w = np.empty(n if psw is not None else 0, wts.numpy().dtype)
     w_in = wts.numpy()
     _each(
-        [(K.bucket_scatter, keys, bags, w_in, shift, cuts[j], cuts[j + 1], at[j], b_ids, b_src, b_w) for j in range(t)]
+        [
+            (K.bucket_scatter, keys, bags, w_in, shift, lo[0], hi[-1], at[j], b_ids, b_src, b_w)
+            for j, (lo, hi) in enumerate(pieces)
+        ]
     )
     edges = np.searchsorted(starts, [n * j // t for j in range(t)]).tolist() + [nb]  # (buckets split by ids)
     edges[0] = 0
