@@ -61,7 +61,7 @@ def _all(checks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 def assemble(ec, storage: RowStorage, pooled: list[_Feature], seq: list[_Feature], jagged: dict) -> GroupBatch:
     """A group's features as one batch for one kernel call: pooled features are bags, and
     each id of a sequence feature is a bag of one. Reads no row; nothing is checked yet
-    beyond structure, but the checks :meth:`_validate` needs are queued (no host sync)."""
+    beyond structure, but the checks ``EmbeddingCollection._validate`` needs are queued (no host sync)."""
     device = storage.weight.device
     feats = pooled + seq
     js = [jagged[f.jkey] for f in feats]
