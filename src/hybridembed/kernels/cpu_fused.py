@@ -57,7 +57,7 @@ _MIN_PER_THREAD = 4096  # ids (or rows) below which a slice is not worth a threa
 _COUNTED_ROWS = 8
 _COUNTED_MIN = 1 << 16
 _BUCKET_SHIFT = 16  # rows a bucket of the counting sort: 2**16 int32 counts, 256 KiB, in a core's cache
-_PIECES = 4  # pieces of a thread's ids counted and placed abreast (see _numba_kernels.bucket_counts)
+_PIECES = 4  # pieces of a thread's ids counted abreast, each with its own counts (see _numba_kernels.bucket_counts)
 
 
 @functools.cache
@@ -330,7 +330,7 @@ def group_by_row(ids: torch.Tensor, nrows: int, bag_of: torch.Tensor | None, psw
     after it (26 x 200k x 64, batch 8,192, 10 ids a bag, 2.1M ids, 2 threads;
     ``benchmarks/bench_group.py``): 25.7-26.5 ms against 38-40 ms for the int32 radix sort, the
     distinct rows, the gathers and the reduction (docs/benchmarks.md, "Ids grouped by counting",
-    "A bit a row"). Places are int32: batches of 2**31 ids or more take the sort."""
+    "The lean step, a session later"). Places are int32: batches of 2**31 ids or more take the sort."""
     n = ids.numel()
     if (
         n < _COUNTED_MIN
