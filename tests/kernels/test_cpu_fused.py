@@ -454,6 +454,41 @@ def test_ids_grouped_by_counting_equal_the_sorted_ids_and_their_gathers(threads,
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mapped", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_bags_given_as_they_are_group_as_each_id_s_bag_row_does(threads, mapped, weighted, monkeypatch):
+    """group_by_row reads a BagRows' bags (offsets, each bag's row) where they lie: the same grouping
+    as with each id's row made first (bag_rows), empty bags at the ends and between included; the
+    sort's path (few ids) makes the rows itself."""
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 1000)
+    g = torch.Generator().manual_seed(threads + 2 * mapped + 4 * weighted)
+    lengths = torch.randint(0, 6, (30_000,), generator=g)
+    lengths[:5] = lengths[100:200] = lengths[-7:] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n, nrows = int(offsets[-1]), 5_000
+    ids = torch.randint(0, nrows, (n,), generator=g)
+    rows_of = torch.randperm(40_000, generator=g)[:30_000] if mapped else None
+    psw = torch.rand(n, generator=g) if weighted else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        made = cpu_fused.bag_rows(offsets, n, rows_of)
+        lazy = cpu_fused.BagRows(offsets.to(torch.int32), n, rows_of)
+        want = cpu_fused.group_by_row(ids, nrows, made, psw, torch.float32)
+        got = cpu_fused.group_by_row(ids, nrows, lazy, psw, torch.float32)
+        assert want is not None and got is not None
+        for a, b in zip(want, got):
+            assert (a is None and b is None) or torch.equal(a, b)
+        grad = torch.randn(40_000 if mapped else 30_000, 4, generator=g)
+        few = cpu_fused.BagRows(offsets[:11], int(offsets[10]), None if rows_of is None else rows_of[:10])
+        uniq, rows = cpu_fused.reduce_kept(ids[: few.n], grad, few, None, nrows)  # (the sort's path)
+        ref = torch.zeros(nrows, 4).index_add_(0, ids[: few.n], grad[few.tensor()])
+        assert torch.equal(uniq, ids[: few.n].unique()) and torch.allclose(rows, ref[uniq])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_ids_are_grouped_by_counting_only_when_many_and_in_range():
     many = torch.arange(1 << 16) % 1000
     assert cpu_fused.group_by_row(many, 1000, None, None, torch.float32) is not None

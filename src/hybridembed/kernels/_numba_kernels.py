@@ -288,6 +288,24 @@ def bucket_scatter(ids, bag_of, psw, shift, lo, hi, at, b_ids, b_src, b_w):  # p
 
 
 @njit(nogil=True, cache=True)
+def bucket_scatter_bags(ids, offsets, rows_of, psw, shift, lo, hi, at, b_ids, b_src, b_w):  # pragma: no cover
+    """:func:`bucket_scatter` of the ids of bags ``lo:hi`` (``offsets`` (S+1,)), each id's gradient row
+    its bag's (``rows_of[b]``; empty: b): no (N,) array of them made and read first."""
+    mapped, weighted = rows_of.shape[0] > 0, psw.shape[0] > 0
+    for bag in range(lo, hi):
+        src = rows_of[bag] if mapped else bag
+        for i in range(offsets[bag], offsets[bag + 1]):
+            r = ids[i]
+            b = r >> shift
+            p = at[b]
+            at[b] = p + 1
+            b_ids[p] = r
+            b_src[p] = src
+            if weighted:
+                b_w[p] = psw[i]
+
+
+@njit(nogil=True, cache=True)
 def bucket_rows(
     b_ids, b_src, b_w, starts, shift, lo, hi, counts, seen, src, w, rows, first, distinct
 ):  # pragma: no cover

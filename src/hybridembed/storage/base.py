@@ -260,8 +260,8 @@ class RowStorage(nn.Module):
                 one = bool(offsets[1:].sub(offsets[:-1]).eq(1).all())
             if one:
                 bag_of = rows_of  # (each id's row of the model's gradient buffer, or None: id i is row i)
-            elif fused_cpu:  # (one pass: the bags and the rows)
-                bag_of = cpu_fused.bag_rows(offsets, ids.numel(), rows_of)
+            elif fused_cpu:  # (made where needed; the counting sort reads the bags as they are)
+                bag_of = cpu_fused.BagRows(offsets, ids.numel(), rows_of)
             else:
                 bag_of = bag_index(offsets, ids.numel())
                 bag_of = bag_of if rows_of is None else rows_of.index_select(0, bag_of)
