@@ -235,10 +235,16 @@ def _hparams(storage, hp: dict, scale: float = 1.0) -> tuple[np.ndarray, int, bo
 
 
 def apply_fused(
-    storage, ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw, hp: dict, scale: float = 1.0
+    storage,
+    ids: torch.Tensor,
+    grad: torch.Tensor,
+    bag_of: torch.Tensor | BagRows | None,
+    psw,
+    hp: dict,
+    scale: float = 1.0,
 ) -> None:
     """One optimizer step of ``storage`` from a kept lookup gradient: ids (N,) (row slots), the
-    bags' gradient ``grad`` (S, D), each id's bag ``bag_of`` (N,) (None: id i is bag i) and
+    bags' gradient ``grad`` (S, D), each id's bag ``bag_of`` (N,) or a :class:`BagRows` (None: id i is bag i) and
     multiplier ``psw`` (N,) or None, times ``scale`` (applied by the kernel to each distinct row's
     summed gradient, as the eager path scales its reduced rows). ``storage.step`` must already
     count this step.
@@ -323,7 +329,7 @@ def _made(bag_of):
     return bag_of.tensor() if isinstance(bag_of, BagRows) else bag_of
 
 
-def reduce_kept(ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | None, psw, nrows: int) -> tuple:
+def reduce_kept(ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | BagRows | None, psw, nrows: int) -> tuple:
     """A kept lookup gradient (as :func:`apply_fused` takes it) summed per distinct row: (the rows
     ascending (U,), their gradients (U, D)), by one ``embedding_bag`` over the ids grouped by row
     (:func:`group_by_row` where the batch has many ids for the table's rows, else a sort)."""
@@ -337,10 +343,12 @@ def reduce_kept(ids: torch.Tensor, grad: torch.Tensor, bag_of: torch.Tensor | No
     return uniq, F.embedding_bag(at, grad, seg, mode="sum", per_sample_weights=w, include_last_offset=True)
 
 
-def group_by_row(ids: torch.Tensor, nrows: int, bag_of: torch.Tensor | None, psw, dtype: torch.dtype) -> tuple | None:
+def group_by_row(
+    ids: torch.Tensor, nrows: int, bag_of: torch.Tensor | BagRows | None, psw, dtype: torch.dtype
+) -> tuple | None:
     """Ids (N,) of rows ``0 .. nrows - 1`` grouped by row, stably (a row's ids in batch order), as
     :func:`sorted_segments` and the gathers after it give them: (the distinct rows ascending (U,)
-    int64, each sorted id's gradient row ``bag_of[i]`` (or i) (N,) int32, the rows' segments (U+1,)
+    int64, each sorted id's gradient row ``bag_of[i]`` (or i; a :class:`BagRows`: its bag's row) (N,) int32, the rows' segments (U+1,)
     int32, each sorted id's multiplier in ``dtype`` (N,) or None). None where the sort is used
     instead: fewer than one id for :data:`_COUNTED_ROWS` rows (the counting walks every row's
     count), no Numba, or an id out of range (the sort's path reports it).
