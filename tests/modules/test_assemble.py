@@ -91,3 +91,15 @@ def test_single_feature_paths_equal_the_grouped_forward(seed, hotness):
             ec.lookup_rows("b", torch.tensor([1, 20]))
         with pytest.raises(he.InvalidInputError, match="lookup_rows takes"):
             ec.lookup_rows("d", ids)
+
+
+def test_the_numba_pass_runs_for_the_numba_backends_only(monkeypatch):
+    """kernels="eager" (the reference path) assembles with torch ops; "auto" takes the Numba pass where it runs."""
+    calls = []
+    numba = cpu_assemble.assemble
+    monkeypatch.setattr(cpu_assemble, "assemble", lambda *a: calls.append(r := numba(*a)) or r)
+    for kernels, want in (("eager", False), ("auto", cpu_fused.available())):
+        calls.clear()
+        ec = he.EmbeddingCollection([he.TableConfig("t", 10, 4)], kernels=kernels)
+        ec({"t": he.Jagged.from_lists([[1, 2], [3]])})
+        assert bool(calls) == want, kernels

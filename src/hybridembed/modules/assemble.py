@@ -68,7 +68,7 @@ def assemble(ec, storage: RowStorage, pooled: list[_Feature], seq: list[_Feature
     counts = [j.values.numel() for j in js]
     sizes = [j.offsets.numel() - 1 for j in js[: len(pooled)]] + counts[len(pooled) :]  # bags per feature
     n, s = sum(counts), sum(sizes)
-    if device.type == "cpu":  # (one Numba pass over the features, where it runs)
+    if device.type == "cpu" and storage.kernels in ("auto", "numba"):  # (one Numba pass, where it runs)
         rows = [-1 if f.dynamic else f.table.num_embeddings for f in feats]  # (-1: any id)
         got = cpu_assemble.assemble(
             js, [f.row_offset for f in feats], rows, [False] * len(pooled) + [True] * len(seq), n, s
