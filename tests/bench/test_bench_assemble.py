@@ -3,22 +3,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
 from hybridembed.kernels import cpu_assemble
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_assemble.py"
+from tests.bench import load_script
 
 
 def test_both_ways_run_on_both_hotness_levels_and_the_numba_pass_is_put_back():
     pytest.importorskip("numba")
-    spec = importlib.util.spec_from_file_location("bench_assemble", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench_assemble")
     before = cpu_assemble.assemble
     runs = mod.main(["--tables", "3", "--rows", "500", "--dim", "8", "--batch", "64", "--steps", "2"])
     assert cpu_assemble.assemble is before

@@ -3,17 +3,13 @@ timing is asserted: times only have to be positive and finite)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_openmp.py"
+from tests.bench import load_script
 
 
 def test_every_case_is_timed(capsys):
-    spec = importlib.util.spec_from_file_location("bench_openmp", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench_openmp")
     out = mod.main(["--rounds", "2", "--work", "1000", "--rows", "8192", "--table-rows", "20000"])
     assert set(out) == {"spinning", "released", "asleep", "one_thread_alone_ms", "sequences"}
     (seq,) = out["sequences"]

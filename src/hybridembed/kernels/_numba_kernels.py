@@ -272,29 +272,16 @@ def bucket_counts(ids, rows, shift, los, his, counts):  # pragma: no cover (comp
 
 
 @njit(nogil=True, cache=True)
-def bucket_scatter(ids, bag_of, psw, shift, lo, hi, at, b_ids, b_src, b_w):  # pragma: no cover (compiled)
-    """Ids ``lo:hi`` into their buckets' places (``at[b]``: the next place of bucket b, advanced), each
-    with its gradient row (``bag_of[i]``; empty: i) and multiplier (``psw[i]``; empty: none)."""
-    bags, weighted = bag_of.shape[0] > 0, psw.shape[0] > 0
-    for i in range(lo, hi):
-        r = ids[i]
-        b = r >> shift
-        p = at[b]
-        at[b] = p + 1
-        b_ids[p] = r
-        b_src[p] = bag_of[i] if bags else i
-        if weighted:
-            b_w[p] = psw[i]
-
-
-@njit(nogil=True, cache=True)
-def bucket_scatter_bags(ids, offsets, rows_of, psw, shift, lo, hi, at, b_ids, b_src, b_w):  # pragma: no cover
-    """:func:`bucket_scatter` of the ids of bags ``lo:hi`` (``offsets`` (S+1,)), each id's gradient row
-    its bag's (``rows_of[b]``; empty: b): no (N,) array of them made and read first."""
-    mapped, weighted = rows_of.shape[0] > 0, psw.shape[0] > 0
+def bucket_scatter(ids, offsets, rows_of, psw, shift, lo, hi, at, b_ids, b_src, b_w):  # pragma: no cover
+    """The ids of bags ``lo:hi`` (``offsets`` (S+1,); empty: bag b holds id b) into their buckets' places
+    (``at[b]``: the next place of bucket b, advanced), each with its gradient row, its bag's
+    (``rows_of[b]``; empty: b: no (N,) array of them made and read first), and multiplier (``psw[i]``;
+    empty: none)."""
+    one, mapped, weighted = offsets.shape[0] == 0, rows_of.shape[0] > 0, psw.shape[0] > 0
     for bag in range(lo, hi):
         src = rows_of[bag] if mapped else bag
-        for i in range(offsets[bag], offsets[bag + 1]):
+        s, e = (bag, bag + 1) if one else (offsets[bag], offsets[bag + 1])
+        for i in range(s, e):
             r = ids[i]
             b = r >> shift
             p = at[b]

@@ -34,9 +34,10 @@ def assemble(
     id: the offsets are then None, for the caller's ``arange(N + 1)``), or None where this cannot run."""
     if not cpu_fused.available() or any(j.values.device.type != "cpu" or j.offsets.dim() != 1 for j in jagged):
         return None
-    # (narrower integers widened, strided tensors copied: the kernel reads int64 arrays by address)
-    vals = [_int64s(j.values) for j in jagged]
-    offs_in = [_int64s(j.offsets) for j in jagged]
+    # (narrower integers widened, strided tensors copied: the kernel reads int64 arrays by address;
+    # these lists keep them alive through the call)
+    vals = [j.values.to(torch.int64).contiguous() for j in jagged]
+    offs_in = [j.offsets.to(torch.int64).contiguous() for j in jagged]
     if any(o.numel() == 0 for o in offs_in):
         return None
     from . import _numba_assemble as K
@@ -46,18 +47,17 @@ def assemble(
     lengths = np.fromiter((o.numel() for o in offs_in), np.int64, f)
     values = np.fromiter((v.data_ptr() for v in vals), np.int64, f)
     offsets = np.fromiter((o.data_ptr() for o in offs_in), np.int64, f)
-    head = (values, offsets, counts, lengths, np.asarray(shifts, np.int64), np.asarray(rows, np.int64))
-    head += (np.asarray(seq, np.bool_),)
+    is_seq = np.asarray(seq, np.bool_)
+    head = (values, offsets, counts, lengths, np.asarray(shifts, np.int64), np.asarray(rows, np.int64), is_seq)
     ids = torch.empty(n, dtype=torch.int64)
     offs = torch.empty(s + 1, dtype=torch.int64)  # (not written where every bag holds one id)
     tail = (ids.numpy(), offs.numpy())
-    bags = np.where(head[-1], counts, lengths - 1)
+    first_ids = np.concatenate([[0], np.cumsum(counts)])  # (F+1,): each feature's first id, and bag
+    first_bags = np.concatenate([[0], np.cumsum(np.where(is_seq, counts, lengths - 1))])
+    # features split between the threads by their ids
     t = max(1, min(torch.get_num_threads(), n // _MIN_IDS_PER_THREAD, f))
-    # features split between the threads by their ids: each slice starts at its first id and bag
-    ends = np.searchsorted(np.cumsum(counts), [n * k // t for k in range(1, t)], side="right").tolist()
+    ends = np.searchsorted(first_ids[1:], [n * k // t for k in range(1, t)], side="right").tolist()
     cuts = [0] + [e for e in ends if 0 < e < f] + [f]
-    first_ids = np.concatenate([[0], np.cumsum(counts)])
-    first_bags = np.concatenate([[0], np.cumsum(bags)])
     slices = [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
 
     def call(lo, hi, force):
@@ -72,7 +72,3 @@ def assemble(
         cpu_fused._each(mixed)
     offs[s] = n
     return ids, offs, ok, False
-
-
-def _int64s(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()

@@ -300,12 +300,16 @@ def bag_rows(offsets: torch.Tensor, n: int, rows_of: torch.Tensor | None) -> tor
     s = offsets.numel() - 1
     if s <= 0 or n == 0:
         return out
-    offs = offsets.to(torch.int64).contiguous().numpy()
-    rows = np.zeros(0, np.int64) if rows_of is None else rows_of.to(torch.int64).contiguous().numpy()
+    offs, rows = _int64s(offsets), _int64s(rows_of)
     t = _threads(n)
     edges = [s * k // t for k in range(t + 1)]
     _run(K.bag_rows, [(a, b) for a, b in zip(edges, edges[1:]) if b > a], (offs, rows), (out.numpy(),))
     return out
+
+
+def _int64s(t: torch.Tensor | None) -> np.ndarray:
+    """A CPU tensor as a contiguous int64 array (None: an empty one, which the kernels read as absent)."""
+    return np.zeros(0, np.int64) if t is None else t.to(torch.int64).contiguous().numpy()
 
 
 class BagRows:
@@ -373,18 +377,16 @@ def group_by_row(
 
     shift = _BUCKET_SHIFT
     nb = ((nrows - 1) >> shift) + 1
-    keys = ids.to(torch.int64).contiguous().numpy()
+    keys = _int64s(ids)
     wts = torch.zeros(0, dtype=dtype) if psw is None else psw.to(dtype).contiguous()
     t, k = _threads(n), _PIECES
     cuts = np.array([n * j // (t * k) for j in range(t * k + 1)], np.int64)  # (each thread's slice in k pieces)
     if isinstance(bag_of, BagRows):  # (the slices cut between bags: each thread scatters whole bags)
-        offs = bag_of.offsets.to(torch.int64).contiguous().numpy()
-        rows_of = np.zeros(0, np.int64) if bag_of.rows_of is None else bag_of.rows_of.to(torch.int64).contiguous()
-        rows_of = rows_of if isinstance(rows_of, np.ndarray) else rows_of.numpy()
+        offs, rows_of = _int64s(bag_of.offsets), _int64s(bag_of.rows_of)
         bag_cuts = np.searchsorted(offs, cuts, side="left")  # (the last: the first of the empty bags at the end)
         cuts = offs[bag_cuts]
-    else:
-        bags = np.zeros(0, np.int64) if bag_of is None else bag_of.to(torch.int64).contiguous().numpy()
+    else:  # (a bag an id: each id's row given, or its own place)
+        offs, rows_of, bag_cuts = np.zeros(0, np.int64), _int64s(bag_of), cuts
     pieces = [(cuts[j * k : (j + 1) * k], cuts[j * k + 1 : (j + 1) * k + 1]) for j in range(t)]
     counts = np.zeros((t * k, nb), np.int64)
     if any(
@@ -404,14 +406,8 @@ def group_by_row(
     b_ids, b_src = np.empty(n, np.int32), np.empty(n, np.int32)
     b_w = np.empty(n if psw is not None else 0, wts.numpy().dtype)
     w_in = wts.numpy()
-    if isinstance(bag_of, BagRows):
-        scatter = [
-            (K.bucket_scatter_bags, keys, offs, rows_of, w_in, shift, bag_cuts[j * k], bag_cuts[(j + 1) * k])
-            for j in range(t)
-        ]
-    else:
-        scatter = [(K.bucket_scatter, keys, bags, w_in, shift, lo[0], hi[-1]) for lo, hi in pieces]
-    _each([(*c, at[j], b_ids, b_src, b_w) for j, c in enumerate(scatter)])
+    head = (K.bucket_scatter, keys, offs, rows_of, w_in, shift)
+    _each([(*head, bag_cuts[j * k], bag_cuts[(j + 1) * k], at[j], b_ids, b_src, b_w) for j in range(t)])
     edges = np.searchsorted(starts, [n * j // t for j in range(t)]).tolist() + [nb]  # (buckets split by ids)
     edges[0] = 0
     src = torch.empty(n, dtype=torch.int32)
