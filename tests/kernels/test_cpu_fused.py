@@ -173,6 +173,55 @@ def test_sgd_applies_each_id_in_place_as_the_eager_ops(monkeypatch, layout, kind
             assert torch.equal(got[0][k], got[1][k]), (name, k)  # (each row's ids in batch order either way)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_sgd_on_bags_that_repeat_rows_takes_the_grouped_step_as_the_eager_ops(monkeypatch, dynamic):
+    """Multi-hot bags with more ids a distinct row than ``_GROUPED_SGD_REPEATS``: SGD without
+    weight decay sums each row's gradients first (no id applied in place); below it, in place.
+    Either way the eager step's rows."""
+    monkeypatch.setattr(cpu_fused, "_COUNTED_MIN", 16)  # (the test's small batches are counted)
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 64)
+    dynamic = he.Dynamic(min_count=2) if dynamic else False
+    real, calls = cpu_fused._sgd_in_place, []
+    monkeypatch.setattr(cpu_fused, "_sgd_in_place", lambda *a: calls.append(1) or real(*a))
+    opt = so.SGD(lr=0.1, maximize=True)
+    want = _state(_train("eager", opt, "long", dynamic=dynamic)[0])
+    for threshold, in_place in ((1.5, False), (1e9, True)):  # ("long": 4 to 12 ids a bag, 30% one hot id)
+        monkeypatch.setattr(cpu_fused, "_GROUPED_SGD_REPEATS", threshold)
+        calls.clear()
+        ec = _train("numba", opt, "long", dynamic=dynamic)[0]
+        assert (len(calls) > 0) == in_place, (threshold, len(calls))
+        got = _state(ec)
+        for k in want:
+            torch.testing.assert_close(
+                got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k, t=threshold: f"{t} {k}: {m}"
+            )
+
+
+def test_repeats_counts_ids_a_distinct_row_on_any_number_of_threads(monkeypatch):
+    monkeypatch.setattr(cpu_fused, "_COUNTED_MIN", 16)
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 64)
+    g = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (64, 1000, 4099):
+            ids = torch.randint(0, rows, (500,), generator=g)
+            ids[::3] = rows - 1  # (the last row, its word's last bits)
+            want = 500 / ids.unique().numel()
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                assert cpu_fused.repeats(ids, rows) == pytest.approx(want, rel=1e-12), (rows, n)
+                assert cpu_fused.repeats(ids.to(torch.int32), rows) == pytest.approx(want, rel=1e-12)
+    finally:
+        torch.set_num_threads(threads)
+    ids = torch.randint(0, 100, (500,), generator=g)
+    for bad in (-1, 100):  # (an id out of range: not counted, nothing written past the bits)
+        wrong = ids.clone()
+        wrong[250] = bad
+        assert cpu_fused.repeats(wrong, 100) == 0.0
+    assert cpu_fused.repeats(ids[:10], 100) == 0.0  # (fewer ids than _COUNTED_MIN)
+    assert cpu_fused.repeats(ids, 500 * cpu_fused._MARKED_ROWS + 1) == 0.0  # (too few ids for the rows)
+
+
 @pytest.mark.parametrize("name", ["adagrad", "rowwise", "adam"])
 def test_float64_dynamic_and_twice_backward_equal_the_eager_ops(name):
     opt = OPTIMIZERS[name]

@@ -358,6 +358,35 @@ def bucket_join(rows, first, starts, distinct, lo, hi, u, out_rows, out_first): 
 
 
 @njit(nogil=True, cache=True)
+def mark_rows(ids, rows, lo, hi, bits):  # pragma: no cover (compiled)
+    """A bit a row (``bits`` (⌈rows / 64⌉,) uint64) set for each id of ``ids[lo:hi]``; returns an id
+    not in ``0 .. rows - 1`` (marking stops there), or -1."""
+    one = np.uint64(1)
+    for i in range(lo, hi):
+        r = ids[i]
+        if r < 0 or r >= rows:
+            return i
+        bits[r >> 6] |= one << np.uint64(r & 63)
+    return -1
+
+
+@njit(nogil=True, cache=True)
+def count_marked(bits, lo, hi):  # pragma: no cover (compiled)
+    """The rows marked in any of ``bits`` (T, W) (each thread's marks), words ``lo:hi``."""
+    c = 0
+    m1, m2, m4 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333), np.uint64(0x0F0F0F0F0F0F0F0F)
+    for j in range(lo, hi):
+        w = bits[0, j]
+        for t in range(1, bits.shape[0]):
+            w |= bits[t, j]
+        w = w - ((w >> np.uint64(1)) & m1)
+        w = (w & m2) + ((w >> np.uint64(2)) & m2)
+        w = (w + (w >> np.uint64(4))) & m4
+        c += (w * np.uint64(0x0101010101010101)) >> np.uint64(56)
+    return c
+
+
+@njit(nogil=True, cache=True)
 def merge_rows(a_ids, a_rows, b_ids, b_rows, out_ids, out_rows, divisor):  # pragma: no cover (compiled)
     """Two sets of distinct row ids, each ascending, and their rows -> their union ascending in
     ``out_ids``, each row ``(a + b) / divisor`` (or the one side's, divided) in ``out_rows``;
