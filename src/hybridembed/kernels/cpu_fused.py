@@ -54,8 +54,9 @@ _log = get_logger("hybridembed.kernels")
 _DTYPES = (torch.float32, torch.float64)
 _MIN_PER_THREAD = 4096  # ids (or rows) below which a slice is not worth a thread
 # ids grouped by row with a counting sort (group_by_row) where a batch has at least one id for this many of
-# the table's rows (the counting walks the counts of every row in a bucket's span), and this many ids
-_COUNTED_ROWS = 8
+# the table's rows (a bucket with ids walks its words of a bit a row: 1,024 at most), and this many ids;
+# one-hot batches of 26 x 200k rows (24 rows an id) included: docs/benchmarks.md, "One-hot batches counted"
+_COUNTED_ROWS = 32
 _COUNTED_MIN = 1 << 16
 _BUCKET_SHIFT = 16  # rows a bucket of the counting sort: 2**16 int32 counts, 256 KiB, in a core's cache
 _PIECES = 4  # pieces of a thread's ids counted abreast, each with its own counts (see _numba_kernels.bucket_counts)
@@ -388,8 +389,8 @@ def group_by_row(
     :func:`sorted_segments` and the gathers after it give them: (the distinct rows ascending (U,)
     int64, each sorted id's gradient row ``bag_of[i]`` (or i; a :class:`BagRows`: its bag's row) (N,) int32, the rows' segments (U+1,)
     int32, each sorted id's multiplier in ``dtype`` (N,) or None). None where the sort is used
-    instead: fewer than one id for :data:`_COUNTED_ROWS` rows (the counting walks every row's
-    count), no Numba, or an id out of range (the sort's path reports it).
+    instead: fewer than one id for :data:`_COUNTED_ROWS` rows (each bucket with ids walks its
+    bits), no Numba, or an id out of range (the sort's path reports it).
 
     A counting sort in two levels (:mod:`._numba_kernels`, ``bucket_*``), on the step's threads:
     the ids into buckets of ``2**_BUCKET_SHIFT`` rows, then each bucket by row with counts that
