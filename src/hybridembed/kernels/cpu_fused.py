@@ -257,13 +257,15 @@ def apply_fused(
     count this step.
 
     SGD without weight decay applies each id's gradient in place (:func:`_sgd_in_place`) unless
-    the batch's bags repeat rows enough (:func:`repeats`); the other optimizers, and SGD then, sum each distinct row's gradient (:func:`reduce_kept`: the ids grouped by row, then
+    the batch's bags repeat rows enough (:func:`repeats`); the other optimizers, and SGD then,
+    sum each distinct row's gradient (:func:`reduce_kept`: the ids grouped by row, then
     PyTorch's ``embedding_bag``, one "bag" per row), then :func:`apply_rows`."""
     if ids.numel() == 0:
         return
     hpa, opt, maximize = _hparams(storage, hp, scale)
     # (SGD without weight decay is linear in the gradient: in place at any number of ids a bag,
-    # docs/benchmarks.md "SGD in place at any number of ids a bag")
+    # docs/benchmarks.md "SGD in place at any number of ids a bag"; grouped where bags repeat rows
+    # enough, "SGD: in place or grouped")
     if opt == FUSED["SGD"] and hpa[5] == 0:
         if not isinstance(bag_of, BagRows) or repeats(ids, storage.weight.shape[0]) < _GROUPED_SGD_REPEATS:
             _sgd_in_place(storage, ids, grad, _made(bag_of), psw, hpa, maximize)
