@@ -54,11 +54,11 @@ _log = get_logger("hybridembed.kernels")
 _DTYPES = (torch.float32, torch.float64)
 _MIN_PER_THREAD = 4096  # ids (or rows) below which a slice is not worth a thread
 # ids grouped by row with a counting sort (group_by_row) where a batch has at least one id for this many of
-# the table's rows (a bucket with ids walks its words of a bit a row: 1,024 at most), and this many ids;
+# the table's rows (a bucket with ids walks its words of a bit a row: 512 at most), and this many ids;
 # one-hot batches of 26 x 200k rows (24 rows an id) included: docs/benchmarks.md, "One-hot batches counted"
 _COUNTED_ROWS = 32
 _COUNTED_MIN = 1 << 16
-_BUCKET_SHIFT = 16  # rows a bucket of the counting sort: 2**16 int32 counts, 256 KiB, in a core's cache
+_BUCKET_SHIFT = 15  # rows a bucket of the counting sort: 2**15 int32 counts, 128 KiB, in a core's cache (16: 5% slower, multi-hot)
 _PIECES = 4  # pieces of a thread's ids counted abreast, each with its own counts (see _numba_kernels.bucket_counts)
 # SGD without weight decay on multi-hot bags takes the grouped step (each distinct row's gradients summed, then
 # the row updated once) where a batch holds this many ids a distinct row or more, else each id in place; the
