@@ -26,19 +26,9 @@ Contenders, measured in one run with interleaved rounds (medians over ``--rounds
 A step is forward + backward of a fixed upstream gradient (B, D) per table + the optimizer
 update. The forward alone (``torch.no_grad``) is timed too.
 
-Byte model (the floor: bytes that must cross the memory bus at least once; float32 rows of
-4 D bytes, int64 ids of 8 bytes; N ids in the batch, U distinct (table, id) pairs, S = 0 for SGD
-and 1 for Adagrad (one state element per weight)):
-
-- forward  = ids 8 N + offsets 8 T (B + 1) + distinct rows read 4 D U + pooled output 4 D T B
-  (+ dynamic: one 16-byte index entry per distinct id, 16 U);
-- update   = ids 8 N + upstream gradient rows read 4 D T B + distinct rows read and written
-  2 * 4 D U + optimizer state read and written 2 S * 4 D U (+ dynamic: 16 U);
-- step     = forward + update.
-
-Repeated ids are counted once (a kernel may serve them from cache); gradients reduced per
-distinct row are not counted as a round trip (a fused kernel keeps them on chip). The floor
-time is the bytes over a measured copy bandwidth: ``dst.copy_(src)`` of a large buffer
+Byte floor (``hybridembed.bench.floor``: bytes that must cross the memory bus at least once,
+repeated ids counted once; the optimizer's state S = 0 elements a weight for SGD, 1 for Adagrad):
+the step's bytes over a measured copy bandwidth: ``dst.copy_(src)`` of a large buffer
 (``--copy-mib``), (bytes read + bytes written) / time, median of the rounds. The forward's
 fraction is its bytes / its time over that bandwidth (1 = at the copy's speed).
 """
@@ -49,7 +39,6 @@ import argparse
 import gc
 import json
 import sys
-import time
 import warnings
 from collections.abc import Callable
 
@@ -58,6 +47,7 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.bench import powerlaw_ids, time_interleaved
+from hybridembed.bench.floor import copy_bandwidth, step_bytes
 from hybridembed.kernels.backend import interpreting, triton_available
 
 TABLES, ROWS, DIM, BATCH = 26, 1_000_000, 128, 16_384
@@ -83,27 +73,6 @@ def triton_runs(device: torch.device) -> str | None:
     return "Triton kernels need CUDA (or TRITON_INTERPRET=1 on the CPU)"
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, mib: int, rounds: int) -> float:
-    """Bytes per second of ``dst.copy_(src)`` of ``mib`` MiB: (read + written) / median time."""
-    n = mib * 2**20 // 4
-    src, dst = torch.rand(n, device=device), torch.empty(n, device=device)
-    dst.copy_(src)  # warm-up (first touch of the pages)
-    times = []
-    for _ in range(max(rounds, 3)):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return 2 * n * 4 / times[len(times) // 2]
-
-
 def make_batch(
     names: list[str], rows: int, batch: int, hotness: str, gen: torch.Generator, device: torch.device
 ) -> dict[str, he.Jagged]:
@@ -121,14 +90,7 @@ def make_batch(
 
 def byte_model(batch: dict[str, he.Jagged], b: int, dim: int, optimizer: str, dynamic: bool) -> dict[str, int]:
     """The floor's bytes (see the module docstring) of one step on ``batch``."""
-    t = len(batch)
-    n = sum(int(j.values.numel()) for j in batch.values())
-    u = sum(int(torch.unique(j.values).numel()) for j in batch.values())
-    row = 4 * dim
-    index = 16 * u if dynamic else 0
-    forward = 8 * n + 8 * t * (b + 1) + row * u + row * t * b + index
-    update = 8 * n + row * t * b + 2 * row * u + 2 * STATE[optimizer] * row * u + index
-    return {"ids": n, "distinct_rows": u, "forward": forward, "update": update, "step": forward + update}
+    return step_bytes(batch, b, dim, STATE[optimizer] * 4 * dim, dynamic)
 
 
 def contenders(

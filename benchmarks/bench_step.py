@@ -16,6 +16,10 @@
 Ids follow the power law (alpha 1.05); one-hot bags hold 1 id, multi-hot bags a uniform
 0..20 ids (mean 10). Each contender backpropagates the same fixed upstream gradient, as a
 model on top would send. Calls are interleaved; medians over --steps after warm-up.
+
+Each line ends with the step's byte floor (``hybridembed.bench.floor``: the bytes a step must
+move at least once, over this machine's copy bandwidth measured at the start on torch's
+threads) and the fraction of it each step reaches (floor ms / step ms; 1 = at the copy's speed).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from torch import nn
 
 import hybridembed as he
 from hybridembed.bench import add_allocator_option, apply_allocator_option, powerlaw_ids, time_interleaved
+from hybridembed.bench.floor import copy_bandwidth, step_bytes
+
+STATE_BYTES = {"sgd": 0, "rowwise_adagrad": 4}  # optimizer state a row (row-wise Adagrad: one float)
 
 
 def fbgemm_module(tables: int, rows: int, dim: int, optimizer: str, lr: float, weights: list[torch.Tensor]):
@@ -113,11 +120,18 @@ def run_optimizer(args: argparse.Namespace, names: list[str], optname: str) -> l
         run = {"optimizer": optname, "hotness": hot, "ids": int(fb_ids.numel())}
         for k, v in t.items():
             run[f"{k}_ms"], run[f"{k}_spread_ms"] = v.median, v.spread
+        by = step_bytes(batch, args.batch, args.dim, STATE_BYTES[optname])
+        run["floor_bytes"], run["floor_ms"] = by["step"], by["step"] / args.bandwidth * 1e3
+        for k, v in t.items():
+            run[f"{k}_fraction_of_floor"] = run["floor_ms"] / v.median
         line = f"{optname:16s} {hot}-hot: hybridembed {t['hybridembed'].median:7.1f} ms"
         for k in fns:
             if k != "hybridembed":
                 run[f"speedup_vs_{k}"] = t[k].median / t["hybridembed"].median
                 line += f" | {k} {t[k].median:7.1f} ms ({run[f'speedup_vs_{k}']:.2f}x)"
+        line += f" | floor {run['floor_ms']:.2f} ms: hybridembed at {run['hybridembed_fraction_of_floor']:.2f}"
+        if "fbgemm" in t:
+            line += f", fbgemm {run['fbgemm_fraction_of_floor']:.2f}"
         print(line, flush=True)
         runs.append(run)
     return runs
@@ -164,7 +178,13 @@ def main(argv: list[str] | None = None) -> dict:
         "allocator_tuned": tuned,
         "runs": [],
     }
-    print(f"{torch.get_num_threads()} threads, allocator {'tuned' if tuned else 'glibc defaults'}", flush=True)
+    args.bandwidth = copy_bandwidth("cpu", 256, 5)
+    results["copy_bandwidth_bytes_per_s"] = args.bandwidth
+    print(
+        f"{torch.get_num_threads()} threads, allocator {'tuned' if tuned else 'glibc defaults'}, "
+        f"copy bandwidth {args.bandwidth / 1e9:.1f} GB/s (read + written)",
+        flush=True,
+    )
     for optname in args.optimizers:
         results["runs"] += run_optimizer(args, names, optname)
     if args.json:

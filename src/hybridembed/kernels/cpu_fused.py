@@ -58,7 +58,9 @@ _MIN_PER_THREAD = 4096  # ids (or rows) below which a slice is not worth a threa
 # one-hot batches of 26 x 200k rows (24 rows an id) included: docs/benchmarks.md, "One-hot batches counted"
 _COUNTED_ROWS = 32
 _COUNTED_MIN = 1 << 16
-_BUCKET_SHIFT = 15  # rows a bucket of the counting sort: 2**15 int32 counts, 128 KiB, in a core's cache (16: 5% slower, multi-hot)
+_BUCKET_SHIFT = (
+    15  # rows a bucket of the counting sort: 2**15 int32 counts, 128 KiB, in a core's cache (16: 5% slower, multi-hot)
+)
 _PIECES = 4  # pieces of a thread's ids counted abreast, each with its own counts (see _numba_kernels.bucket_counts)
 # SGD without weight decay on multi-hot bags takes the grouped step (each distinct row's gradients summed, then
 # the row updated once) where a batch holds this many ids a distinct row or more, else each id in place; the
