@@ -39,15 +39,14 @@ OPTIMIZERS = {
 def _inputs(g: torch.Generator, kind: str, rows: int) -> dict:
     if kind == "one":  # one-hot: 1-D ids
         return {f: torch.randint(0, rows // 4, (64,), generator=g) for f in ("a", "b", "c")}
-    lengths = (
-        torch.randint(4, 13, (32,), generator=g) if kind.startswith("long") else torch.randint(0, 6, (32,), generator=g)
-    )
+    long = kind.startswith(("long", "wide"))  # ("wide": ids over every row, not a quarter of them)
+    lengths = torch.randint(4, 13, (32,), generator=g) if long else torch.randint(0, 6, (32,), generator=g)
     if kind in ("one_jagged", "as_many"):  # one id a bag given as a Jagged; as many ids as bags, not one each
         lengths = torch.ones(32, dtype=torch.int64)
         if kind == "as_many":
             lengths[::4], lengths[1::4] = 0, 2
     n = int(lengths.sum())
-    ids = torch.randint(0, rows // 4, (n,), generator=g)
+    ids = torch.randint(0, rows if kind.startswith("wide") else rows // 4, (n,), generator=g)
     ids[torch.rand(n, generator=g) < 0.3] = 2  # a hot id: long runs
     w = torch.rand(n, generator=g) if kind.endswith("weighted") else None
     return {f: he.Jagged.from_lengths(ids, lengths, w) for f in ("a", "b", "c")}
@@ -78,10 +77,11 @@ def _train(
     twice=False,
     layout="apart",
     dim=8,
+    t1_combiner="mean",
 ):
     tables = [
         he.TableConfig(
-            n, None if dynamic else 200, dim, dtype=dtype, optimizer=opt, combiner="mean" if n == "t1" else "sum",
+            n, None if dynamic else 200, dim, dtype=dtype, optimizer=opt, combiner=t1_combiner if n == "t1" else "sum",
             dynamic=dynamic if isinstance(dynamic, he.Dynamic) else he.Dynamic() if dynamic else None,
         )
         for n in ("t0", "t1")
@@ -549,24 +549,74 @@ def test_ids_are_grouped_by_counting_only_when_many_and_in_range():
         assert cpu_fused.group_by_row(ids, 1000, None, None, torch.float32) is None  # (the sort's path reports it)
 
 
-@pytest.mark.parametrize("name", ["rowwise", "adagrad_wd", "adam_wd_max"])
-@pytest.mark.parametrize("kind", ["one", "bags", "weighted"])
+@pytest.mark.parametrize("name", ["rowwise", "adagrad_wd", "adam_wd_max", "sgd_wd_max"])
+@pytest.mark.parametrize("kind", ["one", "bags", "weighted", "wide"])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_a_step_with_ids_grouped_by_counting_equals_the_sorted_one_bit_for_bit(name, kind, dynamic, monkeypatch):
+@pytest.mark.parametrize("walked", [True, False])
+def test_a_step_with_ids_grouped_by_counting_equals_the_sorted_one_bit_for_bit(
+    name, kind, dynamic, walked, monkeypatch
+):
     """Small batches made to take the counting sort (small buckets, no minimum): the same rows
-    and state as the sort's step, bit for bit (each row's ids summed in batch order either way)."""
+    and state as the sort's step, bit for bit (each row's ids summed in batch order either way;
+    where ids carry multipliers, the walk within rounding), walked bucket by bucket (``_walked``:
+    each bucket's rows summed in the core's cache and stepped at once) and grouped then reduced
+    (``group_by_row``, as a sharded job's reductions use it)."""
     sorted_state = _state(_train("numba", OPTIMIZERS[name], kind, dynamic=dynamic)[0])
     calls = []
-    group = cpu_fused.group_by_row
-    monkeypatch.setattr(cpu_fused, "group_by_row", lambda *a: calls.append(r := group(*a)) or r)
+    if walked:
+        walk = cpu_fused._walked
+        monkeypatch.setattr(cpu_fused, "_walked", lambda *a: calls.append(r := walk(*a)) or r)
+    else:
+        group = cpu_fused.group_by_row
+        monkeypatch.setattr(cpu_fused, "_walked", lambda *a: False)
+        monkeypatch.setattr(cpu_fused, "group_by_row", lambda *a: calls.append(r := group(*a)) or r)
     monkeypatch.setattr(cpu_fused, "_COUNTED_MIN", 0)
     monkeypatch.setattr(cpu_fused, "_COUNTED_ROWS", 1 << 20)
-    monkeypatch.setattr(cpu_fused, "_BUCKET_SHIFT", 3)
+    monkeypatch.setattr(cpu_fused, "_BUCKET_SHIFT", 3)  # (walked: 64 rows a bucket, its least)
     monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 16)
     counted = _state(_train("numba", OPTIMIZERS[name], kind, dynamic=dynamic)[0])
-    assert calls and all(c is not None for c in calls)
+    assert calls and all(c is not None and c is not False for c in calls)
     for k in sorted_state:
-        assert torch.equal(counted[k], sorted_state[k]), k
+        if walked and (k.startswith("t1") or kind == "weighted"):
+            # (ids with multipliers: t1's "mean", per-id weights: embedding_bag may fuse each
+            # multiply-add, the walk rounds the product first: equal to the rounding only)
+            torch.testing.assert_close(counted[k], sorted_state[k], rtol=1e-5, atol=1e-6, msg=k)
+        else:
+            assert torch.equal(counted[k], sorted_state[k]), k
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype, dim", [(torch.float32, 40), (torch.float64, 300)])
+def test_the_step_walked_bucket_by_bucket_equals_the_sorted_one_at_any_width(threads, dtype, dim, monkeypatch):
+    """Rows of 3 and of 38 cache lines (the prefetch's straight hints and its loop), float64,
+    dynamic tables (the default row never updated), ids with and without multipliers (a "mean"
+    table), several buckets a thread, one and two threads: the walk's rows and state are the
+    sorted step's, bit for bit where no id has a multiplier."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dynamic, combiner in ((False, "sum"), (True, "sum"), (False, "mean"), (True, "mean")):
+            opt, kw = (
+                OPTIMIZERS["adam_wd_max"],
+                {"dtype": dtype, "dim": dim, "dynamic": dynamic, "t1_combiner": combiner},
+            )
+            want = _state(_train("numba", opt, "wide", **kw)[0])
+            with monkeypatch.context() as m:
+                calls, walk = [], cpu_fused._walked
+                m.setattr(cpu_fused, "_walked", lambda *a, calls=calls, walk=walk: calls.append(r := walk(*a)) or r)
+                m.setattr(cpu_fused, "_COUNTED_MIN", 0)
+                m.setattr(cpu_fused, "_COUNTED_ROWS", 1 << 20)
+                m.setattr(cpu_fused, "_MIN_PER_THREAD", 16)
+                m.setattr(cpu_fused, "_BUCKET_SHIFT", 3)  # (64 rows a bucket: several a thread)
+                got = _state(_train("numba", opt, "wide", **kw)[0])
+            assert calls and all(calls)
+            for k in want:
+                if combiner == "mean":  # (each id's multiplier)
+                    torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+                else:
+                    assert torch.equal(got[k], want[k]), (dynamic, k)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

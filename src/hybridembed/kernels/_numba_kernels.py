@@ -33,14 +33,11 @@ __all__ = ["ROW_KERNELS"]
 
 _AHEAD = 4  # rows ahead that are prefetched
 _AHEAD_IDS = 16  # ids ahead whose row and gradient are prefetched (ids_sgd)
+_LINES = 8  # cache lines of a row prefetched by straight hints (_prefetch_row); more by a loop
 _OPAQUE = _llvm.llvm_version_info[0] >= 15  # LLVM with opaque pointers names the intrinsic by address space only
 
 
-@intrinsic
-def _prefetch(typingctx, arr, row):
-    """A hint that ``arr[row, 0]``'s cache line will be read and written soon (no fault, no wait)."""
-    sig = types.void(arr, row)
-
+def _prefetch_codegen(write: int):
     def codegen(context, builder, signature, args):
         aryty = signature.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
@@ -48,24 +45,95 @@ def _prefetch(typingctx, arr, row):
         idx = [context.cast(builder, args[1], signature.args[1], types.intp)] + [zero] * (aryty.ndim - 1)
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx, wraparound=False, boundscheck=False)
         i32 = ir.IntType(32)
-        if not _OPAQUE:
-            ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+        ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())  # (every declaration of the intrinsic alike)
         fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
         fn = cgutils.get_or_insert_function(
             builder.module, fnty, "llvm.prefetch.p0" if _OPAQUE else "llvm.prefetch.p0i8"
         )
-        builder.call(fn, [ptr, i32(1), i32(3), i32(1)])  # (write, keep in all caches, data)
+        builder.call(fn, [ptr, i32(write), i32(3), i32(1)])  # (read 0 / write 1, keep in all caches, data)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _prefetch_row(arr, r):  # pragma: no cover (compiled)
-    """Every cache line of ``arr[r]`` asked for (a row of 64 float32 spans four)."""
-    row = arr[r]
-    for d in range(0, row.shape[0], 64 // arr.itemsize):
-        _prefetch(row, d)
+@intrinsic
+def _prefetch(typingctx, arr, row):
+    """A hint that ``arr[row, 0]``'s cache line will be read and written soon (no fault, no wait)."""
+    return types.void(arr, row), _prefetch_codegen(1)
+
+
+@intrinsic
+def _prefetch_read(typingctx, arr, row):
+    """A hint that ``arr[row, 0]``'s cache line will be read, not written, soon. For lines only
+    read where the loop writes elsewhere: :func:`bucket_walk`'s gradient rows asked for with a
+    write's hint took the step of 2.1M ids 65-72 ms, with a read's 58-65 (alternated in one process)."""
+    return types.void(arr, row), _prefetch_codegen(0)
+
+
+def _row_codegen(write: int):
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        r = context.cast(builder, args[1], signature.args[1], types.intp)
+        ptr = cgutils.get_item_pointer(
+            context, builder, aryty, ary, [r] + [zero] * (aryty.ndim - 1), wraparound=False, boundscheck=False
+        )
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        base = builder.bitcast(ptr, i8p)
+        item = context.get_constant(types.intp, context.get_abi_sizeof(context.get_data_type(aryty.dtype)))
+        width = builder.extract_value(ary.shape, 1) if aryty.ndim > 1 else context.get_constant(types.intp, 1)
+        lines = builder.udiv(
+            builder.add(builder.mul(width, item), context.get_constant(types.intp, 63)),
+            context.get_constant(types.intp, 64),
+        )
+        inside = builder.icmp_unsigned("<", r, builder.extract_value(ary.shape, 0))
+        lines = builder.select(inside, lines, zero)  # (no row r, as in a (1, 1) stand-in for absent state: no hint)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(
+            builder.module, fnty, "llvm.prefetch.p0" if _OPAQUE else "llvm.prefetch.p0i8"
+        )
+
+        def line(k):  # (the hint for line k of the row)
+            at = builder.gep(base, [builder.mul(k, context.get_constant(types.intp, 64))])
+            builder.call(fn, [at, i32(write), i32(3), i32(1)])
+
+        # rows of up to _LINES lines: one jump into straight hints (a loop's counter, compare and
+        # branch a line cost the step of 2.1M ids ~2 ms); longer rows: a loop
+        end = builder.append_basic_block("prefetched")
+        longer = builder.append_basic_block("longer_row")
+        cases = [builder.append_basic_block(f"lines_{n}") for n in range(_LINES + 1)]
+        switch = builder.switch(lines, longer)
+        for n, block in enumerate(cases):
+            switch.add_case(n, block)
+        for n, block in enumerate(cases):  # (n lines: line n - 1, then the n - 1 before it)
+            builder.position_at_end(block)
+            if n:
+                line(context.get_constant(types.intp, n - 1))
+            builder.branch(cases[n - 1] if n > 1 else end)
+        builder.position_at_end(longer)
+        with cgutils.for_range(builder, lines) as loop:
+            line(loop.index)
+        builder.branch(end)
+        builder.position_at_end(end)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _prefetch_row(typingctx, arr, r):
+    """Every cache line of ``arr[r]`` (a row of 64 float32 spans four) asked for, to be read and
+    written. In LLVM IR from the row's address: a row taken as a view (``arr[r]``) counts a reference
+    to the array, an atomic add that the threads of a step contend for (the step of 2.1M ids
+    bucket by bucket, 2 threads: 63 -> 56 ms)."""
+    return types.void(arr, r), _row_codegen(1)
+
+
+@intrinsic
+def _prefetch_row_read(typingctx, arr, r):
+    """Every cache line of ``arr[r]`` asked for, to be read only."""
+    return types.void(arr, r), _row_codegen(0)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -344,6 +412,87 @@ def bucket_rows(
                 w[p] = b_w[i]
         for j in range(s, s + d):
             counts[rows[j] & mask] = 0
+
+
+@njit(nogil=True, cache=True)
+def bucket_walk(
+    b_ids, b_src, b_w, starts, shift, lo, hi, grad, acc, seen, rows, weight, s1, s2, opt, hp, maximize, skip_zero
+):  # pragma: no cover (compiled)
+    """Buckets ``lo:hi`` (their ids at ``starts[b]:starts[b + 1]``, as :func:`bucket_scatter` left them,
+    in batch order within a bucket) summed and stepped without a sort: each id's gradient row
+    (``grad[b_src[i]]``, times ``b_w[i]``; empty: 1) added into its row's place of ``acc``
+    (2**shift, D), a bucket's rows at once, in the core's cache (a row's first id writes its place,
+    a bit a row in ``seen`` says which are written: no zeroing); then each row of the bucket with
+    ids, ascending (``rows``: (2**shift,) room for them), takes the step of optimizer ``opt`` (the
+    code of :data:`ROW_KERNELS`) with its sum, times ``scale``. A row's ids are summed in batch
+    order, as ``embedding_bag`` over the sorted ids sums them: the same rows, bit for bit, without
+    the sorted ids, the segments and the (U, D) gradient written out and read back.
+    ``skip_zero``: row 0 (a dynamic table's default row) is never updated. ``seen`` is left zeros."""
+    mask = (1 << shift) - 1
+    one = np.uint64(1)
+    dim = grad.shape[1]
+    weighted = b_w.shape[0] > 0
+    for b in range(lo, hi):
+        s, e = starts[b], starts[b + 1]
+        if s == e:
+            continue
+        low, high = mask, 0
+        for i in range(s, e):
+            if i + _AHEAD_IDS < e:
+                _prefetch_row_read(grad, b_src[i + _AHEAD_IDS])
+            k = b_ids[i] & mask
+            j, bit = k >> 6, one << np.uint64(k & 63)
+            src = b_src[i]
+            w = b_w[i] if weighted else hp[7]
+            if seen[j] & bit:
+                if weighted:
+                    for d in range(dim):
+                        acc[k, d] += w * grad[src, d]
+                else:
+                    for d in range(dim):
+                        acc[k, d] += grad[src, d]
+            else:
+                seen[j] |= bit
+                if weighted:
+                    for d in range(dim):
+                        acc[k, d] = w * grad[src, d]
+                else:
+                    for d in range(dim):
+                        acc[k, d] = grad[src, d]
+                low = min(low, k)
+                high = max(high, k)
+        m = 0
+        for j in range(low >> 6, (high >> 6) + 1):
+            word = seen[j]
+            if word == 0:
+                continue
+            seen[j] = 0
+            while word != 0:
+                rows[m] = (j << 6) + _trailing_zeros(word)
+                word &= word - one
+                m += 1
+        base = b << shift
+        ms = hp[8] - hp[7]
+        for q in range(m):
+            if q + _AHEAD < m:
+                r = base + rows[q + _AHEAD]
+                _prefetch_row(weight, r)
+                _prefetch_row(s1, r)
+                _prefetch_row(s2, r)
+            k = rows[q]
+            row = base + k
+            if skip_zero and row == 0:
+                continue
+            g = acc[k]
+            _row_grad(g, weight, row, k, acc, hp, maximize)
+            if opt == 0:
+                _sgd(weight, s1, s2, row, g, ms, hp)
+            elif opt == 1:
+                _adagrad(weight, s1, s2, row, g, ms, hp)
+            elif opt == 2:
+                _rowwise(weight, s1, s2, row, g, ms, hp)
+            else:
+                _adam(weight, s1, s2, row, g, ms, hp)
 
 
 @njit(nogil=True, cache=True)
