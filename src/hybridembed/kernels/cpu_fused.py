@@ -71,7 +71,7 @@ _WALK_BYTES = (
 # SGD without weight decay on multi-hot bags takes the grouped step (each distinct row's gradients summed, then
 # the row updated once) where a batch holds this many ids a distinct row or more, else each id in place; the
 # distinct rows are counted (a bit a row) only where the batch has an id for at most _MARKED_ROWS rows
-_GROUPED_SGD_REPEATS = 3.2
+_GROUPED_SGD_REPEATS = 2.0
 _MARKED_ROWS = 64
 
 
@@ -297,9 +297,11 @@ def repeats(ids: torch.Tensor, nrows: int) -> float:
     What it decides (SGD without weight decay, multi-hot bags; ``docs/benchmarks.md``, "SGD: in place
     or grouped"): applied in place, each id costs a read and a write of its row; grouped, the ids'
     gradients are summed first (one pass over the gradient rows) and each distinct row is written
-    once. 26 x 200k x 64, batch 8,192, whole steps, 2 threads: power-law ids at 10 a bag (3.8 ids a
-    row) 75.9 ms in place against 60.3 grouped; 5 a bag (3.2) 41.2 against 41.1; 3 a bag (2.9) 28.2
-    against 32.5; uniform ids at 10 a bag (1.2) 105.3 against 138.7. Counting costs 1.2 ns an id."""
+    once. 26 x 64 tables, batch 8,192, whole steps, 2 threads, ms in place against grouped (walked
+    bucket by bucket): 200k rows, power-law ids at 10 a bag (3.8 ids a row) 59.9 against 52.2, 2 a
+    bag (2.6) 20.9 against 19.6, uniform ids at 10 a bag (1.2) 100.0 against 109.7; 50k rows,
+    uniform at 10 a bag (2.0) 81.7 against 66.3, 5 a bag (1.5) 47.9 against 47.1; 100k rows,
+    uniform at 10 a bag (1.5) 82.1 against 93.6. Counting costs 1.2 ns an id."""
     n = ids.numel()
     if n < _COUNTED_MIN or n * _MARKED_ROWS < nrows or ids.device.type != "cpu" or not available():
         return 0.0
