@@ -37,7 +37,18 @@ _LINES = 8  # cache lines of a row prefetched by straight hints (_prefetch_row);
 _OPAQUE = _llvm.llvm_version_info[0] >= 15  # LLVM with opaque pointers names the intrinsic by address space only
 
 
-def _prefetch_codegen(write: int):
+def _hint_fn(builder):
+    """``llvm.prefetch`` declared in the builder's module, taking an i8 pointer (every declaration alike)."""
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
+    return cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0" if _OPAQUE else "llvm.prefetch.p0i8")
+
+
+@intrinsic
+def _prefetch(typingctx, arr, row):
+    """A hint that ``arr[row, 0]``'s cache line will be read and written soon (no fault, no wait)."""
+    sig = types.void(arr, row)
+
     def codegen(context, builder, signature, args):
         aryty = signature.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
@@ -45,29 +56,11 @@ def _prefetch_codegen(write: int):
         idx = [context.cast(builder, args[1], signature.args[1], types.intp)] + [zero] * (aryty.ndim - 1)
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx, wraparound=False, boundscheck=False)
         i32 = ir.IntType(32)
-        ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())  # (every declaration of the intrinsic alike)
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(
-            builder.module, fnty, "llvm.prefetch.p0" if _OPAQUE else "llvm.prefetch.p0i8"
-        )
-        builder.call(fn, [ptr, i32(write), i32(3), i32(1)])  # (read 0 / write 1, keep in all caches, data)
+        ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+        builder.call(_hint_fn(builder), [ptr, i32(1), i32(3), i32(1)])  # (write, keep in all caches, data)
         return context.get_dummy_value()
 
-    return codegen
-
-
-@intrinsic
-def _prefetch(typingctx, arr, row):
-    """A hint that ``arr[row, 0]``'s cache line will be read and written soon (no fault, no wait)."""
-    return types.void(arr, row), _prefetch_codegen(1)
-
-
-@intrinsic
-def _prefetch_read(typingctx, arr, row):
-    """A hint that ``arr[row, 0]``'s cache line will be read, not written, soon. For lines only
-    read where the loop writes elsewhere: :func:`bucket_walk`'s gradient rows asked for with a
-    write's hint took the step of 2.1M ids 65-72 ms, with a read's 58-65 (alternated in one process)."""
-    return types.void(arr, row), _prefetch_codegen(0)
+    return sig, codegen
 
 
 def _row_codegen(write: int):
@@ -89,10 +82,7 @@ def _row_codegen(write: int):
         )
         inside = builder.icmp_unsigned("<", r, builder.extract_value(ary.shape, 0))
         lines = builder.select(inside, lines, zero)  # (no row r, as in a (1, 1) stand-in for absent state: no hint)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(
-            builder.module, fnty, "llvm.prefetch.p0" if _OPAQUE else "llvm.prefetch.p0i8"
-        )
+        fn = _hint_fn(builder)
 
         def line(k):  # (the hint for line k of the row)
             at = builder.gep(base, [builder.mul(k, context.get_constant(types.intp, 64))])
@@ -132,7 +122,8 @@ def _prefetch_row(typingctx, arr, r):
 
 @intrinsic
 def _prefetch_row_read(typingctx, arr, r):
-    """Every cache line of ``arr[r]`` asked for, to be read only."""
+    """Every cache line of ``arr[r]`` asked for, to be read only (for rows a loop only reads; in
+    :func:`bucket_walk` the same speed as a write's hint, measured)."""
     return types.void(arr, r), _row_codegen(0)
 
 

@@ -61,13 +61,11 @@ _MIN_PER_THREAD = 4096  # ids (or rows) below which a slice is not worth a threa
 # one-hot batches of 26 x 200k rows (24 rows an id) included: docs/benchmarks.md, "One-hot batches counted"
 _COUNTED_ROWS = 32
 _COUNTED_MIN = 1 << 16
-_BUCKET_SHIFT = (
-    15  # rows a bucket of the counting sort: 2**15 int32 counts, 128 KiB, in a core's cache (16: 5% slower, multi-hot)
-)
+# rows a bucket of the counting sort: 2**15 int32 counts, 128 KiB, in a core's cache (16: 5% slower, multi-hot)
+_BUCKET_SHIFT = 15
 _PIECES = 4  # pieces of a thread's ids counted abreast, each with its own counts (see _numba_kernels.bucket_counts)
-_WALK_BYTES = (
-    1 << 20
-)  # a thread's sums of a bucket's rows in the step walked bucket by bucket (_walked): a core's cache
+# a thread's sums of a bucket's rows in the step walked bucket by bucket (_walked): a core's cache
+_WALK_BYTES = 1 << 20
 # SGD without weight decay on multi-hot bags takes the grouped step (each distinct row's gradients summed, then
 # the row updated once) where a batch holds this many ids a distinct row or more, else each id in place; the
 # distinct rows are counted (a bit a row) only where the batch has an id for at most _MARKED_ROWS rows
@@ -266,8 +264,9 @@ def apply_fused(
 
     SGD without weight decay applies each id's gradient in place (:func:`_sgd_in_place`) unless
     the batch's bags repeat rows enough (:func:`repeats`); the other optimizers, and SGD then,
-    sum each distinct row's gradient (:func:`reduce_kept`: the ids grouped by row, then
-    PyTorch's ``embedding_bag``, one "bag" per row), then :func:`apply_rows`."""
+    sum each distinct row's gradient and step the row: bucket by bucket where the batch has many
+    ids for the table's rows (:func:`_walked`), else by :func:`reduce_kept` (the ids sorted by row,
+    then PyTorch's ``embedding_bag``, one "bag" per row) and :func:`apply_rows`."""
     if ids.numel() == 0:
         return
     hpa, opt, maximize = _hparams(storage, hp, scale)
@@ -500,13 +499,16 @@ def _walked(
     whose rows' sums fit a core's cache, each bucket's rows summed there and stepped at once
     (no sort, no segments, no (U, D) gradient written and read back). False (nothing done) where
     counting does not apply: the sort's path runs instead. The same rows as that path, bit for bit
-    (each row's ids summed in batch order either way).
+    (each row's ids summed in batch order either way; where ids carry multipliers, within rounding:
+    ``embedding_bag`` may fuse each multiply-add).
 
     Measured (26 x 200k x 64, batch 8,192, power-law ids, row-wise Adagrad, whole steps against the
     grouping, reduction and update, alternated in one process; docs/benchmarks.md, "The step walked
     bucket by bucket"): 10 ids a bag 57.1 / 57.4 against 63.8 / 62.0 ms, one-hot equal."""
     from . import _numba_kernels as K
 
+    if grad.shape[0] >= 2**31:  # (gradient rows are int32 places)
+        return False
     weight = storage.weight.detach()
     dim, cdt = weight.shape[1], weight.dtype
     shift = max(6, min(_BUCKET_SHIFT, (_WALK_BYTES // (dim * weight.element_size())).bit_length() - 1))
