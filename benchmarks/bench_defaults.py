@@ -59,13 +59,18 @@ def main(argv: list[str] | None = None) -> dict:
     for s, results in runs.items():
         for i, first in enumerate(results[0]["runs"]):
             rs = [res["runs"][i] for res in results]
-            names = [k[: -len("_ms")] for k in first if k.endswith("_ms") and not k.endswith("spread_ms")]
+            names = [
+                k[: -len("_ms")] for k in first if k.endswith("_ms") and not k.endswith("spread_ms") and k != "floor_ms"
+            ]
             ms = {n: statistics.median(r[f"{n}_ms"] for r in rs) for n in names}
             line = f"{s:8s} {first['optimizer']:16s} {first['hotness']:8s} "
             line += " ".join(f"{n} {v:6.1f}" for n, v in ms.items())
             for n in names[1:]:
                 ratios = [r[f"speedup_vs_{n}"] for r in rs]
                 line += f" | vs {n} {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+            if "floor_ms" in first:  # (the step's byte floor, bench_step.py)
+                fr = [r["hybridembed_fraction_of_floor"] for r in rs]
+                line += f" | at {statistics.median(fr):.2f} of its byte floor ({min(fr):.2f}-{max(fr):.2f})"
             tuned = {res["allocator_tuned"] for res in results}
             print(line + f"  [allocator tuned: {'/'.join(map(str, sorted(tuned)))}]")
     if args.json:
