@@ -351,6 +351,24 @@ def bucket_scatter(ids, offsets, rows_of, psw, shift, lo, hi, at, b_ids, b_src, 
                 b_w[p] = psw[i]
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _take_marked(seen, low, high, out, at):  # pragma: no cover (compiled)
+    """The rows marked in ``seen`` (a bit a row, words ``low >> 6`` to ``high >> 6``), ascending, into
+    ``out[at:]``, found by their trailing zeros, the words left zeros; returns their number."""
+    one = np.uint64(1)
+    m = at
+    for j in range(low >> 6, (high >> 6) + 1):
+        word = seen[j]
+        if word == 0:
+            continue
+        seen[j] = 0
+        while word != 0:
+            out[m] = (j << 6) + _trailing_zeros(word)
+            word &= word - one
+            m += 1
+    return m - at
+
+
 @njit(nogil=True, cache=True)
 def bucket_rows(
     b_ids, b_src, b_w, starts, shift, lo, hi, counts, seen, src, w, rows, first, distinct
@@ -378,21 +396,14 @@ def bucket_rows(
             seen[k >> 6] |= one << np.uint64(k & 63)
             low = min(low, k)
             high = max(high, k)
-        d, place = 0, s
-        for j in range(low >> 6, (high >> 6) + 1):
-            word = seen[j]
-            if word == 0:
-                continue
-            seen[j] = 0
-            while word != 0:
-                k = (j << 6) + _trailing_zeros(word)
-                word &= word - one
-                c = counts[k]
-                rows[s + d] = (b << shift) + k
-                first[s + d] = place
-                counts[k] = place
-                place += c
-                d += 1
+        d, place = _take_marked(seen, low, high, rows, s), s
+        for q in range(s, s + d):
+            k = rows[q]
+            c = counts[k]
+            rows[q] = (b << shift) + k
+            first[q] = place
+            counts[k] = place
+            place += c
         distinct[b] = d
         for i in range(s, e):
             k = b_ids[i] & mask
@@ -452,16 +463,7 @@ def bucket_walk(
                         acc[k, d] = grad[src, d]
                 low = min(low, k)
                 high = max(high, k)
-        m = 0
-        for j in range(low >> 6, (high >> 6) + 1):
-            word = seen[j]
-            if word == 0:
-                continue
-            seen[j] = 0
-            while word != 0:
-                rows[m] = (j << 6) + _trailing_zeros(word)
-                word &= word - one
-                m += 1
+        m = _take_marked(seen, low, high, rows, 0)
         base = b << shift
         ms = hp[8] - hp[7]
         for q in range(m):
