@@ -119,7 +119,7 @@ def _prefetch_row(typingctx, arr, r):
     """Every cache line of ``arr[r]`` (a row of 64 float32 spans four) asked for, to be read and
     written. In LLVM IR from the row's address: a row taken as a view (``arr[r]``) counts a reference
     to the array, an atomic add that the threads of a step contend for (the step of 2.1M ids
-    bucket by bucket, 2 threads: 63 -> 56 ms)."""
+    bucket by bucket, 2 threads: 63 -> 54 ms, with a row past the array tested before the jump)."""
     return types.void(arr, r), _row_codegen(1)
 
 

@@ -25,7 +25,7 @@ the grouped step to win (:func:`repeats`).
 
 Measured side by side (docs/benchmarks.md, "The fused CPU step", "The step walked bucket by
 bucket"): a kernel that summed each row's gradient itself walking the sorted ids lost to this
-split; walking buckets whose sums stay in the core's cache, it wins (2.1M ids: 57 against 62-64
+split; walking buckets whose sums stay in the core's cache, it wins (2.1M ids: 54 against 62-64
 ms a step).
 
 Which optimizers: :data:`hybridembed.kernels.fused.FUSED` (SGD without momentum, Adagrad,
@@ -504,7 +504,7 @@ def _walked(
 
     Measured (26 x 200k x 64, batch 8,192, power-law ids, row-wise Adagrad, whole steps against the
     grouping, reduction and update, alternated in one process; docs/benchmarks.md, "The step walked
-    bucket by bucket"): 10 ids a bag 57.1 / 57.4 against 63.8 / 62.0 ms, one-hot equal."""
+    bucket by bucket"): 10 ids a bag 53.8 / 54.5 against 62.1 / 63.6 ms, one-hot 14.3 / 15.6 against 15.3 / 16.5."""
     from . import _numba_kernels as K
 
     if grad.shape[0] >= 2**31:  # (gradient rows are int32 places)
