@@ -210,14 +210,14 @@ class Counter:
 
         through = self._through = shm.Transport.all_to_all
 
-        def shared(tr, out, t, recv_splits, send_splits, status=1.0):  # (the rows of ranks of one machine)
+        def shared(tr, out, t, recv_splits, send_splits, status=1.0, meanwhile=None):  # (ranks of one machine)
             flat = t if isinstance(t, torch.Tensor) else out
             size = flat.element_size()
             rec = {"op": "all_to_all_single", "phase": self.phase, "dtype": str(flat.dtype), "shared": True}
             rec["bytes"] = sum(send_splits) * size
             rec["off_rank_bytes"] = (sum(send_splits) - send_splits[tr.rank]) * size
             t0 = time.perf_counter()
-            res = through(tr, out, t, recv_splits, send_splits, status)
+            res = through(tr, out, t, recv_splits, send_splits, status, meanwhile)
             rec["ms"] = (time.perf_counter() - t0) * 1e3
             self.calls.append(rec)
             return res

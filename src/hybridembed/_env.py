@@ -22,7 +22,12 @@
 ``HYBRIDEMBED_SHM=0``
     the sharded runtime's rows exchange between ranks of one machine stays on gloo's all-to-all
     (by default, large ones go through shared memory in ``/dev/shm``; see
-    :mod:`hybridembed.distributed.shm`). Read when a collection's first large exchange runs.
+    :mod:`hybridembed.distributed.shm`). Read when a collection's first exchange runs.
+``HYBRIDEMBED_SHM_FUTEX=0``
+    the shared-memory exchange's meetings go through a gloo all-gather, and the headers, ids and
+    small exchanges through gloo's all-to-all (by default, where every rank can, the ranks meet
+    through their control files, asleep on a futex, and every all-to-all of the group goes through
+    shared memory). Read with ``HYBRIDEMBED_SHM``.
 ``HYBRIDEMBED_KERNELS``
     the kernel backend of collections built with ``kernels="auto"`` (the default): ``eager``
     (PyTorch ops), ``triton`` (Triton kernels on CUDA, and on the CPU under

@@ -5,8 +5,8 @@
 Each rank trains a small model (two tables, an MLP: ``JOB_MODEL=plain`` for plain torch layers
 that ``he.distribute`` converts) for ``JOB_STEPS`` steps (default 6), with the last ``SERVERS``
 ranks as parameter servers (0: collective, sharded tables), DDP on (``JOB_DDP=0``: off) and a
-job timeout of ``JOB_TIMEOUT`` seconds (default 10), every rows' exchange through shared memory
-with ``JOB_SHARED=1`` (however small). From step ``STEP`` on, rank ``VICTIM``
+job timeout of ``JOB_TIMEOUT`` seconds (default 10), every exchange through shared memory with
+``JOB_SHARED=1`` (rows however small), every one through gloo with ``JOB_SHARED=0``. From step ``STEP`` on, rank ``VICTIM``
 (a comma-separated list of ranks) meets the comma-separated ``FAULTS``, one per step:
 
 - ``none``: nothing; ``destroy``: every rank ends with ``dist.destroy_process_group()``;
@@ -111,6 +111,10 @@ def main() -> None:
         from hybridembed.distributed import runtime
 
         runtime.FOLD_ROWS = 0
+    elif os.environ.get("JOB_SHARED") == "0":
+        from hybridembed.distributed import shm
+
+        os.environ[shm.ENV] = "0"
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("JOB_TIMEOUT", "10"))))
     ddp = os.environ.get("JOB_DDP", "1") == "1"
     plain = os.environ.get("JOB_MODEL") == "plain"

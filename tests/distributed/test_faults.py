@@ -77,9 +77,11 @@ def test_bad_input_on_one_rank_fails_the_step_on_every_rank_and_a_skipping_loop_
 
 
 @pytest.mark.parametrize(
-    "fault,shared", [("stop", "0"), ("raise", "0"), ("kill", "1")]
+    "fault,shared", [("stop", "0"), ("raise", "0"), ("stop", "1"), ("raise", "1"), ("kill", "1")]
 )  # (a rank killed in gloo's exchange fails it the same way, at once: tests/ps/test_trainer_faults.py kills;
-#     "1": every rows' exchange through shared memory, whose meeting is a gloo collective as any other)
+#     "0": every exchange through gloo; "1": every exchange through shared memory, whose meetings wait on
+#     the peers' counts in their control files: a peer whose process ended is noticed there, one stopped
+#     when the job's timeout has passed)
 def test_a_lost_sharded_rank_is_named_by_every_survivor_within_the_timeout(fault, shared):
     timeout = 4.0
     env = {"JOB_TIMEOUT": str(timeout), "JOB_STEPS": "4", "JOB_DDP": "0", "JOB_SHARED": shared}

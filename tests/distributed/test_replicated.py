@@ -66,12 +66,17 @@ def _trained(rank: int, world: int, way: str) -> dict:
         shm.Transport.all_gather,
         cpu_fused.merge_rows,
         dist.all_to_all_single,
+        shm.Transport.all_to_all,
     )
     lookup = ec.replicated._lookup_many
 
     def headers(out, t, *a, async_op=False, **k):
         seen.append(f"header all_to_all (async {async_op})")
         return real[4](out, t, *a, async_op=async_op, **k)
+
+    def shared_headers(tr, *a, meanwhile=None, **k):
+        seen.append(f"shared header all_to_all (meanwhile {meanwhile is not None})")
+        return real[5](tr, *a, meanwhile=meanwhile, **k)
 
     def looked_up(*a, **k):
         seen.append("replicated lookup")
@@ -97,12 +102,12 @@ def _trained(rank: int, world: int, way: str) -> dict:
     by_index = way.endswith("by index")
     cpu_fused.merge_rows = (lambda *a: None) if by_index else merged
     dist.all_gather_single, dist.all_reduce, shm.Transport.all_gather = gather, reduce, through
-    dist.all_to_all_single, ec.replicated._lookup_many = headers, looked_up
+    dist.all_to_all_single, shm.Transport.all_to_all, ec.replicated._lookup_many = headers, shared_headers, looked_up
     try:
         _train(ec, lambda step: _batch(step, rank, world), 1.0)  # (mean over ranks: as the whole batch's part)
     finally:
         dist.all_gather_single, dist.all_reduce, shm.Transport.all_gather, cpu_fused.merge_rows = real[:4]
-        dist.all_to_all_single = real[4]
+        dist.all_to_all_single, shm.Transport.all_to_all = real[4:]
     tables = {t.name: ec.gather_table(t.name) for t in TABLES}
     every = [{} for _ in range(world)]
     dist.all_gather_object(every, {k: v.tolist() for k, v in tables.items()})
@@ -121,8 +126,10 @@ def test_replicated_rows_summed_every_way_equal_one_process(world):
                 torch.testing.assert_close(r["tables"][t.name], ref.weight(t.name), rtol=1e-6, atol=1e-7, msg=t.name)
                 # (every way sums each row in rank order: the same bits; gloo's dense sum at world 2: b0 + b1)
                 assert torch.equal(r["tables"][t.name], ways["shared, by index"]["tables"][t.name]), (way, t.name)
-            # per step, the forward: the ranks' headers sent, the replicated lookups made while they cross
-            expected = ["header all_to_all (async True)", "replicated lookup"]
+            # per step, the forward: the ranks' headers sent (through gloo, or shared memory when the ranks
+            # share it), the replicated lookups made while they cross
+            header = "header all_to_all (async True)" if way == "gloo" else "shared header all_to_all (meanwhile True)"
+            expected = [header, "replicated lookup"]
             if way == "gloo":  # the counts (int64), the big table's touched rows (bytes), the small one's dense buffer
                 expected += ["all_gather torch.int64", "all_gather torch.uint8", "all_reduce torch.float64 (8, 7)"]
             else:  # one gather of both tables' ids and rows, each summed (merged: each rank's ids were ascending)

@@ -206,6 +206,28 @@ def test_a_closing_rank_waits_for_a_peer_that_runs_and_not_for_one_that_is_gone(
     os.waitpid(gone, 0)
 
 
+def _meetings(rank: int, world: int, futex: str) -> dict:
+    """Meetings one after another, a different rank late to each, a rank's shared memory failed in
+    one, the meetings' count wrapping past its 31 bits: what each rank learns of the others."""
+    os.environ[shm.ENV + "_FUTEX"] = futex
+    t = shm.Transport.open(dist.group.WORLD, torch.device("cpu"))
+    t._meets = 0x7FFFFFFF - 3  # (the next meetings count 0x7FFFFFFD, 0x7FFFFFFE, 0x7FFFFFFF, 0, 1, ...)
+    got = []
+    for k in range(8):
+        if rank == k % world:
+            time.sleep(0.05)
+        got.append(t._meet(float(10 * k + rank), k == 5 and rank == 1))
+    t.close()
+    return {"rings": t.rings, "got": got}
+
+
+@pytest.mark.parametrize("futex", ["1", "0"], ids=["control-files", "gloo"])
+def test_a_meeting_gives_every_rank_every_status_whoever_comes_last(futex):
+    for r in spawn(_meetings, 3, futex, timeout=60):
+        assert r["rings"] == (futex == "1" and shm._FUTEX.works)
+        assert r["got"] == [([10.0 * k + q for q in range(3)], [1] if k == 5 else []) for k in range(8)]
+
+
 def _refused(rank: int, world: int) -> bool:
     os.environ[shm.ENV] = "0" if rank == 1 else "1"  # one rank turned it off: nobody uses it
     return shm.Transport.open(dist.group.WORLD, torch.device("cpu")) is None

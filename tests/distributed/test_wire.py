@@ -28,19 +28,28 @@ def _plan(world: int) -> Plan:
 
 def _job(rank: int, world: int, wire: str | None) -> dict:
     """Two SGD steps of every table (rank 0 asks for rows rank 1 owns and the other way round);
-    what crossed in the rows' all-to-alls (dtype, elements), the outputs, the trained tables."""
+    what crossed in the rows' all-to-alls (dtype, elements, through gloo or shared memory), the
+    outputs, the trained tables."""
+    from hybridembed.distributed import shm
+
     ec = ShardedCollection(TABLES, plan=_plan(world), seed=5, wire=wire)
     opt = he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.5), ec)
-    sent: list[tuple[torch.dtype, int]] = []
-    real = dist.all_to_all_single
+    sent: list[tuple[torch.dtype, int, str]] = []
+    real, real_shared = dist.all_to_all_single, shm.Transport.all_to_all
 
     def counting(out, t, *a, **k):
         if t.is_floating_point():
-            sent.append((t.dtype, t.numel()))
+            sent.append((t.dtype, t.numel(), "gloo"))
         return real(out, t, *a, **k)
 
+    def counting_shared(tr, out, t, *a, **k):
+        pieces = [t] if isinstance(t, torch.Tensor) else [x for p in t for x in p]
+        if pieces and pieces[0].is_floating_point():
+            sent.append((pieces[0].dtype, sum(x.numel() for x in pieces), "shared"))
+        return real_shared(tr, out, t, *a, **k)
+
     initial = ec.gather_table("rw")
-    dist.all_to_all_single = counting
+    dist.all_to_all_single, shm.Transport.all_to_all = counting, counting_shared
     outs = []
     try:
         for step in range(2):
@@ -57,7 +66,7 @@ def _job(rank: int, world: int, wire: str | None) -> dict:
             sum((v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum() for v in out.values()).backward()
             opt.step()
     finally:
-        dist.all_to_all_single = real
+        dist.all_to_all_single, shm.Transport.all_to_all = real, real_shared
     return {"sent": sent, "outs": outs, "initial": initial, "tables": {t.name: ec.gather_table(t.name) for t in TABLES}}
 
 
@@ -69,8 +78,8 @@ def test_bf16_wire_rounds_what_crosses_once_and_halves_its_bytes():
     exact = spawn(_job, 2, None, timeout=120)
     bf16 = spawn(_job, 2, "bf16", timeout=120)
     for ex, bf in zip(exact, bf16):
-        rows_ex = [(d, n) for d, n in ex["sent"] if n > 8]  # (the rows' all-to-alls, forward and backward)
-        rows_bf = [(d, n) for d, n in bf["sent"] if n > 8]
+        rows_ex = [(d, n) for d, n, _ in ex["sent"] if n > 8]  # (the rows' all-to-alls, forward and backward)
+        rows_bf = [(d, n) for d, n, _ in bf["sent"] if n > 8]
         assert rows_ex and all(d == torch.float32 for d, _ in rows_ex)
         assert [n for _, n in rows_bf] == [n for _, n in rows_ex] and all(d == torch.bfloat16 for d, _ in rows_bf)
         # step 1: the same tables on both; a table-wise table's output is the owner's pooled row rounded
@@ -105,7 +114,8 @@ def test_rows_through_shared_memory_equal_gloos_bit_for_bit():
     for g_wires, s_wires in zip(gloo, shared):
         for wire, g in g_wires.items():
             s = s_wires[wire]
-            assert [n for _, n in g["sent"] if n > 8] and not [n for _, n in s["sent"] if n > 8]  # (rows left gloo)
+            rows_g, rows_s = [w for _, n, w in g["sent"] if n > 8], [w for _, n, w in s["sent"] if n > 8]
+            assert rows_g and set(rows_g) == {"gloo"} and len(rows_s) == len(rows_g) and set(rows_s) == {"shared"}
             for a, b in zip(g["outs"], s["outs"]):
                 assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), wire
             assert all(torch.equal(g["tables"][k], s["tables"][k]) for k in g["tables"]), wire

@@ -34,6 +34,8 @@ __all__ = [
     "RowsJoined",
     "SharedRowsExchange",
     "all_to_all",
+    "gloo_all_to_all",
+    "through_shared",
     "exchange",
     "features_digest",
     "headers_and_ints",
@@ -180,10 +182,36 @@ def fold_status(send: torch.Tensor, send_splits: list[int], recv_splits: list[in
     return torch.cat([p[:-1] for p in parts]), statuses
 
 
+# Groups whose every rank is a process of this machine with a shared-memory transport open
+# (:func:`through_shared`): their all-to-alls of CPU tensors go through it, not gloo.
+_SHARED: dict = {}
+
+
+def through_shared(group, transport) -> None:
+    """From now on, :func:`all_to_all` over ``group`` of CPU tensors goes through ``transport`` (a
+    :class:`~hybridembed.distributed.shm.Transport` of ``group``; None: through gloo again). Every
+    rank of ``group`` must make the same call at the same point of its sequence of collectives (the
+    transport's :meth:`~hybridembed.distributed.shm.Transport.open` is itself collective)."""
+    if transport is None:
+        _SHARED.pop(group, None)
+    else:
+        _SHARED[group] = transport
+
+
 def all_to_all(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, group, meanwhile=None) -> None:
     """``all_to_all_single``; a peer that died, stopped or failed -> :class:`RankLost` naming it.
     ``meanwhile``: a function called while it runs (started, then waited for whatever the function
-    did: every rank's sequence of collectives stays whole)."""
+    did: every rank's sequence of collectives stays whole). Through shared memory where ``group``'s
+    ranks have a transport open (:func:`through_shared`) and the tensors are on the CPU."""
+    shared = _SHARED.get(group) if _SHARED else None
+    if shared is not None and out.device.type == "cpu":
+        shared.all_to_all(out, t, recv_splits, send_splits, meanwhile=meanwhile)
+        return
+    gloo_all_to_all(out, t, recv_splits, send_splits, group, meanwhile)
+
+
+def gloo_all_to_all(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, group, meanwhile=None) -> None:
+    """:func:`all_to_all` through the process group's backend (gloo, NCCL), whatever the group."""
     try:
         if meanwhile is None:
             dist.all_to_all_single(out, t, recv_splits, send_splits, group=group)

@@ -64,6 +64,7 @@ from .exchange import (
     features_digest,
     fold_status,
     headers_and_ints,
+    through_shared,
 )
 from .joined import ShardedJoined
 from .plan import Plan
@@ -551,6 +552,8 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined, S
             return step, heads, None if failed else ints
         if channel.cap is None:
             channel.cap = Capacity.of(world)
+        if channel.group is self._group and self._device.type == "cpu":  # (the first header opens it: every rank)
+            self._shared()
         got, got_ints = headers_and_ints(heads, ints, channel.cap, channel.group, self._device, meanwhile)
         return step, got, got_ints
 
@@ -729,12 +732,15 @@ class ShardedCollection(ShardedTables, ShardedStep, ShardedEntries, Pipelined, S
             )
 
     def _shared(self) -> shm.Transport | None:
-        """The rows' shared-memory transport (:mod:`~hybridembed.distributed.shm`), opened by the
-        first large exchange (collective: every rank makes it at the same exchange); None where the
-        ranks cannot share memory or it is turned off."""
+        """The group's shared-memory transport (:mod:`~hybridembed.distributed.shm`), opened by the
+        first header's exchange (collective: every rank makes it at the same exchange), from then on
+        under every all-to-all of the group (:func:`~.exchange.through_shared`); None where the ranks
+        cannot share memory or it is turned off."""
         if not self._shm_tried:
             self._shm_tried = True
             self._shm = shm.Transport.open(self._group, self._device)
+            if self._shm is not None and self._shm.rings:  # (meetings cheap: every all-to-all through it)
+                through_shared(self._group, self._shm)
         return self._shm
 
     @staticmethod

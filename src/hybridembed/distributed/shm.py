@@ -1,21 +1,26 @@
-"""The rows' all-to-all through shared memory, for ranks of one machine on gloo.
+"""The all-to-alls of ranks of one machine on gloo, through shared memory.
 
 Gloo moves an all-to-all between processes of one machine through loopback sockets: the sender's
 bytes are copied into the kernel and out again, by gloo's threads, on the cores the ranks compute
-on. Here each rank writes what it sends into a file of ``/dev/shm`` it owns, the ranks meet in a
-one-element gloo all-gather (which also carries each rank's status), and each copies what is its
-own straight out of the others' files: one copy each way, no socket. World 2 on the 2-core
-machine of ``docs/benchmarks.md``: a 27 MB all-to-all 17.6-18.7 ms through gloo, 9.0-12.2 ms so.
+on, and a collective costs 0.5-1.0 ms after its last rank comes (p90 ~4 ms on the 2-core machine
+of ``docs/benchmarks.md``). Here each rank writes what it sends into a file of ``/dev/shm`` it
+owns, the ranks meet, and each copies what is its own straight out of the others' files: one copy
+each way, no socket. World 2: a 27 MB all-to-all 17.6-18.7 ms through gloo, 9.0-12.2 ms so.
 
-Used by the sharded runtime's rows exchange (forward rows, backward gradients) and by the sum of
-replicated tables' row gradients (:meth:`Transport.all_gather`: every rank's touched rows, read
-where they lie) when every rank of its group is a process of this machine (same boot, each maps
-the others' files: checked once, at the first such exchange), its tensors are on the CPU and its
-backend is gloo, and (the rows' exchange) the exchange is large (more than
-:data:`~hybridembed.distributed.exchange.FOLD_ROWS` row elements for some rank; smaller ones fold
-the owners' status into one gloo all-to-all); ``HYBRIDEMBED_SHM=0`` turns it off. Every rank
-takes the same path for every exchange: the choice is made from what every rank knows (the
-headers' row counts).
+The meeting (which also carries each rank's status): where every rank can wait on a futex (Linux,
+x86-64) and sees every peer's process, through the ranks' control files (:meth:`Transport._ring`:
+0.1 ms after the last rank comes); else a one-element gloo all-gather.
+
+Used by the sharded runtime's exchanges when every rank of its group is a process of this machine
+(same boot, each maps the others' files: checked once, at the first exchange), its tensors are
+on the CPU and its backend is gloo: the rows' exchange (forward rows, backward gradients) where it
+is large (more than :data:`~hybridembed.distributed.exchange.FOLD_ROWS` row elements for some
+rank), the sum of replicated tables' row gradients (:meth:`Transport.all_gather`: every rank's
+touched rows, read where they lie), and, where the meetings go through the control files, every
+other all-to-all of the group (headers, ids, small rows: :func:`~.exchange.through_shared`).
+``HYBRIDEMBED_SHM=0`` turns it off, ``HYBRIDEMBED_SHM_FUTEX=0`` keeps the meetings and the small
+exchanges on gloo. Every rank takes the same path for every exchange: the choice is made from what
+every rank knows (the transport's agreement when it opens, the headers' row counts).
 
 Files: two per rank (one for each parity of the calls: a rank writes call n + 1 while a slower
 peer may still read call n), grown when a call needs more, their pages reserved when made (a full
@@ -24,27 +29,33 @@ rank then sends through gloo from that exchange on, told by the meeting, with on
 ``hybridembed-<pid>-<job>-<rank>-<parity>-<generation>``; a file's name is removed as soon as every
 peer has mapped it (the call after it first carried data), so a killed job leaves at most the files
 of its last growth, and those of processes that no longer run are removed (a minute on) when a
-transport opens. A peer that died or hangs fails the all-gather as it would fail gloo's
-all-to-all (:class:`~hybridembed.RankLost` naming it).
+transport opens. A peer that died or hangs fails the meeting as it would fail gloo's all-to-all
+(:class:`~hybridembed.RankLost` naming it: a peer whose process ended at once, one that stopped
+when the group's timeout has passed).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
+import platform
 import re
 import secrets
 import socket
+import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .. import _env
 from ..errors import HybridEmbedError
 from ..utils import get_logger
-from .exchange import all_to_all, lost_peer
+from . import health
+from .exchange import gloo_all_to_all, lost_peer
 
 __all__ = ["Transport", "ENV"]
 
@@ -53,6 +64,8 @@ _log = get_logger(__name__)
 ENV = _env.PREFIX + "SHM"  # "0": never (every exchange through gloo)
 DIR = "/dev/shm"
 _CONTROL = 4  # int64s per (parity, peer) in a rank's control file: generation, offset, bytes, call
+_BELL = 5  # int64s after them: the rank's count of meetings (its low 32 bits a futex word), per parity (status, failed)
+_WAIT_SLICE = 0.02  # seconds a meeting's wait sleeps at most before it looks whether the peer's process runs
 _NAME = re.compile(r"hybridembed-(\d+)-[0-9a-f]+-\d+-(?:[01]-\d+|c)")
 _CLOSE_WAIT = 10.0  # seconds a closing rank waits for its peers to map its last call's files
 _STALE = 60.0  # seconds: a file younger than this is never swept (a process of another PID namespace may run)
@@ -118,7 +131,42 @@ def _unlink(names: list[str]) -> None:
 
 
 def _control_bytes(world: int) -> int:
-    return (2 * world * _CONTROL + 1) * 8  # (and last, the call whose peers' files this rank has mapped)
+    return (2 * world * _CONTROL + _BELL + 1) * 8  # (and last, the call whose peers' files this rank has mapped)
+
+
+class _Futex:
+    """Linux's futex on a word of shared memory: a meeting's wait sleeps in the kernel until the
+    peer's count changes (FUTEX_WAIT) and the peer wakes it (FUTEX_WAKE); x86-64 only (stores seen
+    in program order, so a peer that reads the count reads the status written before it)."""
+
+    _SYS = 202  # SYS_futex on x86-64
+    _WAIT, _WAKE = 0, 1  # (shared, not FUTEX_PRIVATE_FLAG: the word is in a file mapped by other processes)
+
+    def __init__(self) -> None:
+        self._call = None
+        if sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64"):
+            try:
+                fn = ctypes.CDLL(None, use_errno=True).syscall
+            except (OSError, AttributeError):
+                return
+            fn.restype = ctypes.c_long
+            self._call = fn
+
+    @property
+    def works(self) -> bool:
+        return self._call is not None
+
+    def wait(self, addr: int, value: int, seconds: float) -> None:
+        """Sleeps while the int32 at ``addr`` holds ``value``, at most ``seconds`` (or a signal)."""
+        whole = int(seconds)
+        ts = (ctypes.c_long * 2)(whole, int((seconds - whole) * 1e9))
+        self._call(self._SYS, ctypes.c_void_p(addr), self._WAIT, ctypes.c_int(value), ts, None, 0)
+
+    def wake(self, addr: int) -> None:
+        self._call(self._SYS, ctypes.c_void_p(addr), self._WAKE, ctypes.c_int(2**31 - 1), None, None, 0)
+
+
+_FUTEX = _Futex()
 
 
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -203,10 +251,16 @@ class Transport:
     ranks cannot share memory. :meth:`all_to_all` is collective too, and every rank must choose it
     for the same calls."""
 
-    def __init__(self, group, rank: int, world: int, prefixes: list[str], control: list[torch.Tensor]) -> None:
+    def __init__(
+        self, group, rank: int, world: int, prefixes: list[str], control: list[torch.Tensor], bell: bool = False
+    ) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.prefixes, self.control = prefixes, control  # every rank's names; its control file, mapped
         self.calls = 0
+        # the meetings: through the control files, a futex a rank (bell), or gloo's all-gather
+        at = 2 * world * _CONTROL
+        self._bells = [c[at : at + _BELL].numpy() for c in control] if bell else None
+        self._meets = 0
         self._mine: list[tuple[int, torch.Tensor | None]] = [(0, None), (0, None)]  # per parity: (gen, data)
         self._theirs: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (peer, parity) -> (gen, data)
         self._unlink: list[str] = []  # names every peer will have mapped once the next meeting is passed
@@ -235,6 +289,7 @@ class Transport:
                 own = os.path.join(DIR, f"{prefix}-{rank}-c")
                 control = _map(own, _control_bytes(world), True)
                 control.view(torch.int64).fill_(-1)
+                control.view(torch.int64)[2 * world * _CONTROL :][:_BELL] = 0  # (no meeting yet)
             except OSError:
                 ok, own = False, None
         key = (socket.gethostname(), _boot_id(), prefix if ok else None)
@@ -254,13 +309,17 @@ class Transport:
                 ]
             except OSError:
                 seen = False
+        # (the meetings through the control files where every rank can wait on a futex and sees every
+        # peer's process: a wait notices a peer that is gone by its process)
+        bell = ok and seen and _FUTEX.works and all(_runs(k[2]) for k in everyone)
         verdict: list = [None] * world
-        dist.all_gather_object(verdict, ok and seen, group=group)
+        dist.all_gather_object(verdict, (ok and seen, bell), group=group)
         if own is not None:  # (every peer has mapped it, or will not use it)
             os.unlink(own)
-        if not all(verdict):
+        if not all(v[0] for v in verdict):
             return None
-        return cls(group, rank, world, [k[2] for k in everyone], maps)
+        bell = all(v[1] for v in verdict) and _env.flag("SHM_FUTEX", True)
+        return cls(group, rank, world, [k[2] for k in everyone], maps, bell)
 
     def close(self, wait: float = _CLOSE_WAIT) -> None:
         """Removes this rank's files that still have names (mappings end with their last tensor), once
@@ -293,12 +352,13 @@ class Transport:
             self._fresh.append(path)
         return data
 
-    def all_to_all(self, out, t, recv_splits, send_splits, status: float = 1.0) -> list[float]:
+    def all_to_all(self, out, t, recv_splits, send_splits, status: float = 1.0, meanwhile=None) -> list[float]:
         """``all_to_all_single(out, t, recv_splits, send_splits)`` through shared memory; returns every
         rank's ``status`` (the meeting's payload). ``t`` may also be, per rank, a list of tensors
         (any shapes and strides) that are its piece in order, and ``out``, per rank, a list of
         tensors to fill in order (not both): each element is then copied once, straight where it goes
-        (``out[rank]`` None: this rank's own part is not copied)."""
+        (``out[rank]`` None: this rank's own part is not copied). ``meanwhile``: a function called
+        once this rank's pieces are written, before the meeting (it meets whatever the function did)."""
         parity, self.calls = self.calls & 1, self.calls + 1
         self._fresh = []
         sends = t.split(list(send_splits)) if isinstance(t, torch.Tensor) else None
@@ -316,7 +376,7 @@ class Transport:
                 self._why = e
         if data is not None:
             gen = self._mine[parity][0]
-            ctl = self.control[self.rank][:-1].view(2, self.world, _CONTROL)[parity]
+            ctl = self._table(self.rank)[parity]
             at = 0
             for r in range(self.world):
                 if r == self.rank:
@@ -333,7 +393,11 @@ class Transport:
                         f"rank {self.rank}: {(at - start) // item} elements for rank {r}, split {send_splits[r]}"
                     )
                 ctl[r] = torch.tensor([gen, start, at - start, self.calls])
-        statuses, broken = self._meet(status, data is None)
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            statuses, broken = self._meet(status, data is None)
         _unlink(self._unlink)  # (every peer has read the call that first used them: mapped)
         self._unlink = self._fresh
         if broken:
@@ -366,7 +430,7 @@ class Transport:
             self._why = e
         if data is not None:
             _pack(data, pieces)
-            ctl = self.control[self.rank][:-1].view(2, self.world, _CONTROL)[parity]
+            ctl = self._table(self.rank)[parity]
             ctl[:] = torch.tensor([self._mine[parity][0], 0, nbytes, self.calls])
         _, broken = self._meet(1.0, data is None)
         _unlink(self._unlink)
@@ -401,7 +465,7 @@ class Transport:
     def _peer(self, q: int, parity: int, want: int | None) -> torch.Tensor:
         """The bytes rank ``q`` wrote for this rank in this call (checked against ``want``: a number
         of bytes, or None for any)."""
-        g, off, n, call = self.control[q][:-1].view(2, self.world, _CONTROL)[parity][self.rank].tolist()
+        g, off, n, call = self._table(q)[parity][self.rank].tolist()
         if call != self.calls or (want is not None and n != want):
             raise HybridEmbedError(
                 f"rank {self.rank}: the shared-memory exchange with rank {q} is out of step (call {call} "
@@ -427,10 +491,23 @@ class Transport:
         self.close(wait=0)  # (no peer reads this rank's files any more)
         self._mine, self._theirs = [(0, None), (0, None)], {}
 
+    @property
+    def rings(self) -> bool:
+        """Whether the meetings go through the control files (:meth:`_ring`), not gloo."""
+        return self._bells is not None
+
+    def _table(self, r: int) -> torch.Tensor:
+        """Rank ``r``'s control table: (parity, peer, (generation, offset, bytes, call))."""
+        return self.control[r][: 2 * self.world * _CONTROL].view(2, self.world, _CONTROL)
+
     def _meet(self, status: float, failed: bool) -> tuple[list[float], list[int]]:
         """The ranks' meeting: after it every rank's writes of this call are done (and each peer has
         read the call before it); its payload is every rank's ``status`` and whether its shared
-        memory failed. Returns (the statuses, the ranks whose shared memory failed)."""
+        memory failed. Returns (the statuses, the ranks whose shared memory failed).
+
+        Through the control files where every rank can (:meth:`_ring`), else gloo's all-gather."""
+        if self._bells is not None:
+            return self._ring(status, failed)
         mine = torch.tensor([status, float(failed or self.broken)], dtype=torch.float32)
         got = [torch.empty(2, dtype=torch.float32) for _ in range(self.world)]
         try:
@@ -440,11 +517,51 @@ class Transport:
         rows = torch.stack(got).tolist()
         return [s for s, _ in rows], [r for r, (_, f) in enumerate(rows) if f]
 
+    def _ring(self, status: float, failed: bool) -> tuple[list[float], list[int]]:
+        """:meth:`_meet` through the control files: this rank writes its payload for this meeting
+        (beside the last one's, which a slow peer may still read), then its count of meetings, and
+        wakes whoever waits on it; then waits for every peer's count to reach this meeting (it is
+        at most one ahead), asleep on the peer's count (a futex). Gloo's all-gather of a few bytes
+        took 0.6-1.0 ms (p90 ~4 ms) after the last rank came, here 0.07 ms (docs/benchmarks.md,
+        "Meetings through the control files"). A peer whose process ends, or that has not come
+        within the group's timeout, fails the wait as it fails gloo's (:class:`~hybridembed.RankLost`)."""
+        self._meets += 1
+        count, par = self._meets & 0x7FFFFFFF, self._meets & 1
+        mine = self._bells[self.rank]
+        mine[1 + 2 * par : 3 + 2 * par] = (
+            np.array([status], np.float64).view(np.int64)[0],
+            int(failed or self.broken),
+        )
+        mine[:1].view(np.int32)[0] = count  # (after the payload: x86-64 stores are seen in order)
+        _FUTEX.wake(mine.ctypes.data)
+        for q in range(self.world):
+            if q != self.rank:
+                self._await(q, count)
+        rows = [self._bells[q][1 + 2 * par : 3 + 2 * par] for q in range(self.world)]
+        return [float(r[:1].view(np.float64)[0]) for r in rows], [q for q, r in enumerate(rows) if r[1]]
+
+    def _await(self, q: int, count: int) -> None:
+        """Until peer ``q``'s count of meetings reaches ``count`` (or one past it)."""
+        word = self._bells[q][:1].view(np.int32)
+        addr, deadline = word.ctypes.data, None
+        while True:
+            seen = int(word[0])
+            if seen == count or seen == (count + 1) & 0x7FFFFFFF:
+                return
+            if deadline is not None:  # (woken without its count, or the slice passed)
+                if not _runs(self.prefixes[q]):
+                    raise lost_peer(RuntimeError(f"rank {q}'s process ended"), self.group)
+                if time.monotonic() > deadline:
+                    raise lost_peer(RuntimeError(f"timed out waiting for rank {q} in a meeting"), self.group)
+            else:
+                deadline = time.monotonic() + health.job_timeout(self.group).total_seconds()
+            _FUTEX.wait(addr, seen, _WAIT_SLICE)
+
     def _gloo(self, out, t, src, dst, recv_splits, send_splits) -> None:
         """This call through gloo's all-to-all (every rank's shared memory given up)."""
         flat_t = t.contiguous() if isinstance(t, torch.Tensor) else torch.cat([x.reshape(-1) for p in src for x in p])
         flat_out = out if isinstance(out, torch.Tensor) else flat_t.new_empty(sum(recv_splits))
-        all_to_all(flat_out, flat_t, list(recv_splits), list(send_splits), self.group)
+        gloo_all_to_all(flat_out, flat_t, list(recv_splits), list(send_splits), self.group)
         if not isinstance(out, torch.Tensor):
             for piece, d in zip(flat_out.split(list(recv_splits)), dst):
                 if d is not None:
