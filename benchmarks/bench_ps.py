@@ -143,12 +143,12 @@ class A2ACounter:
 
         self._shm = through = shm.Transport.all_to_all
 
-        def shared(tr, out, t, recv_splits, send_splits, status=1.0):
+        def shared(tr, out, t, recv_splits, send_splits, status=1.0, meanwhile=None):
             size = (t if isinstance(t, torch.Tensor) else out).element_size()
             self.sent += (sum(send_splits) - send_splits[tr.rank]) * size
             self.received += (sum(recv_splits) - recv_splits[tr.rank]) * size
             self.calls += 1
-            return through(tr, out, t, recv_splits, send_splits, status)
+            return through(tr, out, t, recv_splits, send_splits, status, meanwhile)
 
         dist.all_to_all_single = wrapped
         shm.Transport.all_to_all = shared
