@@ -375,7 +375,8 @@ def _column_runs(flat: torch.Tensor, piece: list[tuple[int, int]]):
 
 
 class RowsJoined(torch.autograd.Function):
-    """:class:`SharedRowsJoined` through gloo, the owners' status folded in (as :func:`fold_status`):
+    """:class:`SharedRowsJoined` in one all-to-all (:func:`all_to_all`: gloo, or the group's
+    shared-memory transport), the owners' status folded in (as :func:`fold_status`):
     the rows received written straight into the columns of the joined (B, W) tensor, the gradient
     columns sent back from where they lie. Copies a row twice on its way out (into the padded send
     buffer, then into its columns) and once on its way back; the usual path's views, splits and

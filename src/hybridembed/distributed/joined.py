@@ -7,10 +7,11 @@ outputs made by the lookup (:mod:`hybridembed.modules.joined`).
 - Whole tables (table-wise) only, their rows through shared memory: the exchange writes each
   owner's rows straight into their columns of the joined tensor (:class:`~.exchange.SharedRowsJoined`:
   the other ranks' rows read once out of their files, this rank's own copied once from its kernel's
-  output), and the model's ``cat`` copies nothing more. Where they cross through gloo with the
-  owners' status folded in (a small step's rows, :data:`~.exchange.FOLD_ROWS`), the same, out of the
-  all-to-all's buffer (:class:`~.exchange.RowsJoined`); larger rows through gloo (no shared memory)
-  take the usual cat after the exchange.
+  output), and the model's ``cat`` copies nothing more. Where they cross in one all-to-all with the
+  owners' status folded in (a small step's rows, :data:`~.exchange.FOLD_ROWS`: through gloo, or the
+  group's shared-memory transport), the same, out of the all-to-all's buffer
+  (:class:`~.exchange.RowsJoined`); larger rows through gloo (no shared memory) take the usual cat
+  after the exchange.
 
 Anything else (row- or column-wise tables, replicated and sharded tables in one cat, per-id
 weights, combiners other than sum, the bf16 wire, ``dedup``, a prefetched step) takes the usual path.
