@@ -552,34 +552,51 @@ def test_ids_are_grouped_by_counting_only_when_many_and_in_range():
 @pytest.mark.parametrize("name", ["rowwise", "adagrad_wd", "adam_wd_max", "sgd_wd_max"])
 @pytest.mark.parametrize("kind", ["one", "bags", "weighted", "wide"])
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("walked", [True, False])
-def test_a_step_with_ids_grouped_by_counting_equals_the_sorted_one_bit_for_bit(
-    name, kind, dynamic, walked, monkeypatch
-):
-    """Small batches made to take the counting sort (small buckets, no minimum): the same rows
-    and state as the sort's step, bit for bit (each row's ids summed in batch order either way;
-    where ids carry multipliers, the walk within rounding), walked bucket by bucket (``_walked``:
-    each bucket's rows summed in the core's cache and stepped at once) and grouped then reduced
-    (``group_by_row``, as a sharded job's reductions use it)."""
-    sorted_state = _state(_train("numba", OPTIMIZERS[name], kind, dynamic=dynamic)[0])
+@pytest.mark.parametrize("way", ["walked", "grouped", "direct_walk", "direct_sums"])
+def test_a_step_with_ids_grouped_by_counting_equals_the_sorted_one_bit_for_bit(name, kind, dynamic, way, monkeypatch):
+    """Small batches made to take the counting sort (small buckets, no minimum), or the sums
+    straight into a small table's rows: the same rows and state as the sort's step, bit for bit
+    (each row's ids summed in batch order either way; where ids carry multipliers, the walk within
+    rounding, the direct sums not taken), walked bucket by bucket (``_walked``: each bucket's rows
+    summed in the core's cache and stepped at once), grouped then reduced (``group_by_row``, as a
+    sharded job's reductions use it), walked straight (``_direct_walk``) and summed straight
+    (``_direct``, the reduction of ``reduce_kept``)."""
+    monkeypatch.setattr(cpu_fused, "_DIRECT_BYTES", 0)  # (the reference: the sort's path)
+    # (the direct ways take no multipliers: t1 summed, so only per-id weights carry any)
+    kw = {"dynamic": dynamic, "t1_combiner": "mean" if way in ("walked", "grouped") else "sum"}
+    sorted_state = _state(_train("numba", OPTIMIZERS[name], kind, **kw)[0])
     calls = []
-    if walked:
-        walk = cpu_fused._walked
-        monkeypatch.setattr(cpu_fused, "_walked", lambda *a: calls.append(r := walk(*a)) or r)
-    else:
-        group = cpu_fused.group_by_row
+
+    def spy(fn):
+        return lambda *a: calls.append(r := fn(*a)) or r
+
+    if way == "walked":
+        monkeypatch.setattr(cpu_fused, "_walked", spy(cpu_fused._walked))
+    elif way == "grouped":
         monkeypatch.setattr(cpu_fused, "_walked", lambda *a: False)
-        monkeypatch.setattr(cpu_fused, "group_by_row", lambda *a: calls.append(r := group(*a)) or r)
+        monkeypatch.setattr(cpu_fused, "group_by_row", spy(cpu_fused.group_by_row))
+    else:
+        monkeypatch.setattr(cpu_fused, "_DIRECT_BYTES", 1 << 30)
+        monkeypatch.setattr(cpu_fused, "_DIRECT_WALK_IDS", 0)
+        if way == "direct_walk":
+            monkeypatch.setattr(cpu_fused, "_direct_walk", spy(cpu_fused._direct_walk))
+        else:
+            monkeypatch.setattr(cpu_fused, "_direct_walk", lambda *a: False)
+            monkeypatch.setattr(cpu_fused, "_walked", lambda *a: False)
+            monkeypatch.setattr(cpu_fused, "_direct", spy(cpu_fused._direct))
     monkeypatch.setattr(cpu_fused, "_COUNTED_MIN", 0)
     monkeypatch.setattr(cpu_fused, "_COUNTED_ROWS", 1 << 20)
     monkeypatch.setattr(cpu_fused, "_BUCKET_SHIFT", 3)  # (walked: 64 rows a bucket, its least)
     monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 16)
-    counted = _state(_train("numba", OPTIMIZERS[name], kind, dynamic=dynamic)[0])
-    assert calls and all(c is not None and c is not False for c in calls)
+    counted = _state(_train("numba", OPTIMIZERS[name], kind, **kw)[0])
+    taken = [c is not None and c is not False for c in calls]
+    # (the direct ways leave batches with multipliers, per-id weights, to the sort)
+    assert taken and (not any(taken) if way.startswith("direct") and kind == "weighted" else all(taken))
     for k in sorted_state:
-        if walked and (k.startswith("t1") or kind == "weighted"):
+        if way in ("walked", "direct_walk") and (k.startswith("t1") or kind == "weighted"):
             # (ids with multipliers: t1's "mean", per-id weights: embedding_bag may fuse each
-            # multiply-add, the walk rounds the product first: equal to the rounding only)
+            # multiply-add, the bucket walk (the straight walk leaves them to it) rounds the product
+            # first: equal to the rounding only)
             torch.testing.assert_close(counted[k], sorted_state[k], rtol=1e-5, atol=1e-6, msg=k)
         else:
             assert torch.equal(counted[k], sorted_state[k]), k
@@ -587,13 +604,16 @@ def test_a_step_with_ids_grouped_by_counting_equals_the_sorted_one_bit_for_bit(
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype, dim", [(torch.float32, 40), (torch.float64, 300)])
-def test_the_step_walked_bucket_by_bucket_equals_the_sorted_one_at_any_width(threads, dtype, dim, monkeypatch):
+@pytest.mark.parametrize("way", ["walked", "direct_walk"])
+def test_the_step_walked_bucket_by_bucket_equals_the_sorted_one_at_any_width(threads, dtype, dim, way, monkeypatch):
     """Rows of 3 and of 38 cache lines (the prefetch's straight hints and its loop), float64,
     dynamic tables (the default row never updated), ids with and without multipliers (a "mean"
-    table), several buckets a thread, one and two threads: the walk's rows and state are the
-    sorted step's, bit for bit where no id has a multiplier."""
+    table), several buckets (or ranges of rows) a thread, one and two threads: the walk's rows and
+    state (bucket by bucket, or straight) are the sorted step's, bit for bit where no id has a
+    multiplier (the straight walk leaves those to the sort)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    monkeypatch.setattr(cpu_fused, "_DIRECT_BYTES", 0)  # (the reference: the sort's path)
     try:
         for dynamic, combiner in ((False, "sum"), (True, "sum"), (False, "mean"), (True, "mean")):
             opt, kw = (
@@ -602,16 +622,19 @@ def test_the_step_walked_bucket_by_bucket_equals_the_sorted_one_at_any_width(thr
             )
             want = _state(_train("numba", opt, "wide", **kw)[0])
             with monkeypatch.context() as m:
-                calls, walk = [], cpu_fused._walked
-                m.setattr(cpu_fused, "_walked", lambda *a, calls=calls, walk=walk: calls.append(r := walk(*a)) or r)
+                calls, name = [], "_walked" if way == "walked" else "_direct_walk"
+                walk = getattr(cpu_fused, name)
+                m.setattr(cpu_fused, name, lambda *a, calls=calls, walk=walk: calls.append(r := walk(*a)) or r)
+                m.setattr(cpu_fused, "_DIRECT_BYTES", 0 if way == "walked" else 1 << 30)
+                m.setattr(cpu_fused, "_DIRECT_WALK_IDS", 0)
                 m.setattr(cpu_fused, "_COUNTED_MIN", 0)
                 m.setattr(cpu_fused, "_COUNTED_ROWS", 1 << 20)
                 m.setattr(cpu_fused, "_MIN_PER_THREAD", 16)
                 m.setattr(cpu_fused, "_BUCKET_SHIFT", 3)  # (64 rows a bucket: several a thread)
                 got = _state(_train("numba", opt, "wide", **kw)[0])
-            assert calls and all(calls)
+            assert calls and (all(calls) if way == "walked" or combiner == "sum" else not any(calls))
             for k in want:
-                if combiner == "mean":  # (each id's multiplier)
+                if combiner == "mean":  # (each id's multiplier: walked bucket by bucket either way)
                     torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
                 else:
                     assert torch.equal(got[k], want[k]), (dynamic, k)
@@ -636,5 +659,33 @@ def test_each_id_s_gradient_row_is_its_bag_s_row_in_one_pass(threads, monkeypatc
         assert torch.equal(cpu_fused.bag_rows(offsets, n, None), bags)
         assert torch.equal(cpu_fused.bag_rows(offsets.to(torch.int32), n, rows_of), rows_of.index_select(0, bags))
         assert cpu_fused.bag_rows(offsets[:1], 0, None).numel() == 0
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sums_straight_into_a_small_table_leave_ids_out_of_range_to_the_sort_and_step_nothing(threads, monkeypatch):
+    """An id outside the table (the lookup refuses it first; this is the kernels' own guard): the
+    straight sums give up (the sort's path takes the batch) and the straight walk steps no row, on
+    any thread, whichever thread's rows the id would have been among."""
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 4)
+    monkeypatch.setattr(cpu_fused, "_DIRECT_WALK_IDS", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ec = he.EmbeddingCollection([he.TableConfig("t", 50, 4)], kernels="numba", seed=1)
+        (storage,) = ec.storages
+        he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec, sparse=he.optim.RowWiseAdagrad(lr=0.1))
+        grad = torch.randn(32, 4)
+        for bad in (-1, 50, 10**6):
+            ids = torch.tensor([3, 40, bad, 5] * 8)
+            assert cpu_fused._direct(ids, grad, None, None, 50) is None
+            hpa, opt, maximize = cpu_fused._hparams(storage, storage.hparams)
+            weight = storage.weight.detach().clone()
+            assert not cpu_fused._direct_walk(storage, ids, grad, None, None, storage.hparams, hpa, opt, maximize)
+            assert torch.equal(storage.weight.detach(), weight)
+        ids = torch.tensor([3, 40, 7, 5] * 8)
+        assert cpu_fused._direct_walk(storage, ids, grad, None, None, storage.hparams, hpa, opt, maximize)
+        assert not torch.equal(storage.weight.detach(), weight)
     finally:
         torch.set_num_threads(before)

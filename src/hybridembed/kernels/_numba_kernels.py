@@ -419,6 +419,34 @@ def bucket_rows(
             counts[rows[j] & mask] = 0
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _step_marked(rows, m, base, acc, weight, s1, s2, opt, hp, maximize, skip_zero):  # pragma: no cover (compiled)
+    """Rows ``base + rows[:m]`` (ascending) stepped by optimizer ``opt`` with their sums ``acc[rows[q]]``
+    (times ``scale``; used up: the step's gradient is made in place), the next rows' row and state
+    prefetched; row 0 skipped where ``skip_zero``."""
+    ms = hp[8] - hp[7]
+    for q in range(m):
+        if q + _AHEAD < m:
+            r = base + rows[q + _AHEAD]
+            _prefetch_row(weight, r)
+            _prefetch_row(s1, r)
+            _prefetch_row(s2, r)
+        k = rows[q]
+        row = base + k
+        if skip_zero and row == 0:
+            continue
+        g = acc[k]
+        _row_grad(g, weight, row, k, acc, hp, maximize)
+        if opt == 0:
+            _sgd(weight, s1, s2, row, g, ms, hp)
+        elif opt == 1:
+            _adagrad(weight, s1, s2, row, g, ms, hp)
+        elif opt == 2:
+            _rowwise(weight, s1, s2, row, g, ms, hp)
+        else:
+            _adam(weight, s1, s2, row, g, ms, hp)
+
+
 @njit(nogil=True, cache=True)
 def bucket_walk(
     b_ids, b_src, b_w, starts, shift, lo, hi, grad, acc, seen, rows, weight, s1, s2, opt, hp, maximize, skip_zero
@@ -467,28 +495,78 @@ def bucket_walk(
                 low = min(low, k)
                 high = max(high, k)
         m = _take_marked(seen, low, high, rows, 0)
-        base = b << shift
-        ms = hp[8] - hp[7]
-        for q in range(m):
-            if q + _AHEAD < m:
-                r = base + rows[q + _AHEAD]
-                _prefetch_row(weight, r)
-                _prefetch_row(s1, r)
-                _prefetch_row(s2, r)
-            k = rows[q]
-            row = base + k
-            if skip_zero and row == 0:
+        _step_marked(rows, m, b << shift, acc, weight, s1, s2, opt, hp, maximize, skip_zero)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _direct_sum(ids, offsets, rows_of, low, high, nrows, grad, acc, seen):  # pragma: no cover (compiled)
+    """A kept gradient's rows ``low:high`` summed straight into ``acc`` (high - low, D), in batch order:
+    the ids of bags ``offsets`` (S+1,; empty: bag b holds id b), bag b's gradient row ``rows_of[b]``
+    (empty: b); a row's first id writes its place, a bit a row in ``seen`` (zeros) says which are
+    written. Returns False for an id not in ``0 .. nrows - 1``. (No multipliers: ``embedding_bag``
+    fuses each multiply-add, and the sort's path keeps its rounding.)"""
+    one = np.uint64(1)
+    single, mapped = offsets.shape[0] == 0, rows_of.shape[0] > 0
+    n = ids.shape[0]
+    nbags = n if single else offsets.shape[0] - 1
+    dim = grad.shape[1]
+    for bag in range(nbags):
+        src = rows_of[bag] if mapped else bag
+        s, e = (bag, bag + 1) if single else (offsets[bag], offsets[bag + 1])
+        for i in range(s, e):
+            if i + _AHEAD_IDS < n:  # (its sum's row: one outside this thread's rows is past acc, not asked)
+                _prefetch_row(acc, ids[i + _AHEAD_IDS] - low)
+            r = ids[i]
+            if r < low or r >= high:
+                if r < 0 or r >= nrows:
+                    return False
                 continue
-            g = acc[k]
-            _row_grad(g, weight, row, k, acc, hp, maximize)
-            if opt == 0:
-                _sgd(weight, s1, s2, row, g, ms, hp)
-            elif opt == 1:
-                _adagrad(weight, s1, s2, row, g, ms, hp)
-            elif opt == 2:
-                _rowwise(weight, s1, s2, row, g, ms, hp)
+            k = r - low
+            j, bit = k >> 6, one << np.uint64(k & 63)
+            if seen[j] & bit:
+                for d in range(dim):
+                    acc[k, d] += grad[src, d]
             else:
-                _adam(weight, s1, s2, row, g, ms, hp)
+                seen[j] |= bit
+                for d in range(dim):
+                    acc[k, d] = grad[src, d]
+    return True
+
+
+@njit(nogil=True, cache=True)
+def direct_sums(
+    ids, offsets, rows_of, low, high, nrows, grad, acc, seen, rows, out_ids, out_rows, at
+):  # pragma: no cover (compiled)
+    """Rows ``low:high`` of a kept gradient summed (:func:`_direct_sum`), then each row with ids,
+    ascending: its row into ``out_ids[at]``, its sum into ``out_rows[at]``, ``at`` advanced. Returns
+    the place after the last written, or -1 for an id out of range (``seen`` then not zeros). For
+    tables whose sums fit a cache (every thread walks all the ids, each summing its own range of
+    rows): no buckets, no sort, the gradient rows read in the order they lie."""
+    if not _direct_sum(ids, offsets, rows_of, low, high, nrows, grad, acc, seen):
+        return -1
+    m = _take_marked(seen, 0, high - low - 1, rows, 0)
+    dim = grad.shape[1]
+    for q in range(m):
+        k = rows[q]
+        out_ids[at] = low + k
+        for d in range(dim):
+            out_rows[at, d] = acc[k, d]
+        at += 1
+    return at
+
+
+@njit(nogil=True, cache=True)
+def direct_walk(
+    ids, offsets, rows_of, low, high, grad, acc, seen, rows, weight, s1, s2, opt, hp, maximize, skip_zero
+):  # pragma: no cover (compiled)
+    """:func:`bucket_walk` for a table whose sums fit a cache: rows ``low:high`` of the kept gradient
+    summed (:func:`_direct_sum`), then each row with ids stepped, ascending (:func:`_step_marked`).
+    Returns False for an id out of range (nothing stepped)."""
+    if not _direct_sum(ids, offsets, rows_of, low, high, weight.shape[0], grad, acc, seen):
+        return False
+    m = _take_marked(seen, 0, high - low - 1, rows, 0)
+    _step_marked(rows, m, low, acc, weight, s1, s2, opt, hp, maximize, skip_zero)
+    return True
 
 
 @njit(nogil=True, cache=True)
