@@ -228,6 +228,68 @@ def test_a_meeting_gives_every_rank_every_status_whoever_comes_last(futex):
         assert r["got"] == [([10.0 * k + q for q in range(3)], [1] if k == 5 else []) for k in range(8)]
 
 
+def _futex_on_one_rank(rank: int, world: int) -> bool:
+    os.environ[shm.ENV + "_FUTEX"] = (
+        "0" if rank == 1 else "1"
+    )  # (one rank turned the futex off: every rank meets by gloo)
+    t = shm.Transport.open(dist.group.WORLD, torch.device("cpu"))
+    try:
+        return t.rings
+    finally:
+        t.close()
+
+
+def test_a_rank_that_turns_the_futex_off_turns_it_off_for_every_rank():
+    assert spawn(_futex_on_one_rank, 2, timeout=60) == [False, False]
+
+
+def _failing_meanwhile(rank: int, world: int) -> list:
+    """A call whose ``meanwhile`` raises on rank 0 (after its pieces are written): the call still
+    completes on every rank (the meeting, the peers' pieces copied), rank 0 raises after it, and
+    the next calls go on (the first call grows the files: their names are kept until mapped)."""
+    t = shm.Transport.open(dist.group.WORLD, torch.device("cpu"))
+    got = []
+    for call, n in enumerate((300_000, 5, 300_000)):
+        send = torch.full((2 * n,), float(10 * call + rank))
+        out = torch.zeros(2 * n)
+
+        def boom(call=call):
+            if rank == 0 and call == 0:
+                raise ValueError("boom")
+
+        try:
+            t.all_to_all(out, send, [n, n], [n, n], meanwhile=boom)
+            got.append(out[n * (1 - rank) : n * (2 - rank)].unique().tolist())
+        except ValueError as e:
+            got.append(str(e))
+    t.close()
+    return got
+
+
+def test_a_failing_meanwhile_raises_after_the_call_and_the_next_calls_go_on():
+    r0, r1 = spawn(_failing_meanwhile, 2, timeout=60)
+    assert r0 == ["boom", [11.0], [21.0]]
+    assert r1 == [[0.0], [10.0], [20.0]]
+
+
+def test_a_group_s_routing_does_not_keep_its_transport_alive():
+    import gc
+
+    from hybridembed.distributed import exchange
+
+    class Stand:  # (a transport stand-in: only its lifetime matters here)
+        pass
+
+    group, t = object(), Stand()
+    exchange.through_shared(group, t)
+    assert exchange.shared_of(group) is t
+    del t
+    gc.collect()
+    assert exchange.shared_of(group) is None
+    exchange.through_shared(group, None)
+    assert exchange.shared_of(group) is None
+
+
 def _refused(rank: int, world: int) -> bool:
     os.environ[shm.ENV] = "0" if rank == 1 else "1"  # one rank turned it off: nobody uses it
     return shm.Transport.open(dist.group.WORLD, torch.device("cpu")) is None

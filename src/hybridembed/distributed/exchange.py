@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -35,6 +36,7 @@ __all__ = [
     "SharedRowsExchange",
     "all_to_all",
     "gloo_all_to_all",
+    "shared_of",
     "through_shared",
     "exchange",
     "features_digest",
@@ -183,19 +185,30 @@ def fold_status(send: torch.Tensor, send_splits: list[int], recv_splits: list[in
 
 
 # Groups whose every rank is a process of this machine with a shared-memory transport open
-# (:func:`through_shared`): their all-to-alls of CPU tensors go through it, not gloo.
-_SHARED: dict = {}
+# (:func:`through_shared`): their all-to-alls of CPU tensors go through it, not gloo. By the group's
+# id, to a weak reference: the transport lives as long as its collection (whose group is its own),
+# and neither is kept alive here.
+_SHARED: dict[int, weakref.ref] = {}
 
 
 def through_shared(group, transport) -> None:
     """From now on, :func:`all_to_all` over ``group`` of CPU tensors goes through ``transport`` (a
-    :class:`~hybridembed.distributed.shm.Transport` of ``group``; None: through gloo again). Every
-    rank of ``group`` must make the same call at the same point of its sequence of collectives (the
-    transport's :meth:`~hybridembed.distributed.shm.Transport.open` is itself collective)."""
+    :class:`~hybridembed.distributed.shm.Transport` of ``group``, for as long as it lives; None:
+    through gloo again). Every rank of ``group`` must make the same call at the same point of its
+    sequence of collectives (the transport's :meth:`~hybridembed.distributed.shm.Transport.open` is
+    itself collective)."""
+    for key in [k for k, ref in _SHARED.items() if ref() is None]:  # (transports gone with their collections)
+        del _SHARED[key]
     if transport is None:
-        _SHARED.pop(group, None)
+        _SHARED.pop(id(group), None)
     else:
-        _SHARED[group] = transport
+        _SHARED[id(group)] = weakref.ref(transport)
+
+
+def shared_of(group):
+    """The shared-memory transport :func:`all_to_all` over ``group`` goes through, or None (gloo)."""
+    ref = _SHARED.get(id(group)) if _SHARED else None
+    return ref() if ref is not None else None
 
 
 def all_to_all(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, group, meanwhile=None) -> None:
@@ -203,7 +216,7 @@ def all_to_all(out: torch.Tensor, t: torch.Tensor, recv_splits, send_splits, gro
     ``meanwhile``: a function called while it runs (started, then waited for whatever the function
     did: every rank's sequence of collectives stays whole). Through shared memory where ``group``'s
     ranks have a transport open (:func:`through_shared`) and the tensors are on the CPU."""
-    shared = _SHARED.get(group) if _SHARED else None
+    shared = shared_of(group)
     if shared is not None and out.device.type == "cpu":
         shared.all_to_all(out, t, recv_splits, send_splits, meanwhile=meanwhile)
         return

@@ -37,6 +37,7 @@ when the group's timeout has passed).
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import mmap
 import os
@@ -144,13 +145,22 @@ class _Futex:
 
     def __init__(self) -> None:
         self._call = None
-        if sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64"):
+        if (
+            sys.platform == "linux"
+            and platform.machine() in ("x86_64", "AMD64")
+            and ctypes.sizeof(ctypes.c_void_p) == 8
+        ):
             try:
                 fn = ctypes.CDLL(None, use_errno=True).syscall
             except (OSError, AttributeError):
                 return
             fn.restype = ctypes.c_long
-            self._call = fn
+            word = ctypes.c_int32(0)  # (the calls tried once: a sandbox may refuse them)
+            addr = ctypes.addressof(word)
+            woke = fn(self._SYS, ctypes.c_void_p(addr), self._WAKE, ctypes.c_int(1), None, None, 0)
+            waited = fn(self._SYS, ctypes.c_void_p(addr), self._WAIT, ctypes.c_int(1), None, None, 0)
+            if woke == 0 and waited == -1 and ctypes.get_errno() == errno.EAGAIN:  # (the word is not 1)
+                self._call = fn
 
     @property
     def works(self) -> bool:
@@ -311,14 +321,14 @@ class Transport:
                 seen = False
         # (the meetings through the control files where every rank can wait on a futex and sees every
         # peer's process: a wait notices a peer that is gone by its process)
-        bell = ok and seen and _FUTEX.works and all(_runs(k[2]) for k in everyone)
+        bell = ok and seen and _FUTEX.works and _env.flag("SHM_FUTEX", True) and all(_runs(k[2]) for k in everyone)
         verdict: list = [None] * world
         dist.all_gather_object(verdict, (ok and seen, bell), group=group)
         if own is not None:  # (every peer has mapped it, or will not use it)
             os.unlink(own)
         if not all(v[0] for v in verdict):
             return None
-        bell = all(v[1] for v in verdict) and _env.flag("SHM_FUTEX", True)
+        bell = all(v[1] for v in verdict)
         return cls(group, rank, world, [k[2] for k in everyone], maps, bell)
 
     def close(self, wait: float = _CLOSE_WAIT) -> None:
@@ -393,23 +403,27 @@ class Transport:
                         f"rank {self.rank}: {(at - start) // item} elements for rank {r}, split {send_splits[r]}"
                     )
                 ctl[r] = torch.tensor([gen, start, at - start, self.calls])
-        try:
-            if meanwhile is not None:
+        failure = None
+        if meanwhile is not None:
+            try:
                 meanwhile()
-        finally:
-            statuses, broken = self._meet(status, data is None)
+            except BaseException as e:  # noqa: BLE001 - (raised once this call is done here as on every rank)
+                failure = e
+        statuses, broken = self._meet(status, data is None)
         _unlink(self._unlink)  # (every peer has read the call that first used them: mapped)
         self._unlink = self._fresh
         if broken:
             self._give_up(broken)
             self._gloo(out, t, src, dst, recv_splits, send_splits)
-            return statuses
-        for q in range(self.world):
-            if q != self.rank and recv_splits[q]:
-                _copy_pieces([self._peer(q, parity, recv_splits[q] * item).view(dtype)], dst[q])
-            elif q != self.rank:
-                self._peer(q, parity, 0)  # (checked: in step, nothing for this rank)
-        self.control[self.rank][-1] = self.calls  # (this call's files mapped: see close)
+        else:
+            for q in range(self.world):
+                if q != self.rank and recv_splits[q]:
+                    _copy_pieces([self._peer(q, parity, recv_splits[q] * item).view(dtype)], dst[q])
+                elif q != self.rank:
+                    self._peer(q, parity, 0)  # (checked: in step, nothing for this rank)
+            self.control[self.rank][-1] = self.calls  # (this call's files mapped: see close)
+        if failure is not None:
+            raise failure
         return statuses
 
     def all_gather(self, pieces: list[torch.Tensor]) -> list[list[torch.Tensor]]:
