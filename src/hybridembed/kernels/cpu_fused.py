@@ -466,7 +466,8 @@ def _direct_walk(storage, ids, grad, bag_of, psw, hp: dict, hpa: np.ndarray, opt
 
 
 def _fits_direct(ids: torch.Tensor, nrows: int, dim: int, rows: torch.Tensor) -> bool:
-    """Whether ``nrows`` x ``dim`` sums in ``rows``' dtype fit :data:`_DIRECT_BYTES` (and places fit int32)."""
+    """Whether ``nrows`` x ``dim`` sums in ``rows``' dtype fit :data:`_DIRECT_BYTES` (batches of 2**31 ids or
+    rows or more left to the sort's path, as the counting sort leaves them)."""
     return (
         0 < nrows * dim * rows.element_size() <= _DIRECT_BYTES
         and max(ids.numel(), nrows, rows.shape[0]) < 2**31
