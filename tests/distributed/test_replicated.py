@@ -67,6 +67,8 @@ def _trained(rank: int, world: int, way: str) -> dict:
         cpu_fused.merge_rows,
         dist.all_to_all_single,
         shm.Transport.all_to_all,
+        cpu_fused.parts_ready,
+        cpu_fused.apply_parts,
     )
     lookup = ec.replicated._lookup_many
 
@@ -99,15 +101,22 @@ def _trained(rank: int, world: int, way: str) -> dict:
         seen.append(f"merged {out is not None}")
         return out
 
+    def stepped(*a):
+        seen.append("merged as stepped")
+        return real[7](*a)
+
     by_index = way.endswith("by index")
     cpu_fused.merge_rows = (lambda *a: None) if by_index else merged
+    cpu_fused.parts_ready = (lambda *a: None) if by_index else real[6]
+    cpu_fused.apply_parts = stepped
     dist.all_gather_single, dist.all_reduce, shm.Transport.all_gather = gather, reduce, through
     dist.all_to_all_single, shm.Transport.all_to_all, ec.replicated._lookup_many = headers, shared_headers, looked_up
     try:
         _train(ec, lambda step: _batch(step, rank, world), 1.0)  # (mean over ranks: as the whole batch's part)
     finally:
         dist.all_gather_single, dist.all_reduce, shm.Transport.all_gather, cpu_fused.merge_rows = real[:4]
-        dist.all_to_all_single, shm.Transport.all_to_all = real[4:]
+        dist.all_to_all_single, shm.Transport.all_to_all = real[4:6]
+        cpu_fused.parts_ready, cpu_fused.apply_parts = real[6:]
     tables = {t.name: ec.gather_table(t.name) for t in TABLES}
     every = [{} for _ in range(world)]
     dist.all_gather_object(every, {k: v.tolist() for k, v in tables.items()})
@@ -133,7 +142,9 @@ def test_replicated_rows_summed_every_way_equal_one_process(world):
             expected = [header, "replicated lookup"]
             if way == "gloo":  # the counts (int64), the big table's touched rows (bytes), the small one's dense buffer
                 expected += ["all_gather torch.int64", "all_gather torch.uint8", "all_reduce torch.float64 (8, 7)"]
-            else:  # one gather of both tables' ids and rows, each summed (merged: each rank's ids were ascending)
+            else:  # one gather of both tables' ids and rows; each table's rows summed as the update steps them
+                # (each rank's ids were ascending), the first ranks' merged first at world 3; by index: summed first
                 expected += ["shared all_gather [torch.int64, torch.float32, torch.int64, torch.float64]"]
-                expected += [] if way.endswith("by index") else ["merged True", "merged True"]
+                each = ["merged as stepped"] if world == 2 else ["merged True", "merged as stepped"]
+                expected += [] if way.endswith("by index") else each * 2
             assert r["seen"] == expected * STEPS, (way, r["seen"])

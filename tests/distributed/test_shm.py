@@ -356,3 +356,44 @@ def test_outputs_changed_in_place_train_as_through_gloo():
         for a, b in zip(g["outs"], s["outs"]):
             assert all(torch.equal(a[k], b[k]) for k in a)
         assert all(torch.equal(g["tables"][k], s["tables"][k]) for k in g["tables"])
+
+
+class _Noted:
+    copies: list = []
+
+    def own(self) -> None:
+        _Noted.copies.append(1)
+
+
+def _lent(rank: int, world: int) -> dict:
+    """Rank 0 keeps views of rank 1's gather past its next call (lent: copied then); rank 1 runs
+    ahead and writes its call after that into the same file while rank 0 still holds them."""
+    from hybridembed.optim.hooks import RowParts
+
+    t = shm.Transport.open(dist.group.WORLD, torch.device("cpu"))
+    got = t.all_gather(_piece(0, rank, 50))
+    kept = RowParts([got[1][0]], [got[1][1]])
+    raw = got[1][1]  # (a view not lent)
+    t.lend(kept.own)
+    gone = _Noted()
+    t.lend(gone.own)
+    del gone  # (a lender no longer alive is not called)
+    t.all_gather(_piece(1, rank, 50))
+    out = {}
+    if rank == 0:
+        time.sleep(1.0)  # (rank 1 has written its next call by now: the file of call 0's parity)
+        ref = _piece(0, 1, 50)
+        out = {
+            "kept": torch.equal(kept.ids[0], ref[0]) and torch.equal(kept.rows[0], ref[1]),
+            "raw overwritten": torch.equal(raw, _piece(2, 1, 50)[1]),
+        }
+    t.all_gather(_piece(2, rank, 50))
+    out["noted"] = len(_Noted.copies)
+    t.close()
+    return out
+
+
+@pytest.mark.skipif(not os.access(shm.DIR, os.W_OK), reason="no writable /dev/shm")
+def test_views_lent_past_the_next_call_are_copied_before_a_peer_writes_there_again():
+    r0, r1 = spawn(_lent, 2, timeout=60)
+    assert r0 == {"kept": True, "raw overwritten": True, "noted": 0} and r1 == {"noted": 0}

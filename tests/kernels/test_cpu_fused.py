@@ -689,3 +689,75 @@ def test_sums_straight_into_a_small_table_leave_ids_out_of_range_to_the_sort_and
         assert not torch.equal(storage.weight.detach(), weight)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("name, dtype", [(n, torch.float32) for n in OPTIMIZERS] + [("adam_wd_max", torch.float64)])
+def test_parts_summed_as_the_rows_are_stepped_equal_their_sums_applied_bit_for_bit(
+    name, dtype, parts, threads, monkeypatch
+):
+    """A replicated table's ranks' reduced rows (``RowParts``: per rank distinct ascending ids) stepped
+    where they lie, each row's sum made as it is stepped: the rows, the state and the rows marked
+    changed equal the parts merged first then applied (``RowParts.summed`` + ``apply_gradient``)."""
+    from hybridembed.optim.hooks import RowParts
+
+    monkeypatch.setattr(cpu_fused, "_MIN_PER_THREAD", 16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    stepped, real = [], cpu_fused.apply_parts
+    monkeypatch.setattr(cpu_fused, "apply_parts", lambda *a: stepped.append(1) or real(*a))
+    stores = []
+    for ours in (True, False):
+        cfg = he.TableConfig("t", 300, 13, optimizer=OPTIMIZERS[name], dtype=dtype)
+        ec = he.EmbeddingCollection([cfg], kernels="numba")
+        he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+        st = ec.storage_of("t")
+        st.track_changes()
+        g = torch.Generator().manual_seed(4)
+        for step in range(3):
+            sizes = [(0, 120, 299)[(step + k) % 3] for k in range(parts)]  # (an empty part, a part of most rows)
+            ids = [torch.randperm(300, generator=g)[:n].sort().values for n in sizes]
+            rows = [torch.randn(i.numel(), 13, generator=g, dtype=dtype) for i in ids]
+            p = RowParts(ids, rows, float(parts))
+            if ours:
+                st.apply_parts(p, st.hparams)
+            else:
+                s = p.summed(dtype, dtype)
+                st.apply_gradient(s.ids, s.rows, st.hparams)
+        stores.append(st)
+    a, b = stores
+    assert len(stepped) == 3 and a.step == b.step == 3  # (every step merged as stepped)
+    assert torch.equal(a.weight.detach(), b.weight.detach())
+    for k in b.state:
+        assert torch.equal(a.state[k], b.state[k]), k
+    assert torch.equal(a._changed, b._changed)
+
+
+def test_parts_the_merged_step_does_not_take_are_summed_first(monkeypatch):
+    """Ids not strictly ascending, out of the table's rows, or rows of another dtype or width: the
+    parts are summed first (the eager sums' path) and nothing was stepped from them before."""
+    from hybridembed.optim.hooks import RowParts
+
+    ec = he.EmbeddingCollection([he.TableConfig("t", 20, 4, optimizer=OPTIMIZERS["rowwise"])], kernels="numba")
+    he.wrap_optimizer(torch.optim.SGD(ec.parameters(), lr=0.1), ec)
+    st = ec.storage_of("t")
+    ok = [torch.tensor([1, 5, 9]), torch.tensor([0, 5])]
+    rows = [torch.ones(3, 4), torch.ones(2, 4)]
+    assert cpu_fused.parts_ready(st, ok, rows) is not None
+    for ids, rs in [
+        ([torch.tensor([5, 1, 9]), ok[1]], rows),  # (not ascending)
+        ([torch.tensor([1, 5, 5]), ok[1]], rows),  # (a repeat)
+        ([torch.tensor([1, 5, 20]), ok[1]], rows),  # (past the table)
+        ([torch.tensor([-1, 5, 9]), ok[1]], rows),
+        (ok, [rows[0].double(), rows[1]]),
+        (ok, [rows[0][:, :3], rows[1]]),
+        (ok[:1], rows[:1]),  # (one part: nothing to merge)
+    ]:
+        assert cpu_fused.parts_ready(st, ids, rs) is None
+    calls = []
+    monkeypatch.setattr(cpu_fused, "apply_parts", lambda *a: calls.append(a))
+    before = st.weight.detach().clone()
+    st.apply_parts(RowParts([torch.tensor([5, 1, 9]), ok[1]], rows, 2.0), st.hparams)  # (not ascending: by index)
+    assert not calls and st.step == 1
+    changed = (st.weight.detach() != before).any(1).nonzero().squeeze(1)
+    assert changed.tolist() == [0, 1, 5, 9]

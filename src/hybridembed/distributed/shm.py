@@ -47,6 +47,7 @@ import secrets
 import socket
 import sys
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -278,6 +279,7 @@ class Transport:
         self.broken = False  # some rank's shared memory failed (every rank knows): gloo from then on
         self._why: OSError | None = None
         self._pid = os.getpid()  # (a forked child, a data loader's worker, never removes this rank's files)
+        self._lent: list[weakref.WeakMethod] = []  # see lend
 
     @classmethod
     def open(cls, group, device: torch.device) -> Transport | None:
@@ -362,6 +364,18 @@ class Transport:
             self._fresh.append(path)
         return data
 
+    def lend(self, copy) -> None:
+        """``copy`` (a bound method, held weakly) is called before this rank's next call on the transport,
+        if its object still lives then: views of the peers' files kept past this call (a replicated
+        table's rows, read by the update where they lie) are copied before a peer may write there again."""
+        self._lent.append(weakref.WeakMethod(copy))
+
+    def _call_back(self) -> None:
+        lent, self._lent = self._lent, []
+        for ref in lent:
+            if (fn := ref()) is not None:
+                fn()
+
     def all_to_all(self, out, t, recv_splits, send_splits, status: float = 1.0, meanwhile=None) -> list[float]:
         """``all_to_all_single(out, t, recv_splits, send_splits)`` through shared memory; returns every
         rank's ``status`` (the meeting's payload). ``t`` may also be, per rank, a list of tensors
@@ -369,6 +383,7 @@ class Transport:
         tensors to fill in order (not both): each element is then copied once, straight where it goes
         (``out[rank]`` None: this rank's own part is not copied). ``meanwhile``: a function called
         once this rank's pieces are written, before the meeting (it meets whatever the function did)."""
+        self._call_back()
         parity, self.calls = self.calls & 1, self.calls + 1
         self._fresh = []
         sends = t.split(list(send_splits)) if isinstance(t, torch.Tensor) else None
@@ -431,7 +446,9 @@ class Transport:
         ranks; every rank gives as many, of the same dtypes and other dimensions, in the same order):
         per rank, its pieces. This rank's are the tensors given; a peer's are views of its file,
         valid until this rank's next call on the transport (the peer's next write to that file waits
-        for a meeting this rank joins). Each rank writes its pieces once, whatever the world size."""
+        for a meeting this rank joins; :meth:`lend` keeps them longer). Each rank writes its pieces once,
+        whatever the world size."""
+        self._call_back()
         if self.broken:
             return self._gather_through_gloo(pieces)
         parity, self.calls = self.calls & 1, self.calls + 1

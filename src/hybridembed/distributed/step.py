@@ -18,8 +18,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from ..kernels import cpu_fused
-from ..optim.hooks import RowGrads, SparseStepHook
+from ..optim.hooks import RowGrads, RowParts, SparseStepHook
 
 __all__ = ["ShardedStep"]
 
@@ -112,8 +111,9 @@ class ShardedStep(SparseStepHook):
 
     def _sum_through_shared(self, shared, reps: list, rows: list) -> None:
         """:meth:`_sync_replicas` for ranks of one machine: every rank writes its touched rows (ids and
-        gradients) once into its shared-memory file, and sums every rank's straight from theirs
-        (bytes read ~ the rows the ranks touched, never the table; no count exchanged first)."""
+        gradients) once into its shared-memory file; the update sums every rank's rows straight from
+        theirs (:class:`RowParts`: bytes read ~ the rows the ranks touched, never the table; no count
+        exchanged first)."""
         pieces = []
         for k, st in reps:
             pending, dim, cdt = rows[k], st.weight.shape[1], st.compute_dtype
@@ -122,28 +122,14 @@ class ShardedStep(SparseStepHook):
             else:
                 pieces += [pending.ids.to(torch.int64), pending.rows.to(cdt)]
         every = shared.all_gather(pieces)
-        for j, (k, st) in enumerate(reps):
-            rows[k] = self._summed(st, [got[2 * j] for got in every], [got[2 * j + 1] for got in every])
-
-    def _summed(self, st, ids: list[torch.Tensor], grads: list[torch.Tensor]) -> RowGrads | None:
-        """Every rank's touched ``ids`` and their row gradients (in rank order) -> the distinct ids
-        ascending and their summed rows (``mean``: divided by the world size), every rank the same
-        bits: each row summed in rank order."""
-        sizes = [x.numel() for x in ids]
-        if not any(sizes):
-            return None
         divisor = self.world_size if self.reduction == "mean" else 1
-        merged = cpu_fused.merge_rows(ids, grads, divisor) if ids[0].device.type == "cpu" else None
-        if merged is not None:  # (each rank's ids ascending, as the fused step's reduction leaves them: one merge)
-            return RowGrads(merged[0], merged[1].to(st.weight.dtype))
-        touched, where = torch.unique(torch.cat(ids), return_inverse=True)
-        grad = torch.zeros(touched.numel(), st.weight.shape[1], dtype=st.compute_dtype, device=touched.device)
-        for at, g in zip(where.split(sizes), grads):  # (in rank order)
-            if g.shape[0]:
-                grad.index_add_(0, at, g)
-        if self.reduction == "mean":
-            grad.div_(self.world_size)
-        return RowGrads(touched, grad.to(st.weight.dtype))
+        for j, (k, _) in enumerate(reps):
+            ids = [got[2 * j] for got in every]  # (in rank order; a peer's: views of its file, read by the update)
+            if any(x.numel() for x in ids):
+                rows[k] = RowParts(ids, [got[2 * j + 1] for got in every], divisor)
+                shared.lend(rows[k].own)  # (copied if the transport is called again before the update)
+            else:
+                rows[k] = None
 
     def _gather_touched(self, st, pending: RowGrads | None, sizes: list[int]) -> RowGrads:
         """A replica's touched rows from every rank (each row's id and gradient as bytes: copied

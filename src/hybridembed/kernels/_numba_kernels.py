@@ -641,3 +641,71 @@ def merge_rows(a_ids, a_rows, b_ids, b_rows, out_ids, out_rows, divisor):  # pra
         out_ids[u] = r
         u += 1
     return u
+
+
+@njit(nogil=True, cache=True)
+def merged_step(
+    a_ids, a_rows, b_ids, b_rows, divisor, i, i_end, j, j_end, out_ids, at, weight, s1, s2, opt, hp, maximize
+):  # pragma: no cover (compiled)
+    """:func:`merge_rows` and the step in one pass: the union of ``a_ids[i:i_end]`` and ``b_ids[j:j_end]``
+    (each strictly ascending, checked by the caller), each row stepped by optimizer ``opt`` with the
+    gradient ``(a + b) / divisor`` (one side's alone where the other lacks the row; then times
+    ``scale``, as :func:`merge_rows` then a row kernel compute it), the next rows of both sides
+    prefetched; the union's ids written from ``out_ids[at]`` on. Returns their count."""
+    acc = np.empty((1, weight.shape[1]), dtype=a_rows.dtype)
+    g = acc[0]
+    dim = weight.shape[1]
+    ms = hp[8] - hp[7]
+    u = at
+    while i < i_end or j < j_end:
+        if i + _AHEAD < i_end:
+            r = a_ids[i + _AHEAD]
+            _prefetch_row(weight, r)
+            _prefetch_row(s1, r)
+            _prefetch_row(s2, r)
+        if j + _AHEAD < j_end:
+            r = b_ids[j + _AHEAD]
+            _prefetch_row(weight, r)
+            _prefetch_row(s1, r)
+            _prefetch_row(s2, r)
+        if i < i_end and (j >= j_end or a_ids[i] <= b_ids[j]):
+            row = a_ids[i]
+            if j < j_end and b_ids[j] == row:
+                for d in range(dim):
+                    g[d] = (a_rows[i, d] + b_rows[j, d]) / divisor
+                j += 1
+            else:
+                for d in range(dim):
+                    g[d] = a_rows[i, d] / divisor
+            i += 1
+        else:
+            row = b_ids[j]
+            for d in range(dim):
+                g[d] = b_rows[j, d] / divisor
+            j += 1
+        out_ids[u] = row
+        u += 1
+        _row_grad(g, weight, row, 0, acc, hp, maximize)
+        if opt == 0:
+            _sgd(weight, s1, s2, row, g, ms, hp)
+        elif opt == 1:
+            _adagrad(weight, s1, s2, row, g, ms, hp)
+        elif opt == 2:
+            _rowwise(weight, s1, s2, row, g, ms, hp)
+        else:
+            _adam(weight, s1, s2, row, g, ms, hp)
+    return u - at
+
+
+@njit(nogil=True, cache=True)
+def ascending_within(ids, nrows):  # pragma: no cover (compiled)
+    """Whether ``ids`` are strictly ascending row numbers of ``[0, nrows)``."""
+    n = ids.shape[0]
+    if n == 0:
+        return True
+    if ids[0] < 0 or ids[n - 1] >= nrows:
+        return False
+    for k in range(1, n):
+        if ids[k] <= ids[k - 1]:
+            return False
+    return True

@@ -51,7 +51,17 @@ from ..utils import get_logger, release_openmp_workers
 from .fused import FUSED, step_hparams
 from .lookup import sorted_segments
 
-__all__ = ["available", "runs_on", "pooled_lookup", "pooled_parts", "apply_fused", "apply_rows", "merge_rows"]
+__all__ = [
+    "available",
+    "runs_on",
+    "pooled_lookup",
+    "pooled_parts",
+    "apply_fused",
+    "apply_rows",
+    "merge_rows",
+    "parts_ready",
+    "apply_parts",
+]
 
 _log = get_logger("hybridembed.kernels")
 _DTYPES = (torch.float32, torch.float64)
@@ -689,3 +699,57 @@ def merge_rows(ids: list[torch.Tensor], rows: list[torch.Tensor], divisor: float
             return None
         acc_ids, acc = out_ids[:n], out[:n]
     return acc_ids, acc
+
+
+def parts_ready(storage, ids: list[torch.Tensor], rows: list[torch.Tensor]) -> tuple | None:
+    """Several parts' reduced row gradients of ``storage`` (per part: distinct row ids (U_k,) strictly
+    ascending, their rows (U_k, D) in the table's dtype) -> what :func:`apply_parts` steps them from:
+    every part but the last summed (:func:`merge_rows`), as NumPy arrays; None where this cannot (no
+    Numba, fewer than two parts, another dtype or shape, ids not strictly ascending rows of the table):
+    the caller sums them first then. Nothing is changed either way."""
+    weight = storage.weight.detach()
+    nrows, dim = weight.shape
+    if len(ids) < 2 or len(ids) != len(rows) or weight.dtype not in _DTYPES or not available():
+        return None
+    if any(i.dim() != 1 or r.shape != (i.numel(), dim) or r.dtype != weight.dtype for i, r in zip(ids, rows)):
+        return None
+    from . import _numba_kernels as K
+
+    ids = [i.to(torch.int64).contiguous() for i in ids]
+    if not all(K.ascending_within(i.numpy(), nrows) for i in ids):
+        return None
+    first = (ids[0], rows[0]) if len(ids) == 2 else merge_rows(ids[:-1], rows[:-1], 1.0)
+    if first is None:
+        return None
+    a_ids, a = first
+    return a_ids.numpy(), a.contiguous().numpy(), ids[-1].numpy(), rows[-1].contiguous().numpy()
+
+
+def apply_parts(storage, ready: tuple, divisor: float, hp: dict) -> torch.Tensor:
+    """One optimizer step of ``storage`` on the union of two parts' rows (:func:`parts_ready`), each
+    row's gradient ``(a + b) / divisor`` made as the row is stepped (the bits of :func:`merge_rows`
+    then :func:`apply_rows`, with no (U, D) sums written and read again); slices of the union by
+    row, one per thread. ``storage.step`` must already count this step. Returns the union's ids."""
+    from . import _numba_kernels as K
+
+    a_ids, a, b_ids, b = ready
+    weight = storage.weight.detach().numpy()
+    s1, s2 = _state(storage, hp)
+    hpa, opt, maximize = _hparams(storage, hp)
+    na, nb = a_ids.shape[0], b_ids.shape[0]
+    t = _threads(na + nb)
+    ref, other = (a_ids, b_ids) if na >= nb else (b_ids, a_ids)
+    cuts = [ref.shape[0] * k // t for k in range(t + 1)]
+    theirs = [0, *np.searchsorted(other, ref[cuts[1:-1]]).tolist(), other.shape[0]]
+    ia, ib = (cuts, theirs) if na >= nb else (theirs, cuts)
+    out = np.empty(na + nb, dtype=np.int64)
+    div = a.dtype.type(divisor)  # (in the rows' dtype, as merge_rows divides)
+    tail = (weight, s1, s2, opt, hpa, maximize)
+    at = [ia[k] + ib[k] for k in range(t)]  # (slice k's union starts there at the latest)
+    counts = _each(
+        [
+            (K.merged_step, a_ids, a, b_ids, b, div, ia[k], ia[k + 1], ib[k], ib[k + 1], out, at[k], *tail)
+            for k in range(t)
+        ]
+    )
+    return torch.cat([torch.from_numpy(out[p : p + n]) for p, n in zip(at, counts)])

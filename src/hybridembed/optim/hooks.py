@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RowGrads", "SparseStepHook"]
+__all__ = ["RowGrads", "RowParts", "SparseStepHook"]
 
 
 @dataclass
@@ -29,6 +29,45 @@ class RowGrads:
     ids: torch.Tensor
     rows: torch.Tensor
     row_stat: torch.Tensor | None = None
+
+
+@dataclass
+class RowParts:
+    """A storage's pending gradient as several parts' reduced gradients not yet summed (a replicated
+    table's, one part per rank, in rank order): per part distinct row slots ``ids[k]`` (U_k,) and
+    their summed gradients ``rows[k]`` (U_k, D). The gradient is each row's parts summed in order,
+    then divided by ``divisor``; the update may read them where they lie (a peer's shared memory:
+    valid until this rank's next call on its transport) instead of writing the sums first
+    (:meth:`RowStorage.apply_parts`)."""
+
+    ids: list[torch.Tensor]
+    rows: list[torch.Tensor]
+    divisor: float = 1.0
+
+    def own(self) -> None:
+        """Every part copied: views of memory that is about to be reused become this rank's own."""
+        self.ids = [x.clone() for x in self.ids]
+        self.rows = [x.clone() for x in self.rows]
+
+    def summed(self, dtype: torch.dtype, compute_dtype: torch.dtype) -> RowGrads | None:
+        """The sums as :class:`RowGrads` (ids ascending; rows summed in ``compute_dtype``, returned in
+        ``dtype``), the same bits on every rank given the same parts; None where no part has a row."""
+        from ..kernels import cpu_fused
+
+        sizes = [x.numel() for x in self.ids]
+        if not any(sizes):
+            return None
+        merged = cpu_fused.merge_rows(self.ids, self.rows, self.divisor) if self.ids[0].device.type == "cpu" else None
+        if merged is not None:  # (each part's ids ascending, as the fused step's reduction leaves them: one merge)
+            return RowGrads(merged[0], merged[1].to(dtype))
+        touched, where = torch.unique(torch.cat(self.ids), return_inverse=True)
+        grad = torch.zeros(touched.numel(), self.rows[0].shape[1], dtype=compute_dtype, device=touched.device)
+        for at, g in zip(where.split(sizes), self.rows):  # (in order)
+            if g.shape[0]:
+                grad.index_add_(0, at, g.to(compute_dtype))
+        if self.divisor != 1:
+            grad.div_(self.divisor)
+        return RowGrads(touched, grad.to(dtype))
 
 
 class SparseStepHook:
@@ -43,7 +82,7 @@ class SparseStepHook:
         """The factor of ``storage``'s gradient when it is applied without this hook's help."""
         return 1.0
 
-    def before_sparse_step(self, storages: list, rows: list[RowGrads | None]) -> list[RowGrads | None]:
+    def before_sparse_step(self, storages: list, rows: list[RowGrads | None]) -> list[RowGrads | RowParts | None]:
         """Every storage's :class:`RowGrads` (None: none pending, or applied fused) -> the same, as the
-        update must see them."""
+        update must see them (or as :class:`RowParts`: summed as the update reads them)."""
         return rows

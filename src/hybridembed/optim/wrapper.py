@@ -25,7 +25,7 @@ from ..errors import ConfigError, HybridEmbedError
 from ..kernels import reduce_rows
 from ..storage import RowStorage, serial
 from . import sparse as so
-from .hooks import RowGrads, SparseStepHook
+from .hooks import RowGrads, RowParts, SparseStepHook
 
 __all__ = ["HybridOptimizer", "wrap_optimizer", "clip_grad_norm_", "sparse_equivalent"]
 
@@ -150,6 +150,8 @@ class HybridOptimizer(torch.optim.Optimizer):
                     scale *= h.grad_scale(storage)
                 storage.apply_fused(group, scale)
                 self.fused_steps.update(t.name for t in storage.tables)
+            elif isinstance(r, RowParts):  # (summed as the update reads them)
+                storage.apply_parts(r, group)
             elif r is not None:
                 storage.apply_gradient(r.ids, r.rows, group, *(() if r.row_stat is None else (r.row_stat,)))
             storage.after_step()

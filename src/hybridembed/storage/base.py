@@ -341,6 +341,29 @@ class RowStorage(nn.Module):
         for k, v in state.items():
             self.state[k].index_copy_(0, ids, v)
 
+    @torch.no_grad()
+    def apply_parts(self, parts, hparams: dict) -> None:
+        """One optimizer step from several parts' reduced gradients (:class:`~hybridembed.optim.hooks.RowParts`:
+        a replicated table's, one part per rank). The fused CPU step reads each part's rows where they
+        lie and sums them as it steps the rows, where every row is updatable and :meth:`apply_gradient`
+        is this class's (:func:`hybridembed.kernels.cpu_fused.apply_parts`: the same bits as the sums
+        applied); otherwise the sums are made and applied."""
+        ready = None
+        if (
+            type(self).apply_gradient is RowStorage.apply_gradient
+            and type(self).updatable is RowStorage.updatable
+            and self._fusable()
+            and cpu_fused.runs_on(self.kernels, self.weight)
+        ):
+            ready = cpu_fused.parts_ready(self, parts.ids, parts.rows)
+        if ready is None:
+            summed = parts.summed(self.weight.dtype, self.compute_dtype)
+            if summed is not None:
+                self.apply_gradient(summed.ids, summed.rows, hparams)
+            return
+        self.step += 1
+        self._mark(cpu_fused.apply_parts(self, ready, parts.divisor, hparams))
+
     def after_step(self) -> None:
         """Called by the optimizer after every step, whether or not this storage had a gradient."""
 

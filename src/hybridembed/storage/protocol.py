@@ -134,6 +134,12 @@ class Storage(Protocol):
         ``row_stat`` (U,): a row-wise optimizer's statistic of the whole row when these are column slices."""
         ...
 
+    def apply_parts(self, parts: Any, hparams: dict) -> None:
+        """One optimizer step from several parts' reduced gradients not yet summed
+        (:class:`~hybridembed.optim.hooks.RowParts`: each row's parts summed in order, divided by its
+        ``divisor``), as :meth:`apply_gradient` would apply their sums."""
+        ...
+
     def after_step(self) -> None:
         """Called by the optimizer after every step, whether or not this storage had a gradient."""
         ...
