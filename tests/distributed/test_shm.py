@@ -105,6 +105,8 @@ def _gathers(rank: int, world: int, full_at: int | None) -> dict:
     the files past their first size) read where they lie; ``full_at``: rank 0 cannot make a file from
     that call on (every rank goes through gloo from there)."""
     t = shm.Transport.open(dist.group.WORLD, torch.device("cpu"))
+    # (every rank's names carry its PID and start time: each peer is seen to run, its files swept by name)
+    assert all(shm._runs(p) and shm._NAME.fullmatch(f"{p}-0-1-1") for p in t.prefixes), t.prefixes
     real, broken, ok = shm._map, [], []
     for call, sizes in enumerate(GATHERS):
         if full_at is not None and call == full_at and rank == 0:
@@ -305,10 +307,10 @@ def test_files_of_processes_that_no_longer_run_are_swept_a_minute_on(tmp_path, m
     if dead == 0:
         os._exit(0)
     os.waitpid(dead, 0)
-    stale = tmp_path / f"hybridembed-{dead}-abcdef-0-1-3"
-    stale_control = tmp_path / f"hybridembed-{dead}-abcdef-1-c"
-    young = tmp_path / f"hybridembed-{dead}-abcdef-0-0-1"  # (perhaps a process of another PID namespace)
-    alive = tmp_path / f"hybridembed-{os.getpid()}-abcdef-0-0-1"
+    stale = tmp_path / f"hybridembed-{dead}-77-abcdef-0-1-3"
+    stale_control = tmp_path / f"hybridembed-{dead}-77-abcdef-1-c"
+    young = tmp_path / f"hybridembed-{dead}-77-abcdef-0-0-1"  # (perhaps a process of another PID namespace)
+    alive = tmp_path / f"hybridembed-{os.getpid()}-77-abcdef-0-0-1"
     other = tmp_path / "hybridembed-notes.txt"
     for p in (stale, stale_control, young, alive, other):
         p.write_bytes(b"x")
@@ -316,6 +318,23 @@ def test_files_of_processes_that_no_longer_run_are_swept_a_minute_on(tmp_path, m
         os.utime(p, (time.time() - 120, time.time() - 120))
     shm._sweep()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([young.name, alive.name, other.name])
+
+
+def test_a_process_that_holds_a_peer_s_pid_but_started_at_another_time_is_not_the_peer():
+    """A peer's files carry its PID and start time: a process found at that PID that started at
+    another time (the PID given again after the peer ended, or a process of another PID namespace)
+    is not taken for the peer; a zombie neither; a name without a start time is judged by its PID."""
+    start = shm._stat(os.getpid())[1]
+    assert shm._runs(f"hybridembed-{os.getpid()}-{start}-abcdef")
+    assert not shm._runs(f"hybridembed-{os.getpid()}-{start + 1}-abcdef")
+    assert shm._runs(f"hybridembed-{os.getpid()}-0-abcdef") and shm._runs(f"hybridembed-{os.getpid()}-abcdef")
+    gone = os.fork()
+    if gone == 0:
+        os._exit(0)
+    time.sleep(0.1)  # (a zombie until waited for)
+    assert shm._stat(gone)[0] == b"Z" and not shm._runs(f"hybridembed-{gone}-{shm._stat(gone)[1]}-abcdef")
+    os.waitpid(gone, 0)
+    assert not shm._runs(f"hybridembed-{gone}-1-abcdef")
 
 
 def _in_place_job(rank: int, world: int) -> dict:

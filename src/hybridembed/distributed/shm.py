@@ -26,7 +26,7 @@ Files: two per rank (one for each parity of the calls: a rank writes call n + 1 
 peer may still read call n), grown when a call needs more, their pages reserved when made (a full
 ``/dev/shm``, as a container's small default, fails there and not with SIGBUS at a write: every
 rank then sends through gloo from that exchange on, told by the meeting, with one warning), named
-``hybridembed-<pid>-<job>-<rank>-<parity>-<generation>``; a file's name is removed as soon as every
+``hybridembed-<pid>-<start>-<job>-<rank>-<parity>-<generation>``; a file's name is removed as soon as every
 peer has mapped it (the call after it first carried data), so a killed job leaves at most the files
 of its last growth, and those of processes that no longer run are removed (a minute on) when a
 transport opens. A peer that died or hangs fails the meeting as it would fail gloo's all-to-all
@@ -68,7 +68,7 @@ DIR = "/dev/shm"
 _CONTROL = 4  # int64s per (parity, peer) in a rank's control file: generation, offset, bytes, call
 _BELL = 5  # int64s after them: the rank's count of meetings (its low 32 bits a futex word), per parity (status, failed)
 _WAIT_SLICE = 0.02  # seconds a meeting's wait sleeps at most before it looks whether the peer's process runs
-_NAME = re.compile(r"hybridembed-(\d+)-[0-9a-f]+-\d+-(?:[01]-\d+|c)")
+_NAME = re.compile(r"hybridembed-(\d+)-\d+-[0-9a-f]+-\d+-(?:[01]-\d+|c)")
 _CLOSE_WAIT = 10.0  # seconds a closing rank waits for its peers to map its last call's files
 _STALE = 60.0  # seconds: a file younger than this is never swept (a process of another PID namespace may run)
 
@@ -107,21 +107,30 @@ def _sweep() -> None:
             continue
 
 
-def _runs(prefix: str) -> bool:
-    """Whether the process that made files named ``prefix`` still runs (a zombie, ended but not yet
-    collected by its parent, has not; a process unseen in another PID namespace is taken as gone)."""
+def _stat(pid: int) -> tuple[bytes, int] | None:
+    """Process ``pid``'s state letter and start time (clock ticks after boot), from ``/proc``; None where unread."""
     try:
-        pid = int(prefix.split("-")[1])
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _runs(prefix: str) -> bool:
+    """Whether the process that made files named ``prefix`` (``hybridembed-PID-START-TOKEN``) still runs:
+    a zombie, ended but not yet collected by its parent, has not; nor has a process that holds its PID
+    but started at another time (the PID taken again, or a process of another PID namespace)."""
+    try:
+        parts = prefix.split("-")
+        pid, start = int(parts[1]), (int(parts[2]) or None) if len(parts) > 3 else None  # (0: not known)
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (OSError, ValueError, IndexError):
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
+    got = _stat(pid)
+    return got is None or (got[0] != b"Z" and (start is None or got[1] == start))
 
 
 def _unlink(names: list[str]) -> None:
@@ -294,7 +303,9 @@ class Transport:
             and os.path.isdir(DIR)
             and os.access(DIR, os.W_OK)
         )
-        prefix, own, control = f"hybridembed-{os.getpid()}-{secrets.token_hex(6)}", None, None
+        me = _stat(os.getpid())  # (its start time tells this process from a later one given its PID)
+        prefix = f"hybridembed-{os.getpid()}-{me[1] if me else 0}-{secrets.token_hex(6)}"
+        own, control = None, None
         if ok:
             _sweep()
             try:
