@@ -20,6 +20,15 @@ LR = 0.5
 
 
 @pytest.fixture
+def group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def server():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
@@ -90,3 +99,73 @@ def test_a_pull_counts_its_request_bytes_and_leaves_the_reply_to_the_transport(s
     # hybridembed.ps.serve adds the bytes ServerLink.reply sends (header and payload); counting
     # a pull's rows here as well counted them twice
     assert after["bytes_out"] == before["bytes_out"]
+
+
+def _server_of(trainers: list[int], optimizer: str, hparams: dict) -> TableServer:
+    """A server of two tables of 20 rows, shards 0 and 1, in one storage (rows 0..19 and 20..39) for
+    ``trainers``, the optimizer attached."""
+    ts = [he.TableConfig("a", 20, 4), he.TableConfig("b", 20, 4)]
+    sc = ShardedCollection(ts, plan=Plan(1, tuple(shard_table(t, "table_wise", (0,)) for t in ts)), seed=3)
+    srv = TableServer(sc, trainers)
+    m = Message(
+        wire.ATTACH,
+        1,
+        0,
+        torch.zeros(0, dtype=torch.int64),
+        None,
+        {"group": 0, "optimizer": optimizer, "hparams": hparams},
+    )
+    (reply,), _ = srv.handle(trainers[0], *wire.pack(m))
+    assert reply[1].op == wire.OK
+    return srv
+
+
+def _push_shards(srv: TableServer, src: int, step: int, per_shard: list[list[int]], g: torch.Generator):
+    """A push of ``src``'s rows of each shard (local ids as given) -> the replies (none when accepted)."""
+    head = [0, len(per_shard)]  # (no flags; then (shard, count) per item, then the ids of each)
+    for shard, ids in enumerate(per_shard):
+        head += [shard, len(ids)]
+    ints = torch.tensor(head + [i for ids in per_shard for i in ids], dtype=torch.int64)
+    grads = [torch.randn(len(ids), 4, generator=g) for ids in per_shard]
+    m = Message(wire.PUSH, 10 + step, step, ints, torch.cat(grads).reshape(-1), {"had": [0], "hp": {}})
+    replies, _ = srv.handle(src, *wire.pack(m))
+    return replies
+
+
+@pytest.mark.parametrize("trainers", [2, 3])
+@pytest.mark.parametrize(
+    "optimizer, hparams", [("SGD", {"lr": 0.1}), ("RowWiseAdagrad", {"lr": 0.1}), ("Adam", {"lr": 0.01})]
+)
+@pytest.mark.parametrize("order", ["ascending", "any"])
+def test_several_trainers_pushes_are_summed_as_the_rows_are_stepped(
+    group, monkeypatch, trainers, optimizer, hparams, order
+):
+    """A synchronous step's pushes of a dense table, each trainer's rows distinct: summed per row in
+    trainer order (``mean``: divided by the trainers) as the update steps each row. Against the
+    sums made first (each push scaled by 1 / trainers, then one reduction): the same bits for two
+    trainers (halving is exact), within rounding for three; pushes whose ids are not ascending are
+    summed first by the fused reduction (the same bits as stepped where they are)."""
+    from hybridembed.kernels import cpu_fused
+
+    stepped, real = [], cpu_fused.apply_parts
+    monkeypatch.setattr(cpu_fused, "apply_parts", lambda *a: stepped.append(1) or real(*a))
+    ranks = list(range(1, trainers + 1))
+    got = []
+    for ours in (True, False):
+        srv = _server_of(ranks, optimizer, hparams)
+        if not ours:
+            srv._parts = lambda *a: None  # (the pushes summed first, as before)
+        for step in range(3):
+            for src in reversed(ranks):  # (pushes arrive in any order; summed in trainer order)
+                g = torch.Generator().manual_seed(100 * step + src)
+                shard0 = torch.randperm(20, generator=g)[: 5 + src].sort().values.tolist()
+                shard1 = torch.randperm(20, generator=g)[: 3 * src].sort().values.tolist()
+                if order == "any":
+                    shard0 = shard0[::-1]
+                assert _push_shards(srv, src, step, [shard0, shard1], g) == []
+        got.append(_rows(srv))
+    assert len(stepped) == (3 if order == "ascending" else 0)
+    if trainers == 2:
+        assert torch.equal(got[0], got[1])
+    else:
+        torch.testing.assert_close(got[0], got[1], rtol=1e-6, atol=1e-7)

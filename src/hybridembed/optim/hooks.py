@@ -49,22 +49,31 @@ class RowParts:
         self.ids = [x.clone() for x in self.ids]
         self.rows = [x.clone() for x in self.rows]
 
-    def summed(self, dtype: torch.dtype, compute_dtype: torch.dtype) -> RowGrads | None:
+    def summed(self, dtype: torch.dtype, compute_dtype: torch.dtype, nrows: int | None = None) -> RowGrads | None:
         """The sums as :class:`RowGrads` (ids ascending; rows summed in ``compute_dtype``, returned in
-        ``dtype``), the same bits on every rank given the same parts; None where no part has a row."""
+        ``dtype``), the same bits on every rank given the same parts; None where no part has a row.
+        ``nrows``: the rows the ids are in (for the fused step's reduction where the parts' ids are
+        not ascending)."""
         from ..kernels import cpu_fused
 
         sizes = [x.numel() for x in self.ids]
         if not any(sizes):
             return None
-        merged = cpu_fused.merge_rows(self.ids, self.rows, self.divisor) if self.ids[0].device.type == "cpu" else None
+        cpu = self.ids[0].device.type == "cpu"
+        merged = cpu_fused.merge_rows(self.ids, self.rows, self.divisor) if cpu else None
         if merged is not None:  # (each part's ids ascending, as the fused step's reduction leaves them: one merge)
             return RowGrads(merged[0], merged[1].to(dtype))
-        touched, where = torch.unique(torch.cat(self.ids), return_inverse=True)
-        grad = torch.zeros(touched.numel(), self.rows[0].shape[1], dtype=compute_dtype, device=touched.device)
-        for at, g in zip(where.split(sizes), self.rows):  # (in order)
-            if g.shape[0]:
-                grad.index_add_(0, at, g.to(compute_dtype))
+        if cpu and nrows is not None and cpu_fused.available():  # (each row's rows in the parts' order)
+            ids = torch.cat([x.to(torch.int64) for x in self.ids])
+            touched, grad = cpu_fused.reduce_kept(
+                ids, torch.cat([r.to(compute_dtype) for r in self.rows]), None, None, nrows
+            )
+        else:
+            touched, where = torch.unique(torch.cat(self.ids), return_inverse=True)
+            grad = torch.zeros(touched.numel(), self.rows[0].shape[1], dtype=compute_dtype, device=touched.device)
+            for at, g in zip(where.split(sizes), self.rows):  # (in order)
+                if g.shape[0]:
+                    grad.index_add_(0, at, g.to(compute_dtype))
         if self.divisor != 1:
             grad.div_(self.divisor)
         return RowGrads(touched, grad.to(dtype))

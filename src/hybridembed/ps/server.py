@@ -41,6 +41,7 @@ from ..errors import HybridEmbedError
 from ..kernels.cpu_fused import reduce_kept
 from ..modules.collection import _group_key
 from ..optim import sparse as so
+from ..optim.hooks import RowParts
 from ..utils import get_logger
 from . import wire
 from .payload import PullRequest, PushRequest
@@ -143,6 +144,7 @@ class TableServer:
         self.active = set(self.trainers)
         self.mode, self.staleness, self.limit = mode, int(staleness), int(limit)
         self.scale = 1.0 / len(self.trainers) if reduction == "mean" else 1.0
+        self.divisor = len(self.trainers) if reduction == "mean" else 1  # (of the pushes' sum, as stepped)
         self.wire_dtype = wire_dtype
         self.refs = shard_index(sc)
         groups = trainer_groups(sc.tables.values())
@@ -428,7 +430,10 @@ class TableServer:
                 hp = {k: tuple(v) if isinstance(v, list) else v for k, v in hparams[g].items()}
                 self.hparams[i].update({k: v for k, v in hp.items() if k in st.optimizer.hparams})
             items = [x for per in by_trainer.values() for x in per.get(i, [])]
-            if items:
+            parts = self._parts(st, by_trainer, i) if items else None
+            if parts is not None:  # (each row's pushes summed as the update steps it)
+                st.apply_parts(parts, self.hparams[i])
+            elif items:
                 slots = self._slots(st, items)
                 grad = torch.cat([x[2] for x in items]).to(st.compute_dtype)
                 keep = slots >= 0
@@ -444,6 +449,25 @@ class TableServer:
             elif mine & groups:  # the group had a gradient on some rows, none here: its step still counts
                 st.apply_gradient(torch.zeros(0, dtype=torch.int64), st.weight.new_zeros(0, st.dim), self.hparams[i])
             st.after_step()
+
+    def _parts(self, st, by_trainer: dict[int, dict], i: int) -> RowParts | None:
+        """A dense storage's pushes of several trainers as each one's rows (:class:`RowParts`, in trainer
+        order; ``mean``: divided by the number of trainers), for the update to sum each row's as it
+        steps it (a trainer's rows are distinct, ascending as its pull deduplicated them: one pass, no
+        sort); None for one trainer's push and for dynamic or tiered storages (their rows are found
+        first)."""
+        if len(by_trainer) < 2 or st.keyed or getattr(st, "tiered", False):
+            return None
+        ids, rows = [], []
+        for t in sorted(by_trainer):
+            items = by_trainer[t].get(i, [])
+            ids.append(torch.cat([x[1] + x[0].offset for x in items]) if items else torch.zeros(0, dtype=torch.int64))
+            rows.append(
+                torch.cat([x[2] for x in items]).to(st.compute_dtype)
+                if items
+                else torch.zeros(0, st.dim, dtype=st.compute_dtype)
+            )
+        return RowParts(ids, rows, self.divisor)
 
     def _slots(self, st, items) -> torch.Tensor:
         """Pushed (shard, local ids) -> rows of ``st`` (-1 for a dynamic id no longer held); a

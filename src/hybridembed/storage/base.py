@@ -357,7 +357,7 @@ class RowStorage(nn.Module):
         ):
             ready = cpu_fused.parts_ready(self, parts.ids, parts.rows)
         if ready is None:
-            summed = parts.summed(self.weight.dtype, self.compute_dtype)
+            summed = parts.summed(self.weight.dtype, self.compute_dtype, self.weight.shape[0])
             if summed is not None:
                 self.apply_gradient(summed.ids, summed.rows, hparams)
             return
