@@ -761,3 +761,20 @@ def test_parts_the_merged_step_does_not_take_are_summed_first(monkeypatch):
     assert not calls and st.step == 1
     changed = (st.weight.detach() != before).any(1).nonzero().squeeze(1)
     assert changed.tolist() == [0, 1, 5, 9]
+
+
+@pytest.mark.parametrize("rows", [1, 64, 65, 1000, 5000])
+def test_distinct_rows_by_a_bit_a_row_equal_torch_unique(rows):
+    """Distinct row numbers, each id's place among them and each row's first id, without a sort:
+    what ``torch.unique(return_inverse=True)`` and a scatter of first positions give; None where
+    the rows are too many for the ids, an id is out of range, or there are none."""
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, rows, (300,), generator=g)
+    uniq, inverse, first = cpu_fused.distinct_rows(ids, rows)
+    want, where = torch.unique(ids, return_inverse=True)
+    assert torch.equal(uniq, want) and torch.equal(inverse, where)
+    assert torch.equal(first, torch.full_like(want, 300).scatter_reduce_(0, where, torch.arange(300), "amin"))
+    assert cpu_fused.distinct_rows(torch.tensor([0, rows]), rows) is None  # (out of range)
+    assert cpu_fused.distinct_rows(torch.tensor([-1]), rows) is None
+    assert cpu_fused.distinct_rows(torch.zeros(0, dtype=torch.int64), rows) is None
+    assert cpu_fused.distinct_rows(torch.tensor([3]), 64 * 1024 + 1) is None  # (a bit a row past the ids' bytes)

@@ -593,19 +593,55 @@ def mark_rows(ids, rows, lo, hi, bits):  # pragma: no cover (compiled)
     return -1
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _popcount(w):  # pragma: no cover (compiled)
+    """The set bits of the uint64 ``w``."""
+    w = w - ((w >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    w = (w & np.uint64(0x3333333333333333)) + ((w >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    w = (w + (w >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((w * np.uint64(0x0101010101010101)) >> np.uint64(56))
+
+
 @njit(nogil=True, cache=True)
 def count_marked(bits, lo, hi):  # pragma: no cover (compiled)
     """The rows marked in any of ``bits`` (T, W) (each thread's marks), words ``lo:hi``."""
     c = 0
-    m1, m2, m4 = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333), np.uint64(0x0F0F0F0F0F0F0F0F)
     for j in range(lo, hi):
         w = bits[0, j]
         for t in range(1, bits.shape[0]):
             w |= bits[t, j]
-        w = w - ((w >> np.uint64(1)) & m1)
-        w = (w & m2) + ((w >> np.uint64(2)) & m2)
-        w = (w + (w >> np.uint64(4))) & m4
-        c += (w * np.uint64(0x0101010101010101)) >> np.uint64(56)
+        c += _popcount(w)
+    return c
+
+
+@njit(nogil=True, cache=True)
+def distinct_rows(ids, nrows, bits, base, uniq, inverse, first):  # pragma: no cover (compiled)
+    """``torch.unique(ids, return_inverse=True)`` of row numbers ``0 .. nrows - 1`` without a sort: a
+    bit a row marked (``bits``: (nrows + 63) // 64 zeros), the marked rows ascending into ``uniq``
+    (``base[w]``: the distinct rows before word w), each id's place among them into ``inverse`` by
+    the bits below its own, each distinct row's first id into ``first``. Returns their number, or
+    -1 - i for the first id i out of range (nothing usable then)."""
+    one = np.uint64(1)
+    n = ids.shape[0]
+    for i in range(n):
+        r = ids[i]
+        if r < 0 or r >= nrows:
+            return -1 - i
+        bits[r >> 6] |= one << np.uint64(r & 63)
+    c = 0
+    for w in range(bits.shape[0]):
+        base[w] = c
+        x = bits[w]
+        while x != 0:
+            uniq[c] = (w << 6) + _trailing_zeros(x)
+            x &= x - one
+            c += 1
+    for i in range(n):
+        r = ids[i]
+        w = r >> 6
+        inverse[i] = base[w] + _popcount(bits[w] & ((one << np.uint64(r & 63)) - one))
+    for i in range(n - 1, -1, -1):
+        first[inverse[i]] = i
     return c
 
 

@@ -61,6 +61,7 @@ __all__ = [
     "merge_rows",
     "parts_ready",
     "apply_parts",
+    "distinct_rows",
 ]
 
 _log = get_logger("hybridembed.kernels")
@@ -89,6 +90,8 @@ _DIRECT_WALK_IDS = 8
 # distinct rows are counted (a bit a row) only where the batch has an id for at most _MARKED_ROWS rows
 _GROUPED_SGD_REPEATS = 2.0
 _MARKED_ROWS = 64
+# distinct_rows marks a bit a row where the rows are at most this many an id (its bits at most the ids' own bytes)
+_DISTINCT_ROWS = 64
 
 
 @functools.cache
@@ -753,3 +756,24 @@ def apply_parts(storage, ready: tuple, divisor: float, hp: dict) -> torch.Tensor
         ]
     )
     return torch.cat([torch.from_numpy(out[p : p + n]) for p, n in zip(at, counts)])
+
+
+def distinct_rows(ids: torch.Tensor, nrows: int) -> tuple | None:
+    """``torch.unique(ids, return_inverse=True)`` of row numbers ``0 .. nrows - 1``, and each distinct
+    row's first id: (rows ascending (U,), each id's place among them (N,), each row's first position
+    in ``ids`` (U,)), by a bit a row (:func:`._numba_kernels.distinct_rows`: no sort; 106k power-law
+    ids of 2.6M rows, one thread: 0.9 against 2.0 ms). None where it does not run (no Numba, ids not
+    on the host, more than :data:`_DISTINCT_ROWS` rows an id, an id out of range): the caller sorts."""
+    n = ids.numel()
+    if n == 0 or ids.device.type != "cpu" or nrows > _DISTINCT_ROWS * max(n, 1024) or not available():
+        return None
+    from . import _numba_kernels as K
+
+    words, most = (nrows + 63) >> 6, min(n, nrows)
+    uniq, inverse, first = np.empty(most, np.int64), np.empty(n, np.int64), np.empty(most, np.int64)
+    c = K.distinct_rows(
+        _int64s(ids), nrows, np.zeros(words, np.uint64), np.empty(words, np.int64), uniq, inverse, first
+    )
+    if c < 0:
+        return None
+    return torch.from_numpy(uniq[:c]), torch.from_numpy(inverse), torch.from_numpy(first[:c])

@@ -35,6 +35,7 @@ from .. import init as _init
 from ..config import TableConfig
 from ..errors import HybridEmbedError
 from ..input import Jagged
+from ..kernels import cpu_fused
 from ..modules import EmbeddingCollection
 from ..storage import RowStorage
 from ..storage.protocol import LookupPlan
@@ -104,9 +105,13 @@ class RemoteStorage(RowStorage):
         else:
             tabs = torch.repeat_interleave(torch.tensor(tables, dtype=torch.int64), torch.tensor(counts), output_size=n)
         keys = ids if not self.keyed else ids ^ self._salt.index_select(0, tabs)
-        uniq, inv = torch.unique(keys, return_inverse=True)
+        got = None if self.keyed else cpu_fused.distinct_rows(keys, self.num_rows)  # (no sort)
+        if got is not None:
+            uniq, inv, first = got
+        else:
+            uniq, inv = torch.unique(keys, return_inverse=True)
+            first = torch.full((uniq.numel(),), n, dtype=torch.int64).scatter_reduce_(0, inv, torch.arange(n), "amin")
         u = uniq.numel()
-        first = torch.full((u,), n, dtype=torch.int64).scatter_reduce_(0, inv, torch.arange(n), "amin")
         utab = tabs.index_select(0, first)
         if self.keyed:
             uid = ids.index_select(0, first)
