@@ -248,14 +248,18 @@ def _prefetching(rank: int, world: int, wrong: bool) -> dict:
         return {}
     ec = unwrap(model).ec
     per = N // T
+    kept = []
     for s in range(K):
         x, y = _batch(s, rank * per, (rank + 1) * per)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
+        # (each group of a fused optimizer keeps its lookups' gradient for the fused step's reduction:
+        # no sparse gradient made; the SGD with momentum table's is made at once)
+        kept.append([bool(st._deferred) and st.weight.grad is None for st in ec.storages])
         if s + 1 < K:  # (before the step: sent now, answered once this step is applied)
             ec.prefetch(_batch(s + (2 if wrong else 1), rank * per, (rank + 1) * per)[0])
         opt.step()
-    return {"tables": _snapshot(model), "stats": ec.stats()}
+    return {"tables": _snapshot(model), "stats": ec.stats(), "kept": kept}
 
 
 @pytest.mark.parametrize("wrong", [False, True])
@@ -269,3 +273,4 @@ def test_prefetched_pulls_equal_one_process(wrong):
         groups = 6  # (every table has its own optimizer: one storage each)
         hits, misses = r["stats"]["prefetch_hits"], r["stats"]["prefetch_misses"]
         assert (hits, misses) == ((0, (K - 1) * groups) if wrong else ((K - 1) * groups, 0)), (hits, misses)
+        assert all(k == r["kept"][0] for k in r["kept"]) and sum(r["kept"][0]) == groups - 1, r["kept"]

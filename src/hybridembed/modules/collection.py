@@ -63,15 +63,16 @@ class _Feature:
 
 
 def _keeps(storage: RowStorage, psw, cdt) -> bool:
-    """The fused CPU step may keep this lookup's gradient (no per-id weights that need their own,
-    not a parameter server's rows, the table in its compute dtype)."""
-    return (psw is None or not psw.requires_grad) and not storage.remote and cdt == storage.weight.dtype
+    """The fused CPU step may keep this lookup's gradient (no per-id weights that need their own, the
+    table in its compute dtype). A parameter server's trainer keeps it too: its hook reduces the kept
+    gradient of the rows it pulled (``grad_rows``) and pushes the sums."""
+    return (psw is None or not psw.requires_grad) and cdt == storage.weight.dtype
 
 
 def _pool(storage: RowStorage, ids, offsets, psw, cdt, sink, segments=None, one_per_bag=False) -> torch.Tensor:
     """The group's kernel call (:func:`~hybridembed.kernels.pooled_lookup`): Triton kernels when the
-    storage's backend runs them on its device, the fused CPU step's lookup on the CPU (neither
-    for per-id weights that need a gradient of their own, nor a parameter server's rows), else
+    storage's backend runs them on its device (not for a parameter server's rows), the fused CPU
+    step's lookup on the CPU (neither for per-id weights that need a gradient of their own), else
     the eager ops."""
     keeps = (psw is None or not psw.requires_grad) and not storage.remote
     if keeps and uses_triton(storage.kernels, storage.weight):

@@ -114,7 +114,6 @@ def prepare(collection, requests, outs: Sequence[tuple], pieces: list[Any], othe
         and all(j.weights is None and collection._trusted(j) and j.values.numel() == b for j in js)
         and all(tuple(shape) == each and dtype == cdt for shape, dtype in outs)
         and not any(f in collection._features and collection._features[f].group == f0.group for f in others)
-        and not storage.remote  # (the fused step may keep the gradient: collection._keeps without weights)
         and cdt == storage.weight.dtype
         and cpu_fused.runs_on(storage.kernels, storage.weight)
     ):
