@@ -26,7 +26,9 @@ from numba import njit
 from hybridembed.utils import release_openmp_workers
 
 
-@njit(nogil=True, cache=True)
+@njit(
+    nogil=True
+)  # (not cached: a script loaded under another name (tests.bench.load_script) could not read its cache back)
 def _work(n):  # pragma: no cover (compiled)
     s = 0.0
     for i in range(n):
