@@ -26,9 +26,8 @@ from numba import njit
 from hybridembed.utils import release_openmp_workers
 
 
-@njit(
-    nogil=True
-)  # (not cached: a script loaded under another name (tests.bench.load_script) could not read its cache back)
+# (not cached: a script loaded under another name, as tests.bench.load_script loads it, cannot read its cache back)
+@njit(nogil=True)
 def _work(n):  # pragma: no cover (compiled)
     s = 0.0
     for i in range(n):
