@@ -169,3 +169,26 @@ def test_several_trainers_pushes_are_summed_as_the_rows_are_stepped(
         assert torch.equal(got[0], got[1])
     else:
         torch.testing.assert_close(got[0], got[1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("order", ["by table", "mixed"])
+def test_a_trainer_routes_every_pair_to_its_shard_whatever_the_order_of_tables(group, order):
+    """``Client.route``: distinct (table, id) pairs -> per server, per shard, the pairs' positions
+    and local ids; pairs that come grouped by table (a dense group's, ids ascending) are taken as
+    they lie, others are grouped first: every position once, each to its table's shard."""
+    from hybridembed.ps import client as ps_client
+    from hybridembed.ps.server import shard_index
+
+    ts = [he.TableConfig("a", 20, 4), he.TableConfig("b", 30, 4), he.TableConfig("c", 10, 4)]
+    sc = ShardedCollection(ts, plan=Plan(1, tuple(shard_table(t, "table_wise", (0,)) for t in ts)), seed=3)
+    cl = ps_client.Client({}, shard_index(sc), sc.routes(), torch.float32)
+    tabs = torch.tensor([0, 0, 0, 2, 2, 1, 1, 1, 1])
+    ids = torch.tensor([1, 4, 19, 0, 9, 3, 5, 7, 29])
+    if order == "mixed":
+        perm = torch.randperm(9, generator=torch.Generator().manual_seed(1))
+        tabs, ids = tabs[perm], ids[perm]
+    (items,) = cl.route(ids, tabs, [t.name for t in ts]).values()
+    seen = torch.cat([pos for _, pos, _ in items])
+    assert sorted(seen.tolist()) == list(range(9))
+    for ref, pos, local in items:
+        assert (tabs[pos] == [t.name for t in ts].index(ref.table)).all() and torch.equal(local, ids[pos])

@@ -77,7 +77,9 @@ class Client:
         out: dict[int, list] = {}
         if ids.numel() == 0:
             return out
-        order = torch.argsort(tabs, stable=True)
+        # (a dense group's distinct ids come ascending, so their tables too: no sort then)
+        grouped = tabs.numel() < 2 or bool((tabs[1:] >= tabs[:-1]).all())
+        order = torch.arange(tabs.numel()) if grouped else torch.argsort(tabs, stable=True)
         per = torch.bincount(tabs, minlength=len(names)).tolist()
         start = 0
         for t, n in enumerate(per):
