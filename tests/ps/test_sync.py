@@ -274,3 +274,60 @@ def test_prefetched_pulls_equal_one_process(wrong):
         hits, misses = r["stats"]["prefetch_hits"], r["stats"]["prefetch_misses"]
         assert (hits, misses) == ((0, (K - 1) * groups) if wrong else ((K - 1) * groups, 0)), (hits, misses)
         assert all(k == r["kept"][0] for k in r["kept"]) and sum(r["kept"][0]) == groups - 1, r["kept"]
+
+
+class OneHot(nn.Module):
+    """DLRM's pattern: one id a bag per table, the pooled rows and a dense part concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(13)
+        self.embs = nn.ModuleList(nn.EmbeddingBag(rows, 4, mode="sum") for rows in (30, 50, 20))
+        self.mlp = nn.Linear(16, 1)
+
+    def forward(self, ids: list[torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([e(x.unsqueeze(1)) for e, x in zip(self.embs, ids)] + [dense], 1)).squeeze(1)
+
+
+def _one_hot_batch(step: int, lo: int, hi: int):
+    g = torch.Generator().manual_seed(700 + step)
+    ids = [torch.randint(0, rows, (8,), generator=g)[lo:hi] for rows in (30, 50, 20)]
+    return ids, torch.randn(8, 4, generator=g)[lo:hi], torch.rand(8, generator=g)[lo:hi]
+
+
+def _one_hot_train(model: nn.Module, lo: int, hi: int) -> None:
+    opt = he.wrap_optimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
+    for s in range(4):
+        ids, dense, y = _one_hot_batch(s, lo, hi)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(ids, dense), y).backward()
+        opt.step()
+
+
+def _one_hot_job(rank: int, world: int) -> dict:
+    from hybridembed.modules import joined
+
+    model = he.distribute(OneHot(), servers=1, server_exit=False)
+    if model is None:
+        return {}
+    made, real = [], joined.prepare
+    joined.prepare = lambda *a: made.append(1) or real(*a)
+    per = 8 // T
+    _one_hot_train(model, rank * per, (rank + 1) * per)
+    ec = unwrap(model).hybridembed
+    out = {n: ec.gather_table(n) for n in ec.tables} | {"mlp": unwrap(model).mlp.weight.detach()}
+    return out | {"joined": len(made)}
+
+
+def test_a_trainer_s_cat_of_its_pulled_rows_is_made_by_the_lookup_and_equals_one_process():
+    """The trainers' ``torch.cat`` of one-hot pooled rows (and a dense part) is made by the lookup of
+    the rows pulled from the servers (a joined lookup, its gradient kept): 4 synchronous steps of 2
+    trainers equal one process on the whole batches."""
+    ref = he.convert(OneHot())  # (one process: the reference)
+    _one_hot_train(ref, 0, 8)
+    for got in spawn(_one_hot_job, T + 1, timeout=240)[:T]:
+        assert got["joined"] == 4  # (one joined lookup a step)
+        for k in range(3):
+            want = ref.hybridembed.weight(f"embs__{k}")
+            torch.testing.assert_close(got[f"embs__{k}"], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["mlp"], ref.mlp.weight.detach(), atol=1e-5, rtol=1e-5)

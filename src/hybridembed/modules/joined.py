@@ -202,7 +202,13 @@ class Made:
         if self.out._version == self.version:
             return _rows(self.out)[:, a:b].clone().view(shape)
         st = self.storage
-        if st is not None and st.step == self.step and st.weight._version == self.wversion and not st.keyed:
+        if (  # (a parameter server's pulled rows are not kept: never looked up again)
+            st is not None
+            and st.step == self.step
+            and st.weight._version == self.wversion
+            and not st.keyed
+            and not st.remote
+        ):
             ids = self.ids[:, self.column[i]].contiguous()
             with torch.set_grad_enabled(self.grad):
                 return cpu_fused.pooled_lookup(st, ids, _ones(ids), None, True).view(shape)

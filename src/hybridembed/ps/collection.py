@@ -178,6 +178,11 @@ class PSCollection(ShardedTables, SparseStepHook, CheckpointParticipant):
     def _lookup_many(self, requests, train, checked: bool) -> list:
         return self.remote._lookup_many(requests, train, checked)
 
+    def _lookup_joined(self, requests, outs, pieces, train: bool, others=()) -> tuple | None:
+        """A converted model's ``torch.cat`` of its embedding outputs made by the lookup (the pulled
+        rows pooled straight into it), or None: :mod:`hybridembed.modules.joined`."""
+        return self.remote._lookup_joined(requests, outs, pieces, train, others)
+
     def _request_input(self, feature: str, ids: Jagged):
         return self.remote._request_input(feature, ids)
 
