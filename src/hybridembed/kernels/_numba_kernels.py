@@ -420,6 +420,19 @@ def bucket_rows(
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _step_row(opt, weight, s1, s2, row, g, ms, hp):  # pragma: no cover (compiled)
+    """One row stepped by optimizer ``opt`` (the code of :data:`ROW_KERNELS`) with its gradient ``g``."""
+    if opt == 0:
+        _sgd(weight, s1, s2, row, g, ms, hp)
+    elif opt == 1:
+        _adagrad(weight, s1, s2, row, g, ms, hp)
+    elif opt == 2:
+        _rowwise(weight, s1, s2, row, g, ms, hp)
+    else:
+        _adam(weight, s1, s2, row, g, ms, hp)
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _step_marked(rows, m, base, acc, weight, s1, s2, opt, hp, maximize, skip_zero):  # pragma: no cover (compiled)
     """Rows ``base + rows[:m]`` (ascending) stepped by optimizer ``opt`` with their sums ``acc[rows[q]]``
     (times ``scale``; used up: the step's gradient is made in place), the next rows' row and state
@@ -437,14 +450,7 @@ def _step_marked(rows, m, base, acc, weight, s1, s2, opt, hp, maximize, skip_zer
             continue
         g = acc[k]
         _row_grad(g, weight, row, k, acc, hp, maximize)
-        if opt == 0:
-            _sgd(weight, s1, s2, row, g, ms, hp)
-        elif opt == 1:
-            _adagrad(weight, s1, s2, row, g, ms, hp)
-        elif opt == 2:
-            _rowwise(weight, s1, s2, row, g, ms, hp)
-        else:
-            _adam(weight, s1, s2, row, g, ms, hp)
+        _step_row(opt, weight, s1, s2, row, g, ms, hp)
 
 
 @njit(nogil=True, cache=True)
@@ -722,14 +728,7 @@ def merged_step(
         out_ids[u] = row
         u += 1
         _row_grad(g, weight, row, 0, acc, hp, maximize)
-        if opt == 0:
-            _sgd(weight, s1, s2, row, g, ms, hp)
-        elif opt == 1:
-            _adagrad(weight, s1, s2, row, g, ms, hp)
-        elif opt == 2:
-            _rowwise(weight, s1, s2, row, g, ms, hp)
-        else:
-            _adam(weight, s1, s2, row, g, ms, hp)
+        _step_row(opt, weight, s1, s2, row, g, ms, hp)
     return u - at
 
 
