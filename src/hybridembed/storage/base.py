@@ -344,7 +344,8 @@ class RowStorage(nn.Module):
     @torch.no_grad()
     def apply_parts(self, parts, hparams: dict) -> None:
         """One optimizer step from several parts' reduced gradients (:class:`~hybridembed.optim.hooks.RowParts`:
-        a replicated table's, one part per rank). The fused CPU step reads each part's rows where they
+        a replicated table's, one part per rank; a parameter server's pushes, one part per trainer).
+        The fused CPU step reads each part's rows where they
         lie and sums them as it steps the rows, where every row is updatable and :meth:`apply_gradient`
         is this class's (:func:`hybridembed.kernels.cpu_fused.apply_parts`: the same bits as the sums
         applied); otherwise the sums are made and applied."""
