@@ -1,10 +1,11 @@
 """A job's process tree from ``/proc`` (test and benchmark helper): the children and descendants of
 a process, its command line, the ranks a ``train --max-restarts`` command forked, and killing a
-whole tree (what a test started never outlives it)."""
+whole tree (what a test started never outlives it); a gloo process group of this process alone."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -76,3 +77,17 @@ def a_forked_child_ends(failing: bool = False) -> None:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     raise AssertionError(f"a child forked by pid {os.getpid()} did not end within 20 s of its exit handlers")
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """The default gloo process group of this process alone (rank 0 of 1, a port from the OS), destroyed after."""
+    import torch.distributed as dist
+
+    from hybridembed.launch import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

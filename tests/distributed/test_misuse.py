@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import Plan, Shard, ShardedCollection, TablePlan, make_plan, shard_table
-from hybridembed.launch import free_port
+from tests.procs import world_of_one
 
 
 @pytest.fixture
 def world1():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
+    with world_of_one():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 T = [he.TableConfig("a", 100, 8), he.TableConfig("b", 50, 4, combiner="mean")]

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hybridembed as he
 from hybridembed.distributed import Plan, ShardedCollection, shard_table
-from hybridembed.launch import free_port
 from hybridembed.ps import TableServer, wire
 from hybridembed.ps.wire import Message
+from tests.procs import world_of_one
 
 TRAINER = 1  # (a rank number only: handle() takes requests without a transport)
 LR = 0.5
@@ -21,33 +20,26 @@ LR = 0.5
 
 @pytest.fixture
 def group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
+    with world_of_one():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
-def server():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        t = he.TableConfig("a", 10, 4)
-        sc = ShardedCollection([t], plan=Plan(1, (shard_table(t, "table_wise", (0,)),)), seed=3)
-        srv = TableServer(sc, [TRAINER])
-        attach = Message(
-            wire.ATTACH,
-            1,
-            0,
-            torch.zeros(0, dtype=torch.int64),
-            None,
-            {"group": 0, "optimizer": "SGD", "hparams": {"lr": LR}},
-        )
-        (reply,), _ = srv.handle(TRAINER, *wire.pack(attach))
-        assert reply[1].op == wire.OK
-        yield srv
-    finally:
-        dist.destroy_process_group()
+def server(group):
+    t = he.TableConfig("a", 10, 4)
+    sc = ShardedCollection([t], plan=Plan(1, (shard_table(t, "table_wise", (0,)),)), seed=3)
+    srv = TableServer(sc, [TRAINER])
+    attach = Message(
+        wire.ATTACH,
+        1,
+        0,
+        torch.zeros(0, dtype=torch.int64),
+        None,
+        {"group": 0, "optimizer": "SGD", "hparams": {"lr": LR}},
+    )
+    (reply,), _ = srv.handle(TRAINER, *wire.pack(attach))
+    assert reply[1].op == wire.OK
+    return srv
 
 
 def _push(srv: TableServer, ids: list[int], grads: torch.Tensor, step: int = 0):

@@ -12,16 +12,15 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import hybridembed as he
 from hybridembed.distributed import ShardedCollection
-from hybridembed.launch import free_port
 from hybridembed.ps import TableServer, ps_plan, wire
 from hybridembed.ps.payload import PullItem, PullRequest, PushItem, PushRequest
 from hybridembed.ps.server import ShardRef
 from hybridembed.ps.wire import Message, WireError
+from tests.procs import world_of_one
 
 TRAINER = 5  # a fake trainer rank (the server is rank 0 of a world of 1)
 LIMIT = 1 << 16
@@ -35,11 +34,8 @@ HP = {"lr": 0.1, "lr_decay": 0, "weight_decay": 0, "initial_accumulator_value": 
 
 @pytest.fixture(scope="module")
 def world1():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
+    with world_of_one():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _server(mode: str = "sync") -> TableServer:
